@@ -1,0 +1,407 @@
+"""The reference engine's generate loops (batch 1; host-side control flow is fine here).
+
+- `generate`: DDTree. One round = the paper's five steps, one call each:
+  draft -> build tree -> verify -> accept -> commit.
+- `generate_chain`: chain DFlash, which is the same loop with topk=1 and budget=B-1.
+- `generate_plain`: the target model alone with its ordinary cache, the ground truth.
+
+All three share one sampling rule (`sglang_ddtree.tree.sample_target_tokens`): greedy at
+temperature 0, else one sample per position after temperature / top-k / top-p.
+Token bookkeeping follows base.py: the first bonus comes from the last prompt position; each
+round's root is the previous bonus; a round emits its accepted draft tokens then a new bonus.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from sglang_ddtree.reference.base import DraftRunner, TargetRunner
+from sglang_ddtree.tree import (
+    AcceptResult,
+    DraftTree,
+    accept_walk,
+    build_tree,
+    sample_target_tokens,
+    topk_logprobs_from_logits,
+    tree_capacity,
+)
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]  # generated ids (prompt excluded), at most max_new_tokens, ends at eos if hit
+    accept_lengths: list[int]  # per round: tokens emitted that round = num_accepted + 1
+    rounds: int
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per step, summed
+
+    @property
+    def mean_accept_length(self) -> float:
+        return sum(self.accept_lengths) / max(len(self.accept_lengths), 1)
+
+
+class RoundTrace(NamedTuple):
+    """What one DDTree round saw, for tests and tools (passed to `on_round`)."""
+
+    topk_ids: torch.Tensor  # [1, L, K] int64 draft candidates per position, rank 0 first
+    tree: DraftTree  # [1, N] nodes
+    target_tokens: torch.Tensor  # [1, N] int64 target token per node
+    accept: AcceptResult
+    committed_len: int  # the root's position
+
+
+class Sampler:
+    """The target's token rule for any [n, V] logits: greedy at T=0, else seeded sampling."""
+
+    def __init__(
+        self,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
+            raise ValueError(
+                f"need temperature >= 0, 0 < top_p <= 1, top_k >= 0; got temperature={temperature}, "
+                f"top_p={top_p}, top_k={top_k}"
+            )
+        self.temperature = torch.tensor([temperature], dtype=torch.float32, device=device)
+        self.top_p = torch.tensor([top_p], dtype=torch.float32, device=device)
+        self.top_k = torch.tensor([top_k], dtype=torch.int64, device=device)
+        self.generator = None
+        if seed is not None:
+            self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [n, V] -> [n] int64, one independent token per row."""
+        tokens = sample_target_tokens(
+            logits.float()[None], self.temperature, self.top_p, self.top_k, self.generator
+        )
+        return tokens[0]
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _max_positions(target: object) -> int | None:
+    limit = getattr(target, "max_position_embeddings", None)
+    model = getattr(target, "model", None)
+    if limit is None and model is not None and hasattr(model, "config"):
+        limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    return limit
+
+
+def check_generation_args(
+    target: TargetRunner,
+    drafter: DraftRunner | None,
+    prompt_len: int,
+    max_new_tokens: int,
+    *,
+    budget: int | None = None,
+    topk: int | None = None,
+) -> None:
+    """Raise ValueError naming the values for any setting the loops cannot run with."""
+    if prompt_len < 1:
+        raise ValueError(f"prompt is empty ({prompt_len} tokens); give at least one token")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    limit = _max_positions(target)
+    if limit is not None and prompt_len + max_new_tokens > limit:
+        raise ValueError(
+            f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = "
+            f"{prompt_len + max_new_tokens} exceeds the target's max_position_embeddings={limit}"
+        )
+    if drafter is None:
+        return
+    block_size = drafter.block_size
+    if block_size < 2:
+        raise ValueError(f"draft block_size must be >= 2 (bonus + masks), got {block_size}")
+    if budget is None or budget < 1:
+        raise ValueError(f"budget must be >= 1 draft nodes, got {budget}")
+    if topk is None or not 1 <= topk <= target.vocab_size:
+        raise ValueError(f"topk must be in [1, vocab_size={target.vocab_size}], got {topk}")
+    capacity = tree_capacity(topk, block_size - 1)
+    if budget > capacity:
+        raise ValueError(
+            f"budget={budget} exceeds what topk={topk} and depth {block_size - 1} "
+            f"(block_size={block_size}) can hold: at most {capacity} nodes; lower the budget "
+            "or raise topk"
+        )
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+@contextmanager
+def _clock(timings: dict[str, float], step: str) -> Iterator[None]:
+    start = time.perf_counter()
+    yield
+    timings[step] = timings.get(step, 0.0) + time.perf_counter() - start
+
+
+def _eos_set(eos_token_id: int | Sequence[int] | None) -> set[int]:
+    if eos_token_id is None:
+        return set()
+    if isinstance(eos_token_id, int):
+        return {eos_token_id}
+    return set(eos_token_id)
+
+
+def _emit(out: list[int], new: list[int], max_new_tokens: int, eos: set[int]) -> bool:
+    """Append `new` to `out`, truncating at max_new_tokens or after an eos; True when done."""
+    for token in new:
+        out.append(token)
+        if token in eos or len(out) >= max_new_tokens:
+            return True
+    return False
+
+
+def _as_prompt(prompt_ids: torch.Tensor | Sequence[int], device: torch.device) -> torch.Tensor:
+    return torch.as_tensor(prompt_ids, dtype=torch.long, device=device).reshape(-1)  # [T]
+
+
+def _device_of(target: object) -> torch.device:
+    model = getattr(target, "model", target)
+    return next(model.parameters()).device
+
+
+def _committed(target: TargetRunner, drafter: DraftRunner, ids: torch.Tensor, taps: torch.Tensor):
+    """Tell the drafter about newly committed tokens: their target taps, and their ids if it
+    wants them (the OracleDrafter does; DFlash needs only the taps)."""
+    drafter.append_context(taps)
+    observe = getattr(drafter, "observe", None)
+    if observe is not None:
+        observe(ids)
+
+
+# ----------------------------------------------------------------------------- DDTree
+
+
+@torch.no_grad()
+def generate(
+    target: TargetRunner,
+    drafter: DraftRunner,
+    prompt_ids: torch.Tensor | Sequence[int],
+    max_new_tokens: int,
+    *,
+    budget: int,
+    topk: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
+    on_round: Callable[[RoundTrace], None] | None = None,
+) -> GenerationResult:
+    """DDTree speculative decoding; the output is distributed exactly as `generate_plain`'s."""
+    device = _device_of(target)
+    prompt = _as_prompt(prompt_ids, device)  # [T]
+    check_generation_args(target, drafter, prompt.numel(), max_new_tokens, budget=budget, topk=topk)
+    sampler = Sampler(temperature, top_p, top_k, seed, device)
+    eos, timings = _eos_set(eos_token_id), {}
+    depth = drafter.block_size - 1  # L
+
+    with _clock(timings, "prefill"):
+        logits, taps = target.prefill(prompt)  # [T, V], [T, n_taps * H]
+        _committed(target, drafter, prompt, taps)
+        root = int(sampler(logits[-1:])[0])
+    tokens: list[int] = []
+    accept_lengths: list[int] = []
+    done = _emit(tokens, [root], max_new_tokens, eos)
+    while not done:
+        position = target.committed_len
+        with _clock(timings, "draft"):
+            draft_logits = drafter.draft_logits(root, position)  # [L, V]
+            topk_ids, topk_lps = topk_logprobs_from_logits(draft_logits[None].float(), topk)
+        with _clock(timings, "build"):
+            roots = torch.tensor([root], dtype=torch.long, device=topk_ids.device)  # [1]
+            tree = build_tree(roots, topk_ids, topk_lps, budget)  # [1, N] fields
+        with _clock(timings, "verify"):
+            node_logits, node_taps = target.verify(
+                tree.tokens[0], tree.parents[0], tree.depth[0], tree.visibility[0]
+            )  # [N, V], [N, n_taps * H]
+        with _clock(timings, "accept"):
+            target_tokens = sampler(node_logits)[None]  # [1, N]
+            accept = accept_walk(tree, target_tokens, depth)
+        with _clock(timings, "commit"):
+            num_accepted = int(accept.num_accepted[0])
+            path = accept.path[0, : num_accepted + 1]  # [a + 1] node indices, root first
+            target.commit(path)
+            _committed(target, drafter, tree.tokens[0, path], node_taps[path])
+        if on_round is not None:
+            on_round(RoundTrace(topk_ids, tree, target_tokens, accept, position))
+        emitted = accept.emitted[0, : num_accepted + 1].tolist()
+        accept_lengths.append(num_accepted + 1)
+        root = emitted[-1]
+        done = _emit(tokens, emitted, max_new_tokens, eos)
+    return GenerationResult(tokens, accept_lengths, len(accept_lengths), timings)
+
+
+def generate_chain(
+    target: TargetRunner,
+    drafter: DraftRunner,
+    prompt_ids: torch.Tensor | Sequence[int],
+    max_new_tokens: int,
+    **kwargs,
+) -> GenerationResult:
+    """Chain DFlash: the DDTree loop with topk=1 and budget=B-1 (the argmax chain, verified as
+    a path; the tree module tests that this tree is exactly the chain)."""
+    return generate(
+        target, drafter, prompt_ids, max_new_tokens, budget=drafter.block_size - 1, topk=1, **kwargs
+    )
+
+
+# ----------------------------------------------------------------------------- ground truth
+
+
+def _plain_model(target: nn.Module | TargetRunner) -> nn.Module:
+    """The HF causal LM behind a runner (or the model itself)."""
+    if isinstance(target, nn.Module) and hasattr(target, "lm_head"):
+        return target
+    return target.model
+
+
+@torch.no_grad()
+def generate_plain(
+    target: nn.Module | TargetRunner,
+    prompt_ids: torch.Tensor | Sequence[int],
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
+) -> GenerationResult:
+    """Token-by-token decoding with the target model's own transformers cache (no speculation).
+
+    `target` is the HF model or a runner holding it as `.model`; the runner's own state is not
+    touched. Each step is one emitted token (accept_lengths are all 1).
+    """
+    model = _plain_model(target)
+    device = next(model.parameters()).device
+    prompt = _as_prompt(prompt_ids, device)  # [T]
+    check_generation_args(model_limits(model), None, prompt.numel(), max_new_tokens)
+    sampler = Sampler(temperature, top_p, top_k, seed, device)
+    eos, timings = _eos_set(eos_token_id), {}
+    tokens: list[int] = []
+    input_ids, cache, done = prompt[None], None, False  # [1, T]
+    with _clock(timings, "decode"):
+        while not done:
+            start = prompt.numel() + len(tokens) - input_ids.shape[1]
+            positions = torch.arange(start, start + input_ids.shape[1], device=device)[None]
+            out = model(
+                input_ids=input_ids,
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            cache = out.past_key_values
+            token = int(sampler(out.logits[0, -1:])[0])
+            done = _emit(tokens, [token], max_new_tokens, eos)
+            input_ids = torch.tensor([[token]], device=device)  # [1, 1]
+    return GenerationResult(tokens, [1] * len(tokens), len(tokens), timings)
+
+
+class _ModelLimits(NamedTuple):
+    vocab_size: int
+    max_position_embeddings: int | None
+
+
+def model_limits(model: nn.Module) -> _ModelLimits:
+    """vocab size and context length of an HF model (text config for multimodal ones)."""
+    config = model.config.get_text_config()
+    return _ModelLimits(config.vocab_size, getattr(config, "max_position_embeddings", None))
+
+
+# ----------------------------------------------------------------------------- loading
+
+_TARGET_CLASSES = {  # config `architectures` -> transformers class name
+    "Qwen3ForCausalLM": "Qwen3ForCausalLM",
+    "Qwen3_5ForConditionalGeneration": "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5ForCausalLM": "Qwen3_5ForCausalLM",
+}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _read_config(model_dir: str | Path, what: str) -> dict:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{what} directory {str(model_dir)!r} has no config.json")
+    return json.loads(path.read_text())
+
+
+def _load_target_model(target_dir: str | Path, dtype: torch.dtype, device: str) -> nn.Module:
+    import transformers
+
+    architectures = _read_config(target_dir, "target").get("architectures") or []
+    known = [a for a in architectures if a in _TARGET_CLASSES]
+    if not known:
+        raise ValueError(
+            f"target architectures {architectures} not supported; expected one of "
+            f"{sorted(_TARGET_CLASSES)}"
+        )
+    cls = getattr(transformers, _TARGET_CLASSES[known[0]])
+    model = cls.from_pretrained(
+        str(target_dir), dtype=dtype, attn_implementation="sdpa", local_files_only=True
+    )
+    return model.to(device).eval()
+
+
+def check_draft_config(draft_config: dict, target_model: nn.Module) -> None:
+    """Draft/target mismatches a DFlash checkpoint can have, as ValueErrors naming the values."""
+    text = target_model.config.get_text_config()
+    dflash = draft_config.get("dflash_config") or {}
+    for key in ("vocab_size", "hidden_size"):
+        draft_value, target_value = draft_config.get(key), getattr(text, key)
+        if draft_value is not None and draft_value != target_value:
+            raise ValueError(
+                f"draft {key}={draft_value} does not match the target's {key}={target_value}"
+            )
+    block_size = dflash.get("block_size", draft_config.get("block_size"))
+    if block_size is not None and block_size < 2:
+        raise ValueError(f"draft block_size must be >= 2 (bonus + masks), got {block_size}")
+    mask_id = dflash.get("mask_token_id")
+    if mask_id is None or not 0 <= mask_id < text.vocab_size:
+        raise ValueError(
+            f"draft dflash_config.mask_token_id={mask_id} is missing or outside the target "
+            f"vocabulary [0, {text.vocab_size})"
+        )
+
+
+def load_pair(
+    target_dir: str | Path,
+    draft_dir: str | Path,
+    dtype: torch.dtype | str = torch.float32,
+    device: str = "cpu",
+) -> tuple[TargetRunner, DraftRunner, object]:
+    """-> (HFTargetRunner, DFlashDraftRunner bound to the target's embeddings and lm_head,
+    tokenizer). The taps are the draft's dflash_config.target_layer_ids."""
+    from transformers import AutoTokenizer
+
+    from sglang_ddtree.reference.dflash import DFlashDraftRunner
+    from sglang_ddtree.reference.target import HFTargetRunner
+
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        dtype = _DTYPES[dtype]
+    draft_config = _read_config(draft_dir, "draft")
+    model = _load_target_model(target_dir, dtype, device)
+    check_draft_config(draft_config, model)
+    drafter = DFlashDraftRunner(
+        str(draft_dir), model.get_input_embeddings(), model.get_output_embeddings(), dtype, device
+    )
+    target = HFTargetRunner(model, list(drafter.target_layer_ids))
+    tokenizer = AutoTokenizer.from_pretrained(str(target_dir), local_files_only=True)
+    return target, drafter, tokenizer
