@@ -1,0 +1,126 @@
+"""DDTree settings: one frozen dataclass, validated once, with errors that name the flag and the fix.
+
+DDTREE reuses SGLang's speculative flags (no new CLI flags):
+
+  --speculative-draft-model-path       a DFlash draft checkpoint (required)
+  --speculative-dflash-block-size B    DFlash block size; default: the draft config's block_size
+  --speculative-num-draft-tokens N     tree node budget *including the root* = target verify
+                                       width; default 2 * B (32 for the z-lab drafters)
+  --speculative-eagle-topk K           candidates per draft position = max children per node;
+                                       default 8; must be >= 2 (SGLang's tree verify through
+                                       Gated DeltaNet layers only engages for topk > 1)
+
+The tree has N - 1 draft nodes and depth at most B - 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+DEFAULT_TOPK = 8
+DEFAULT_BUDGET_PER_BLOCK = 2  # N = 2 * B unless given
+MAX_NUM_NODES = 1024  # SGLang's tree kernels index nodes with small ints
+DEFAULT_MAX_RUNNING_REQUESTS = 16  # GDN scratch grows with N x running requests
+
+
+class DDTreeConfigError(ValueError):
+    """A DDTREE server flag is missing, out of range or incompatible; the message names the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DDTreeConfig:
+    block_size: int  # B: DFlash block, the draft proposes B - 1 positions
+    num_nodes: int  # N: verify width, root included
+    topk: int  # K: candidates per position
+
+    @property
+    def budget(self) -> int:
+        """Draft nodes per tree (root excluded), the paper's node budget."""
+        return self.num_nodes - 1
+
+    @property
+    def max_depth(self) -> int:
+        return self.block_size - 1
+
+    @classmethod
+    def resolve(
+        cls,
+        *,
+        block_size: int | None,
+        draft_block_size: int | None,
+        num_draft_tokens: int | None,
+        topk: int | None,
+        vocab_size: int | None = None,
+    ) -> DDTreeConfig:
+        """Fill defaults and validate. `draft_block_size` is what the draft config says."""
+        B = _positive_int(block_size, "--speculative-dflash-block-size")
+        if B is None:
+            B = draft_block_size if draft_block_size is not None else 16
+        if B < 2:
+            raise DDTreeConfigError(
+                f"DDTREE needs a DFlash block size >= 2 (the draft proposes B - 1 tokens), got "
+                f"B={B}; pass --speculative-dflash-block-size 16 or fix the draft config."
+            )
+        if draft_block_size is not None and B != draft_block_size:
+            raise DDTreeConfigError(
+                f"--speculative-dflash-block-size {B} differs from the draft checkpoint's "
+                f"block_size {draft_block_size}; a DFlash draft is trained for one block size. "
+                f"Drop the flag or pass {draft_block_size}."
+            )
+        K = _positive_int(topk, "--speculative-eagle-topk")
+        K = DEFAULT_TOPK if K is None else K
+        if K < 2:
+            raise DDTreeConfigError(
+                f"DDTREE needs --speculative-eagle-topk >= 2, got {K}. SGLang verifies trees "
+                f"through Gated DeltaNet layers only when topk > 1; for a chain use "
+                f"--speculative-algorithm DFLASH."
+            )
+        if vocab_size is not None and K > vocab_size:
+            raise DDTreeConfigError(
+                f"--speculative-eagle-topk {K} exceeds the vocabulary size {vocab_size}."
+            )
+        N = _positive_int(num_draft_tokens, "--speculative-num-draft-tokens")
+        N = DEFAULT_BUDGET_PER_BLOCK * B if N is None else N
+        if N < B:
+            raise DDTreeConfigError(
+                f"DDTREE needs --speculative-num-draft-tokens (tree nodes incl. the root) >= the "
+                f"DFlash block size: got N={N} < B={B}. Use N >= {B}, e.g. {2 * B}."
+            )
+        if N > MAX_NUM_NODES:
+            raise DDTreeConfigError(
+                f"--speculative-num-draft-tokens {N} exceeds the largest supported tree "
+                f"({MAX_NUM_NODES} nodes)."
+            )
+        capacity = _tree_capacity(K, B - 1, cap=N)
+        if N - 1 > capacity:
+            raise DDTreeConfigError(
+                f"A tree of depth <= {B - 1} with {K} candidates per position holds at most "
+                f"{capacity} draft nodes, but --speculative-num-draft-tokens {N} asks for {N - 1}. "
+                f"Raise --speculative-eagle-topk or lower --speculative-num-draft-tokens."
+            )
+        return cls(block_size=B, num_nodes=N, topk=K)
+
+
+def _tree_capacity(topk: int, max_depth: int, cap: int) -> int:
+    """Number of distinct rank prefixes of length 1..max_depth, saturated at `cap`."""
+    total, level = 0, 1
+    for _ in range(max_depth):
+        level *= topk
+        total += level
+        if total >= cap:
+            return cap
+    return total
+
+
+def _positive_int(value: object, flag: str) -> int | None:
+    if value is None:
+        return None
+    try:
+        as_int = int(value)
+    except (TypeError, ValueError):
+        raise DDTreeConfigError(f"{flag} must be an integer, got {value!r}.") from None
+    if as_int != value and not isinstance(value, str):
+        raise DDTreeConfigError(f"{flag} must be an integer, got {value!r}.")
+    if as_int < 1:
+        raise DDTreeConfigError(f"{flag} must be >= 1, got {as_int}.")
+    return as_int

@@ -1,0 +1,82 @@
+"""Everything that depends on the exact SGLang release, in one place.
+
+Supported: sglang 0.5.17 (torch 2.11, FlashInfer 0.6.15.post1, sglang-kernel 0.4.5). To add a
+release, read the call sites listed here against its source, then extend SUPPORTED.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from typing import Any
+
+SUPPORTED = ("0.5.17",)
+
+# Runtime hook targets (see hooks.py for why each exists).
+TARGET_GRAPH_SPEC_INFO = (
+    "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.get_spec_info"
+)
+DUMMY_VERIFY_INPUT = "sglang.srt.speculative.spec_info.create_dummy_verify_input"
+DFLASH_REQUEST_VALIDATOR = "sglang.srt.speculative.dflash_utils.validate_dflash_request"
+
+
+class UnsupportedSGLangVersion(RuntimeError):
+    pass
+
+
+def installed_sglang_version() -> str | None:
+    try:
+        return importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def check_sglang_version(version: str | None = None) -> str:
+    """Return the installed version, or raise with the fix if it is not supported."""
+    version = installed_sglang_version() if version is None else version
+    if version is None:
+        raise UnsupportedSGLangVersion(
+            "sglang_ddtree needs sglang installed: pip install 'sglang-ddtree[serve]' "
+            f"(brings sglang=={SUPPORTED[-1]})."
+        )
+    if version not in SUPPORTED:
+        raise UnsupportedSGLangVersion(
+            f"sglang_ddtree supports sglang {', '.join(SUPPORTED)}, but sglang {version} is "
+            f"installed. Install a supported one: pip install 'sglang=={SUPPORTED[-1]}'."
+        )
+    return version
+
+
+def resolved(server_args: Any) -> Any:
+    """Read server args mid-resolution (0.5.17 stashes some resolved fields until materialised)."""
+    try:
+        from sglang.srt.arg_groups.overrides import resolved_view
+    except ImportError:  # a plain namespace in unit tests
+        return server_args
+    if not hasattr(server_args, "_resolved_overrides"):
+        return server_args
+    return resolved_view(server_args)
+
+
+def attention_backends(server_args: Any) -> tuple[str | None, str | None]:
+    """(prefill, decode) target attention backends, split flags falling back to the base one."""
+    view = resolved(server_args)
+    base = getattr(view, "attention_backend", None)
+    prefill = getattr(view, "prefill_attention_backend", None) or base
+    decode = getattr(view, "decode_attention_backend", None) or base
+    return prefill, decode
+
+
+def draft_block_size_from_checkpoint(server_args: Any) -> int | None:
+    """The draft config's block size via SGLang's own DFlash config parser (None if unset)."""
+    import json
+
+    from sglang.srt.speculative.dflash_utils import parse_dflash_draft_config
+    from sglang.srt.utils.hf_transformers_utils import get_config
+
+    cfg = get_config(
+        server_args.speculative_draft_model_path,
+        trust_remote_code=server_args.trust_remote_code,
+        revision=server_args.speculative_draft_model_revision,
+        model_override_args=json.loads(server_args.json_model_override_args or "{}"),
+    )
+    return parse_dflash_draft_config(draft_hf_config=cfg).resolve_block_size(default=None)

@@ -1,0 +1,64 @@
+"""The draft head: DFlash block hidden states -> per-position top-K log-probs -> DDTree.
+
+It runs as a tail hook inside the draft runner's CUDA graph (like DFLASH's greedy sampler), so
+one graph replay covers draft forward, target-LM-head logits, top-K and the tree build. Outputs
+land in static buffers allocated once at the largest batch; a replay only changes contents.
+When the draft ran eagerly the worker calls the head itself on the same inputs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sglang_ddtree.config import DDTreeConfig
+from sglang_ddtree.tree import DraftTree, build_tree, topk_logprobs_from_logits
+
+
+class DraftTreeHead:
+    def __init__(
+        self,
+        *,
+        lm_head_weight: torch.Tensor,  # [V_padded, H] target LM head (tp = 1)
+        vocab_size: int,  # V: rows of lm_head_weight that are real tokens
+        cfg: DDTreeConfig,
+        max_bs: int,
+    ):
+        self.weight = lm_head_weight
+        self.vocab_size = int(vocab_size)
+        self.cfg = cfg
+        N, dev = cfg.num_nodes, lm_head_weight.device
+        self.tokens = torch.zeros((max_bs, N), dtype=torch.int64, device=dev)
+        self.parents = torch.zeros((max_bs, N), dtype=torch.int64, device=dev)
+        self.depth = torch.zeros((max_bs, N), dtype=torch.int64, device=dev)
+        self.first_child = torch.zeros((max_bs, N), dtype=torch.int64, device=dev)
+        self.next_sibling = torch.zeros((max_bs, N), dtype=torch.int64, device=dev)
+        self.visibility = torch.zeros((max_bs, N, N), dtype=torch.bool, device=dev)
+        self.scores = torch.zeros((max_bs, N), dtype=torch.float32, device=dev)
+
+    @property
+    def max_bs(self) -> int:
+        return self.tokens.shape[0]
+
+    def __call__(self, hidden_states: torch.Tensor, input_ids: torch.Tensor) -> None:
+        """hidden_states [bs * B, H] draft block outputs; input_ids [bs * B], column 0 = root."""
+        B = self.cfg.block_size
+        bs = hidden_states.shape[0] // B
+        hidden = hidden_states.view(bs, B, -1)[:, 1:, :]  # [bs, B-1, H]: draft positions 1..B-1
+        logits = torch.matmul(hidden.to(self.weight.dtype), self.weight[: self.vocab_size].T)
+        ids, logprobs = topk_logprobs_from_logits(logits.float(), self.cfg.topk)  # [bs, B-1, K]
+        root = input_ids.view(bs, B)[:, 0]
+        tree = build_tree(root, ids, logprobs, self.cfg.budget)
+        for name, value in tree._asdict().items():
+            getattr(self, name)[:bs].copy_(value)
+
+    def tree(self, bs: int) -> DraftTree:
+        """The last built trees of the first `bs` requests (views of the static buffers)."""
+        return DraftTree(
+            tokens=self.tokens[:bs],
+            parents=self.parents[:bs],
+            depth=self.depth[:bs],
+            first_child=self.first_child[:bs],
+            next_sibling=self.next_sibling[:bs],
+            visibility=self.visibility[:bs],
+            scores=self.scores[:bs],
+        )

@@ -1,0 +1,101 @@
+"""Runtime hooks: the two places SGLang 0.5.17's plugin API does not reach. One table, applied once.
+
+| target                                  | why                                                  |
+|-----------------------------------------|------------------------------------------------------|
+| DecodeCudaGraphRunner.get_spec_info     | the DFlash-family capture stand-in has no custom mask |
+|                                         | on FlashInfer, so a tree verify replay would raise;   |
+|                                         | DDTREE's target graphs capture with the mask buffer   |
+| spec_info.create_dummy_verify_input     | warm-up stand-ins: the target needs tree fields       |
+|                                         | (GDN reads retrieve_next_token when topk > 1) and the |
+|                                         | draft runs B tokens, not N                            |
+| dflash_utils.validate_dflash_request    | requests DDTREE rejects are reported as DDTREE's      |
+
+Installed from the worker factory (scheduler process only, before any graph capture) through
+SGLang's HookRegistry, so other processes never import these heavy modules.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from sglang_ddtree.integration import compat
+
+logger = logging.getLogger(__name__)
+
+_installed = False
+
+
+def install_runtime_hooks() -> None:
+    global _installed
+    if _installed:
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    for target, hook in HOOKS.items():
+        HookRegistry.register(target, hook, HookType.AROUND)
+    HookRegistry.apply_hooks()
+    _installed = True
+    logger.info("sglang_ddtree: runtime hooks installed: %s", ", ".join(HOOKS))
+
+
+def _is_ddtree(spec_algorithm) -> bool:
+    from sglang_ddtree.integration.spec import ALGORITHM
+
+    return getattr(spec_algorithm, "name", None) == ALGORITHM
+
+
+def _config():
+    from sglang.srt.runtime_context import get_spec
+
+    from sglang_ddtree.config import DDTreeConfig
+
+    spec = get_spec()
+    return DDTreeConfig(
+        block_size=int(spec.speculative_dflash_block_size),
+        num_nodes=int(spec.speculative_num_draft_tokens),
+        topk=int(spec.speculative_eagle_topk),
+    )
+
+
+def _target_graph_spec_info(original, runner, *args, **kwargs):
+    model_runner = runner.model_runner
+    if not _is_ddtree(model_runner.spec_algorithm) or model_runner.is_draft_worker:
+        return original(runner, *args, **kwargs)
+    from sglang_ddtree.integration.verify_input import make_dummy_verify_input
+
+    return make_dummy_verify_input(_config(), runner.buffers.custom_mask, runner.captured_req_width)
+
+
+def _dummy_verify_input(
+    original, spec_algorithm, server_args, custom_mask, num_tokens_per_req, is_draft_worker
+):
+    if not _is_ddtree(spec_algorithm):
+        return original(
+            spec_algorithm, server_args, custom_mask, num_tokens_per_req, is_draft_worker
+        )
+    if is_draft_worker:
+        from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+        from sglang.srt.speculative.dflash_info import DFlashVerifyInput
+
+        return DFlashVerifyInput(
+            draft_token=None,
+            positions=None,
+            draft_token_num=num_tokens_per_req,
+            custom_mask=None,
+            capture_hidden_mode=CaptureHiddenMode.NULL,
+        )
+    from sglang_ddtree.integration.verify_input import make_dummy_verify_input
+
+    return make_dummy_verify_input(_config(), custom_mask, num_tokens_per_req)
+
+
+def _validate_request(original, req, enable_overlap):
+    error = original(req, enable_overlap)
+    return None if error is None else error.replace("DFLASH", "DDTREE")
+
+
+HOOKS = {
+    compat.TARGET_GRAPH_SPEC_INFO: _target_graph_spec_info,
+    compat.DUMMY_VERIFY_INPUT: _dummy_verify_input,
+    compat.DFLASH_REQUEST_VALIDATOR: _validate_request,
+}

@@ -1,0 +1,150 @@
+"""DDTREE's identity for SGLang's scheduler, and its server-argument validation.
+
+Identity: DDTREE is a member of the DFlash family (target aux hidden capture, DFlash draft KV
+pool, draft TARGET_VERIFY graphs at width B, DFlashDraftInputV2 state relay), but not DFLASH
+itself (no chain verify). Its target verify is EAGLE-style tree verify at width N.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from sglang.srt.speculative.spec_registry import CustomSpecAlgo
+
+from sglang_ddtree.config import DEFAULT_MAX_RUNNING_REQUESTS, DDTreeConfig, DDTreeConfigError
+from sglang_ddtree.integration import compat
+
+logger = logging.getLogger(__name__)
+
+ALGORITHM = "DDTREE"
+
+
+class DDTreeSpec(CustomSpecAlgo):
+    """`CustomSpecAlgo` plus what 0.5.17's scheduler calls on any algorithm."""
+
+    # -- DFlash family identity ----------------------------------------------------------------
+    def is_dflash_family(self) -> bool:
+        return True
+
+    def supports_target_verify_for_draft(self) -> bool:
+        return True  # the draft runner captures TARGET_VERIFY graphs for the block
+
+    def supports_grammar_overlap(self) -> bool:
+        return True  # the worker passes grammar_barrier into the tree verify
+
+    # -- enum-only methods the scheduler calls unconditionally (absent on CustomSpecAlgo) ------
+    def carries_draft_hidden_states(self) -> bool:
+        return False
+
+    def need_topk(self) -> bool:
+        return False
+
+    def create_future_map(
+        self, device, req_to_token_pool, needs_cpu_seq_lens=True, needs_confidence_relay=False
+    ):
+        from sglang.srt.managers.overlap_utils import FutureMap
+
+        return FutureMap(
+            device, self, req_to_token_pool, needs_cpu_seq_lens, needs_confidence_relay
+        )
+
+    # -- widths: the draft runs the B-token block, the target verifies the N-node tree ---------
+    def get_num_tokens_per_req_for_target_verify(
+        self, num_draft_tokens: int, is_draft_worker: bool
+    ) -> int:
+        if is_draft_worker:
+            from sglang.srt.runtime_context import get_spec
+
+            return int(get_spec().speculative_dflash_block_size)
+        return num_draft_tokens
+
+    def handle_server_args(self, server_args: Any) -> None:
+        apply_server_args(server_args)
+
+
+def validate_server_args(server_args: Any) -> None:
+    """Reject what DDTREE does not support, naming the flag and the fix (runs at startup)."""
+    view = compat.resolved(server_args)
+    _require(view.speculative_draft_model_path is not None,
+             "DDTREE needs --speculative-draft-model-path (a DFlash draft checkpoint).")
+    _require(str(view.device).startswith("cuda"),
+             f"DDTREE runs on CUDA GPUs only, got --device {view.device}.")
+    prefill, decode = compat.attention_backends(server_args)
+    _require(prefill == "flashinfer" and decode == "flashinfer",
+             f"DDTREE verifies trees with FlashInfer custom masks: pass --attention-backend "
+             f"flashinfer (got prefill={prefill!r}, decode={decode!r}).")
+    _require(view.page_size in (None, 1),
+             f"DDTREE needs --page-size 1, got {view.page_size}.")
+    _require(not view.speculative_use_rejection_sampling,
+             "DDTREE verifies with target-only tree sampling; drop "
+             "--speculative-use-rejection-sampling.")
+    for flag in ("speculative_accept_threshold_single", "speculative_accept_threshold_acc"):
+        value = getattr(view, flag)
+        _require(value is None or float(value) >= 1.0,
+                 f"--{flag.replace('_', '-')} {value} makes sampling lossy; DDTREE keeps the "
+                 f"target distribution exactly: leave it at 1.0.")
+    _require(int(view.tokenizer_worker_num or 1) == 1,
+             f"DDTREE needs --tokenizer-worker-num 1 (SGLang does not load plugins in extra "
+             f"tokenizer workers), got {view.tokenizer_worker_num}.")
+    _require(not view.enable_dp_attention,
+             "DDTREE does not support --enable-dp-attention yet; drop the flag.")
+    _require(int(view.pp_size) == 1,
+             f"DDTREE does not support pipeline parallelism: use --pp-size 1, got {view.pp_size}.")
+    _require(int(view.tp_size) == 1,
+             f"DDTREE's draft head runs on one GPU: use --tp-size 1, got {view.tp_size}.")
+    _require(not (view.enable_linear_replayssm or view.enable_linear_replayssm_spec),
+             "ReplaySSM verifies chains only; drop --enable-linear-replayssm(-spec) for DDTREE.")
+    _require(not view.speculative_adaptive,
+             "DDTREE uses a fixed node budget: drop --speculative-adaptive.")
+    _require(view.speculative_draft_window_size is None,
+             "DDTREE does not support --speculative-draft-window-size yet; drop the flag.")
+    _require(str(view.disaggregation_mode) in ("null", "None"),
+             f"DDTREE does not support PD disaggregation (--disaggregation-mode "
+             f"{view.disaggregation_mode}).")
+    resolve_config(server_args)  # flag ranges (N, B, K) fail here, before any model loads
+
+
+def resolve_config(server_args: Any, draft_block_size: int | None = -1) -> DDTreeConfig:
+    view = compat.resolved(server_args)
+    if draft_block_size == -1:
+        draft_block_size = compat.draft_block_size_from_checkpoint(server_args)
+    return DDTreeConfig.resolve(
+        block_size=view.speculative_dflash_block_size,
+        draft_block_size=draft_block_size,
+        num_draft_tokens=view.speculative_num_draft_tokens,
+        topk=view.speculative_eagle_topk,
+    )
+
+
+def apply_server_args(server_args: Any, draft_block_size: int | None = -1) -> DDTreeConfig:
+    """Write DDTREE's resolved widths and defaults into the server args (0.5.17: in place)."""
+    cfg = resolve_config(server_args, draft_block_size)
+    server_args.speculative_dflash_block_size = cfg.block_size
+    server_args.speculative_num_draft_tokens = cfg.num_nodes
+    server_args.speculative_eagle_topk = cfg.topk
+    # One "step": keeps the scheduler's per-decode KV reserve at 2 * N, which is what the
+    # DFlash draft state reserves (DFlashDraftInputV2.prepare_for_decode).
+    server_args.speculative_num_steps = 1
+    if server_args.speculative_draft_attention_backend is None:
+        server_args.speculative_draft_attention_backend = "flashinfer"
+    if server_args.max_running_requests is None:
+        server_args.max_running_requests = DEFAULT_MAX_RUNNING_REQUESTS
+        logger.warning(
+            "DDTREE: --max-running-requests defaults to %d (tree verify scratch grows with "
+            "N x running requests); pass it explicitly to change.",
+            DEFAULT_MAX_RUNNING_REQUESTS,
+        )
+    if server_args.enable_mixed_chunk:
+        server_args.enable_mixed_chunk = False
+        logger.warning("DDTREE: --enable-mixed-chunk is turned off (not supported).")
+    logger.info(
+        "DDTREE: block size B=%d, tree nodes N=%d (budget %d), topk K=%d",
+        cfg.block_size, cfg.num_nodes, cfg.budget, cfg.topk,
+    )
+    return cfg
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise DDTreeConfigError(message)

@@ -1,0 +1,76 @@
+"""DDTree's verify input: SGLang's EAGLE tree-verify input carrying an N-node DDTree.
+
+Subclassing `EagleVerifyInput` routes the verify through SGLang's generic tree machinery:
+FlashInfer's custom-mask prefill, the Gated DeltaNet tree kernels (retrieve_next_token /
+retrieve_next_sibling), greedy and target-only tree sampling, KV compaction and the tree-aware
+Mamba state commit. `spec_steps = B - 1` makes `max_tree_depth` (the accept-path width) B.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+from sglang.srt.speculative.eagle_info import EagleVerifyInput
+
+from sglang_ddtree.config import DDTreeConfig
+from sglang_ddtree.integration import tree_layout
+
+
+@dataclass
+class DDTreeVerifyInput(EagleVerifyInput):
+    """An EagleVerifyInput whose tree is an arbitrary DDTree (best-first, parent < child)."""
+
+
+def make_verify_input(
+    cfg: DDTreeConfig,
+    tokens: torch.Tensor,  # [bs, N] int64, node 0 = root
+    depth: torch.Tensor,  # [bs, N] int64
+    first_child: torch.Tensor,  # [bs, N] int64
+    next_sibling: torch.Tensor,  # [bs, N] int64
+    visibility: torch.Tensor,  # [bs, N, N] bool
+    seq_lens: torch.Tensor,  # [bs] committed lengths (device)
+    seq_lens_sum: int,  # host upper bound of seq_lens.sum(), sizes the mask only
+) -> DDTreeVerifyInput:
+    bs, N = tokens.shape
+    mask = torch.empty(
+        tree_layout.full_mask_size(N, bs, seq_lens_sum), dtype=torch.bool, device=tokens.device
+    )
+    tree_layout.write_full_mask(visibility, seq_lens, mask)
+    return DDTreeVerifyInput(
+        draft_token=tokens.reshape(-1),
+        custom_mask=mask,
+        positions=tree_layout.node_positions(depth, seq_lens),
+        retrieve_index=tree_layout.retrieve_index(bs, N, tokens.device),
+        retrieve_next_token=first_child,
+        retrieve_next_sibling=next_sibling,
+        retrieve_cum_len=None,
+        spec_steps=cfg.max_depth,
+        topk=cfg.topk,
+        draft_token_num=N,
+        capture_hidden_mode=CaptureHiddenMode.FULL,
+        seq_lens_sum=None,
+        seq_lens_cpu=None,
+    )
+
+
+def make_dummy_verify_input(
+    cfg: DDTreeConfig, custom_mask: torch.Tensor, num_tokens_per_req: int
+) -> DDTreeVerifyInput:
+    """Shape-only stand-in for graph capture and warm-up runs of the target (no tree links)."""
+    return DDTreeVerifyInput(
+        draft_token=None,
+        custom_mask=custom_mask,
+        positions=None,
+        retrieve_index=None,
+        retrieve_next_token=None,
+        retrieve_next_sibling=None,
+        retrieve_cum_len=None,
+        spec_steps=cfg.max_depth,
+        topk=cfg.topk,
+        draft_token_num=num_tokens_per_req,
+        capture_hidden_mode=CaptureHiddenMode.FULL,
+        seq_lens_sum=None,
+        seq_lens_cpu=None,
+    )

@@ -1,0 +1,222 @@
+"""DDTreeWorker: SGLang's DFLASH worker with the chain verify replaced by a DDTree tree verify.
+
+Inherited from DFlashWorkerV2 unchanged: draft TP worker and model, mask token, memory pools,
+attention backends, prefill (target prefill + draft KV of the prompt), idle batches, and the
+draft-KV materialisation from target hidden states. Replaced: the decode round.
+
+The decode round, in the paper's five steps (no host synchronisation in this file):
+  draft   DFlash block [bonus, MASK x (B-1)] through the draft runner (CUDA graph at width B)
+  build   in the same graph: target LM head -> per-position top-K log-probs -> DDTree
+  verify  the N-node tree through the target with a FULL custom mask (EAGLE tree verify)
+  accept  SGLang's tree walk: greedy, or target-only tree sampling at T > 0
+  commit  accepted KV to contiguous slots, tree-aware Gated DeltaNet state commit (both inside
+          run_eagle_verify), then draft KV for the accepted tokens from their target hidden states
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+from sglang.kernels.ops.speculative.dflash import _prepare_dflash_draft_block_unchecked
+from sglang.srt.model_executor.cuda_graph_config import Backend
+from sglang.srt.model_executor.forward_batch_info import (
+    CaptureHiddenMode,
+    ForwardBatch,
+    ForwardMode,
+)
+from sglang.srt.runtime_context import get_exec
+from sglang.srt.speculative.dflash_info_v2 import DFlashDraftInputV2
+from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
+from sglang.srt.speculative.draft_worker_common import (
+    build_block_pos_offsets,
+    make_draft_block_spec_info,
+    make_draft_input_v2,
+    make_draft_sampler_capture_hook,
+)
+from sglang.srt.speculative.eagle_worker_common import run_eagle_verify
+from sglang.srt.utils import get_available_gpu_memory
+
+from sglang_ddtree.config import DDTreeConfig
+from sglang_ddtree.integration.draft_head import DraftTreeHead
+from sglang_ddtree.integration.verify_input import make_verify_input
+
+logger = logging.getLogger(__name__)
+
+
+class DDTreeWorker(DFlashWorkerV2):
+    def __init__(self, server_args, gpu_id, ps, nccl_port, target_worker):
+        super().__init__(server_args, gpu_id, ps, nccl_port, target_worker)
+        self.cfg = DDTreeConfig(
+            block_size=int(server_args.speculative_dflash_block_size),
+            num_nodes=int(server_args.speculative_num_draft_tokens),
+            topk=int(server_args.speculative_eagle_topk),
+        )
+        # DFlashWorkerV2 took N (the verify width) for its block size; the DFlash block is B.
+        self.block_size = self.cfg.block_size
+        self.speculative_num_draft_tokens = self.cfg.num_nodes
+        self._block_pos_offsets = build_block_pos_offsets(
+            length=self.cfg.block_size, device=self.device
+        )
+        self._draft_block_spec_info = make_draft_block_spec_info(
+            draft_token_num=self.cfg.block_size, device=self.device
+        )
+        self._tree_head = self._build_tree_head(server_args)
+        if self.ps.tp_rank == 0:
+            logger.info(
+                "DDTREE worker ready: B=%d, N=%d (budget %d), K=%d, draft head for bs<=%d",
+                self.cfg.block_size, self.cfg.num_nodes, self.cfg.budget, self.cfg.topk,
+                self._tree_head.max_bs,
+            )
+
+    def _build_tree_head(self, server_args) -> DraftTreeHead:
+        lm_head = self.target_worker.model_runner.model.lm_head
+        vocab = int(lm_head.weight.shape[0])
+        shard = getattr(lm_head, "shard_indices", None)
+        if shard is not None:
+            vocab = int(shard.num_org_elements)
+        graph_bs = get_exec().graph.cuda_graph_config.decode.bs or [1]
+        max_bs = max(max(graph_bs), int(server_args.max_running_requests or 1))
+        return DraftTreeHead(
+            lm_head_weight=lm_head.weight, vocab_size=vocab, cfg=self.cfg, max_bs=max_bs
+        )
+
+    def init_cuda_graphs(self):
+        capture = get_exec().graph.cuda_graph_config.decode.backend != Backend.DISABLED
+        if capture and get_available_gpu_memory(self.device, self.gpu_id) < 1.0:
+            capture = False
+            logger.warning("DDTREE: draft CUDA graphs disabled (less than 1 GB free).")
+        if capture:
+            # Fold top-K + tree build into the draft graph (runs after the draft forward).
+            self.draft_model_runner.capture_tail_hooks.append(
+                make_draft_sampler_capture_hook(self._tree_head)
+            )
+        self._draft_worker.init_cuda_graphs(capture_decode_cuda_graph=capture)
+
+    def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None):
+        if (
+            batch.forward_mode.is_extend()
+            or batch.is_extend_in_batch
+            or batch.forward_mode.is_idle()
+            or batch.spec_info is None
+        ):
+            return super().forward_batch_generation(batch, on_publish, grammar_barrier)
+        draft_input = batch.spec_info
+        if not isinstance(draft_input, DFlashDraftInputV2):
+            raise RuntimeError(f"DDTREE expected DFlashDraftInputV2, got {type(draft_input)}")
+        batch.seq_lens.record_stream(torch.get_device_module(self.device).current_stream())
+
+        block = self._draft(batch, draft_input)  # draft + build (one graph replay)
+        tree = self._tree_head.tree(len(batch.seq_lens))
+        batch.spec_info = make_verify_input(
+            self.cfg, tree.tokens, tree.depth, tree.first_child, tree.next_sibling,
+            tree.visibility, batch.seq_lens, self._seq_lens_sum_bound(batch, draft_input),
+        )
+        result = self._verify_accept_commit(batch, grammar_barrier)
+        batch.spec_info = draft_input
+        if on_publish is not None:
+            on_publish(result.new_seq_lens)
+        self._commit_draft_context(result, *block)
+        result.next_draft_input = make_draft_input_v2(
+            bonus_tokens=result.next_draft_input.bonus_tokens, new_seq_lens=result.new_seq_lens
+        )
+        return result
+
+    # -- step 1 + 2: draft the block, build the tree -----------------------------------------
+    def _draft(self, batch, draft_input) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the DFlash block; returns (positions [bs, B], cache_loc [bs, B]) of the block."""
+        bs, B = len(batch.seq_lens), self.cfg.block_size
+        self._ensure_draft_block_buffers(bs)
+        block_ids = self._draft_block_ids_buf[:bs]  # [bs, B]: bonus, MASK x (B-1)
+        positions = self._draft_block_positions_buf[:bs]  # [bs, B]: seq_len + 0..B-1
+        cache_loc = self._draft_verify_out_cache_loc_buf[:bs]  # [bs, B]: req_to_token slots
+        _prepare_dflash_draft_block_unchecked(
+            bonus_tokens=draft_input.bonus_tokens.view(-1),
+            prefix_lens=batch.seq_lens.view(-1),
+            req_pool_indices=batch.req_pool_indices.view(-1),
+            req_to_token=self.model_runner.req_to_token_pool.req_to_token,
+            block_ids_out=block_ids,
+            positions_out=positions,
+            cache_loc_out=cache_loc,
+            mask_token_id=int(self._mask_token_id),
+        )
+        embed = self.target_worker.model_runner.model.get_input_embeddings()
+        input_embeds = embed(block_ids).view(bs * B, -1)
+        seq_lens_cpu = self._draft_seq_lens_cpu_buf[:bs]  # host bound: committed + one block
+        seq_lens_cpu.copy_(self._host_seq_lens(batch, draft_input))
+        seq_lens_cpu.add_(B)
+        forward_batch = ForwardBatch(
+            forward_mode=ForwardMode.TARGET_VERIFY,
+            batch_size=bs,
+            input_ids=block_ids.flatten(),
+            req_pool_indices=batch.req_pool_indices,
+            seq_lens=batch.seq_lens,
+            out_cache_loc=cache_loc.reshape(-1),
+            seq_lens_sum=int(seq_lens_cpu.sum()),
+            seq_lens_cpu=seq_lens_cpu,
+            positions=positions.reshape(-1),
+            input_embeds=input_embeds,
+            spec_algorithm=self.model_runner.spec_algorithm,
+            spec_info=self._draft_block_spec_info,
+            capture_hidden_mode=CaptureHiddenMode.NULL,
+        )
+        with torch.inference_mode():
+            draft_out = self.draft_model_runner.forward(forward_batch)
+            if not draft_out.can_run_graph:  # the graph ran the head already
+                self._tree_head(draft_out.logits_output.hidden_states, block_ids.flatten())
+        return positions, cache_loc
+
+    # -- step 3 + 4 + 5a: verify, accept, commit target state --------------------------------
+    def _verify_accept_commit(self, batch, grammar_barrier):
+        return run_eagle_verify(
+            batch,
+            target_worker=self.target_worker,
+            req_to_token_pool=self.model_runner.req_to_token_pool,
+            token_to_kv_pool_allocator=self.model_runner.token_to_kv_pool_allocator,
+            plan_stream=None,
+            plan_stream_ctx=contextlib.nullcontext(),
+            topk=self.cfg.topk,
+            num_steps=self.cfg.max_depth,
+            num_draft_tokens=self.cfg.num_nodes,
+            device=self.device,
+            metadata_ready_pre_pad=False,
+            finalize_tree_path=True,  # accepted path's KV, predict, hidden -> block front
+            grammar_barrier=grammar_barrier,
+        )
+
+    # -- step 5b: the accepted tokens become draft context -----------------------------------
+    def _commit_draft_context(self, result, positions, cache_loc) -> None:
+        """Draft KV of the accepted path from its (front-compacted) target hidden states."""
+        bs, N, B = cache_loc.shape[0], self.cfg.num_nodes, self.cfg.block_size
+        hidden = result.logits_output.hidden_states
+        if hidden is None:
+            raise RuntimeError("DDTREE verify returned no target hidden states.")
+        accepted = hidden.view(bs, N, -1)[:, :B, :].reshape(bs * B, -1)
+        self._append_target_hidden_to_draft_kv_by_loc(
+            target_hidden=accepted,
+            cache_loc=cache_loc.reshape(-1),
+            cache_loc_2d=cache_loc,
+            positions=positions.reshape(-1),
+            commit_lens=result.accept_lens,
+        )
+        result.logits_output.hidden_states = None  # keep big buffers off the host copy
+
+    # -- host-side length bounds (no device sync) ---------------------------------------------
+    @staticmethod
+    def _host_seq_lens(batch, draft_input) -> torch.Tensor:
+        if batch.seq_lens_cpu is not None:
+            return batch.seq_lens_cpu
+        if draft_input.reserved_seq_lens_cpu is not None:
+            return draft_input.reserved_seq_lens_cpu
+        raise RuntimeError("DDTREE needs host sequence lengths (FlashInfer provides them).")
+
+    def _seq_lens_sum_bound(self, batch, draft_input) -> int:
+        """Host upper bound of sum(seq_lens); sizes the verify mask (too large is harmless)."""
+        if draft_input.reserved_seq_lens_sum is not None:  # the allocation watermark
+            return int(draft_input.reserved_seq_lens_sum)
+        if batch.seq_lens_sum is not None:
+            return int(batch.seq_lens_sum)
+        if batch.seq_lens_cpu is not None:
+            return int(batch.seq_lens_cpu.sum())
+        return len(batch.seq_lens) * self.model_runner.model_config.context_len
