@@ -1,0 +1,92 @@
+"""Helpers for tests: random builder inputs and a host-side structural check of a DraftTree.
+
+Not used on the serving path (they sync with the host freely).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .inputs import LOGPROB_FLOOR
+from .types import DraftTree
+
+# Log-prob values for tie-heavy inputs: equal values, zeros, the floor, below it and -inf.
+TIE_VALUES = (0.0, -0.5, -0.5, -1.0, -2.0, LOGPROB_FLOOR, 2 * LOGPROB_FLOOR, float("-inf"))
+
+LOGPROB_MODES = ("continuous", "ties", "dirty")
+
+
+def random_logprobs(g: torch.Generator, shape: tuple[int, ...], mode: str) -> torch.Tensor:
+    """float32 log-probs sorted non-increasing along the last dim (except mode 'dirty').
+
+    continuous: -|N(0, 2)|, ties almost surely absent; ties: drawn from TIE_VALUES;
+    dirty: TIE_VALUES plus NaN, +inf and positive values, unsorted (tests preprocessing).
+    """
+    if mode == "continuous":
+        lp = torch.randn(shape, generator=g).abs().mul(-2.0)
+        return lp.sort(dim=-1, descending=True)[0]
+    values = torch.tensor(TIE_VALUES, dtype=torch.float32)
+    if mode == "ties":
+        picks = values[torch.randint(len(values), shape, generator=g)]
+        return picks.sort(dim=-1, descending=True)[0]
+    if mode == "dirty":
+        values = torch.cat([values, torch.tensor([float("nan"), float("inf"), 0.25])])
+        return values[torch.randint(len(values), shape, generator=g)]
+    raise ValueError(f"mode must be one of {LOGPROB_MODES}, got {mode!r}")
+
+
+def random_ids(g: torch.Generator, bs: int, L: int, K: int, vocab: int) -> torch.Tensor:
+    """[bs, L, K] int64 ids, distinct within each position (as topk gives), repeats across."""
+    scores = torch.rand(bs, L, vocab, generator=g)
+    return scores.argsort(dim=-1)[..., :K].contiguous()
+
+
+def random_build_inputs(
+    g: torch.Generator, bs: int, L: int, K: int, vocab: int, mode: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(root [bs], topk_ids [bs, L, K], topk_logprobs [bs, L, K]) for the builders."""
+    root = torch.randint(vocab, (bs,), generator=g)
+    return root, random_ids(g, bs, L, K, vocab), random_logprobs(g, (bs, L, K), mode)
+
+
+def check_tree_invariants(tree: DraftTree) -> None:
+    """Raise AssertionError unless the tree is structurally sound (host-side, per request)."""
+    bs, N = tree.tokens.shape
+    for name in tree._fields:
+        t = getattr(tree, name)
+        assert t.shape[:2] == (bs, N), f"{name} has shape {tuple(t.shape)}, expected {(bs, N)}"
+    for b in range(bs):
+        _check_one(
+            *(getattr(tree, f)[b].tolist() for f in ("tokens", "parents", "depth")),
+            tree.first_child[b].tolist(),
+            tree.next_sibling[b].tolist(),
+            tree.visibility[b].tolist(),
+            tree.scores[b].tolist(),
+        )
+
+
+def _check_one(tokens, parents, depth, first_child, next_sibling, visibility, scores) -> None:
+    N = len(tokens)
+    assert parents[0] == -1 and depth[0] == 0 and scores[0] == 0.0 and next_sibling[0] == -1
+    children: dict[int, list[int]] = {i: [] for i in range(N)}
+    for i in range(1, N):
+        p = parents[i]
+        assert 0 <= p < i, f"node {i}: parent {p} not in [0, {i})"
+        assert depth[i] == depth[p] + 1, f"node {i}: depth {depth[i]}, parent depth {depth[p]}"
+        assert scores[i] <= scores[p], f"node {i}: score {scores[i]} > parent's {scores[p]}"
+        children[p].append(i)
+    for i, kids in children.items():
+        assert first_child[i] == (kids[0] if kids else -1), f"first_child[{i}]"
+        for a, b in zip(kids, kids[1:] + [-1], strict=False):
+            assert next_sibling[a] == b, f"next_sibling[{a}] = {next_sibling[a]}, expected {b}"
+        kid_tokens = [tokens[k] for k in kids]
+        assert len(set(kid_tokens)) == len(kid_tokens), f"node {i}: repeated child tokens"
+    for i in range(1, N):
+        assert scores[i] <= scores[i - 1], f"node {i}: not in non-increasing score order"
+    for i in range(N):
+        ancestors, j = set(), i
+        while j != -1:
+            ancestors.add(j)
+            j = parents[j]
+        row = {j for j in range(N) if visibility[i][j]}
+        assert row == ancestors, f"visibility row {i}: {sorted(row)} != {sorted(ancestors)}"
