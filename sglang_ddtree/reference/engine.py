@@ -174,6 +174,13 @@ def _device_of(target: object) -> torch.device:
     return next(model.parameters()).device
 
 
+def _reset(drafter: DraftRunner) -> None:
+    """A generation starts from an empty draft context (prefill starts the target afresh)."""
+    reset = getattr(drafter, "reset", None)
+    if reset is not None:
+        reset()
+
+
 def _committed(target: TargetRunner, drafter: DraftRunner, ids: torch.Tensor, taps: torch.Tensor):
     """Tell the drafter about newly committed tokens: their target taps, and their ids if it
     wants them (the OracleDrafter does; DFlash needs only the taps)."""
@@ -211,6 +218,7 @@ def generate(
     depth = drafter.block_size - 1  # L
 
     with _clock(timings, "prefill"):
+        _reset(drafter)
         logits, taps = target.prefill(prompt)  # [T, V], [T, n_taps * H]
         _committed(target, drafter, prompt, taps)
         root = int(sampler(logits[-1:])[0])
@@ -358,27 +366,6 @@ def _load_target_model(target_dir: str | Path, dtype: torch.dtype, device: str) 
     return model.to(device).eval()
 
 
-def check_draft_config(draft_config: dict, target_model: nn.Module) -> None:
-    """Draft/target mismatches a DFlash checkpoint can have, as ValueErrors naming the values."""
-    text = target_model.config.get_text_config()
-    dflash = draft_config.get("dflash_config") or {}
-    for key in ("vocab_size", "hidden_size"):
-        draft_value, target_value = draft_config.get(key), getattr(text, key)
-        if draft_value is not None and draft_value != target_value:
-            raise ValueError(
-                f"draft {key}={draft_value} does not match the target's {key}={target_value}"
-            )
-    block_size = dflash.get("block_size", draft_config.get("block_size"))
-    if block_size is not None and block_size < 2:
-        raise ValueError(f"draft block_size must be >= 2 (bonus + masks), got {block_size}")
-    mask_id = dflash.get("mask_token_id")
-    if mask_id is None or not 0 <= mask_id < text.vocab_size:
-        raise ValueError(
-            f"draft dflash_config.mask_token_id={mask_id} is missing or outside the target "
-            f"vocabulary [0, {text.vocab_size})"
-        )
-
-
 def load_pair(
     target_dir: str | Path,
     draft_dir: str | Path,
@@ -396,12 +383,19 @@ def load_pair(
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         dtype = _DTYPES[dtype]
-    draft_config = _read_config(draft_dir, "draft")
+    _read_config(draft_dir, "draft")  # a clear error before loading the target
+    tokenizer = AutoTokenizer.from_pretrained(str(target_dir), local_files_only=True)
     model = _load_target_model(target_dir, dtype, device)
-    check_draft_config(draft_config, model)
+    # The runner checks the draft against the target: hidden size, vocab, block size, taps,
+    # and the mask token (config id, else the tokenizer's id for dflash_config.mask_token).
     drafter = DFlashDraftRunner(
-        str(draft_dir), model.get_input_embeddings(), model.get_output_embeddings(), dtype, device
+        str(draft_dir),
+        model.get_input_embeddings(),
+        model.get_output_embeddings(),
+        dtype,
+        device,
+        target_num_layers=model.config.get_text_config().num_hidden_layers,
+        tokenizer=tokenizer,
     )
     target = HFTargetRunner(model, list(drafter.target_layer_ids))
-    tokenizer = AutoTokenizer.from_pretrained(str(target_dir), local_files_only=True)
     return target, drafter, tokenizer

@@ -1,0 +1,130 @@
+"""CLI: DDTree on the transformers reference engine.
+
+    python -m sglang_ddtree.reference --demo
+    python -m sglang_ddtree.reference --target DIR --draft DIR --prompt TEXT [--compare-chain]
+
+Bad settings print one line to stderr and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NoReturn
+
+import torch
+
+DEMO_PROMPT = "def fibonacci(n):"
+EXIT_USAGE = 2
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _OneLineParser(prog="python -m sglang_ddtree.reference", description=__doc__.split("\n")[0])
+    p.add_argument("--target", help="target checkpoint dir (Qwen3 / Qwen3.5)")
+    p.add_argument("--draft", help="DFlash draft checkpoint dir")
+    p.add_argument("--prompt", help=f"prompt text (--demo default: {DEMO_PROMPT!r})")
+    p.add_argument("--budget", type=int, default=32, help="draft tree nodes (root excluded)")
+    p.add_argument("--topk", type=int, default=8, help="candidates per draft position")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 = no top-k filter")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--compare-chain", action="store_true", help="also run chain DFlash")
+    p.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="apply the chat template (default: on when the tokenizer has one)",
+    )
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the eos token")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--demo", action="store_true", help="build and run a tiny seeded pair")
+    p.add_argument("--cache-dir", help="where --demo writes its checkpoints")
+    return p
+
+
+def _demo_dirs(cache_dir: str | None) -> tuple[Path, Path]:
+    """Write (once) the tiny seeded Qwen3 target + DFlash draft used by --demo."""
+    from sglang_ddtree.testing.tiny import write_tiny_dflash, write_tiny_qwen3
+
+    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "sglang_ddtree"
+    root = Path(cache_dir) if cache_dir else default / "demo"
+    target, draft = root / "target", root / "draft"
+    if not (target / "config.json").exists():
+        write_tiny_qwen3(target, seed=0)
+    if not (draft / "config.json").exists():
+        write_tiny_dflash(draft, target, seed=0, num_layers=1, block_size=16)
+    return target, draft
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool | None) -> list[int]:
+    """Token ids of the prompt, through the chat template when asked (or when there is one)."""
+    if chat is None:
+        chat = bool(getattr(tokenizer, "chat_template", None))
+    if chat:
+        messages = [{"role": "user", "content": prompt}]
+        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+
+
+def _report(name: str, tokenizer, result) -> None:
+    lengths = result.accept_lengths
+    print(f"=== {name} ({len(result.tokens)} tokens, {result.rounds} rounds)")
+    print(tokenizer.decode(result.tokens, skip_special_tokens=True))
+    print(f"acceptance lengths: {lengths}")
+    print(f"mean acceptance length: {result.mean_accept_length:.2f}")
+
+
+def run(args: argparse.Namespace) -> int:
+    from sglang_ddtree.reference.engine import generate, generate_chain, load_pair
+
+    if args.demo:
+        target_dir, draft_dir = _demo_dirs(args.cache_dir)
+        args.target, args.draft = args.target or target_dir, args.draft or draft_dir
+        args.prompt = DEMO_PROMPT if args.prompt is None else args.prompt
+    missing = [f"--{k}" for k in ("target", "draft", "prompt") if getattr(args, k) is None]
+    if missing:
+        raise ValueError(f"missing {', '.join(missing)} (or use --demo)")
+    torch.manual_seed(args.seed)
+    target, drafter, tokenizer = load_pair(args.target, args.draft, args.dtype, args.device)
+    prompt_ids = encode_prompt(tokenizer, args.prompt, args.chat)
+    eos = None if args.ignore_eos else tokenizer.eos_token_id
+    sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    sampling.update(seed=args.seed, eos_token_id=eos)
+    budget, topk = args.budget, args.topk
+    tree = generate(
+        target, drafter, prompt_ids, args.max_new_tokens, budget=budget, topk=topk, **sampling
+    )
+    _report(f"DDTree budget={args.budget} topk={args.topk}", tokenizer, tree)
+    if args.compare_chain:
+        chain = generate_chain(target, drafter, prompt_ids, args.max_new_tokens, **sampling)
+        _report(f"chain DFlash block_size={drafter.block_size}", tokenizer, chain)
+        if args.temperature == 0:
+            same = "identical" if chain.tokens == tree.tokens else "DIFFERENT"
+            print(f"DDTree vs chain at T=0: {same}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except (ValueError, OSError) as exc:
+        message = " ".join(str(exc).split())  # one line
+        print(f"error: {message}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())
