@@ -53,7 +53,10 @@ def filtered_probs(
     keep_k = rank < k[:, None, None]  # [bs, 1, V]
     probs = torch.softmax(sorted_logits.masked_fill(~keep_k, float("-inf")), dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs  # [bs, N, V]
-    keep_p = (mass_before < top_p.float()[:, None, None]) | (rank == 0)
+    top_p = top_p.float()[:, None, None]  # [bs, 1, 1]
+    keep_p = (
+        (mass_before < top_p) | (top_p >= 1.0) | (rank == 0)
+    )  # rounding can't drop a token at p=1
     return probs.masked_fill(~keep_p, 0.0), sorted_ids
 
 

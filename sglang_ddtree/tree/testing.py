@@ -5,6 +5,8 @@ Not used on the serving path (they sync with the host freely).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .inputs import LOGPROB_FLOOR
@@ -90,3 +92,27 @@ def _check_one(tokens, parents, depth, first_child, next_sibling, visibility, sc
             j = parents[j]
         row = {j for j in range(N) if visibility[i][j]}
         assert row == ancestors, f"visibility row {i}: {sorted(row)} != {sorted(ancestors)}"
+
+
+# aten ops that read tensor contents on the host or give data-dependent shapes.
+DATA_DEPENDENT_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "item"}
+
+
+def assert_static_graph(fn: Callable, *args: torch.Tensor) -> torch.fx.GraphModule:
+    """Trace fn with fake tensors; fail on host reads, data-dependent shapes or value branches.
+
+    A Python branch on a tensor value raises during tracing; .item()/.tolist() show up as
+    _local_scalar_dense; nonzero and boolean-mask indexing give unbacked (symbolic) sizes.
+    Returns the traced graph, which can be replayed on new inputs of the same shapes.
+    """
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm = make_fx(fn, tracing_mode="fake")(*args)
+    for node in gm.graph.nodes:
+        op = str(node.target).split(".")  # "aten.nonzero.default" -> ["aten", "nonzero", ...]
+        assert not (op[0] == "aten" and op[1] in DATA_DEPENDENT_OPS), node.format_node()
+        val = node.meta.get("val")
+        for v in val if isinstance(val, (tuple, list)) else [val]:
+            if isinstance(v, torch.Tensor):
+                assert all(isinstance(s, int) for s in v.shape), node.format_node()
+    return gm

@@ -20,6 +20,7 @@ from sglang_ddtree.tree import (
 )
 from sglang_ddtree.tree.testing import (
     LOGPROB_MODES,
+    assert_static_graph,
     check_tree_invariants,
     random_build_inputs,
     random_logprobs,
@@ -240,29 +241,6 @@ def test_topk_logprobs_from_logits():
 
 
 # --- no host synchronisation ------------------------------------------------------------------
-
-DATA_DEPENDENT_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "item"}
-
-
-def assert_static_graph(fn, *args) -> torch.fx.GraphModule:
-    """Trace fn with fake tensors; fail on host reads, data-dependent shapes or value branches.
-
-    A Python branch on a tensor value raises during tracing; .item()/.tolist() show up as
-    _local_scalar_dense; nonzero and boolean-mask indexing give unbacked (symbolic) sizes.
-    """
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    gm = make_fx(fn, tracing_mode="fake")(*args)
-    for node in gm.graph.nodes:
-        op = str(node.target).split(".")  # "aten.nonzero.default" -> ["aten", "nonzero", ...]
-        assert not (op[0] == "aten" and op[1] in DATA_DEPENDENT_OPS), node.format_node()
-        val = node.meta.get("val")
-        vals = val if isinstance(val, (tuple, list)) else [val]
-        for v in vals:
-            if isinstance(v, torch.Tensor):
-                assert all(isinstance(s, int) for s in v.shape), node.format_node()
-    return gm
-
 
 def test_static_graph_detector_catches_host_reads():
     x = torch.randn(3, 4)
