@@ -28,10 +28,12 @@ def _register() -> None:
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
     from sglang.srt.speculative.spec_registry import get_spec
 
+    from sglang_ddtree.integration.hooks import register_request_hook
     from sglang_ddtree.integration.spec import ALGORITHM, DDTreeSpec, validate_server_args
 
     if get_spec(ALGORITHM) is not None:
         return
+    register_request_hook()
     SpeculativeAlgorithm.register(
         ALGORITHM,
         supports_overlap=True,

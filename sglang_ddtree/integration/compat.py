@@ -17,6 +17,9 @@ TARGET_GRAPH_SPEC_INFO = (
 )
 DUMMY_VERIFY_INPUT = "sglang.srt.speculative.spec_info.create_dummy_verify_input"
 DFLASH_REQUEST_VALIDATOR = "sglang.srt.speculative.dflash_utils.validate_dflash_request"
+TOKENIZER_REQUEST_VALIDATOR = (
+    "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
+)
 
 
 class UnsupportedSGLangVersion(RuntimeError):

@@ -9,9 +9,12 @@
 |                                         | (GDN reads retrieve_next_token when topk > 1) and the |
 |                                         | draft runs B tokens, not N                            |
 | dflash_utils.validate_dflash_request    | requests DDTREE rejects are reported as DDTREE's      |
+| TokenizerManager._validate_one_request  | (front end) reject what DDTREE cannot serve with a    |
+|                                         | 400 before it is scheduled: logprobs, max_tokens < 1  |
 
-Installed from the worker factory (scheduler process only, before any graph capture) through
-SGLang's HookRegistry, so other processes never import these heavy modules.
+The first three are installed from the worker factory (scheduler process only, before any graph
+capture), so other processes never import those heavy modules; the front-end one is registered
+at plugin load and applied by SGLang's load_plugins() in the server's main process.
 """
 
 from __future__ import annotations
@@ -87,6 +90,48 @@ def _dummy_verify_input(
     from sglang_ddtree.integration.verify_input import make_dummy_verify_input
 
     return make_dummy_verify_input(_config(), custom_mask, num_tokens_per_req)
+
+
+def register_request_hook() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(compat.TOKENIZER_REQUEST_VALIDATOR, _reject_unsupported, HookType.BEFORE)
+
+
+def _reject_unsupported(tokenizer_manager, obj, *args, **kwargs):
+    """BEFORE TokenizerManager._validate_one_request: raise ValueError (HTTP 400) for DDTREE."""
+    server_args = getattr(tokenizer_manager, "server_args", None)
+    if getattr(server_args, "speculative_algorithm", None) != "DDTREE":
+        return None
+    if getattr(obj, "return_logprob", False):
+        raise ValueError(
+            "DDTREE speculative decoding does not return logprobs; drop logprobs/return_logprob "
+            "or serve this request without speculative decoding."
+        )
+    sampling = getattr(obj, "sampling_params", None) or {}
+    if not isinstance(sampling, dict):
+        return None
+    max_new_tokens = sampling.get("max_new_tokens")
+    if max_new_tokens is not None and max_new_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, got {max_new_tokens}.")
+    for name, neutral in LOSSY_SAMPLING_OPTIONS.items():
+        value = sampling.get(name)
+        if value is not None and value != neutral:
+            raise ValueError(
+                f"DDTREE cannot apply {name}={value} exactly inside a draft tree (the output "
+                f"distribution would differ from the target's); leave it at {neutral}."
+            )
+    return None
+
+
+# Options SGLang's tree verify applies only approximately (penalties are frozen for the whole
+# tree) or not at all (min_p): accepting them would break DDTREE's lossless guarantee.
+LOSSY_SAMPLING_OPTIONS = {
+    "min_p": 0.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+}
 
 
 def _validate_request(original, req, enable_overlap):

@@ -66,42 +66,67 @@ class DDTreeSpec(CustomSpecAlgo):
 def validate_server_args(server_args: Any) -> None:
     """Reject what DDTREE does not support, naming the flag and the fix (runs at startup)."""
     view = compat.resolved(server_args)
-    _require(view.speculative_draft_model_path is not None,
-             "DDTREE needs --speculative-draft-model-path (a DFlash draft checkpoint).")
-    _require(str(view.device).startswith("cuda"),
-             f"DDTREE runs on CUDA GPUs only, got --device {view.device}.")
+    _require(
+        view.speculative_draft_model_path is not None,
+        "DDTREE needs --speculative-draft-model-path (a DFlash draft checkpoint).",
+    )
+    _require(
+        str(view.device).startswith("cuda"),
+        f"DDTREE runs on CUDA GPUs only, got --device {view.device}.",
+    )
     prefill, decode = compat.attention_backends(server_args)
-    _require(prefill == "flashinfer" and decode == "flashinfer",
-             f"DDTREE verifies trees with FlashInfer custom masks: pass --attention-backend "
-             f"flashinfer (got prefill={prefill!r}, decode={decode!r}).")
-    _require(view.page_size in (None, 1),
-             f"DDTREE needs --page-size 1, got {view.page_size}.")
-    _require(not view.speculative_use_rejection_sampling,
-             "DDTREE verifies with target-only tree sampling; drop "
-             "--speculative-use-rejection-sampling.")
+    _require(
+        prefill == "flashinfer" and decode == "flashinfer",
+        f"DDTREE verifies trees with FlashInfer custom masks: pass --attention-backend "
+        f"flashinfer (got prefill={prefill!r}, decode={decode!r}).",
+    )
+    _require(view.page_size in (None, 1), f"DDTREE needs --page-size 1, got {view.page_size}.")
+    _require(
+        not view.speculative_use_rejection_sampling,
+        "DDTREE verifies with target-only tree sampling; drop "
+        "--speculative-use-rejection-sampling.",
+    )
     for flag in ("speculative_accept_threshold_single", "speculative_accept_threshold_acc"):
         value = getattr(view, flag)
-        _require(value is None or float(value) >= 1.0,
-                 f"--{flag.replace('_', '-')} {value} makes sampling lossy; DDTREE keeps the "
-                 f"target distribution exactly: leave it at 1.0.")
-    _require(int(view.tokenizer_worker_num or 1) == 1,
-             f"DDTREE needs --tokenizer-worker-num 1 (SGLang does not load plugins in extra "
-             f"tokenizer workers), got {view.tokenizer_worker_num}.")
-    _require(not view.enable_dp_attention,
-             "DDTREE does not support --enable-dp-attention yet; drop the flag.")
-    _require(int(view.pp_size) == 1,
-             f"DDTREE does not support pipeline parallelism: use --pp-size 1, got {view.pp_size}.")
-    _require(int(view.tp_size) == 1,
-             f"DDTREE's draft head runs on one GPU: use --tp-size 1, got {view.tp_size}.")
-    _require(not (view.enable_linear_replayssm or view.enable_linear_replayssm_spec),
-             "ReplaySSM verifies chains only; drop --enable-linear-replayssm(-spec) for DDTREE.")
-    _require(not view.speculative_adaptive,
-             "DDTREE uses a fixed node budget: drop --speculative-adaptive.")
-    _require(view.speculative_draft_window_size is None,
-             "DDTREE does not support --speculative-draft-window-size yet; drop the flag.")
-    _require(str(view.disaggregation_mode) in ("null", "None"),
-             f"DDTREE does not support PD disaggregation (--disaggregation-mode "
-             f"{view.disaggregation_mode}).")
+        _require(
+            value is None or float(value) >= 1.0,
+            f"--{flag.replace('_', '-')} {value} makes sampling lossy; DDTREE keeps the "
+            f"target distribution exactly: leave it at 1.0.",
+        )
+    _require(
+        int(view.tokenizer_worker_num or 1) == 1,
+        f"DDTREE needs --tokenizer-worker-num 1 (SGLang does not load plugins in extra "
+        f"tokenizer workers), got {view.tokenizer_worker_num}.",
+    )
+    _require(
+        not view.enable_dp_attention,
+        "DDTREE does not support --enable-dp-attention yet; drop the flag.",
+    )
+    _require(
+        int(view.pp_size) == 1,
+        f"DDTREE does not support pipeline parallelism: use --pp-size 1, got {view.pp_size}.",
+    )
+    _require(
+        int(view.tp_size) == 1,
+        f"DDTREE's draft head runs on one GPU: use --tp-size 1, got {view.tp_size}.",
+    )
+    _require(
+        not (view.enable_linear_replayssm or view.enable_linear_replayssm_spec),
+        "ReplaySSM verifies chains only; drop --enable-linear-replayssm(-spec) for DDTREE.",
+    )
+    _require(
+        not view.speculative_adaptive,
+        "DDTREE uses a fixed node budget: drop --speculative-adaptive.",
+    )
+    _require(
+        view.speculative_draft_window_size is None,
+        "DDTREE does not support --speculative-draft-window-size yet; drop the flag.",
+    )
+    _require(
+        str(view.disaggregation_mode) in ("null", "None"),
+        f"DDTREE does not support PD disaggregation (--disaggregation-mode "
+        f"{view.disaggregation_mode}).",
+    )
     resolve_config(server_args)  # flag ranges (N, B, K) fail here, before any model loads
 
 
@@ -140,7 +165,10 @@ def apply_server_args(server_args: Any, draft_block_size: int | None = -1) -> DD
         logger.warning("DDTREE: --enable-mixed-chunk is turned off (not supported).")
     logger.info(
         "DDTREE: block size B=%d, tree nodes N=%d (budget %d), topk K=%d",
-        cfg.block_size, cfg.num_nodes, cfg.budget, cfg.topk,
+        cfg.block_size,
+        cfg.num_nodes,
+        cfg.budget,
+        cfg.topk,
     )
     return cfg
 

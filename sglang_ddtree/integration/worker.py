@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 
 import torch
 from sglang.kernels.ops.speculative.dflash import _prepare_dflash_draft_block_unchecked
@@ -44,6 +45,23 @@ from sglang_ddtree.integration.verify_input import make_verify_input
 
 logger = logging.getLogger(__name__)
 
+# SGLANG_DDTREE_SYNC_CHECK=1: run DDTREE's own per-round code under torch's sync debug mode
+# ("warn"; the GPU tests fail on any such warning). SGLang's own calls are left out.
+_SYNC_CHECK = os.environ.get("SGLANG_DDTREE_SYNC_CHECK", "0") == "1"
+
+
+@contextlib.contextmanager
+def own_code():
+    if not _SYNC_CHECK:
+        yield
+        return
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+
 
 class DDTreeWorker(DFlashWorkerV2):
     def __init__(self, server_args, gpu_id, ps, nccl_port, target_worker):
@@ -66,7 +84,10 @@ class DDTreeWorker(DFlashWorkerV2):
         if self.ps.tp_rank == 0:
             logger.info(
                 "DDTREE worker ready: B=%d, N=%d (budget %d), K=%d, draft head for bs<=%d",
-                self.cfg.block_size, self.cfg.num_nodes, self.cfg.budget, self.cfg.topk,
+                self.cfg.block_size,
+                self.cfg.num_nodes,
+                self.cfg.budget,
+                self.cfg.topk,
                 self._tree_head.max_bs,
             )
 
@@ -108,19 +129,28 @@ class DDTreeWorker(DFlashWorkerV2):
         batch.seq_lens.record_stream(torch.get_device_module(self.device).current_stream())
 
         block = self._draft(batch, draft_input)  # draft + build (one graph replay)
-        tree = self._tree_head.tree(len(batch.seq_lens))
-        batch.spec_info = make_verify_input(
-            self.cfg, tree.tokens, tree.depth, tree.first_child, tree.next_sibling,
-            tree.visibility, batch.seq_lens, self._seq_lens_sum_bound(batch, draft_input),
-        )
+        with own_code():
+            tree = self._tree_head.tree(len(batch.seq_lens))
+            batch.spec_info = make_verify_input(
+                self.cfg,
+                tree.tokens,
+                tree.depth,
+                tree.first_child,
+                tree.next_sibling,
+                tree.visibility,
+                batch.seq_lens,
+                self._seq_lens_sum_bound(batch, draft_input),
+            )
         result = self._verify_accept_commit(batch, grammar_barrier)
         batch.spec_info = draft_input
         if on_publish is not None:
             on_publish(result.new_seq_lens)
-        self._commit_draft_context(result, *block)
-        result.next_draft_input = make_draft_input_v2(
-            bonus_tokens=result.next_draft_input.bonus_tokens, new_seq_lens=result.new_seq_lens
-        )
+        with own_code():
+            self._commit_draft_context(result, *block)
+            result.next_draft_input = make_draft_input_v2(
+                bonus_tokens=result.next_draft_input.bonus_tokens,
+                new_seq_lens=result.new_seq_lens,
+            )
         return result
 
     # -- step 1 + 2: draft the block, build the tree -----------------------------------------
@@ -131,18 +161,10 @@ class DDTreeWorker(DFlashWorkerV2):
         block_ids = self._draft_block_ids_buf[:bs]  # [bs, B]: bonus, MASK x (B-1)
         positions = self._draft_block_positions_buf[:bs]  # [bs, B]: seq_len + 0..B-1
         cache_loc = self._draft_verify_out_cache_loc_buf[:bs]  # [bs, B]: req_to_token slots
-        _prepare_dflash_draft_block_unchecked(
-            bonus_tokens=draft_input.bonus_tokens.view(-1),
-            prefix_lens=batch.seq_lens.view(-1),
-            req_pool_indices=batch.req_pool_indices.view(-1),
-            req_to_token=self.model_runner.req_to_token_pool.req_to_token,
-            block_ids_out=block_ids,
-            positions_out=positions,
-            cache_loc_out=cache_loc,
-            mask_token_id=int(self._mask_token_id),
-        )
-        embed = self.target_worker.model_runner.model.get_input_embeddings()
-        input_embeds = embed(block_ids).view(bs * B, -1)
+        with own_code():
+            self._prepare_block(batch, draft_input, block_ids, positions, cache_loc)
+            embed = self.target_worker.model_runner.model.get_input_embeddings()
+            input_embeds = embed(block_ids).view(bs * B, -1)
         seq_lens_cpu = self._draft_seq_lens_cpu_buf[:bs]  # host bound: committed + one block
         seq_lens_cpu.copy_(self._host_seq_lens(batch, draft_input))
         seq_lens_cpu.add_(B)
@@ -164,8 +186,22 @@ class DDTreeWorker(DFlashWorkerV2):
         with torch.inference_mode():
             draft_out = self.draft_model_runner.forward(forward_batch)
             if not draft_out.can_run_graph:  # the graph ran the head already
-                self._tree_head(draft_out.logits_output.hidden_states, block_ids.flatten())
+                with own_code():
+                    self._tree_head(draft_out.logits_output.hidden_states, block_ids.flatten())
         return positions, cache_loc
+
+    def _prepare_block(self, batch, draft_input, block_ids, positions, cache_loc) -> None:
+        """block_ids = [bonus, MASK...], positions = seq_len + 0..B-1, cache_loc from req_to_token."""
+        _prepare_dflash_draft_block_unchecked(
+            bonus_tokens=draft_input.bonus_tokens.view(-1),
+            prefix_lens=batch.seq_lens.view(-1),
+            req_pool_indices=batch.req_pool_indices.view(-1),
+            req_to_token=self.model_runner.req_to_token_pool.req_to_token,
+            block_ids_out=block_ids,
+            positions_out=positions,
+            cache_loc_out=cache_loc,
+            mask_token_id=int(self._mask_token_id),
+        )
 
     # -- step 3 + 4 + 5a: verify, accept, commit target state --------------------------------
     def _verify_accept_commit(self, batch, grammar_barrier):

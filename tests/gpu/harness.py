@@ -1,0 +1,169 @@
+"""Launch SGLang servers on tiny seeded checkpoints and talk to them over HTTP (GPU tests only).
+
+Plain Python (no pytest) so scripts can reuse it. Every server writes its log under `log_dir`;
+set OUT (the device tool's output folder) to get the logs back.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PROMPTS = [
+    "def fibonacci(n):",
+    "import os\nimport sys\n\n",
+    "class LinkedList:\n    def __init__(self):",
+    "# Parse the command line arguments",
+    "for i in range(10):\n    print(",
+    "def quicksort(items):\n    if len(items) <= 1:",
+    "The quick brown fox",
+    "Once upon a time, in a small village,",
+    "import numpy as np\nx = np.",
+    "with open('data.txt') as f:",
+    "try:\n    value = int(text)\nexcept",
+    "def __repr__(self):\n        return",
+    "SELECT name, age FROM users WHERE",
+    "async def fetch(session, url):",
+    "# TODO: handle the empty case",
+    "lambda x: x *",
+    "if __name__ == '__main__':",
+    "result = {key: value for key, value in",
+    "raise ValueError(f'unexpected",
+    "def test_addition():\n    assert",
+    "The capital of France is",
+    "while True:\n    line = input()",
+    "from dataclasses import dataclass\n\n@dataclass\nclass Point:",
+    "logger = logging.getLogger(__name__)",
+    "def merge(a, b):\n    out = []",
+    "x = [1, 2, 3]\ny = [",
+    "Hello, my name is",
+    "return sorted(items, key=lambda",
+    'def read_config(path):\n    """Read',
+    "numbers = list(map(int,",
+    "yield from",
+    "print('done')",
+]
+
+
+@dataclass
+class Server:
+    name: str
+    model_path: str
+    port: int
+    args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen | None = None
+    log_path: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, log_dir: Path) -> None:
+        self.log_path = Path(log_dir) / f"server_{self.name}.log"
+        cmd = [
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            self.model_path,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *self.args,
+        ]
+        self.log_path.write_text("$ " + " ".join(cmd) + "\n")
+        log = open(self.log_path, "a")  # noqa: SIM115 - lives as long as the server
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **self.env},
+            start_new_session=True,
+        )
+
+    def wait_healthy(self, timeout: float) -> float:
+        start = time.time()
+        while time.time() - start < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server {self.name} exited: see {self.log_path}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return time.time() - start
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(2)
+        raise TimeoutError(f"server {self.name} not healthy after {timeout}s")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path else ""
+
+
+def post(url: str, payload: dict, timeout: float = 600) -> tuple[int, dict]:
+    req = urllib.request.Request(
+        url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        body = e.read().decode(errors="replace")
+        try:
+            return e.code, json.loads(body)
+        except json.JSONDecodeError:
+            return e.code, {"raw": body}
+
+
+def get(url: str, timeout: float = 60) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, {"raw": e.read().decode(errors="replace")}
+
+
+def generate(server: Server, prompt: str, **sampling) -> dict:
+    status, out = post(server.url + "/generate", {"text": prompt, "sampling_params": sampling})
+    if status != 200:
+        raise RuntimeError(f"{server.name} /generate {status}: {out}")
+    return out
+
+
+def chat(server: Server, prompt: str, **params) -> dict:
+    payload = {"model": "x", "messages": [{"role": "user", "content": prompt}], **params}
+    status, out = post(server.url + "/v1/chat/completions", payload)
+    if status != 200:
+        raise RuntimeError(f"{server.name} chat {status}: {out}")
+    return out
+
+
+def run_all(fn, items, concurrency: int) -> list:
+    """fn(item) for every item with `concurrency` requests in flight; results in item order."""
+    with cf.ThreadPoolExecutor(max_workers=concurrency) as pool:
+        return list(pool.map(fn, items))
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))

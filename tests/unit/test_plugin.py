@@ -1,0 +1,289 @@
+"""The SGLang plugin on CPU: registration, version gate, the spec class against 0.5.17's scheduler
+calls, flag validation and defaults, runtime hooks. Needs sglang 0.5.17's Python code installed
+(--no-deps); no GPU."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import inspect
+import json
+import logging
+import types
+
+import pytest
+
+pytest.importorskip("sglang.srt.speculative.spec_info")
+
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
+
+from sglang_ddtree import plugin  # noqa: E402
+from sglang_ddtree.config import DDTreeConfigError  # noqa: E402
+from sglang_ddtree.integration import compat, hooks, spec  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def registered():
+    plugin.register()
+    return SpeculativeAlgorithm.from_string("DDTREE")
+
+
+def test_register_is_idempotent_and_resolves(registered):
+    plugin.register()  # a second call (another load_plugins) must not raise
+    assert isinstance(registered, spec.DDTreeSpec)
+    assert SpeculativeAlgorithm.from_string("ddtree") is registered
+    assert registered.is_dflash_family() and not registered.is_dflash()
+    assert registered.supports_target_verify_for_draft()
+    assert registered.supports_overlap
+
+
+def test_entry_point_is_declared():
+    eps = importlib.metadata.entry_points(group="sglang.srt.plugins")
+    assert {ep.name: ep.value for ep in eps}.get("ddtree") == "sglang_ddtree.plugin:register"
+
+
+def test_sglang_load_plugins_registers_ddtree():
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    assert isinstance(SpeculativeAlgorithm.from_string("DDTREE"), spec.DDTreeSpec)
+
+
+def test_spec_class_has_every_method_the_scheduler_calls(registered):
+    """Every instance method of the SpeculativeAlgorithm enum (what scheduler code calls on any
+    algorithm) exists on DDTreeSpec with a compatible signature; CustomSpecAlgo alone lacks some."""
+    for name, member in vars(SpeculativeAlgorithm).items():
+        if name.startswith("_") or not inspect.isfunction(member):
+            continue
+        ours = getattr(registered, name, None)
+        assert callable(ours), f"DDTreeSpec lacks {name}()"
+        enum_params = list(inspect.signature(member).parameters)[1:]
+        our_params = list(inspect.signature(ours).parameters)
+        assert our_params[: len(enum_params)] == enum_params, name
+    assert registered.carries_draft_hidden_states() is False
+    assert registered.need_topk() is False
+
+
+def test_verify_widths(registered, monkeypatch):
+    import sglang.srt.runtime_context as rc
+
+    monkeypatch.setattr(
+        rc, "get_spec", lambda: types.SimpleNamespace(speculative_dflash_block_size=16)
+    )
+    assert registered.get_num_tokens_per_req_for_target_verify(48, is_draft_worker=True) == 16
+    assert registered.get_num_tokens_per_req_for_target_verify(48, is_draft_worker=False) == 48
+
+
+def test_version_gate():
+    assert compat.check_sglang_version("0.5.17") == "0.5.17"
+    with pytest.raises(compat.UnsupportedSGLangVersion, match="0.5.17"):
+        compat.check_sglang_version("0.5.23")
+
+
+def test_registration_failure_is_loud(monkeypatch, caplog):
+    def refuse(version=None):
+        raise compat.UnsupportedSGLangVersion("sglang 9.9 is not supported")
+
+    monkeypatch.setattr(compat, "check_sglang_version", refuse)
+    with caplog.at_level(logging.ERROR), pytest.raises(compat.UnsupportedSGLangVersion):
+        plugin.register()
+    assert "DDTREE is NOT available" in caplog.text and "9.9" in caplog.text
+
+
+# ------------------------------------------------------------------------------ flags
+
+
+@pytest.fixture
+def draft_dir(tmp_path):
+    cfg = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "num_target_layers": 4,
+        "block_size": 16,
+        "dflash_config": {"mask_token_id": 3, "target_layer_ids": [1, 2]},
+    }
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return tmp_path
+
+
+def _server_args(draft_dir, **overrides):
+    """A stand-in with every real ServerArgs field at its default (so typos fail loudly)."""
+    from sglang.srt.server_args import ServerArgs
+
+    values = {}
+    for f in dataclasses.fields(ServerArgs):
+        if f.default is not dataclasses.MISSING:
+            values[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            values[f.name] = f.default_factory()
+        else:
+            values[f.name] = None
+    values.update(
+        model_path="target",
+        device="cuda",
+        attention_backend="flashinfer",
+        speculative_algorithm="DDTREE",
+        speculative_draft_model_path=str(draft_dir),
+    )
+    values.update(overrides)
+    return types.SimpleNamespace(**values)
+
+
+def test_defaults_when_only_the_draft_is_given(draft_dir):
+    sa = _server_args(draft_dir)
+    spec.validate_server_args(sa)
+    cfg = spec.apply_server_args(sa)
+    assert (cfg.block_size, cfg.num_nodes, cfg.topk) == (16, 32, 8)
+    assert sa.speculative_num_draft_tokens == 32 and sa.speculative_eagle_topk == 8
+    assert sa.speculative_dflash_block_size == 16 and sa.speculative_num_steps == 1
+    assert sa.speculative_draft_attention_backend == "flashinfer"
+    assert sa.max_running_requests == 16
+
+
+def test_explicit_flags_are_kept(draft_dir):
+    sa = _server_args(
+        draft_dir, speculative_num_draft_tokens=64, speculative_eagle_topk=4, max_running_requests=8
+    )
+    spec.validate_server_args(sa)
+    cfg = spec.apply_server_args(sa)
+    assert (cfg.num_nodes, cfg.topk, cfg.budget) == (64, 4, 63)
+    assert sa.max_running_requests == 8
+
+
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        (dict(speculative_draft_model_path=None), "--speculative-draft-model-path"),
+        (dict(attention_backend="fa3"), "--attention-backend flashinfer"),
+        (dict(decode_attention_backend="triton"), "--attention-backend flashinfer"),
+        (dict(device="cpu"), "CUDA"),
+        (dict(page_size=16), "--page-size 1"),
+        (dict(speculative_use_rejection_sampling=True), "--speculative-use-rejection-sampling"),
+        (dict(speculative_accept_threshold_single=0.5), "speculative-accept-threshold-single"),
+        (dict(speculative_accept_threshold_acc=0.9), "speculative-accept-threshold-acc"),
+        (dict(tokenizer_worker_num=2), "--tokenizer-worker-num 1"),
+        (dict(enable_dp_attention=True), "--enable-dp-attention"),
+        (dict(pp_size=2), "--pp-size 1"),
+        (dict(tp_size=2), "--tp-size 1"),
+        (dict(enable_linear_replayssm_spec=True), "replayssm"),
+        (dict(speculative_adaptive=True), "--speculative-adaptive"),
+        (dict(speculative_draft_window_size=256), "--speculative-draft-window-size"),
+        (dict(speculative_eagle_topk=1), "--speculative-eagle-topk >= 2, got 1"),
+        (dict(speculative_num_draft_tokens=8), "N=8 < B=16"),
+        (dict(speculative_num_draft_tokens=4096), "exceeds"),
+        (dict(speculative_dflash_block_size=8), "block_size 16"),
+        (dict(speculative_num_draft_tokens="many"), "must be an integer"),
+    ],
+)
+def test_unsupported_flags_name_the_flag_and_fix(draft_dir, overrides, words):
+    with pytest.raises(DDTreeConfigError) as err:
+        spec.validate_server_args(_server_args(draft_dir, **overrides))
+    assert words in str(err.value)
+
+
+def test_serve_command_flags_parse_into_the_fields_we_read(draft_dir):
+    """The README's serve command parses with SGLang's own CLI into what the validator reads."""
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    ns = parser.parse_args(
+        [
+            "--model-path",
+            "Qwen/Qwen3.6-27B",
+            "--speculative-algorithm",
+            "DDTREE",
+            "--speculative-draft-model-path",
+            str(draft_dir),
+            "--attention-backend",
+            "flashinfer",
+            "--speculative-num-draft-tokens",
+            "48",
+            "--speculative-eagle-topk",
+            "6",
+        ]
+    )
+    sa = _server_args(draft_dir, **{k: v for k, v in vars(ns).items() if v is not None})
+    spec.validate_server_args(sa)
+    cfg = spec.apply_server_args(sa)
+    assert (cfg.block_size, cfg.num_nodes, cfg.topk) == (16, 48, 6)
+
+
+# ------------------------------------------------------------------------------ hooks
+
+
+def _tokenizer_manager(algorithm):
+    return types.SimpleNamespace(server_args=types.SimpleNamespace(speculative_algorithm=algorithm))
+
+
+def _request(**sampling):
+    return types.SimpleNamespace(
+        return_logprob=sampling.pop("logprob", False), sampling_params=sampling
+    )
+
+
+@pytest.mark.parametrize(
+    "request_kwargs, words",
+    [
+        (dict(logprob=True, max_new_tokens=8), "logprobs"),
+        (dict(max_new_tokens=0), "at least 1, got 0"),
+        (dict(max_new_tokens=8, min_p=0.1), "min_p=0.1"),
+        (dict(max_new_tokens=8, repetition_penalty=1.2), "repetition_penalty=1.2"),
+        (dict(max_new_tokens=8, frequency_penalty=0.5), "frequency_penalty=0.5"),
+    ],
+)
+def test_front_end_rejects_what_ddtree_cannot_serve_exactly(request_kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        hooks._reject_unsupported(_tokenizer_manager("DDTREE"), _request(**request_kwargs), [1])
+
+
+def test_front_end_accepts_plain_requests_and_other_algorithms():
+    ok = _request(
+        max_new_tokens=8,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=20,
+        min_p=0.0,
+        repetition_penalty=1.0,
+        frequency_penalty=0.0,
+        presence_penalty=0.0,
+    )
+    assert hooks._reject_unsupported(_tokenizer_manager("DDTREE"), ok, [1]) is None
+    bad = _request(logprob=True, max_new_tokens=0)
+    assert hooks._reject_unsupported(_tokenizer_manager("DFLASH"), bad, [1]) is None
+
+
+def test_dummy_inputs_have_the_right_width_and_fields(registered, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(
+        hooks,
+        "_config",
+        lambda: spec.DDTreeConfig(block_size=16, num_nodes=32, topk=4),
+    )
+    mask = torch.ones(8, dtype=torch.bool)
+    draft = hooks._dummy_verify_input(None, registered, None, mask, 16, True)
+    assert draft.draft_token_num == 16 and draft.custom_mask is None
+    target = hooks._dummy_verify_input(None, registered, None, mask, 32, False)
+    assert target.draft_token_num == 32 and target.custom_mask is mask
+    assert target.retrieve_next_token is None  # GDN reads the attribute: it must exist
+    assert target.max_tree_depth == 16 and target.topk == 4
+    sentinel = object()
+    other = hooks._dummy_verify_input(lambda *a: sentinel, SpeculativeAlgorithm.EAGLE, 0, 0, 0, 0)
+    assert other is sentinel
+
+
+def test_worker_module_imports_against_installed_sglang():
+    """Every SGLang symbol the worker uses exists in the installed release."""
+    from sglang_ddtree.integration import worker
+
+    assert issubclass(worker.DDTreeWorker, worker.DFlashWorkerV2)

@@ -1,0 +1,74 @@
+"""The DraftTree -> SGLang EAGLE verify layout (FULL custom mask, positions, retrieve links) and the
+draft head that builds trees inside the draft graph; pure torch on CPU."""
+
+from __future__ import annotations
+
+import torch
+
+from sglang_ddtree.config import DDTreeConfig
+from sglang_ddtree.integration import tree_layout
+from sglang_ddtree.integration.draft_head import DraftTreeHead
+from sglang_ddtree.tree import build_tree, build_tree_reference, topk_logprobs_from_logits
+
+
+def _random_trees(bs: int, L: int, K: int, budget: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(bs, L, 50, generator=g)
+    ids, lps = topk_logprobs_from_logits(logits, K)
+    root = torch.randint(0, 50, (bs,), generator=g)
+    return build_tree(root, ids, lps, budget)
+
+
+def _naive_full_mask(visibility: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
+    rows = []
+    for b, S in enumerate(seq_lens):
+        for i in range(visibility.shape[1]):
+            rows.append(torch.ones(S, dtype=torch.bool))
+            rows.append(visibility[b, i])
+    return torch.cat(rows)
+
+
+def test_full_mask_matches_a_row_by_row_construction():
+    for seed in range(20):
+        g = torch.Generator().manual_seed(seed)
+        bs = int(torch.randint(1, 5, (1,), generator=g))
+        tree = _random_trees(
+            bs, L=6, K=3, budget=int(torch.randint(1, 40, (1,), generator=g)), seed=seed
+        )
+        seq_lens = torch.randint(1, 30, (bs,), generator=g)
+        N = tree.num_nodes
+        size = tree_layout.full_mask_size(N, bs, int(seq_lens.sum()))
+        out = torch.zeros(size + 7, dtype=torch.bool)  # over-sized buffers are allowed
+        tree_layout.write_full_mask(tree.visibility, seq_lens, out)
+        expected = _naive_full_mask(tree.visibility, seq_lens.tolist())
+        assert torch.equal(out[:size], expected)
+
+
+def test_positions_and_retrieve_index():
+    tree = _random_trees(3, L=5, K=2, budget=9, seed=1)
+    seq_lens = torch.tensor([4, 10, 7])
+    pos = tree_layout.node_positions(tree.depth, seq_lens).view(3, -1)
+    assert torch.equal(pos, seq_lens[:, None] + tree.depth)
+    assert torch.equal(pos[:, 0], seq_lens)  # the root sits at the committed length
+    idx = tree_layout.retrieve_index(3, tree.num_nodes, torch.device("cpu"))
+    assert idx[2, 0].item() == 2 * tree.num_nodes and idx[1, 3].item() == tree.num_nodes + 3
+
+
+def test_draft_head_builds_the_reference_tree_from_block_hidden_states():
+    torch.manual_seed(0)
+    cfg = DDTreeConfig(block_size=6, num_nodes=12, topk=3)
+    V, H, bs = 40, 16, 3
+    weight = torch.randn(V + 8, H)  # padded LM head: only the first V rows are tokens
+    head = DraftTreeHead(lm_head_weight=weight, vocab_size=V, cfg=cfg, max_bs=5)
+    hidden = torch.randn(bs * cfg.block_size, H)
+    input_ids = torch.randint(0, V, (bs * cfg.block_size,))
+    head(hidden, input_ids)
+
+    logits = hidden.view(bs, cfg.block_size, H)[:, 1:] @ weight[:V].T
+    ids, lps = topk_logprobs_from_logits(logits.float(), cfg.topk)
+    root = input_ids.view(bs, cfg.block_size)[:, 0]
+    expected = build_tree_reference(root, ids, lps, cfg.budget)
+    got = head.tree(bs)
+    for name in expected._fields:
+        assert torch.equal(getattr(got, name), getattr(expected, name)), name
+    assert int(got.tokens.max()) < V
