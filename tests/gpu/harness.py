@@ -61,48 +61,50 @@ class Server:
     port: int
     args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    log_dir: Path = Path("/tmp")
     proc: subprocess.Popen | None = None
-    log_path: Path | None = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, log_dir: Path) -> None:
-        self.log_path = Path(log_dir) / f"server_{self.name}.log"
-        cmd = [
-            sys.executable,
-            "-m",
-            "sglang.launch_server",
-            "--model-path",
-            self.model_path,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
+    @property
+    def log_path(self) -> Path:
+        return Path(self.log_dir) / f"server_{self.name}.log"
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable, "-m", "sglang.launch_server",
+            "--model-path", self.model_path, "--host", "127.0.0.1", "--port", str(self.port),
             *self.args,
-        ]
+        ]  # fmt: skip
+
+    def start(self, detach: bool = False) -> None:
+        """Start the server; `detach` puts it in its own session so it outlives this process."""
+        cmd = self.command()
         self.log_path.write_text("$ " + " ".join(cmd) + "\n")
         log = open(self.log_path, "a")  # noqa: SIM115 - lives as long as the server
         self.proc = subprocess.Popen(
-            cmd,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **self.env},
+            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
             start_new_session=True,
-        )
+        )  # fmt: skip
+        if detach:
+            self.proc = None  # not ours to wait for; found again through its port
+
+    def is_healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
 
     def wait_healthy(self, timeout: float) -> float:
         start = time.time()
         while time.time() - start < timeout:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server {self.name} exited: see {self.log_path}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        return time.time() - start
-            except (urllib.error.URLError, OSError):
-                pass
+            if self.is_healthy():
+                return time.time() - start
+            if not self.is_alive():
+                raise RuntimeError(f"server {self.name} exited: {self.log_text()[-3000:]}")
             time.sleep(2)
         raise TimeoutError(f"server {self.name} not healthy after {timeout}s")
 
@@ -114,8 +116,18 @@ class Server:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
 
+    def is_alive(self) -> bool:
+        if self.proc is not None:
+            return self.proc.poll() is None
+        pattern = f"--port {self.port} "
+        found = subprocess.run(["pgrep", "-f", "--", pattern], capture_output=True, check=False)
+        return found.returncode == 0
+
+    def stop_by_port(self) -> None:
+        subprocess.run(["pkill", "-f", "--", f"--port {self.port} "], check=False)
+
     def log_text(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path else ""
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
 
 def post(url: str, payload: dict, timeout: float = 600) -> tuple[int, dict]:

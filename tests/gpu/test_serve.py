@@ -22,81 +22,31 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("sglang")
 
-from sglang_ddtree.testing import tiny  # noqa: E402
 from tests.gpu import harness  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-MODELS = ("qwen3", "qwen35")
-NEW_TOKENS = 128
-NUM_NODES, TOPK = 32, 4
-COMMON = [
-    "--attention-backend",
-    "flashinfer",
-    "--dtype",
-    "bfloat16",
-    "--mem-fraction-static",
-    "0.05",
-    "--max-running-requests",
-    "16",
-    "--cuda-graph-max-bs",
-    "16",
-    "--context-length",
-    "2048",
-]
-ENV = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1", "SGLANG_DDTREE_SYNC_CHECK": "1"}
-
-
-def _ddtree_args(draft: Path) -> list[str]:
-    return [
-        "--speculative-algorithm",
-        "DDTREE",
-        "--speculative-draft-model-path",
-        str(draft),
-        "--speculative-num-draft-tokens",
-        str(NUM_NODES),
-        "--speculative-eagle-topk",
-        str(TOPK),
-    ]
-
-
-VARIANTS = {
-    "base": lambda draft: [],
-    "ddtree": _ddtree_args,
-    "ddtree_sync": lambda draft: [*_ddtree_args(draft), "--disable-overlap-schedule"],
-}
-
-
-def _write_pair(root: Path, model: str) -> tuple[Path, Path]:
-    target = root / model
-    writer = tiny.write_tiny_qwen3 if model == "qwen3" else tiny.write_tiny_qwen35
-    writer(target, seed=0)
-    draft = tiny.write_tiny_dflash(root / f"{model}-dflash", target, seed=1)
-    return target, draft
+from tests.gpu.servers import MODELS, NEW_TOKENS, server_set  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def servers():
-    root = Path(tempfile.mkdtemp(prefix="ddtree-gpu-"))
-    log_dir = Path(os.environ.get("OUT", root))
-    started = {}
-    try:
-        port = 31000
-        for model in MODELS:
-            target, draft = _write_pair(root, model)
-            for variant, extra in VARIANTS.items():
-                name = f"{model}-{variant}"
-                server = harness.Server(name, str(target), port, [*COMMON, *extra(draft)], ENV)
-                server.start(log_dir)
-                started[name] = server
-                port += 10
+    """The server set of tests/gpu/servers.py: reused when already running, else started here."""
+    root = Path(os.environ.get("DDTREE_GPU_ROOT", tempfile.mkdtemp(prefix="ddtree-gpu-")))
+    started = server_set(root)
+    reuse = all(s.is_healthy() for s in started.values())
+    if not reuse:
+        for server in started.values():
+            server.start()
         for server in started.values():
             server.wait_healthy(timeout=900)
-        yield started
-    finally:
-        for server in started.values():
+    yield started
+    out = os.environ.get("OUT")
+    for server in started.values():
+        if out and server.log_path and server.log_path.exists():
+            shutil.copy(server.log_path, Path(out) / server.log_path.name)
+        if not reuse:
             server.stop()
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def _greedy_ids(server, concurrency: int) -> list[list[int]]:
