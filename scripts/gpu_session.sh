@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# On the GPU device (see ../shared/gpu/README.md): after the bundle parts are stashed,
+#   bash scripts/gpu_session.sh start [WAIT_S]   unpack sglang, install this package, start the
+#                                                GPU test servers detached, wait until healthy
+#   bash scripts/gpu_session.sh test [PYTEST ARGS]  run tests/gpu against the running servers
+#   bash scripts/gpu_session.sh stop
+# Logs and results are copied to $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+eval "$(bash .gpu/device.sh env)" || exit 1
+ROOT=${DDTREE_GPU_ROOT:-/root/ddtree-gpu}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/pip.log" 2>&1 \
+  || { cat "$OUT/pip.log"; exit 1; }
+case "${1:-}" in
+  start)
+    nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+    python3 -m tests.gpu.servers start "$ROOT" "${2:-520}"; rc=$?
+    tail -n 30 "$ROOT"/logs/*.log > "$OUT/server_tails.txt" 2>/dev/null
+    cp "$ROOT"/logs/*.log "$OUT/" 2>/dev/null
+    exit $rc ;;
+  test)
+    shift
+    DDTREE_GPU_ROOT="$ROOT" python3 -m pytest tests/gpu -m gpu -q -rA "$@" 2>&1 | tee "$OUT/pytest.log"
+    rc=${PIPESTATUS[0]}
+    cp "$ROOT"/logs/*.log "$OUT/" 2>/dev/null
+    exit $rc ;;
+  stop) python3 -m tests.gpu.servers stop "$ROOT" ;;
+  *) echo "usage: gpu_session.sh start|test|stop" >&2; exit 2 ;;
+esac
