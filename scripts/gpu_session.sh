@@ -17,13 +17,13 @@ case "${1:-}" in
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
     python3 -m tests.gpu.servers start "$ROOT" "${2:-520}"; rc=$?
     tail -n 30 "$ROOT"/logs/*.log > "$OUT/server_tails.txt" 2>/dev/null
-    cp "$ROOT"/logs/*.log "$OUT/" 2>/dev/null
+    tar czf "$OUT/logs.tgz" -C "$ROOT/logs" . 2>/dev/null
     exit $rc ;;
   test)
     shift
     DDTREE_GPU_ROOT="$ROOT" python3 -m pytest tests/gpu -m gpu -q -rA "$@" 2>&1 | tee "$OUT/pytest.log"
     rc=${PIPESTATUS[0]}
-    cp "$ROOT"/logs/*.log "$OUT/" 2>/dev/null
+    tar czf "$OUT/logs.tgz" -C "$ROOT/logs" . 2>/dev/null
     exit $rc ;;
   stop) python3 -m tests.gpu.servers stop "$ROOT" ;;
   *) echo "usage: gpu_session.sh start|test|stop" >&2; exit 2 ;;

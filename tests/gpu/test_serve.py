@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import os
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -40,12 +39,9 @@ def servers():
             server.start()
         for server in started.values():
             server.wait_healthy(timeout=900)
-    yield started
-    out = os.environ.get("OUT")
-    for server in started.values():
-        if out and server.log_path and server.log_path.exists():
-            shutil.copy(server.log_path, Path(out) / server.log_path.name)
-        if not reuse:
+    yield started  # logs stay in ROOT/logs (scripts/gpu_session.sh archives them to $OUT)
+    if not reuse:
+        for server in started.values():
             server.stop()
 
 
