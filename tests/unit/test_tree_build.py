@@ -242,6 +242,7 @@ def test_topk_logprobs_from_logits():
 
 # --- no host synchronisation ------------------------------------------------------------------
 
+
 def test_static_graph_detector_catches_host_reads():
     x = torch.randn(3, 4)
     for bad in (lambda t: t + t.sum().item(), lambda t: t[t > 0], lambda t: t.nonzero()):
