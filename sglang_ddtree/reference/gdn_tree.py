@@ -1,6 +1,6 @@
 """Gated DeltaNet over a draft tree: every node continues from its parent's state.
 
-A recurrent layer cannot be told apart branches by an attention mask. Here each node's causal
+An attention mask cannot keep branches apart inside a recurrent layer. Here each node's causal
 conv window is gathered from its own root-to-node chain (self + kernel-1 ancestors, continuing
 into the committed conv window above the root), and each node's delta-rule recurrence starts
 from its parent's post-state (the root from the committed state). The result for every node is

@@ -24,7 +24,7 @@ from sglang_ddtree.reference.gdn_tree import gdn_tree_forward
 
 ATTENTION = "full_attention"
 GDN = "linear_attention"
-_MASK_FREE_ATTENTION = ("eager", "sdpa")
+_MASKED_ATTENTION_IMPLS = ("eager", "sdpa")  # take an arbitrary additive 4-D mask
 
 
 @dataclass
@@ -122,17 +122,22 @@ def _validate_tree(
 
 
 class HFTargetRunner:
-    """TargetRunner over a transformers model: prefill, tree verify, commit (batch 1)."""
+    """TargetRunner over a transformers model: prefill, tree verify, commit (batch 1).
+
+    Text-only prompts: every node's position is committed_len + depth, on all mrope sections.
+    tap_layer_ids follow HF's hidden_states[i + 1] (so the last layer's tap is final-normed).
+    """
 
     def __init__(self, model: nn.Module, tap_layer_ids: list[int]):
         self.model = model.eval()
         self.text_model = text_model(model)
         config = self.text_model.config
-        self.layer_types: list[str] = list(getattr(config, "layer_types", None) or [])
         self.num_layers: int = config.num_hidden_layers
-        self.layer_types = self.layer_types or [ATTENTION] * self.num_layers
+        layer_types = getattr(config, "layer_types", None) or [ATTENTION] * self.num_layers
+        self.layer_types: list[str] = list(layer_types)
         self.vocab_size: int = config.vocab_size
         self.hidden_size: int = config.hidden_size
+        self.max_position_embeddings: int = config.max_position_embeddings
         self.tap_layer_ids = list(tap_layer_ids)
         self._check_supported(config)
         self.cache = None
@@ -146,10 +151,10 @@ class HFTargetRunner:
                 f"HFTargetRunner supports {ATTENTION!r} and {GDN!r} layers, got {unknown}"
             )
         impl = config._attn_implementation
-        if ATTENTION in self.layer_types and impl not in _MASK_FREE_ATTENTION:
+        if ATTENTION in self.layer_types and impl not in _MASKED_ATTENTION_IMPLS:
             raise ValueError(
                 f"tree verify needs an attention implementation that takes a 4-D mask "
-                f"{_MASK_FREE_ATTENTION}, got {impl!r}: load with attn_implementation='sdpa'"
+                f"{_MASKED_ATTENTION_IMPLS}, got {impl!r}: load with attn_implementation='sdpa'"
             )
         bad = [t for t in self.tap_layer_ids if not 0 <= t < self.num_layers]
         if bad:
@@ -165,6 +170,10 @@ class HFTargetRunner:
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids [T] int64 -> (logits [T, V] float32, taps [T, n_taps * hidden]); fresh cache."""
+        if input_ids.ndim != 1 or input_ids.numel() == 0:
+            raise ValueError(
+                f"prefill needs a non-empty [T] prompt, got shape {tuple(input_ids.shape)}"
+            )
         out = self.model(input_ids=input_ids[None], use_cache=True, output_hidden_states=True)
         self.cache = out.past_key_values  # the model's own cache class, built by the model
         self.committed_len = input_ids.shape[0]
@@ -295,10 +304,13 @@ def plain_greedy_generate(
     model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int
 ) -> torch.Tensor:
     """input_ids [T] -> [max_new_tokens] int64: argmax decode, one cached token per forward."""
-    out = model(input_ids=input_ids[None], use_cache=True)
+    if max_new_tokens <= 0:
+        return input_ids.new_empty(0)
+    out = model(input_ids=input_ids[None], use_cache=True)  # the model builds its own cache
     cache, generated = out.past_key_values, []
     for _ in range(max_new_tokens):
         token = out.logits[0, -1].float().argmax()
         generated.append(token)
-        out = model(input_ids=token.view(1, 1), past_key_values=cache, use_cache=True)
-    return torch.stack(generated) if generated else input_ids.new_empty(0)
+        if len(generated) < max_new_tokens:
+            out = model(input_ids=token.view(1, 1), past_key_values=cache, use_cache=True)
+    return torch.stack(generated)
