@@ -1,7 +1,7 @@
 """DFlashDraftRunner: loading, config validation, block math vs independent references.
 
-Float tolerance (fp32 runner vs the float64 naive reference): atol 2e-4 on logits whose
-magnitude is O(1-10); the fp32 rounding of a few hundred-term dot products is ~1e-5.
+Float tolerance (fp32 runner vs the float64 naive reference): atol 5e-5 on logits of magnitude
+up to ~8; the measured fp32 error is ~7e-6.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from sglang_ddtree.reference.dflash import DFlashDraftRunner
 from sglang_ddtree.testing.tiny import write_tiny_dflash, write_tiny_qwen3
 
-LOGIT_ATOL = 2e-4
+LOGIT_ATOL = 5e-5
 N_CTX = 11
 
 
