@@ -5,10 +5,13 @@ the tokenizer is trained on a sorted list of stdlib files, weights come from `to
 (targets) or a seeded `torch.Generator` (DFlash drafts), and everything is stored in float32 so
 CPU tests can compare speculative decoding against plain decoding without bf16 noise.
 
-Initialisation: linear and embedding weights use std `init_std` (default 0.1, not the 0.02 of
-real checkpoints). With hidden sizes of 128, std 0.02 gives logits of std ~0.2, nearly uniform
-distributions whose argmax hinges on 1e-6 differences; std 0.1 gives peaked, non-degenerate
-next-token distributions with clear argmax gaps, which keeps greedy comparisons meaningful.
+Initialisation: every nn.Linear / nn.Embedding weight is redrawn from N(0, init_std) with
+init_std 0.2 by default (real checkpoints use 0.02). Measured on these 128-wide models: std 0.02
+gives near-uniform next-token distributions (median max-prob 0.002) and greedy decoding that
+falls into a 1-5 token loop; std 0.2 gives median max-prob ~0.12, 35+ distinct tokens in 40
+greedy steps and median top-1/top-2 logit gaps ~0.5, far above fp32 noise, so greedy
+comparisons between engines are meaningful. Other parameters (norms, GDN A_log / dt_bias,
+conv1d) keep transformers' init.
 
 The tokenizer's stdlib corpus depends on the Python version: checkpoints written on the GPU box
 (Python 3.12) and here (3.11) may differ in vocabulary; write them on the machine that uses them.

@@ -298,6 +298,10 @@ BAD_CONFIGS = {
         lambda c: c.update(use_sliding_window=False),
         "sliding_attention layers need config.sliding_window",
     ),
+    "gqa_heads": (
+        lambda c: c.update(num_key_value_heads=3),
+        "num_attention_heads=2 is not a multiple of num_key_value_heads=3",
+    ),
     "layer_types_length": (
         lambda c: c.update(layer_types=["full_attention"]),
         "one type per draft layer",
