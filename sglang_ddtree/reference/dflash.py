@@ -123,6 +123,11 @@ def parse_dflash_config(cfg: dict[str, Any]) -> DFlashConfig:
     text = cfg.get("text_config") or cfg
     dcfg = dict(cfg.get("dflash_config") or {})
     hidden, heads = int(text["hidden_size"]), int(text["num_attention_heads"])
+    kv_heads = int(text.get("num_key_value_heads") or heads)
+    if heads % kv_heads:
+        raise ValueError(
+            f"DFlash num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
+        )
     num_layers = int(text["num_hidden_layers"])
     if text.get("hidden_act", "silu") != "silu":
         raise ValueError(f"DFlash draft hidden_act={text['hidden_act']!r}; only 'silu' exists")
@@ -145,7 +150,7 @@ def parse_dflash_config(cfg: dict[str, Any]) -> DFlashConfig:
         hidden_size=hidden,
         num_layers=num_layers,
         num_heads=heads,
-        num_kv_heads=int(text.get("num_key_value_heads") or heads),
+        num_kv_heads=kv_heads,
         head_dim=int(text.get("head_dim") or hidden // heads),
         intermediate_size=int(text["intermediate_size"]),
         rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
