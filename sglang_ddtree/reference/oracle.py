@@ -14,6 +14,8 @@ from torch import nn
 
 from sglang_ddtree.reference.engine import generate_plain, model_limits
 
+MEMO_SIZE = 1024  # remembered (prefix -> truth, logits) entries
+
 
 class OracleDrafter:
     """DraftRunner (see base.py) backed by the target model itself.
@@ -53,6 +55,7 @@ class OracleDrafter:
         self._known: list[int] = []
         self._greedy_from = 0
         self._known_logits = torch.zeros(0, self.vocab_size)  # [len(_known), V]
+        self._memo: dict[tuple[int, ...], tuple[list[int], torch.Tensor]] = {}
 
     def reset(self) -> None:
         """Forget the committed tokens (a new request). The greedy cache stays: it depends only
@@ -84,6 +87,9 @@ class OracleDrafter:
         """-> (the target's greedy continuation of committed + [bonus], L tokens;
         the target's logits at those L positions [L, V])."""
         sequence = self._committed + [bonus]
+        key = tuple(sequence)
+        if key in self._memo:  # sampled runs revisit the same short prefixes many times
+            return self._memo[key]
         num_positions = self.block_size - 1
         start, stop = len(sequence), len(sequence) + num_positions
         known = self._known[:start] == sequence and start >= self._greedy_from
@@ -93,7 +99,11 @@ class OracleDrafter:
         logits = self._known_logits[start - 1 : stop - 1]  # [<= L, V]
         # Past the context limit nothing can be verified anyway; any token will do.
         missing = num_positions - len(truth)
-        return truth + [0] * missing, torch.cat([logits, torch.zeros(missing, self.vocab_size)])
+        result = truth + [0] * missing, torch.cat([logits, torch.zeros(missing, self.vocab_size)])
+        if len(self._memo) >= MEMO_SIZE:
+            self._memo.clear()
+        self._memo[key] = result
+        return result
 
     def draft_logits(self, bonus: int, position: int) -> torch.Tensor:
         """-> logits [L, V] float32 for block positions 1..L (L = block_size - 1)."""
