@@ -87,8 +87,13 @@ def _report(name: str, tokenizer, result) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sglang_ddtree.reference.engine import generate, generate_chain, load_pair
+    from transformers.utils import logging as hf_logging
 
+    from sglang_ddtree.reference.engine import check_counts, generate, generate_chain, load_pair
+
+    check_counts(args.max_new_tokens, args.budget)
+    hf_logging.set_verbosity_error()  # stderr is for our one-line errors
+    hf_logging.disable_progress_bar()
     if args.demo:
         target_dir, draft_dir = _demo_dirs(args.cache_dir)
         args.target, args.draft = args.target or target_dir, args.draft or draft_dir

@@ -100,6 +100,14 @@ def _max_positions(target: object) -> int | None:
     return limit
 
 
+def check_counts(max_new_tokens: int, budget: int | None = None) -> None:
+    """The checks that need no model (the CLI runs them before loading anything)."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if budget is not None and budget < 1:
+        raise ValueError(f"budget must be >= 1 draft nodes, got {budget}")
+
+
 def check_generation_args(
     target: TargetRunner,
     drafter: DraftRunner | None,
@@ -110,10 +118,9 @@ def check_generation_args(
     topk: int | None = None,
 ) -> None:
     """Raise ValueError naming the values for any setting the loops cannot run with."""
+    check_counts(max_new_tokens)
     if prompt_len < 1:
         raise ValueError(f"prompt is empty ({prompt_len} tokens); give at least one token")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     limit = _max_positions(target)
     if limit is not None and prompt_len + max_new_tokens > limit:
         raise ValueError(
@@ -125,8 +132,7 @@ def check_generation_args(
     block_size = drafter.block_size
     if block_size < 2:
         raise ValueError(f"draft block_size must be >= 2 (bonus + masks), got {block_size}")
-    if budget is None or budget < 1:
-        raise ValueError(f"budget must be >= 1 draft nodes, got {budget}")
+    check_counts(max_new_tokens, budget if budget is not None else 0)
     if topk is None or not 1 <= topk <= target.vocab_size:
         raise ValueError(f"topk must be in [1, vocab_size={target.vocab_size}], got {topk}")
     capacity = tree_capacity(topk, block_size - 1)

@@ -1,0 +1,115 @@
+"""The reference CLI: output on tiny checkpoints, and one-line errors with exit status 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sglang_ddtree.reference.__main__ import main
+from sglang_ddtree.testing.tiny import write_tiny_dflash, write_tiny_qwen3
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> tuple[Path, Path]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("cli")
+    write_tiny_qwen3(root / "target", seed=0)
+    write_tiny_dflash(root / "draft", root / "target", seed=1, block_size=8)
+    yield root / "target", root / "draft"
+    torch.set_num_threads(threads)
+
+
+def _bad_draft(good: Path, out: Path, edit) -> Path:
+    """A copy of the good draft whose config.json went through `edit(config)`."""
+    shutil.copytree(good, out)
+    config = json.loads((out / "config.json").read_text())
+    edit(config)
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_prints_text_and_acceptance_lengths(pair, capsys):
+    target, draft = pair
+    args = ["--target", target, "--draft", draft, "--prompt", "def f(x):", "--budget", "6"]
+    code, out, err = _run(capsys, *args, "--topk", "2", "--max-new-tokens", "12", "--compare-chain")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith("=== DDTree budget=6 topk=2 (12 tokens,")
+    lengths = [line for line in lines if line.startswith("acceptance lengths: [")]
+    means = [line for line in lines if line.startswith("mean acceptance length: ")]
+    assert len(lengths) == len(means) == 2  # DDTree, then chain DFlash
+    first = json.loads(lengths[0].removeprefix("acceptance lengths: "))
+    assert sum(first) in (11, 11 + 7) and all(1 <= n <= 8 for n in first)  # 1 token from prefill
+    assert float(means[0].split(": ")[1]) == pytest.approx(sum(first) / len(first), abs=0.005)
+    assert "=== chain DFlash block_size=8" in out
+    assert lines[-1] == "DDTree vs chain at T=0: identical"
+
+
+def test_demo_runs_from_a_cache_dir(tmp_path, capsys):
+    code, out, err = _run(capsys, "--demo", "--cache-dir", tmp_path, "--max-new-tokens", "3")
+    assert code == 0, err
+    assert (tmp_path / "target" / "config.json").exists()
+    assert (tmp_path / "draft" / "config.json").exists()
+    assert "acceptance lengths: [" in out and "mean acceptance length: " in out
+
+
+def _drop_mask_token(config: dict) -> None:
+    config["dflash_config"].pop("mask_token_id")
+    config["dflash_config"]["mask_token"] = "<|NO_SUCH_MASK|>"
+
+
+@pytest.mark.parametrize(
+    "extra, edit, message",
+    [
+        (["--budget", "0"], None, "budget must be >= 1 draft nodes, got 0"),
+        (["--topk", "0"], None, "topk must be in [1, vocab_size="),
+        (["--topk", "1", "--budget", "8"], None, "budget=8 exceeds what topk=1 and depth 7"),
+        (["--max-new-tokens", "5000"], None, "+ max_new_tokens (5000) = "),
+        (["--prompt", ""], None, "prompt is empty (0 tokens)"),
+        ([], lambda c: c.update(block_size=1), "block_size must be >= 2"),
+        ([], lambda c: c.update(vocab_size=999), "vocab_size=999"),
+        ([], lambda c: c.update(hidden_size=64), "hidden_size=64"),
+        ([], _drop_mask_token, "mask token id is missing"),
+    ],
+)
+def test_bad_inputs_exit_2_with_one_line(pair, tmp_path, capsys, extra, edit, message):
+    target, draft = pair
+    if edit is not None:
+        draft = _bad_draft(draft, tmp_path / "draft", edit)
+    args = ["--target", target, "--draft", draft, "--prompt", "x = 1", "--no-chat", *extra]
+    code, out, err = _run(capsys, *args)
+    assert code == 2
+    assert out == ""
+    assert err.count("\n") == 1 and err.startswith("error: "), err
+    assert message in err, err
+
+
+def test_module_entry_point_exit_status(pair):
+    """`python -m sglang_ddtree.reference` itself: status 2, one line, no traceback."""
+    target, draft = pair
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    args = ["--target", target, "--draft", draft, "--prompt", "x", "--budget", "0"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "sglang_ddtree.reference", *map(str, args)],
+        capture_output=True, text=True, env=env, cwd=REPO, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    error_lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert error_lines == ["error: budget must be >= 1 draft nodes, got 0"], proc.stderr
+    assert "Traceback" not in proc.stderr
