@@ -55,7 +55,8 @@ def test_prints_text_and_acceptance_lengths(pair, capsys):
     means = [line for line in lines if line.startswith("mean acceptance length: ")]
     assert len(lengths) == len(means) == 2  # DDTree, then chain DFlash
     first = json.loads(lengths[0].removeprefix("acceptance lengths: "))
-    assert sum(first) in (11, 11 + 7) and all(1 <= n <= 8 for n in first)  # 1 token from prefill
+    assert 11 <= sum(first) <= 11 + 7  # 1 token came from prefill; the last round may overshoot
+    assert all(1 <= n <= 8 for n in first)
     assert float(means[0].split(": ")[1]) == pytest.approx(sum(first) / len(first), abs=0.005)
     assert "=== chain DFlash block_size=8" in out
     assert lines[-1] == "DDTree vs chain at T=0: identical"
