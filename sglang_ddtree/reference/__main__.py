@@ -18,6 +18,7 @@ from typing import NoReturn
 import torch
 
 DEMO_PROMPT = "def fibonacci(n):"
+DEMO_ASSETS = Path(__file__).resolve().parents[1] / "assets" / "demo"
 EXIT_USAGE = 2
 
 
@@ -49,15 +50,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--demo", action="store_true", help="build and run a tiny seeded pair")
-    p.add_argument("--cache-dir", help="where --demo writes its checkpoints")
+    p.add_argument(
+        "--demo",
+        action="store_true",
+        help="run DDTree and chain DFlash on the shipped demo pair (or a tiny seeded one)",
+    )
+    p.add_argument("--cache-dir", help="where --demo writes the tiny seeded pair")
     return p
 
 
 def _demo_dirs(cache_dir: str | None) -> tuple[Path, Path]:
-    """Write (once) the tiny seeded Qwen3 target + DFlash draft used by --demo."""
+    """The pair --demo runs: the trained pair shipped in sglang_ddtree/assets/demo/ when
+    present, else a tiny seeded Qwen3 target + DFlash draft written (once) to the cache dir."""
     from sglang_ddtree.testing.tiny import write_tiny_dflash, write_tiny_qwen3
 
+    shipped = DEMO_ASSETS / "target", DEMO_ASSETS / "draft"
+    if cache_dir is None and all((d / "config.json").exists() for d in shipped):
+        return shipped
     default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "sglang_ddtree"
     root = Path(cache_dir) if cache_dir else default / "demo"
     target, draft = root / "target", root / "draft"
@@ -98,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
         target_dir, draft_dir = _demo_dirs(args.cache_dir)
         args.target, args.draft = args.target or target_dir, args.draft or draft_dir
         args.prompt = DEMO_PROMPT if args.prompt is None else args.prompt
+        args.compare_chain = True  # the demo shows DDTree and chain DFlash side by side
     missing = [f"--{k}" for k in ("target", "draft", "prompt") if getattr(args, k) is None]
     if missing:
         raise ValueError(f"missing {', '.join(missing)} (or use --demo)")
