@@ -28,6 +28,12 @@ def parse_args(argv: list[str] | None = None) -> RunArgs:
         default=10.0,
         help="training budget, target + draft (corpus, tokenizer and evaluation come on top)",
     )
+    p.add_argument(
+        "--total-minutes",
+        type=float,
+        help="wall-clock cap for the whole run: training gets min(--minutes, what is left after "
+        "corpus + tokenizer, minus a reserve for evaluation)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--toy", action="store_true", help="tiny sizes and fixed steps (CPU, ~1 min)")
@@ -36,11 +42,15 @@ def parse_args(argv: list[str] | None = None) -> RunArgs:
     a = p.parse_args(argv)
     if a.minutes <= 0:
         p.error(f"--minutes must be > 0, got {a.minutes}")
+    if a.total_minutes is not None and a.total_minutes <= 0:
+        p.error(f"--total-minutes must be > 0, got {a.total_minutes}")
     for name in ("target_steps", "draft_steps"):
         value = getattr(a, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    return RunArgs(a.out, a.minutes, a.seed, a.device, a.toy, a.target_steps, a.draft_steps)
+    return RunArgs(
+        a.out, a.minutes, a.seed, a.device, a.toy, a.target_steps, a.draft_steps, a.total_minutes
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         "draft_steps": report["draft"]["train"]["steps"],
         "chain_accept_len": report["draft"]["acceptance"]["chain_accept_len"],
         "size_mib": report["sizes"]["total_mib"],
+        "training_budget_s": report["training_budget_s"],
         "seconds": report["seconds"],
     }
     print(json.dumps(summary, indent=1))

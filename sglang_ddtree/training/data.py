@@ -56,8 +56,9 @@ def encode_documents(
             pieces.append(prefix + body + [im_end] + newline)
         else:
             pieces.append(body + [eot])
-    flat = np.fromiter((t for p in pieces for t in p), dtype=np.int32)
-    return torch.from_numpy(flat)
+    if not pieces:
+        return torch.zeros(0, dtype=torch.int32)
+    return torch.from_numpy(np.concatenate([np.asarray(p, dtype=np.int32) for p in pieces]))
 
 
 def sample_windows(

@@ -50,6 +50,24 @@ class RunArgs:
     toy: bool = False
     target_steps: int | None = None
     draft_steps: int | None = None
+    total_minutes: float | None = None  # wall-clock cap on the whole run (see training_budget)
+
+
+EVAL_RESERVE_S = 45.0  # saving, reloading and both evaluations, kept out of a total_minutes cap
+
+
+def training_budget(args: RunArgs, elapsed_s: float) -> float:
+    """Seconds for target + draft training: --minutes, shortened so that a --total-minutes run
+    still has EVAL_RESERVE_S left after training (corpus and tokenizer took `elapsed_s`)."""
+    budget = args.minutes * 60.0
+    if args.total_minutes is not None:
+        budget = min(budget, args.total_minutes * 60.0 - elapsed_s - EVAL_RESERVE_S)
+    if budget <= 0:
+        raise RuntimeError(
+            f"no time left to train: --total-minutes {args.total_minutes} but preparation took "
+            f"{elapsed_s:.0f} s and evaluation needs {EVAL_RESERVE_S:.0f} s"
+        )
+    return budget
 
 
 @contextlib.contextmanager
@@ -183,7 +201,7 @@ def _run(args: RunArgs, recipe: Recipe, device: torch.device) -> dict:
         tokenizer_bytes(target_dir),
         recipe.size_limit_bytes,
     )
-    budget = args.minutes * 60.0
+    budget = training_budget(args, time.perf_counter() - clock.start)
     t_train = time.perf_counter()
     with clock("target_train"):
         tres = train_target(
@@ -249,6 +267,7 @@ def _run(args: RunArgs, recipe: Recipe, device: torch.device) -> dict:
             "planned_bytes": planned,
             **file_sizes(target_dir, draft_dir, recipe.size_limit_bytes),
         },
+        "training_budget_s": round(budget, 1),
         "seconds": {**clock.seconds, "total": round(time.perf_counter() - clock.start, 3)},
     }
     (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")

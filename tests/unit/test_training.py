@@ -222,3 +222,33 @@ def test_h200_recipe_fits_size_budget():
     assert 2 * (tp + dp) + 2**20 <= SIZE_LIMIT_BYTES, (tp, dp)
     assert draft.config.block_size == 16 and len(draft.layers) == 3
     assert toy_recipe().target_train.steps is not None  # the toy run never depends on timing
+
+
+# ----------------------------------------------------------------------------- loop
+
+
+def test_lr_schedule_and_planned_steps():
+    from dataclasses import replace
+
+    from sglang_ddtree.training.config import StageHParams
+    from sglang_ddtree.training.loops import lr_at, train_loop
+
+    hp = StageHParams(seq_len=8, batch=1, lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
+    assert [lr_at(s, hp, 110) for s in (0, 4, 9)] == [0.1, 0.5, 1.0]
+    assert lr_at(10, hp, 110) == 1.0 and lr_at(60, hp, 110) == pytest.approx(0.55)
+    assert lr_at(110, hp, 110) == pytest.approx(0.1) == lr_at(500, hp, 110)
+
+    torch.manual_seed(0)
+    module = torch.nn.Linear(4, 1)
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+
+    def step(_: int):
+        return torch.nn.functional.mse_loss(module(x), y), 16
+
+    planned = replace(hp, lr=0.05, round_steps_to=7, log_every=1000)
+    res = train_loop("t", module, step, planned, budget_s=0.5, device=torch.device("cpu"))
+    assert res.step_source == "planned" and res.calibration_step_s is not None
+    assert res.steps == res.planned_steps and res.steps % 7 == 0 and res.steps > 10
+    assert not res.stopped_early and res.losses[-1][0] == res.steps
+    with pytest.raises(ValueError, match="warmup_steps >= 10"):
+        train_loop("t", module, step, replace(planned, warmup_steps=3), 1.0, torch.device("cpu"))
