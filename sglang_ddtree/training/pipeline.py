@@ -176,16 +176,25 @@ def run(args: RunArgs) -> dict:
         return _run(args, recipe, device)
 
 
-def _run(args: RunArgs, recipe: Recipe, device: torch.device) -> dict:
-    clock, out = _Clock(), Path(args.out)
-    target_dir, draft_dir = out / "target", out / "draft"
-    out.mkdir(parents=True, exist_ok=True)
+@dataclass
+class _Prepared:
+    corpus: Corpus
+    ids: dict[str, int]  # special token -> id
+    vocab: int
+    train_stream: torch.Tensor  # [N] int32
+    heldout_stream: torch.Tensor  # [M] int32
+    target_cfg: dict
+    draft_cfg: dict
+
+
+def _prepare(args: RunArgs, recipe: Recipe, clock: _Clock, out: Path) -> _Prepared:
+    """Corpus, tokenizer (saved into out/target), token streams, both configs."""
     with clock("corpus"):
         corpus = build_corpus(recipe.corpus, args.seed)
     (out / "heldout_packages.json").write_text(json.dumps(corpus.heldout_packages, indent=1) + "\n")
     with clock("tokenizer"):
         texts = _tokenizer_texts(corpus, recipe.tokenizer_train_bytes)
-        tokenizer = train_tokenizer(texts, recipe.vocab_size, target_dir)
+        tokenizer = train_tokenizer(texts, recipe.vocab_size, out / "target")
         ids = special_ids(tokenizer)
     with clock("encode"):
         train_stream = encode_documents(tokenizer, corpus.train, recipe.chat_fraction, args.seed)
@@ -193,79 +202,81 @@ def _run(args: RunArgs, recipe: Recipe, device: torch.device) -> dict:
     vocab = len(tokenizer)
     tcfg = target_config(recipe.target, vocab, ids, recipe.init_std)
     dcfg = draft_config(tcfg["text_config"], recipe.draft, ids[MASK_TOKEN])
-    target = build_target(tcfg, args.seed)
-    draft = build_draft(dcfg, args.seed + 1, recipe.init_std)
+    return _Prepared(corpus, ids, vocab, train_stream, heldout_stream, tcfg, dcfg)
+
+
+def _target_stage(prep: _Prepared, recipe: Recipe, args: RunArgs, budget_s: float, device, out):
+    """Train, save, reload (bf16 weights as shipped) and evaluate the target."""
+    target = build_target(prep.target_cfg, args.seed)
+    result = train_target(
+        target, prep.train_stream, recipe.target_train, budget_s, device, args.seed
+    )
+    save_target(target, out / "target")
+    target = load_target(out / "target", device)
+    length = recipe.target_train.seq_len + 1
+    windows = eval_windows(prep.heldout_stream, recipe.eval_windows, length)
+    return target, result, heldout_loss(target, windows, recipe.eval_batch, device)
+
+
+def _draft_stage(prep: _Prepared, recipe: Recipe, args: RunArgs, target, budget_s, device, out):
+    """Train and save the draft against the frozen target, reload it, measure acceptance."""
+    draft = build_draft(prep.draft_cfg, args.seed + 1, recipe.init_std)
+    taps = list(prep.draft_cfg["dflash_config"]["target_layer_ids"])
+    hp = recipe.draft_train
+    result = train_draft(
+        draft, target, taps, prep.train_stream, hp, budget_s, device, args.seed + 1
+    )
+    save_draft(draft, prep.draft_cfg, out / "draft")
+    draft = load_draft(out / "draft").to(device)
+    windows = eval_windows(prep.heldout_stream, recipe.accept_windows, hp.seq_len)
+    anchors = fixed_anchors(hp.seq_len, recipe.draft.block_size, recipe.accept_anchors)
+    accept = acceptance_proxy(draft, target, taps, windows, anchors, recipe.eval_batch, device)
+    return result, accept
+
+
+def _run(args: RunArgs, recipe: Recipe, device: torch.device) -> dict:
+    clock, out = _Clock(), Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    prep = _prepare(args, recipe, clock, out)
+    with torch.device("meta"):  # parameter counts only
+        target_params = param_count(build_target(prep.target_cfg, args.seed))
+        draft_params = param_count(build_draft(prep.draft_cfg, args.seed, recipe.init_std))
     planned = check_planned_size(
-        param_count(target),
-        param_count(draft),
-        tokenizer_bytes(target_dir),
-        recipe.size_limit_bytes,
+        target_params, draft_params, tokenizer_bytes(out / "target"), recipe.size_limit_bytes
     )
     budget = training_budget(args, time.perf_counter() - clock.start)
     t_train = time.perf_counter()
-    with clock("target_train"):
-        tres = train_target(
-            target,
-            train_stream,
-            recipe.target_train,
-            recipe.target_share * budget,
-            device,
-            args.seed,
+    with clock("target"):
+        target, tres, held = _target_stage(
+            prep, recipe, args, recipe.target_share * budget, device, out
         )
-        save_target(target, target_dir)
-    del target
-    target = load_target(target_dir, device)
-    with clock("target_eval"):
-        windows = eval_windows(heldout_stream, recipe.eval_windows, recipe.target_train.seq_len + 1)
-        held = heldout_loss(target, windows, recipe.eval_batch, device)
     draft_budget = max(0.0, budget - (time.perf_counter() - t_train))
-    taps = list(dcfg["dflash_config"]["target_layer_ids"])
-    with clock("draft_train"):
-        dres = train_draft(
-            draft,
-            target,
-            taps,
-            train_stream,
-            recipe.draft_train,
-            draft_budget,
-            device,
-            args.seed + 1,
-        )
-        save_draft(draft, dcfg, draft_dir)
-    draft = load_draft(draft_dir).to(device)
-    with clock("accept_eval"):
-        acc_windows = eval_windows(
-            heldout_stream, recipe.accept_windows, recipe.draft_train.seq_len
-        )
-        anchors = fixed_anchors(
-            recipe.draft_train.seq_len, recipe.draft.block_size, recipe.accept_anchors
-        )
-        accept = acceptance_proxy(
-            draft, target, taps, acc_windows, anchors, recipe.eval_batch, device
-        )
+    with clock("draft"):
+        dres, accept = _draft_stage(prep, recipe, args, target, draft_budget, device, out)
     report = {
         "args": {**asdict(args), "out": str(args.out)},
         "recipe": asdict(recipe),
         "versions": _versions(),
         "device": _device_name(device),
-        "corpus": corpus.describe(),
+        "corpus": prep.corpus.describe(),
         "tokens": {
-            "vocab_size": vocab,
-            "special_ids": ids,
-            "train_tokens": int(train_stream.numel()),
-            "heldout_tokens": int(heldout_stream.numel()),
-            "train_bytes_per_token": corpus.stats["train_bytes"] / max(1, train_stream.numel()),
+            "vocab_size": prep.vocab,
+            "special_ids": prep.ids,
+            "train_tokens": int(prep.train_stream.numel()),
+            "heldout_tokens": int(prep.heldout_stream.numel()),
+            "train_bytes_per_token": prep.corpus.stats["train_bytes"]
+            / max(1, prep.train_stream.numel()),
         },
-        "target": {"params": param_count(target), "train": tres.to_json(), "heldout": held},
+        "target": {"params": target_params, "train": tres.to_json(), "heldout": held},
         "draft": {
-            "params": param_count(draft),
-            "target_layer_ids": taps,
+            "params": draft_params,
+            "target_layer_ids": prep.draft_cfg["dflash_config"]["target_layer_ids"],
             "train": dres.to_json(),
             "acceptance": accept,
         },
         "sizes": {
             "planned_bytes": planned,
-            **file_sizes(target_dir, draft_dir, recipe.size_limit_bytes),
+            **file_sizes(out / "target", out / "draft", recipe.size_limit_bytes),
         },
         "training_budget_s": round(budget, 1),
         "seconds": {**clock.seconds, "total": round(time.perf_counter() - clock.start, 3)},
