@@ -5,7 +5,7 @@ Step counts. A stage runs `hp.steps` steps when given (the toy recipe, or `--tar
 warmup, whose length does not depend on the total) are timed, and the total becomes the number
 of steps that fit the stage's budget, rounded down to a multiple of `hp.round_steps_to`. The
 weights then depend on the seed and that step count only; the report records the count, and
-passing it back reproduces the run. A hard deadline (budget x 1.25 + 30 s) stops a stage that
+passing it back reproduces the run. A hard deadline (budget x 1.1 + 15 s) stops a stage that
 runs long; the report then says `stopped_early`.
 """
 
@@ -39,6 +39,7 @@ class StageResult:
     tokens: int
     tokens_per_s: float
     calibration_step_s: float | None
+    peak_memory_gib: float | None = None  # CUDA only: torch.cuda.max_memory_allocated
     losses: list[tuple[int, float]] = field(default_factory=list)  # (last step, mean loss)
 
     def to_json(self) -> dict:
@@ -110,11 +111,13 @@ def train_loop(
             f"inside the warmup), got {hp.warmup_steps}"
         )
     module.train()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     opt = make_adamw(module, hp)
     params = [p for g in opt.param_groups for p in g["params"]]
     total = hp.steps if hp.steps is not None else _UNPLANNED
     start = time.perf_counter()
-    deadline = start + 1.25 * budget_s + 30.0
+    deadline = start + 1.1 * budget_s + 15.0
     pending: list[torch.Tensor] = []
     source = "fixed" if hp.steps is not None else "planned"
     result = StageResult(name, 0, total, source, False, 0.0, 0, 0.0, None)
@@ -152,6 +155,8 @@ def train_loop(
     if pending:  # stopped early between two log points
         result.losses.append((step, torch.stack(pending).float().mean().item()))
     _sync(device)
+    if device.type == "cuda":
+        result.peak_memory_gib = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
     module.eval()
     result.steps, result.planned_steps = step, total
     result.seconds = time.perf_counter() - start
