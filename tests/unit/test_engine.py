@@ -113,10 +113,10 @@ def test_greedy_lossless_with_oracle_deep_and_side_paths(arch, pairs, prompts, p
         deep += sum(int(t.accept.num_accepted[0]) >= 8 for t in traces)
         off_chain += sum(_off_chain(t) for t in traces)
         rounds += len(traces)
-    # ~40 rounds per 768 tokens; with noise 0.15 about a quarter to a half of them go deep and
-    # a fair share take a demoted sibling. Thresholds leave a wide margin.
-    assert deep >= 10, f"only {deep} of {rounds} rounds accepted depth >= 8"
-    assert off_chain >= 5, f"only {off_chain} of {rounds} rounds accepted a side branch"
+    # Measured on these seeds: 106 rounds for 768 tokens, 31 deep, 34-36 through a side branch
+    # (same on both targets: with the oracle the tree shape depends only on the demotions).
+    assert deep >= 15, f"only {deep} of {rounds} rounds accepted depth >= 8"
+    assert off_chain >= 15, f"only {off_chain} of {rounds} rounds accepted a side branch"
 
 
 def test_runner_and_naive_runner_agree_round_by_round(pairs, prompts):
