@@ -199,6 +199,47 @@ def _committed(target: TargetRunner, drafter: DraftRunner, ids: torch.Tensor, ta
 # ----------------------------------------------------------------------------- DDTree
 
 
+def _draft(
+    drafter: DraftRunner, root: int, position: int, topk: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One drafter pass over [root, MASK x L] -> top-K ids [1, L, K], log-probs [1, L, K] f32."""
+    draft_logits = drafter.draft_logits(root, position)  # [L, V]
+    return topk_logprobs_from_logits(draft_logits[None].float(), topk)
+
+
+def _roots(root: int, like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor([root], dtype=torch.long, device=like.device)  # [1]
+
+
+def _verify(target: TargetRunner, tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:
+    """One target pass over the whole tree -> logits [N, V] and taps [N, n_taps * H]."""
+    return target.verify(tree.tokens[0], tree.parents[0], tree.depth[0], tree.visibility[0])
+
+
+def _accept(
+    sampler: Sampler, tree: DraftTree, node_logits: torch.Tensor, max_depth: int
+) -> tuple[torch.Tensor, AcceptResult]:
+    """The target's own token at every node (greedy or one sample each), then the walk."""
+    target_tokens = sampler(node_logits)[None]  # [1, N]
+    return target_tokens, accept_walk(tree, target_tokens, max_depth)
+
+
+def _commit(
+    target: TargetRunner,
+    drafter: DraftRunner,
+    tree: DraftTree,
+    accept: AcceptResult,
+    node_taps: torch.Tensor,
+) -> list[int]:
+    """Keep the root + accepted nodes in the target, feed their taps to the drafter.
+    -> the round's emitted tokens (accepted drafts, then the bonus)."""
+    num_accepted = int(accept.num_accepted[0])
+    path = accept.path[0, : num_accepted + 1]  # [a + 1] node indices, root first
+    target.commit(path)
+    _committed(target, drafter, tree.tokens[0, path], node_taps[path])
+    return accept.emitted[0, : num_accepted + 1].tolist()
+
+
 @torch.no_grad()
 def generate(
     target: TargetRunner,
@@ -234,27 +275,18 @@ def generate(
     while not done:
         position = target.committed_len
         with _clock(timings, "draft"):
-            draft_logits = drafter.draft_logits(root, position)  # [L, V]
-            topk_ids, topk_lps = topk_logprobs_from_logits(draft_logits[None].float(), topk)
+            topk_ids, topk_lps = _draft(drafter, root, position, topk)  # [1, L, K] each
         with _clock(timings, "build"):
-            roots = torch.tensor([root], dtype=torch.long, device=topk_ids.device)  # [1]
-            tree = build_tree(roots, topk_ids, topk_lps, budget)  # [1, N] fields
+            tree = build_tree(_roots(root, topk_ids), topk_ids, topk_lps, budget)  # [1, N]
         with _clock(timings, "verify"):
-            node_logits, node_taps = target.verify(
-                tree.tokens[0], tree.parents[0], tree.depth[0], tree.visibility[0]
-            )  # [N, V], [N, n_taps * H]
+            node_logits, node_taps = _verify(target, tree)  # [N, V], [N, n_taps * H]
         with _clock(timings, "accept"):
-            target_tokens = sampler(node_logits)[None]  # [1, N]
-            accept = accept_walk(tree, target_tokens, depth)
+            target_tokens, accept = _accept(sampler, tree, node_logits, depth)
         with _clock(timings, "commit"):
-            num_accepted = int(accept.num_accepted[0])
-            path = accept.path[0, : num_accepted + 1]  # [a + 1] node indices, root first
-            target.commit(path)
-            _committed(target, drafter, tree.tokens[0, path], node_taps[path])
+            emitted = _commit(target, drafter, tree, accept, node_taps)  # a + 1 tokens
         if on_round is not None:
             on_round(RoundTrace(topk_ids, tree, target_tokens, accept, position))
-        emitted = accept.emitted[0, : num_accepted + 1].tolist()
-        accept_lengths.append(num_accepted + 1)
+        accept_lengths.append(len(emitted))
         root = emitted[-1]
         done = _emit(tokens, emitted, max_new_tokens, eos)
     return GenerationResult(tokens, accept_lengths, len(accept_lengths), timings)
