@@ -108,33 +108,26 @@ def check_counts(max_new_tokens: int, budget: int | None = None) -> None:
         raise ValueError(f"budget must be >= 1 draft nodes, got {budget}")
 
 
-def check_generation_args(
-    target: TargetRunner,
-    drafter: DraftRunner | None,
-    prompt_len: int,
-    max_new_tokens: int,
-    *,
-    budget: int | None = None,
-    topk: int | None = None,
-) -> None:
-    """Raise ValueError naming the values for any setting the loops cannot run with."""
+def check_prompt(prompt_len: int, max_new_tokens: int, max_positions: int | None) -> None:
+    """A non-empty prompt that leaves room for max_new_tokens in the target's context."""
     check_counts(max_new_tokens)
     if prompt_len < 1:
         raise ValueError(f"prompt is empty ({prompt_len} tokens); give at least one token")
-    limit = _max_positions(target)
-    if limit is not None and prompt_len + max_new_tokens > limit:
+    if max_positions is not None and prompt_len + max_new_tokens > max_positions:
         raise ValueError(
             f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = "
-            f"{prompt_len + max_new_tokens} exceeds the target's max_position_embeddings={limit}"
+            f"{prompt_len + max_new_tokens} exceeds the target's "
+            f"max_position_embeddings={max_positions}"
         )
-    if drafter is None:
-        return
-    block_size = drafter.block_size
+
+
+def check_tree_settings(block_size: int, budget: int, topk: int, vocab_size: int) -> None:
+    """Block size, budget and top-K that a tree of depth L = block_size - 1 can be built from."""
     if block_size < 2:
         raise ValueError(f"draft block_size must be >= 2 (bonus + masks), got {block_size}")
-    check_counts(max_new_tokens, budget if budget is not None else 0)
-    if topk is None or not 1 <= topk <= target.vocab_size:
-        raise ValueError(f"topk must be in [1, vocab_size={target.vocab_size}], got {topk}")
+    check_counts(1, budget)
+    if not 1 <= topk <= vocab_size:
+        raise ValueError(f"topk must be in [1, vocab_size={vocab_size}], got {topk}")
     capacity = tree_capacity(topk, block_size - 1)
     if budget > capacity:
         raise ValueError(
@@ -142,6 +135,26 @@ def check_generation_args(
             f"(block_size={block_size}) can hold: at most {capacity} nodes; lower the budget "
             "or raise topk"
         )
+
+
+def check_generation_args(
+    target: TargetRunner,
+    drafter: DraftRunner,
+    prompt_len: int,
+    max_new_tokens: int,
+    *,
+    budget: int,
+    topk: int,
+) -> None:
+    """Raise ValueError naming the values for any setting the DDTree loop cannot run with."""
+    check_prompt(prompt_len, max_new_tokens, _max_positions(target))
+    draft_vocab = getattr(drafter, "vocab_size", None)
+    if draft_vocab is not None and draft_vocab != target.vocab_size:
+        raise ValueError(
+            f"draft vocab_size={draft_vocab} does not match the target's "
+            f"vocab_size={target.vocab_size}"
+        )
+    check_tree_settings(drafter.block_size, budget, topk, target.vocab_size)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -187,7 +200,7 @@ def _reset(drafter: DraftRunner) -> None:
         reset()
 
 
-def _committed(target: TargetRunner, drafter: DraftRunner, ids: torch.Tensor, taps: torch.Tensor):
+def _committed(drafter: DraftRunner, ids: torch.Tensor, taps: torch.Tensor) -> None:
     """Tell the drafter about newly committed tokens: their target taps, and their ids if it
     wants them (the OracleDrafter does; DFlash needs only the taps)."""
     drafter.append_context(taps)
@@ -236,7 +249,7 @@ def _commit(
     num_accepted = int(accept.num_accepted[0])
     path = accept.path[0, : num_accepted + 1]  # [a + 1] node indices, root first
     target.commit(path)
-    _committed(target, drafter, tree.tokens[0, path], node_taps[path])
+    _committed(drafter, tree.tokens[0, path], node_taps[path])
     return accept.emitted[0, : num_accepted + 1].tolist()
 
 
@@ -267,7 +280,7 @@ def generate(
     with _clock(timings, "prefill"):
         _reset(drafter)
         logits, taps = target.prefill(prompt)  # [T, V], [T, n_taps * H]
-        _committed(target, drafter, prompt, taps)
+        _committed(drafter, prompt, taps)
         root = int(sampler(logits[-1:])[0])
     tokens: list[int] = []
     accept_lengths: list[int] = []
@@ -336,7 +349,7 @@ def generate_plain(
     model = _plain_model(target)
     device = next(model.parameters()).device
     prompt = _as_prompt(prompt_ids, device)  # [T]
-    check_generation_args(model_limits(model), None, prompt.numel(), max_new_tokens)
+    check_prompt(prompt.numel(), max_new_tokens, model_limits(model).max_position_embeddings)
     sampler = Sampler(temperature, top_p, top_k, seed, device)
     eos, timings = _eos_set(eos_token_id), {}
     tokens: list[int] = []
