@@ -252,3 +252,17 @@ def test_lr_schedule_and_planned_steps():
     assert not res.stopped_early and res.losses[-1][0] == res.steps
     with pytest.raises(ValueError, match="warmup_steps >= 10"):
         train_loop("t", module, step, replace(planned, warmup_steps=3), 1.0, torch.device("cpu"))
+
+
+def test_cli_arguments():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "train_pair.py"
+    spec = importlib.util.spec_from_file_location("train_pair", path)
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    args = cli.parse_args(["--out", "x", "--toy", "--device", "cpu", "--total-minutes", "2"])
+    assert args == RunArgs(out=Path("x"), device="cpu", toy=True, total_minutes=2.0)
+    for bad in (["--minutes", "0"], ["--draft-steps", "0"], ["--device", "tpu"]):
+        with pytest.raises(SystemExit):
+            cli.parse_args(["--out", "x", *bad])
