@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sglang_ddtree.reference.__main__ import main
+from sglang_ddtree.reference.__main__ import encode_prompt, main
 from sglang_ddtree.testing.tiny import write_tiny_dflash, write_tiny_qwen3
 
 REPO = Path(__file__).resolve().parents[2]
@@ -68,6 +68,17 @@ def test_demo_runs_from_a_cache_dir(tmp_path, capsys):
     assert (tmp_path / "target" / "config.json").exists()
     assert (tmp_path / "draft" / "config.json").exists()
     assert "acceptance lengths: [" in out and "mean acceptance length: " in out
+
+
+def test_chat_template_is_default_when_the_tokenizer_has_one(pair):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(pair[0]))
+    start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    chat, plain = encode_prompt(tokenizer, "x = 1", None), encode_prompt(tokenizer, "x = 1", False)
+    assert chat[0] == start and start not in plain
+    assert encode_prompt(tokenizer, "x = 1", True) == chat
+    assert tokenizer.decode(chat).endswith("<|im_start|>assistant\n")
 
 
 def _drop_mask_token(config: dict) -> None:
