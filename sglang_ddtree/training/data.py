@@ -23,16 +23,16 @@ def chat_prefix(name: str) -> str:
     return f"<|im_start|>user\nWrite the Python module `{name}`.<|im_end|>\n<|im_start|>assistant\n"
 
 
-def _encode_bodies(backend, texts: list[str]) -> list[list[int]]:
-    """Token ids of raw texts, special-token strings inside them encoded as plain text."""
+def _encode_bodies(backend, texts: list[str]) -> list[np.ndarray]:
+    """Token ids [n_i] int32 of raw texts, special-token strings inside them encoded as text."""
     saved = backend.encode_special_tokens
     backend.encode_special_tokens = True
     encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
     try:
-        out: list[list[int]] = []
+        out: list[np.ndarray] = []
         for i in range(0, len(texts), _ENCODE_CHUNK):
             chunk = encode(texts[i : i + _ENCODE_CHUNK], add_special_tokens=False)
-            out.extend(e.ids for e in chunk)
+            out.extend(np.asarray(e.ids, dtype=np.int32) for e in chunk)
         return out
     finally:
         backend.encode_special_tokens = saved
@@ -44,21 +44,23 @@ def encode_documents(
     """docs [(name, text)] -> one stream [N] int32 of framed documents, in the given order."""
     backend = tokenizer.backend_tokenizer
     vocab = tokenizer.get_vocab()
-    eot, im_end = vocab["<|endoftext|>"], vocab["<|im_end|>"]
-    newline = backend.encode("\n", add_special_tokens=False).ids
+
+    def ids(text: str) -> np.ndarray:  # framing text: special tokens are special here
+        return np.asarray(backend.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+
+    eot = np.asarray([vocab["<|endoftext|>"]], dtype=np.int32)
+    chat_end = np.concatenate([[vocab["<|im_end|>"]], ids("\n")]).astype(np.int32)
     bodies = _encode_bodies(backend, [text for _, text in docs])
     rng = random.Random(seed)
-    pieces: list[list[int]] = []
+    pieces: list[np.ndarray] = []
     for (name, _), body in zip(docs, bodies, strict=True):
         if rng.random() < chat_fraction:
-            name = name.split(":", 1)[-1]
-            prefix = backend.encode(chat_prefix(name), add_special_tokens=False).ids
-            pieces.append(prefix + body + [im_end] + newline)
+            pieces += [ids(chat_prefix(name.split(":", 1)[-1])), body, chat_end]
         else:
-            pieces.append(body + [eot])
+            pieces += [body, eot]
     if not pieces:
         return torch.zeros(0, dtype=torch.int32)
-    return torch.from_numpy(np.concatenate([np.asarray(p, dtype=np.int32) for p in pieces]))
+    return torch.from_numpy(np.concatenate(pieces))
 
 
 def sample_windows(
