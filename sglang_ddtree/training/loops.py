@@ -96,6 +96,39 @@ def _log(name: str, step: int, total: int, loss: float, lr: float, seconds: floa
     )
 
 
+class _Planner:
+    """Times steps _TIMED_FROM..CALIBRATION_STEPS and then fixes the total (planned runs only)."""
+
+    def __init__(self, hp: StageHParams, budget_s: float, device: torch.device, start: float):
+        self.hp, self.budget_s, self.device, self.start = hp, budget_s, device, start
+        self.total = hp.steps if hp.steps is not None else _UNPLANNED
+        self.step_s: float | None = None
+        self._t0 = start
+
+    def after_step(self, step: int) -> int:
+        """Called with the number of finished steps; returns the (possibly new) total."""
+        if self.hp.steps is None and step in (_TIMED_FROM, CALIBRATION_STEPS):
+            _sync(self.device)
+            now = time.perf_counter()
+            if step == _TIMED_FROM:
+                self._t0 = now
+            else:
+                self.step_s = (now - self._t0) / (CALIBRATION_STEPS - _TIMED_FROM)
+                remaining = self.budget_s - (now - self.start)
+                self.total = plan_steps(step, self.step_s, remaining, self.hp)
+        return self.total
+
+
+def _optimizer_step(opt: torch.optim.Optimizer, loss: torch.Tensor, lr: float, clip: float):
+    for g in opt.param_groups:
+        g["lr"] = lr
+    loss.backward()
+    params = [p for g in opt.param_groups for p in g["params"]]
+    torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
 def train_loop(
     name: str,
     module: nn.Module,
@@ -114,51 +147,39 @@ def train_loop(
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     opt = make_adamw(module, hp)
-    params = [p for g in opt.param_groups for p in g["params"]]
-    total = hp.steps if hp.steps is not None else _UNPLANNED
     start = time.perf_counter()
     deadline = start + 1.1 * budget_s + 15.0
-    pending: list[torch.Tensor] = []
+    planner = _Planner(hp, budget_s, device, start)
     source = "fixed" if hp.steps is not None else "planned"
-    result = StageResult(name, 0, total, source, False, 0.0, 0, 0.0, None)
-    t_calib = start
-    step = 0
+    result = StageResult(name, 0, planner.total, source, False, 0.0, 0, 0.0, None)
+    pending: list[torch.Tensor] = []
+    step, total = 0, planner.total
     while step < total:
         if time.perf_counter() > deadline:
             result.stopped_early = True
             break
         lr = lr_at(step, hp, total)
-        for g in opt.param_groups:
-            g["lr"] = lr
         loss, tokens = step_fn(step)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, hp.grad_clip, foreach=True)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        _optimizer_step(opt, loss, lr, hp.grad_clip)
         pending.append(loss.detach())
         result.tokens += tokens
         step += 1
-        if hp.steps is None and step == _TIMED_FROM:
-            _sync(device)
-            t_calib = time.perf_counter()
-        if hp.steps is None and step == CALIBRATION_STEPS:
-            _sync(device)
-            now = time.perf_counter()
-            step_s = (now - t_calib) / (CALIBRATION_STEPS - _TIMED_FROM)
-            total = plan_steps(step, step_s, budget_s - (now - start), hp)
-            result.calibration_step_s = step_s
+        total = planner.after_step(step)
         if step % hp.log_every == 0 or step == total:
-            mean = torch.stack(pending).float().mean().item()
-            result.losses.append((step, mean))
+            result.losses.append((step, torch.stack(pending).float().mean().item()))
             pending.clear()
-            _log(name, step, total, mean, lr, time.perf_counter() - start)
+            _log(name, step, total, result.losses[-1][1], lr, time.perf_counter() - start)
     if pending:  # stopped early between two log points
         result.losses.append((step, torch.stack(pending).float().mean().item()))
+    return _finish(result, module, device, step, total, start, planner.step_s)
+
+
+def _finish(result, module, device, step, total, start, step_s) -> StageResult:
     _sync(device)
     if device.type == "cuda":
         result.peak_memory_gib = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
     module.eval()
-    result.steps, result.planned_steps = step, total
+    result.steps, result.planned_steps, result.calibration_step_s = step, total, step_s
     result.seconds = time.perf_counter() - start
     result.tokens_per_s = result.tokens / max(result.seconds, 1e-9)
     return result
