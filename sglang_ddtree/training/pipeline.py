@@ -172,8 +172,14 @@ def run(args: RunArgs) -> dict:
         raise RuntimeError(
             "--device cuda was asked for but CUDA is not available; use --device cpu"
         )
-    with deterministic(args.seed):
-        return _run(args, recipe, device)
+    threads = torch.get_num_threads()
+    if args.toy and device.type == "cpu":
+        torch.set_num_threads(1)  # toy tensors are tiny: extra threads only add contention
+    try:
+        with deterministic(args.seed):
+            return _run(args, recipe, device)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @dataclass
