@@ -116,18 +116,15 @@ def test_losses_go_down(toy):
 # ----------------------------------------------------------------------------- draft forward
 
 
-def test_training_forward_matches_reference_runner(toy, pair):
+def _check_forward_vs_runner(target, drafter, draft, ids: torch.Tensor) -> None:
     """Block logits of several anchors in one batched training forward == the runner's, one
-    block at a time after append_context(taps[:a]) (fp32, atol LOGIT_ATOL)."""
-    out, _ = toy
-    target, drafter, tokenizer = pair
-    ids = _sample_ids(tokenizer, 64)  # [T]
+    block at a time after append_context(taps[:a]) (fp32, atol LOGIT_ATOL, same argmax)."""
     _, taps_ref = target.prefill(ids)  # [T, K*H], the engine's own taps
-    draft = load_draft(out / "draft")
     model = target.model
     taps = target_taps(model, ids[None], drafter.target_layer_ids)  # [1, T, K*H]
     torch.testing.assert_close(taps[0], taps_ref, atol=1e-5, rtol=0)
-    anchors = torch.tensor([[1, 9, 30, 47]])  # [1, nb]; 47 = T - B, the last full block
+    last = ids.numel() - drafter.block_size  # the last anchor with a full block of labels
+    anchors = torch.tensor([[1, 9, 30, last]])  # [1, nb]
     with torch.no_grad():
         ours = draft.block_logits(
             model.get_input_embeddings(), model.get_output_embeddings(), taps, ids[None], anchors
@@ -138,6 +135,32 @@ def test_training_forward_matches_reference_runner(toy, pair):
         theirs = drafter.draft_logits(int(ids[a]), a)  # [B-1, V]
         torch.testing.assert_close(ours[j], theirs, atol=LOGIT_ATOL, rtol=0)
         assert torch.equal(ours[j].argmax(-1), theirs.argmax(-1))
+
+
+def test_training_forward_matches_reference_runner(toy, pair):
+    """The trained toy checkpoint (1 layer, 2 q / 1 kv heads, taps [1, 2])."""
+    out, _ = toy
+    target, drafter, tokenizer = pair
+    _check_forward_vs_runner(target, drafter, load_draft(out / "draft"), _sample_ids(tokenizer, 64))
+
+
+def test_training_forward_matches_runner_deeper_draft(toy, tmp_path):
+    """A seeded 3-layer draft with 4 q / 2 kv heads and 3 taps (the H200 draft's structure),
+    saved by save_draft in bf16 and loaded by both sides."""
+    from dataclasses import replace
+
+    from sglang_ddtree.reference.engine import load_pair
+    from sglang_ddtree.training.draft_model import build_draft, draft_config, save_draft
+
+    out, report = toy
+    text = json.loads((out / "target" / "config.json").read_text())["text_config"]
+    shape = replace(toy_recipe().draft, layers=3, heads=4, kv_heads=2, head_dim=16, taps=(0, 1, 2))
+    cfg = draft_config(text, shape, report["tokens"]["special_ids"]["<|MASK|>"])
+    save_draft(build_draft(cfg, seed=5, init_std=0.2), cfg, tmp_path / "draft")
+    target, drafter, tokenizer = load_pair(out / "target", tmp_path / "draft", "float32", "cpu")
+    assert drafter.target_layer_ids == [0, 1, 2] and len(drafter.layers) == 3
+    draft = load_draft(tmp_path / "draft")
+    _check_forward_vs_runner(target, drafter, draft, _sample_ids(tokenizer, 48))
 
 
 def test_block_context_is_strictly_before_anchor(toy, pair):
