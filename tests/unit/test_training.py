@@ -218,11 +218,20 @@ def test_corpus_holds_out_whole_packages():
     assert [n for n, _ in c.train] != [n for n, _ in a.train]
 
 
-def test_draft_config_parses_in_sglang(toy):
+def test_configs_parse_in_sglang(toy):
+    """SGLang's own config readers: the target's layer pattern, the draft's DFlash fields."""
     sgl = pytest.importorskip("sglang.srt.speculative.dflash_utils")
+    from sglang.srt.utils.hf_transformers.config import get_config
+
     out, report = toy
-    cfg = json.loads((out / "draft" / "config.json").read_text())
-    parsed = sgl.parse_dflash_draft_config(draft_hf_config=cfg)
+    target = get_config(str(out / "target"), trust_remote_code=False)
+    assert target.architectures == ["Qwen3_5ForConditionalGeneration"]
+    text = target.text_config
+    assert text.layers_block_type == ["linear_attention"] * 3 + ["attention"]  # SGLang names
+    assert (text.hidden_size, text.vocab_size) == (64, report["tokens"]["vocab_size"])
+    draft = get_config(str(out / "draft"), trust_remote_code=False)
+    assert draft.architectures == ["DFlashDraftModel"] and draft.head_dim == 32
+    parsed = sgl.parse_dflash_draft_config(draft_hf_config=draft)
     assert parsed.resolve_block_size() == 16
     assert parsed.mask_token == "<|MASK|>"
     assert parsed.mask_token_id == report["tokens"]["special_ids"]["<|MASK|>"]
