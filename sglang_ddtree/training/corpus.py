@@ -29,9 +29,10 @@ HELD_OUT_STDLIB = ("asyncio", "email", "http")
 # The first of these present in a site directory is held out (PyYAML, then numpy).
 HELD_OUT_SITE_CANDIDATES = ("yaml", "numpy", "docutils", "pygments")
 
-# A stdlib without a venv nests its site-packages; those are walked as their own root.
 HELD_OUT_SHUFFLE_SEED = 1234
+# A stdlib without a venv nests its site-packages; those are walked as their own root.
 _SKIP_DIRS = {"__pycache__", ".git", "node_modules", "site-packages", "dist-packages"}
+_SKIP_PACKAGES = {"sglang_ddtree"}  # our own code, if installed non-editable
 
 
 @dataclass(frozen=True)
@@ -72,23 +73,23 @@ def _repo_root() -> Path:
 def source_roots() -> list[tuple[str, Path]]:
     """[(kind, dir)]: the stdlib, then site dirs and other sys.path dirs (sorted, deduplicated).
 
-    Directories inside this repository or the current directory are skipped, so the corpus is
-    the machine's installed Python, not our own code.
+    sys.path directories inside this repository (the repo root, scripts/) are skipped, unless
+    they are a site-packages / dist-packages directory (a virtual environment in the checkout):
+    the corpus is the machine's installed Python, not our own code.
     """
     stdlib = Path(sysconfig.get_paths()["stdlib"]).resolve()
     candidates = list(site.getsitepackages()) + [site.getusersitepackages()]
     candidates += [sysconfig.get_paths()[k] for k in ("purelib", "platlib")]
     candidates += [p for p in sys.path if p]
-    excluded = {_repo_root(), Path.cwd().resolve()}
+    repo = _repo_root()
     site_dirs: set[Path] = set()
     for c in candidates:
         p = Path(c).resolve()
-        in_stdlib = p.is_relative_to(stdlib) and "-packages" not in str(p)
-        if not p.is_dir() or in_stdlib:  # lib-dynload etc. belong to the stdlib root
-            continue
-        if any(p == e or p.is_relative_to(e) for e in excluded):
-            continue
-        site_dirs.add(p)
+        is_packages_dir = p.name in ("site-packages", "dist-packages")
+        in_stdlib = p.is_relative_to(stdlib) and not is_packages_dir
+        in_repo = p.is_relative_to(repo) and not is_packages_dir
+        if p.is_dir() and not in_stdlib and not in_repo:  # lib-dynload belongs to the stdlib
+            site_dirs.add(p)
     return [("stdlib", stdlib)] + [("site", p) for p in sorted(site_dirs)]
 
 
@@ -116,6 +117,8 @@ def list_sources(roots: list[tuple[str, Path]] | None = None) -> list[SourceFile
             except OSError:
                 continue
             package = rel.parts[0].removesuffix(".py")
+            if package in _SKIP_PACKAGES:
+                continue
             out.append(SourceFile(str(path), kind, package, rel.as_posix(), size))
     return out
 
