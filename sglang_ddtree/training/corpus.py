@@ -180,8 +180,16 @@ def _take(
     return taken, seen - set(skip_hashes), rejected
 
 
+def _tests_of(f: SourceFile, heldout: list[tuple[str, str]]) -> bool:
+    """Is f the stdlib's own test suite of a held-out stdlib package (test/test_asyncio/...)?"""
+    return f.root_kind == "stdlib" and any(
+        kind == "stdlib" and f.rel.startswith(f"test/test_{pkg}") for kind, pkg in heldout
+    )
+
+
 def build_corpus(limits: CorpusLimits, seed: int, files: list[SourceFile] | None = None) -> Corpus:
-    """Held-out packages first (all their files, sorted, up to the cap), then training files."""
+    """Held-out text (a fixed shuffle of the held-out packages' files, capped), then training
+    files (seeded shuffle, capped). The stdlib tests of held-out packages are in neither."""
     files = list_sources() if files is None else files
     heldout_keys = choose_heldout(files)
     is_heldout = {k: [f for f in files if (f.root_kind, f.package) == k] for k in heldout_keys}
@@ -191,7 +199,11 @@ def build_corpus(limits: CorpusLimits, seed: int, files: list[SourceFile] | None
     # The hashes of *every* held-out file, so a vendored copy cannot leak into training.
     all_heldout, heldout_hashes, _ = _take(heldout_files, limits, 1 << 62, set())
     heldout = _cap(all_heldout, limits.max_heldout_bytes)
-    train_pool = [f for f in files if (f.root_kind, f.package) not in is_heldout]
+    train_pool = [
+        f
+        for f in files
+        if (f.root_kind, f.package) not in is_heldout and not _tests_of(f, heldout_keys)
+    ]
     random.Random(seed).shuffle(train_pool)
     train, _, rejected = _take(train_pool, limits, limits.max_train_bytes, heldout_hashes)
     packages = [

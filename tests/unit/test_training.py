@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from sglang_ddtree.training.config import SIZE_LIMIT_BYTES, h200_recipe, toy_recipe
-from sglang_ddtree.training.corpus import CorpusLimits, build_corpus
+from sglang_ddtree.training.corpus import CorpusLimits, build_corpus, list_sources
 from sglang_ddtree.training.data import sample_anchors
 from sglang_ddtree.training.draft import target_taps
 from sglang_ddtree.training.draft_model import block_labels, block_visibility, load_draft
@@ -216,6 +216,16 @@ def test_corpus_holds_out_whole_packages():
     assert not set(texts) & {t for _, t in a.heldout}
     c = build_corpus(limits, seed=4)
     assert [n for n, _ in c.train] != [n for n, _ in a.train]
+    # The stdlib's tests of a held-out package are not trained on either.
+    files = [
+        f
+        for f in list_sources()
+        if f.root_kind == "stdlib"
+        and (f.package == "asyncio" or f.rel.startswith(("test/test_asyncio", "test/test_json")))
+    ]
+    d = build_corpus(limits, seed=3, files=files)
+    assert d.train and all(n.startswith("stdlib:test/test_json") for n, _ in d.train)
+    assert any(f.rel.startswith("test/test_asyncio") for f in files)
 
 
 def test_configs_parse_in_sglang(toy):
