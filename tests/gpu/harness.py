@@ -54,6 +54,9 @@ PROMPTS = [
 ]
 
 
+_TOKENIZERS: dict = {}
+
+
 @dataclass
 class Server:
     name: str
@@ -116,6 +119,13 @@ class Server:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
 
+    def wait_for_log(self, text: str, timeout: float) -> None:
+        start = time.time()
+        while time.time() - start < timeout and text not in self.log_text():
+            if not self.is_alive():
+                raise RuntimeError(f"server {self.name} exited: {self.log_text()[-3000:]}")
+            time.sleep(1)
+
     def is_alive(self) -> bool:
         if self.proc is not None:
             return self.proc.poll() is None
@@ -125,6 +135,14 @@ class Server:
 
     def stop_by_port(self) -> None:
         subprocess.run(["pkill", "-f", "--", f"--port {self.port} "], check=False)
+
+    def tokenize(self, text: str) -> list[int]:
+        from transformers import AutoTokenizer
+
+        tok = _TOKENIZERS.setdefault(
+            self.model_path, AutoTokenizer.from_pretrained(self.model_path)
+        )
+        return tok(text)["input_ids"]
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
@@ -136,7 +154,11 @@ def post(url: str, payload: dict, timeout: float = 600) -> tuple[int, dict]:
     )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
+            body = r.read()
+            try:
+                return r.status, json.loads(body)
+            except json.JSONDecodeError:
+                return r.status, {"raw": body.decode(errors="replace")}
     except urllib.error.HTTPError as e:
         body = e.read().decode(errors="replace")
         try:
