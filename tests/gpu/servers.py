@@ -1,5 +1,6 @@
-"""The GPU test server set: per tiny model (attention-only Qwen3, hybrid Qwen3.5), a plain server
-and DDTREE with and without the overlap scheduler, all on one GPU in small memory slices.
+"""The GPU test server set: per tiny model (attention-only Qwen3, hybrid Qwen3.5; both the
+agreeing binary pair), a plain server and DDTREE with and without the overlap scheduler, all on
+one GPU in small memory slices.
 
     python -m tests.gpu.servers start ROOT   # write checkpoints, start every server detached
                                              # (setsid), wait until healthy; logs in ROOT/logs
@@ -48,13 +49,13 @@ VARIANTS = {
 
 
 def write_pair(root: Path, model: str) -> tuple[Path, Path]:
-    from sglang_ddtree.testing import tiny
+    """The agreeing binary pair (testing/binary_pair.py): deep side-branch acceptance every
+    round, wide argmax margins (few bf16 near-ties)."""
+    from sglang_ddtree.testing.binary_pair import write_binary_pair
 
-    target, draft = root / model, root / f"{model}-dflash"
+    target, draft = root / f"{model}-binary", root / f"{model}-binary-dflash"
     if not (draft / "config.json").exists():
-        writer = tiny.write_tiny_qwen3 if model == "qwen3" else tiny.write_tiny_qwen35
-        writer(target, seed=0)
-        tiny.write_tiny_dflash(draft, target, seed=1)
+        write_binary_pair(root, model, seed=0)
     return target, draft
 
 

@@ -154,7 +154,7 @@ def test_acceptance_is_reported(servers, model):
     )
     meta = out["meta_info"]
     assert meta["spec_verify_ct"] >= 1
-    assert 1.0 <= meta["spec_accept_length"] <= 16.0
+    assert 3.0 <= meta["spec_accept_length"] <= 16.0  # the binary pair accepts ~4 per round
     assert "accept len" in servers[f"{model}-ddtree"].log_text()
 
 
