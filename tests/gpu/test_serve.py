@@ -2,7 +2,8 @@
 
 Both servers load identical tiny checkpoints written here with seeded weights: an attention-only
 Qwen3 and a Qwen3.5 hybrid (Gated DeltaNet + gated attention, the Qwen3.6-27B architecture), each
-with a seeded DFlash draft. All servers of a run start together (one GPU, small memory slices).
+with a DFlash draft made to agree with it (testing/binary_pair.py), so rounds accept deep paths.
+All servers of a run share one GPU in small memory slices (tests/gpu/servers.py).
 
 Run on the device:  python -m pytest tests/gpu -m gpu -x -q -s   (logs go to $OUT if set)
 """
