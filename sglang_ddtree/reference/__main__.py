@@ -61,19 +61,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _demo_dirs(cache_dir: str | None) -> tuple[Path, Path]:
     """The pair --demo runs: the trained pair shipped in sglang_ddtree/assets/demo/ when
-    present, else a tiny seeded Qwen3 target + DFlash draft written (once) to the cache dir."""
-    from sglang_ddtree.testing.tiny import write_tiny_dflash, write_tiny_qwen3
+    present, else the seeded agreeing "binary" pair on the hybrid Qwen3.5 architecture
+    (testing/binary_pair.py: random Gated DeltaNet + attention layers, a two-token language,
+    a draft that ties its two tokens) written once to the cache dir: a tree covers both
+    continuations at every depth, a chain only one."""
+    from sglang_ddtree.testing.binary_pair import write_binary_pair
 
     shipped = DEMO_ASSETS / "target", DEMO_ASSETS / "draft"
     if cache_dir is None and all((d / "config.json").exists() for d in shipped):
         return shipped
     default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "sglang_ddtree"
     root = Path(cache_dir) if cache_dir else default / "demo"
-    target, draft = root / "target", root / "draft"
-    if not (target / "config.json").exists():
-        write_tiny_qwen3(target, seed=0)
+    target, draft = root / "qwen35-binary", root / "qwen35-binary-dflash"
     if not (draft / "config.json").exists():
-        write_tiny_dflash(draft, target, seed=0, num_layers=1, block_size=16)
+        write_binary_pair(root, "qwen35", seed=0)
     return target, draft
 
 

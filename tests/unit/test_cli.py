@@ -63,11 +63,15 @@ def test_prints_text_and_acceptance_lengths(pair, capsys):
 
 
 def test_demo_runs_from_a_cache_dir(tmp_path, capsys):
-    code, out, err = _run(capsys, "--demo", "--cache-dir", tmp_path, "--max-new-tokens", "3")
+    code, out, err = _run(capsys, "--demo", "--cache-dir", tmp_path, "--max-new-tokens", "24")
     assert code == 0, err
-    assert (tmp_path / "target" / "config.json").exists()
-    assert (tmp_path / "draft" / "config.json").exists()
-    assert "acceptance lengths: [" in out and "mean acceptance length: " in out
+    assert (tmp_path / "qwen35-binary" / "config.json").exists()
+    assert (tmp_path / "qwen35-binary-dflash" / "config.json").exists()
+    assert "acceptance lengths: [" in out and "DDTree vs chain at T=0: identical" in out
+    tree_mean, chain_mean = (
+        float(line.split(": ")[1]) for line in out.splitlines() if "mean acceptance" in line
+    )
+    assert tree_mean > chain_mean + 1.0  # the tree covers both continuations, the chain one
 
 
 def test_chat_template_is_default_when_the_tokenizer_has_one(pair):

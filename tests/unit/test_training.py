@@ -182,7 +182,7 @@ def test_block_context_is_strictly_before_anchor(toy, pair):
         earlier[:, a - 1] += 1.0
         changed = draft.block_logits(embed, head, earlier, ids, anchors)
     assert torch.equal(base, same)
-    assert (base - changed).abs().max() > 1e-3
+    assert (base - changed).abs().max() > 1e-5  # exact equality above; any real change counts
 
 
 def test_block_visibility_and_labels():
