@@ -29,7 +29,10 @@ class TargetRunner(Protocol):
         ...
 
     def verify(
-        self, tokens: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor,
+        self,
+        tokens: torch.Tensor,
+        parents: torch.Tensor,
+        depth: torch.Tensor,
         visibility: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One tree (node 0 = root), [N] / [N, N] tensors -> (logits [N, V] f32, taps [N, n_taps*H]).
