@@ -1,7 +1,7 @@
 """Contracts between the reference engine's parts (batch 1, CPU or GPU, transformers 5.12.1).
 
 The round, in the paper's five steps:
-  draft    DraftRunner.draft_logprobs(bonus, position) -> per-position top-K of q_1..q_L
+  draft    DraftRunner.draft_logits(bonus, position) -> per-position logits of q_1..q_L
   build    sglang_ddtree.tree.build_tree(...) -> DraftTree
   verify   TargetRunner.verify(tree) -> logits and tapped hidden states of every node (no commit)
   accept   sglang_ddtree.tree.accept_walk(...) -> accepted path + bonus
