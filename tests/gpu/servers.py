@@ -20,7 +20,7 @@ from tests.gpu.harness import Server
 
 MODELS = ("qwen3", "qwen35")
 NEW_TOKENS = 128
-NUM_NODES, TOPK = 32, 4
+NUM_NODES, TOPK = 31, 4  # budget 30 = the complete binary tree of depth 4
 COMMON = [
     "--attention-backend", "flashinfer", "--dtype", "bfloat16", "--mem-fraction-static", "0.08",
     "--max-running-requests", "16", "--cuda-graph-max-bs", "16", "--context-length", "2048",

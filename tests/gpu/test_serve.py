@@ -26,7 +26,7 @@ from tests.gpu import harness  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-from tests.gpu.servers import MODELS, NEW_TOKENS, server_set  # noqa: E402
+from tests.gpu.servers import MODELS, NEW_TOKENS, NUM_NODES, TOPK, server_set  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -239,3 +239,24 @@ def test_pools_return_to_idle_and_no_host_sync(servers, model, variant):
     per_rank = loads.get("loads", []) if isinstance(loads, dict) else loads
     assert per_rank, loads
     assert all(r["num_used_tokens"] == 0 for r in per_rank), loads
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_sglang_and_reference_engine_agree_round_for_round(servers, model):
+    """The transformers reference engine (CPU, float32) and SGLang's DDTREE (GPU, bf16) on the
+    same checkpoints: the same tokens in the same number of rounds. The binary pair's wide
+    margins make both numerics pick the same tokens; budget 30 makes the tree a complete binary
+    tree, so the draft's exact c0/c1 tie cannot change its shape on either device."""
+    from sglang_ddtree.reference.engine import generate, load_pair
+
+    server = servers[f"{model}-ddtree"]
+    target, drafter, tok = load_pair(
+        server.model_path, server.args[server.args.index("--speculative-draft-model-path") + 1]
+    )
+    n = 48
+    for prompt in harness.PROMPTS[:6]:
+        out = harness.generate(server, prompt, max_new_tokens=n, temperature=0, ignore_eos=True)
+        ids = torch.tensor(tok(prompt)["input_ids"])
+        ref = generate(target, drafter, ids, n, budget=NUM_NODES - 1, topk=TOPK)
+        assert out["output_ids"] == list(ref.tokens), prompt
+        assert out["meta_info"]["spec_verify_ct"] == ref.rounds, (prompt, ref.accept_lengths)
