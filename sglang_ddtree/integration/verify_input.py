@@ -38,20 +38,15 @@ def make_verify_input(
         tree_layout.full_mask_size(N, bs, seq_lens_sum), dtype=torch.bool, device=tokens.device
     )
     tree_layout.write_full_mask(visibility, seq_lens, mask)
-    return DDTreeVerifyInput(
+    return _verify_input(
+        cfg,
+        N,
+        mask,
         draft_token=tokens.reshape(-1),
-        custom_mask=mask,
         positions=tree_layout.node_positions(depth, seq_lens),
         retrieve_index=tree_layout.retrieve_index(bs, N, tokens.device),
         retrieve_next_token=first_child,
         retrieve_next_sibling=next_sibling,
-        retrieve_cum_len=None,
-        spec_steps=cfg.max_depth,
-        topk=cfg.topk,
-        draft_token_num=N,
-        capture_hidden_mode=CaptureHiddenMode.FULL,
-        seq_lens_sum=None,
-        seq_lens_cpu=None,
     )
 
 
@@ -59,18 +54,26 @@ def make_dummy_verify_input(
     cfg: DDTreeConfig, custom_mask: torch.Tensor, num_tokens_per_req: int
 ) -> DDTreeVerifyInput:
     """Shape-only stand-in for graph capture and warm-up runs of the target (no tree links)."""
-    return DDTreeVerifyInput(
+    return _verify_input(cfg, num_tokens_per_req, custom_mask)
+
+
+def _verify_input(cfg: DDTreeConfig, num_nodes: int, custom_mask, **tree) -> DDTreeVerifyInput:
+    fields = dict(
         draft_token=None,
-        custom_mask=custom_mask,
         positions=None,
         retrieve_index=None,
         retrieve_next_token=None,
         retrieve_next_sibling=None,
+    )
+    fields.update(tree)
+    return DDTreeVerifyInput(
+        custom_mask=custom_mask,
         retrieve_cum_len=None,
         spec_steps=cfg.max_depth,
         topk=cfg.topk,
-        draft_token_num=num_tokens_per_req,
+        draft_token_num=num_nodes,
         capture_hidden_mode=CaptureHiddenMode.FULL,
         seq_lens_sum=None,
         seq_lens_cpu=None,
+        **fields,
     )

@@ -287,3 +287,31 @@ def test_worker_module_imports_against_installed_sglang():
     from sglang_ddtree.integration import worker
 
     assert issubclass(worker.DDTreeWorker, worker.DFlashWorkerV2)
+
+
+def test_verify_input_carries_the_tree_in_eagle_layout():
+    import torch
+    from sglang.srt.speculative.spec_info import SpecInputType
+
+    from sglang_ddtree.config import DDTreeConfig
+    from sglang_ddtree.integration import tree_layout
+    from sglang_ddtree.integration.verify_input import make_verify_input
+    from sglang_ddtree.tree import build_tree, topk_logprobs_from_logits
+
+    cfg = DDTreeConfig(block_size=5, num_nodes=9, topk=3)
+    ids, lps = topk_logprobs_from_logits(torch.randn(2, 4, 30), cfg.topk)
+    tree = build_tree(torch.tensor([7, 8]), ids, lps, cfg.budget)
+    seq_lens = torch.tensor([5, 11])
+    v = make_verify_input(
+        cfg, tree.tokens, tree.depth, tree.first_child, tree.next_sibling, tree.visibility,
+        seq_lens, seq_lens_sum=40,  # an over-estimate is allowed
+    )  # fmt: skip
+    assert v.spec_input_type == SpecInputType.EAGLE_VERIFY and v.is_verify_input()
+    assert v.draft_token_num == v.num_tokens_per_req == 9 and v.max_tree_depth == 5
+    assert torch.equal(v.draft_token, tree.tokens.reshape(-1))
+    assert torch.equal(v.positions.view(2, 9), seq_lens[:, None] + tree.depth)
+    assert torch.equal(v.retrieve_next_token, tree.first_child)
+    assert torch.equal(v.retrieve_next_sibling, tree.next_sibling)
+    expected = torch.empty(tree_layout.full_mask_size(9, 2, 40), dtype=torch.bool)
+    tree_layout.write_full_mask(tree.visibility, seq_lens, expected)
+    assert torch.equal(v.custom_mask, expected)
