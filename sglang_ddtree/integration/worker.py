@@ -4,7 +4,8 @@ Inherited from DFlashWorkerV2 unchanged: draft TP worker and model, mask token, 
 attention backends, prefill (target prefill + draft KV of the prompt), idle batches, and the
 draft-KV materialisation from target hidden states. Replaced: the decode round.
 
-The decode round, in the paper's five steps (no host synchronisation in this file):
+The decode round, in the paper's five steps (no host synchronisation in this file; each part is a
+`torch.profiler.record_function` range named `ddtree.*` for SGLang's /start_profile traces):
   draft   DFlash block [bonus, MASK x (B-1)] through the draft runner (CUDA graph at width B)
   build   in the same graph: target LM head -> per-position top-K log-probs -> DDTree
   verify  the N-node tree through the target with a FULL custom mask (EAGLE tree verify)
@@ -38,6 +39,7 @@ from sglang.srt.speculative.draft_worker_common import (
 )
 from sglang.srt.speculative.eagle_worker_common import run_eagle_verify
 from sglang.srt.utils import get_available_gpu_memory
+from torch.profiler import record_function
 
 from sglang_ddtree.config import DDTreeConfig
 from sglang_ddtree.integration.draft_head import DraftTreeHead
@@ -128,8 +130,9 @@ class DDTreeWorker(DFlashWorkerV2):
             raise RuntimeError(f"DDTREE expected DFlashDraftInputV2, got {type(draft_input)}")
         batch.seq_lens.record_stream(torch.get_device_module(self.device).current_stream())
 
-        block = self._draft(batch, draft_input)  # draft + build (one graph replay)
-        with own_code():
+        with record_function("ddtree.draft_and_build"):
+            block = self._draft(batch, draft_input)  # draft + build (one graph replay)
+        with own_code(), record_function("ddtree.verify_input"):
             tree = self._tree_head.tree(len(batch.seq_lens))
             batch.spec_info = make_verify_input(
                 self.cfg,
@@ -141,11 +144,12 @@ class DDTreeWorker(DFlashWorkerV2):
                 batch.seq_lens,
                 self._seq_lens_sum_bound(batch, draft_input),
             )
-        result = self._verify_accept_commit(batch, grammar_barrier)
+        with record_function("ddtree.verify_accept_commit"):
+            result = self._verify_accept_commit(batch, grammar_barrier)
         batch.spec_info = draft_input
         if on_publish is not None:
             on_publish(result.new_seq_lens)
-        with own_code():
+        with own_code(), record_function("ddtree.draft_context"):
             self._commit_draft_context(result, *block)
             result.next_draft_input = make_draft_input_v2(
                 bonus_tokens=result.next_draft_input.bonus_tokens,
