@@ -118,14 +118,11 @@ class DDTreeWorker(DFlashWorkerV2):
         self._draft_worker.init_cuda_graphs(capture_decode_cuda_graph=capture)
 
     def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None):
-        if (
-            batch.forward_mode.is_extend()
-            or batch.is_extend_in_batch
-            or batch.forward_mode.is_idle()
-            or batch.spec_info is None
-        ):
+        if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
             return super().forward_batch_generation(batch, on_publish, grammar_barrier)
-        draft_input = batch.spec_info
+        if batch.forward_mode.is_idle():
+            return super().forward_batch_generation(batch, on_publish, grammar_barrier)
+        draft_input = batch.spec_info  # the DFlash draft state the last round (or prefill) left
         if not isinstance(draft_input, DFlashDraftInputV2):
             raise RuntimeError(f"DDTREE expected DFlashDraftInputV2, got {type(draft_input)}")
         batch.seq_lens.record_stream(torch.get_device_module(self.device).current_stream())
