@@ -4,6 +4,9 @@
 #                                                GPU test servers detached, wait until healthy
 #   bash scripts/gpu_session.sh test [PYTEST ARGS]  run tests/gpu against the running servers
 #   bash scripts/gpu_session.sh stop
+#   bash scripts/gpu_session.sh train [MINUTES]  start scripts/train_pair.py detached (it shares
+#                                                the GPU with the test servers), log in ROOT
+#   bash scripts/gpu_session.sh fetch-pair       copy the trained pair to $OUT in <16 MiB parts
 # Logs and results are copied to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,5 +29,15 @@ case "${1:-}" in
     tar czf "$OUT/logs.tgz" -C "$ROOT/logs" . 2>/dev/null
     exit $rc ;;
   stop) python3 -m tests.gpu.servers stop "$ROOT" ;;
-  *) echo "usage: gpu_session.sh start|test|stop" >&2; exit 2 ;;
+  train)
+    mkdir -p "$ROOT"
+    setsid nohup python3 scripts/train_pair.py --out "$ROOT/pair" --device cuda \
+      --minutes "${2:-10}" > "$ROOT/train.log" 2>&1 < /dev/null &
+    sleep 20; tail -n 5 "$ROOT/train.log" ;;
+  fetch-pair)
+    tail -n 20 "$ROOT/train.log" > "$OUT/train_tail.txt"
+    cp "$ROOT/pair/report.json" "$OUT/" 2>/dev/null
+    tar -C "$ROOT" -cf - pair | xz -1 -T0 | split -b 15M -d -a 1 - "$OUT/pair.tar.xz.part-"
+    ls -la "$OUT" ;;
+  *) echo "usage: gpu_session.sh start|test|stop|train|fetch-pair" >&2; exit 2 ;;
 esac
