@@ -1,0 +1,245 @@
+"""Per-round decode cost at Qwen3.6-27B scale (dummy weights), DDTREE against DFLASH, NEXTN (the
+built-in MTP layer with its tree) and no speculation, side by side on one GPU (issue 5, part 1).
+
+    python scripts/bench_round.py --out OUT [--variants none,dflash,nextn,ddtree32,ddtree64]
+        [--batch 1,4,8,16] [--tokens 96] [--profile ddtree64]
+
+Per variant: one server (CUDA graphs on, FlashInfer), then for each batch size b: b concurrent
+requests of `--tokens` new tokens. Round time = (request latency - the same batch's 1-token
+latency) / (rounds - 1), rounds = spec_verify_ct (speculative) or tokens (plain). Dummy weights
+accept at random, so this is the cost of a round, not a speed-up. Also recorded: the Gated DeltaNet
+verify scratch the server allocated, and (for `--profile` variants) GPU time per DDTREE part from
+SGLang's torch-profiler trace, using the worker's `ddtree.*` ranges.
+Output: OUT/bench_round.jsonl (one row per measurement), a table on stdout, OUT/bench_round.png.
+Status: written and checked on CPU (configs, variants, trace parser); not yet run on the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import json
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.gpu import harness  # noqa: E402
+
+QWEN36_TEXT = dict(  # Qwen3.6-27B text sizes (ddtree.md §3)
+    model_type="qwen3_5_text", vocab_size=248320, hidden_size=5120, intermediate_size=17408,
+    num_hidden_layers=64, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 16,
+    num_attention_heads=24, num_key_value_heads=4, head_dim=256, attn_output_gate=True,
+    linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+    linear_num_key_heads=16, linear_num_value_heads=48, full_attention_interval=4,
+    max_position_embeddings=32768, rms_norm_eps=1e-6, hidden_act="silu", partial_rotary_factor=0.25,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e7, "mrope_section": [11, 11, 10],
+                     "mrope_interleaved": True, "partial_rotary_factor": 0.25},
+    tie_word_embeddings=False, dtype="bfloat16", mtp_num_hidden_layers=1,
+    mtp_use_dedicated_embeddings=False,
+)  # fmt: skip
+DRAFT = dict(  # a Qwen3.6-27B-DFlash-shaped draft: 5 layers, 4 sliding + 1 full, block 16
+    architectures=["DFlashDraftModel"], model_type="qwen3", vocab_size=248320, hidden_size=5120,
+    intermediate_size=17408, num_hidden_layers=5, num_attention_heads=32, num_key_value_heads=8,
+    head_dim=128, rms_norm_eps=1e-6, rope_theta=1e7, max_position_embeddings=32768,
+    hidden_act="silu", use_sliding_window=True, sliding_window=2048,
+    layer_types=["sliding_attention"] * 4 + ["full_attention"], num_target_layers=64,
+    block_size=16, dflash_config={"target_layer_ids": [1, 16, 31, 46, 61]},
+    tie_word_embeddings=False, dtype="bfloat16",
+)  # fmt: skip
+COMMON = ["--attention-backend", "flashinfer", "--load-format", "dummy", "--context-length",
+          "8192", "--mem-fraction-static", "0.85", "--cuda-graph-max-bs", "16"]  # fmt: skip
+
+
+def variants(draft: Path) -> dict[str, list[str]]:
+    dd = ["--speculative-algorithm", "DDTREE", "--speculative-draft-model-path", str(draft),
+          "--speculative-draft-load-format", "dummy", "--speculative-eagle-topk", "8"]  # fmt: skip
+    out = {
+        "none": ["--max-running-requests", "16"],
+        "dflash": ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path",
+                   str(draft), "--speculative-draft-load-format", "dummy",
+                   "--max-running-requests", "16"],
+        "nextn": ["--speculative-algorithm", "NEXTN", "--speculative-eagle-topk", "4",
+                  "--speculative-num-steps", "3", "--speculative-num-draft-tokens", "8",
+                  "--max-running-requests", "16"],
+    }  # fmt: skip
+    for n in (16, 32, 64, 128):
+        # GDN verify scratch: ~144 MiB per node per request in fp32 at this size (ddtree.md §3).
+        max_req = max(1, min(16, int(60 * 1024 / (n * 144))))
+        out[f"ddtree{n}"] = [*dd, "--speculative-num-draft-tokens", str(n),
+                             "--max-running-requests", str(max_req)]  # fmt: skip
+    return out
+
+
+def write_configs(root: Path) -> tuple[Path, Path]:
+    from sglang_ddtree.testing.tiny import PREPROCESSOR_CONFIG, write_tokenizer
+
+    target, draft = root / "qwen36-27b-dummy", root / "qwen36-27b-dflash-dummy"
+    ids = write_tokenizer(target, 1024)
+    draft.mkdir(parents=True, exist_ok=True)
+    vision = dict(model_type="qwen3_5", depth=1, hidden_size=64, intermediate_size=128,
+                  num_heads=2, out_hidden_size=5120, patch_size=16, spatial_merge_size=2,
+                  temporal_patch_size=2, num_position_embeddings=64, deepstack_visual_indexes=[],
+                  in_channels=3)  # fmt: skip
+    cfg = dict(architectures=["Qwen3_5ForConditionalGeneration"], model_type="qwen3_5",
+               text_config={**QWEN36_TEXT, "eos_token_id": ids["<|im_end|>"]},
+               vision_config=vision, tie_word_embeddings=False, dtype="bfloat16",
+               image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+               vision_start_token_id=ids["<|vision_start|>"],
+               vision_end_token_id=ids["<|vision_end|>"], eos_token_id=ids["<|im_end|>"])  # fmt: skip
+    (target / "config.json").write_text(json.dumps(cfg, indent=1))
+    (target / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR_CONFIG, indent=1))
+    dcfg = {**DRAFT, "dflash_config": {**DRAFT["dflash_config"], "mask_token_id": ids["<|MASK|>"]}}
+    (draft / "config.json").write_text(json.dumps(dcfg, indent=1))
+    return target, draft
+
+
+def _latencies(server, bs: int, tokens: int) -> list[dict]:
+    prompts = [harness.PROMPTS[i % len(harness.PROMPTS)] for i in range(bs)]
+
+    def one(prompt):
+        t0 = time.perf_counter()
+        out = harness.generate(server, prompt, max_new_tokens=tokens, temperature=0,
+                               ignore_eos=True)  # fmt: skip
+        return {"latency": time.perf_counter() - t0, "meta": out["meta_info"]}
+
+    return harness.run_all(one, prompts, bs)
+
+
+def measure(server, bs: int, tokens: int) -> dict:
+    _latencies(server, bs, 8)  # warm-up
+    prefill = statistics.median(r["latency"] for r in _latencies(server, bs, 1))
+    runs = _latencies(server, bs, tokens)
+    rounds = [r["meta"].get("spec_verify_ct") or r["meta"]["completion_tokens"] for r in runs]
+    per_round = [
+        (r["latency"] - prefill) / max(n - 1, 1) for r, n in zip(runs, rounds, strict=True)
+    ]
+    accept = [r["meta"].get("spec_accept_length", 1.0) for r in runs]
+    return {
+        "bs": bs, "round_ms": 1e3 * statistics.median(per_round),
+        "tokens_per_s": bs * tokens / max(r["latency"] for r in runs),
+        "accept_len": statistics.mean(accept), "prefill_ms": 1e3 * prefill,
+    }  # fmt: skip
+
+
+def gdn_scratch_gb(log: str) -> float | None:
+    m = re.search(r"intermediate_ssm_state_cache size: ([0-9.]+)GB", log)
+    return float(m.group(1)) if m else None
+
+
+def profile_parts(server, bs: int, out_dir: Path, tokens: int = 48) -> dict[str, float]:
+    """GPU ms per DDTREE part per round, from SGLang's torch-profiler trace."""
+    trace_dir = out_dir / f"trace_{server.name}_bs{bs}"
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    harness.post(
+        server.url + "/start_profile",
+        {"output_dir": str(trace_dir), "num_steps": 12, "activities": ["CPU", "GPU"]},
+    )
+    _latencies(server, bs, tokens)
+    deadline = time.time() + 120
+    while time.time() < deadline and not glob.glob(str(trace_dir / "*.json*")):
+        time.sleep(2)
+    files = sorted(glob.glob(str(trace_dir / "*.json*")))
+    return parse_trace(files[-1]) if files else {}
+
+
+def parse_trace(path: str) -> dict[str, float]:
+    """Sum the GPU kernel time launched inside each `ddtree.*` range, per round (ms)."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    ranges = [
+        e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith("ddtree.")
+    ]
+    launches = [
+        e for e in events if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
+    ]
+    kernels = {}
+    for e in events:
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "correlation" in e.get(
+            "args", {}
+        ):
+            kernels.setdefault(e["args"]["correlation"], []).append(e["dur"])
+    totals, counts = {}, {}
+    for r in ranges:
+        lo, hi = r["ts"], r["ts"] + r["dur"]
+        gpu_us = sum(
+            sum(kernels.get(e["args"]["correlation"], []))
+            for e in launches
+            if e["tid"] == r["tid"] and lo <= e["ts"] <= hi
+        )
+        totals[r["name"]] = totals.get(r["name"], 0.0) + gpu_us
+        counts[r["name"]] = counts.get(r["name"], 0) + 1
+    return {k: totals[k] / counts[k] / 1e3 for k in totals}  # fmt: skip
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name in dict.fromkeys(r["variant"] for r in rows):
+        pts = [(r["bs"], r["round_ms"]) for r in rows if r["variant"] == name]
+        ax.plot(*zip(*pts, strict=True), marker="o", label=name)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("ms per decode round")
+    ax.set_title("Qwen3.6-27B-shaped target (dummy weights), one H200")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--work", type=Path, default=Path("/root/bench_round"))
+    p.add_argument("--variants", default="none,dflash,nextn,ddtree16,ddtree32,ddtree64,ddtree128")
+    p.add_argument("--batch", default="1,4,8,16")
+    p.add_argument("--tokens", type=int, default=96)
+    p.add_argument("--profile", default="ddtree64", help="variants to profile at bs 1 and 8")
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    target, draft = write_configs(args.work)
+    table = variants(draft)
+    rows = []
+    for i, name in enumerate(args.variants.split(",")):
+        server = harness.Server(name, str(target), 32000 + i, [*COMMON, *table[name]],
+                                log_dir=args.out)  # fmt: skip
+        server.start()
+        try:
+            server.wait_healthy(timeout=900)
+            scratch = gdn_scratch_gb(server.log_text())
+            max_req = int(table[name][table[name].index("--max-running-requests") + 1])
+            for bs in (int(b) for b in args.batch.split(",")):
+                if bs > max_req:
+                    continue
+                row = {"variant": name, "gdn_scratch_gb": scratch, "max_running": max_req,
+                       **measure(server, bs, args.tokens)}  # fmt: skip
+                if name in args.profile.split(",") and bs in (1, 8):
+                    row["parts_ms"] = profile_parts(server, bs, args.work)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                with open(args.out / "bench_round.jsonl", "a") as f:
+                    f.write(json.dumps(row) + "\n")
+        except Exception as exc:  # a variant that does not fit is a result, not a crash
+            rows.append({"variant": name, "error": str(exc)[-500:]})
+            print(json.dumps(rows[-1]), flush=True)
+        finally:
+            server.stop()
+    ok = [r for r in rows if "round_ms" in r]
+    print(f"\n{'variant':<10} {'bs':>3} {'ms/round':>9} {'tok/s':>8} {'accept':>7} {'GDN GB':>7}")
+    for r in ok:
+        print(f"{r['variant']:<10} {r['bs']:>3} {r['round_ms']:>9.2f} {r['tokens_per_s']:>8.1f} "
+              f"{r['accept_len']:>7.2f} {r['gdn_scratch_gb'] or 0:>7.2f}")  # fmt: skip
+    if ok:
+        plot(ok, args.out / "bench_round.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
