@@ -1,0 +1,253 @@
+"""Triton DDTree construction (ddtree.md §2): the best-first search itself, one program per request.
+
+`build_reference.build_tree_reference` is the specification and `build.build_tree` the batched
+torch version; this file must agree with both bit-for-bit (same signature, same DraftTree).
+
+Kernel 1, `_tree_search_kernel`, one program per request:
+  1. preprocess the [L, K] log-probs exactly like `build.preprocess_logprobs` (NaN/-inf -> floor,
+     clamp to [floor, 0], running minimum over K) into a scratch buffer, then a block barrier;
+  2. `budget` pops. The frontier is indexed by parent: slot p holds the key of node p's next
+     unpopped child, because the heap holds at most one child of a node at a time (rank 0 is
+     pushed when the node pops, rank r + 1 when rank r pops). A pop takes the smallest key,
+     emits node j, replaces slot p with the next sibling (rank + 1, or empty at rank K - 1) and
+     fills slot j with j's first child (or leaves it empty at depth L). Pop order = emission
+     order, so the key's parent field is the parent's tree index.
+  3. first_child / next_sibling come from the pops: a rank-0 pop is its parent's first child, any
+     other pop is the next sibling of the parent's previously popped child.
+Kernel 2, `_visibility_kernel`, one program per (request, block of rows): ancestor-or-self rows
+by walking `parents` up min(L, budget) steps.
+
+Keys: scores are <= 0 and never -0.0 (they are sums of values in [floor, 0] starting from +0.0),
+so the float32 bits of |score| order like -score. One int64 holds the whole key
+(-score, depth, parent, rank) and integer order is key order:
+    bits 32..62 |score| bits, 20..31 depth, 8..19 parent, 0..7 rank.
+budget <= MAX_BUDGET keeps depth and parent < 2**12, K <= MAX_TOPK keeps rank < 2**8.
+
+Cost per pop: one min and two masked extractions over next_power_of_2(budget + 1) lanes, plus
+three scalar loads; no host synchronisation, static shapes, so it can be captured in a CUDA graph.
+On CPU it runs under Triton's interpreter (TRITON_INTERPRET=1 set before triton is imported).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.jit import JITFunction
+
+from .inputs import LOGPROB_FLOOR, check_build_inputs
+from .types import DraftTree
+
+MAX_BUDGET = 1024  # depth and parent fields of the packed key hold values < 2**12
+MAX_TOPK = 64  # rank field holds values < 2**8; K <= 64 bounds the preprocessing tile
+
+_FLOOR: tl.constexpr = tl.constexpr(LOGPROB_FLOOR)
+_EMPTY: tl.constexpr = tl.constexpr(2**63 - 1)  # key of an empty frontier slot
+_ABS_MASK: tl.constexpr = tl.constexpr(0x7FFFFFFF)
+_FIELD: tl.constexpr = tl.constexpr(0xFFF)
+
+_TILE = 1024  # elements per preprocessing tile and per visibility block
+
+
+@triton.jit
+def _min_combine(a, b):
+    return tl.minimum(a, b)
+
+
+@triton.jit
+def _preprocess(lp_ptr, s_l, s_k, out_ptr, L, K, LT: tl.constexpr, KP: tl.constexpr):
+    """lp [L, K] (strided) -> out [L, K] contiguous: build.preprocess_logprobs for one request."""
+    ks = tl.arange(0, KP)
+    for l0 in range(0, L, LT):
+        ls = l0 + tl.arange(0, LT)
+        ok = (ls[:, None] < L) & (ks[None, :] < K)  # [LT, KP]
+        x = tl.load(lp_ptr + ls[:, None] * s_l + ks[None, :] * s_k, mask=ok, other=0.0)
+        x = tl.where(x != x, _FLOOR, x)  # NaN -> floor
+        x = tl.minimum(tl.maximum(x, _FLOOR), 0.0)  # -inf -> floor, +inf -> 0
+        # Padding lanes k >= K sit after the real ones, so they never reach a stored prefix.
+        x = tl.associative_scan(x, 1, _min_combine)  # running minimum over ranks
+        tl.store(out_ptr + ls[:, None] * K + ks[None, :], x, mask=ok)
+
+
+@triton.jit
+def _pack_key(score, depth, parent, rank):
+    """(-score, depth, parent, rank) as one int64 ordered like the tuple (score <= 0)."""
+    magnitude = (tl.cast(score, tl.int32, bitcast=True) & _ABS_MASK).to(tl.int64)
+    depth, parent, rank = (
+        tl.cast(depth, tl.int64),
+        tl.cast(parent, tl.int64),
+        tl.cast(rank, tl.int64),
+    )
+    return (magnitude << 32) | (depth << 20) | (parent << 8) | rank
+
+
+@triton.jit
+def _unpack_key(key):
+    """Inverse of _pack_key: (score f32, depth, parent, rank) int64; a zero score is +0.0."""
+    magnitude = (key >> 32).to(tl.int32)
+    score = tl.where(magnitude == 0, 0.0, -magnitude.to(tl.float32, bitcast=True))
+    return score, (key >> 20) & _FIELD, (key >> 8) & _FIELD, key & 0xFF
+
+
+@triton.jit
+def _tree_search_kernel(
+    root_ptr,  # [bs] int64
+    root_s,
+    ids_ptr,  # [bs, L, K] int64
+    ids_s0,
+    ids_s1,
+    ids_s2,
+    lp_ptr,  # [bs, L, K] float32, raw log-probs
+    lp_s0,
+    lp_s1,
+    lp_s2,
+    lp_buf,  # [bs, L, K] float32 scratch, contiguous: preprocessed log-probs
+    tokens_ptr,  # [bs, N] int64 outputs, contiguous ...
+    parents_ptr,
+    depth_ptr,
+    first_child_ptr,
+    next_sibling_ptr,
+    scores_ptr,  # [bs, N] float32
+    L,
+    K,
+    budget,
+    NP: tl.constexpr,  # next_power_of_2(N): lanes of the frontier and the per-node arrays
+    LT: tl.constexpr,
+    KP: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    N = budget + 1
+    lp_row = lp_buf + b * L * K  # this request's [L, K]
+    ids_row = ids_ptr + b * ids_s0
+    out_row = b * N
+    _preprocess(lp_ptr + b * lp_s0, lp_s1, lp_s2, lp_row, L, K, LT, KP)
+    tl.debug_barrier()  # the pops below read lp_row entries stored by other threads
+
+    slots = tl.arange(0, NP)  # [NP] node index; slot p = candidate child of node p
+    first = _pack_key(tl.load(lp_row), 1, 0, 0)  # depth 1, parent root, rank 0
+    frontier = tl.where(slots == 0, first, _EMPTY)  # [NP] int64 keys
+    node_score = tl.zeros([NP], dtype=tl.float32)  # [NP] score of each emitted node; root 0
+    last_child = tl.full([NP], -1, dtype=tl.int32)  # [NP] latest popped child of each node
+    first_child = tl.full([NP], -1, dtype=tl.int32)  # [NP]
+    next_sibling = tl.full([NP], -1, dtype=tl.int32)  # [NP]
+
+    for j in range(1, budget + 1):
+        score, depth, parent, rank = _unpack_key(tl.min(frontier, axis=0))
+        at_parent = slots == parent
+        parent_score = tl.min(tl.where(at_parent, node_score, 1.0), axis=0)  # scores <= 0
+        previous = tl.max(tl.where(at_parent, last_child, -1), axis=0)
+
+        token = tl.load(ids_row + (depth - 1) * ids_s1 + rank * ids_s2)
+        tl.store(tokens_ptr + out_row + j, token)
+        tl.store(parents_ptr + out_row + j, parent)
+        tl.store(depth_ptr + out_row + j, depth)
+        tl.store(scores_ptr + out_row + j, score)
+        node_score = tl.where(slots == j, score, node_score)
+        first_child = tl.where(at_parent & (rank == 0), j, first_child)
+        next_sibling = tl.where(slots == previous, j, next_sibling)  # previous = -1 at rank 0
+        last_child = tl.where(at_parent, j, last_child)
+
+        has_sibling = rank + 1 < K
+        sibling_lp = tl.load(lp_row + (depth - 1) * K + rank + 1, mask=has_sibling, other=0.0)
+        sibling = _pack_key(parent_score + sibling_lp, depth, parent, rank + 1)
+        frontier = tl.where(at_parent, tl.where(has_sibling, sibling, _EMPTY), frontier)
+        has_child = depth < L
+        child_lp = tl.load(lp_row + depth * K, mask=has_child, other=0.0)
+        child = _pack_key(score + child_lp, depth + 1, j, 0)
+        frontier = tl.where((slots == j) & has_child, child, frontier)
+
+    tl.store(tokens_ptr + out_row, tl.load(root_ptr + b * root_s))
+    tl.store(parents_ptr + out_row, -1)
+    tl.store(depth_ptr + out_row, 0)
+    tl.store(scores_ptr + out_row, 0.0)
+    in_tree = slots < N
+    tl.store(first_child_ptr + out_row + slots, first_child.to(tl.int64), mask=in_tree)
+    tl.store(next_sibling_ptr + out_row + slots, next_sibling.to(tl.int64), mask=in_tree)
+
+
+@triton.jit
+def _visibility_kernel(
+    parents_ptr,  # [bs, N] int64, contiguous
+    vis_ptr,  # [bs, N, N] uint8 (a bool tensor's bytes), contiguous
+    N,
+    max_depth,
+    ROWS: tl.constexpr,
+    NP: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)  # [ROWS]
+    cols = tl.arange(0, NP)  # [NP]
+    row_ok = rows < N
+    parents_row = parents_ptr + b * N
+    cur = rows
+    seen = cols[None, :] == rows[:, None]  # [ROWS, NP] self
+    for _ in range(max_depth):  # the root points to itself
+        up = tl.load(parents_row + cur, mask=row_ok, other=0)
+        cur = tl.maximum(up, 0).to(tl.int32)
+        seen = seen | (cols[None, :] == cur[:, None])
+    ok = row_ok[:, None] & (cols[None, :] < N)
+    tl.store(vis_ptr + b * N * N + rows[:, None] * N + cols[None, :], seen.to(tl.uint8), mask=ok)
+
+
+def _check_limits(root: torch.Tensor, K: int, budget: int) -> None:
+    if budget > MAX_BUDGET:
+        raise ValueError(f"build_tree_triton supports budget <= {MAX_BUDGET}, got budget={budget}")
+    if K > MAX_TOPK:
+        raise ValueError(f"build_tree_triton supports K <= {MAX_TOPK} candidates, got K={K}")
+    if isinstance(_tree_search_kernel, JITFunction) and root.device.type != "cuda":
+        raise ValueError(
+            f"build_tree_triton needs CUDA tensors, got device {root.device}; on CPU use "
+            f"build_tree, or set TRITON_INTERPRET=1 before importing triton"
+        )
+
+
+def _search_warps(NP: int) -> int:
+    """One warp up to 256 lanes (reductions stay in shuffles), then 8 lanes per thread."""
+    return max(1, min(8, NP // 256))
+
+
+def build_tree_triton(
+    root: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, budget: int
+) -> DraftTree:
+    """Same contract and result as `build.build_tree`, as two Triton kernels.
+
+    root [bs] int64, topk_ids [bs, L, K] int64, topk_logprobs [bs, L, K] float32 (any strides).
+    Returns a DraftTree of width N = budget + 1. Limits: budget <= 1024, K <= 64.
+    """
+    bs, L, K = check_build_inputs(root, topk_ids, topk_logprobs, budget)
+    _check_limits(root, K, budget)
+    N = budget + 1
+    NP = triton.next_power_of_2(N)
+    KP = triton.next_power_of_2(K)
+    LT = min(triton.next_power_of_2(L), _TILE // KP)
+    device = root.device
+
+    def empty(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    lp_buf = empty(bs, L, K, dtype=torch.float32)
+    tokens, parents, depth, first_child, next_sibling = (empty(bs, N) for _ in range(5))
+    scores = empty(bs, N, dtype=torch.float32)
+    visibility = empty(bs, N, N, dtype=torch.bool)
+    if bs > 0:
+        _tree_search_kernel[(bs,)](
+            root, root.stride(0),
+            topk_ids, *topk_ids.stride(),
+            topk_logprobs, *topk_logprobs.stride(),
+            lp_buf, tokens, parents, depth, first_child, next_sibling, scores,
+            L, K, budget,
+            NP=NP, LT=LT, KP=KP, num_warps=_search_warps(NP),
+        )  # fmt: skip
+        rows = max(1, _TILE // NP)
+        _visibility_kernel[(bs, triton.cdiv(N, rows))](
+            parents, visibility.view(torch.uint8), N, min(L, budget), ROWS=rows, NP=NP, num_warps=4
+        )
+    return DraftTree(
+        tokens=tokens,
+        parents=parents,
+        depth=depth,
+        first_child=first_child,
+        next_sibling=next_sibling,
+        visibility=visibility,
+        scores=scores,
+    )
