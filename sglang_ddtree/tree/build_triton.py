@@ -46,7 +46,8 @@ _EMPTY: tl.constexpr = tl.constexpr(2**63 - 1)  # key of an empty frontier slot
 _ABS_MASK: tl.constexpr = tl.constexpr(0x7FFFFFFF)
 _FIELD: tl.constexpr = tl.constexpr(0xFFF)
 
-_TILE = 1024  # elements per preprocessing tile and per visibility block
+_LP_TILE = 1024  # log-probs per preprocessing tile
+_VIS_TILE = 4096  # visibility entries per program
 
 
 @triton.jit
@@ -219,7 +220,7 @@ def build_tree_triton(
     N = budget + 1
     NP = triton.next_power_of_2(N)
     KP = triton.next_power_of_2(K)
-    LT = min(triton.next_power_of_2(L), _TILE // KP)
+    LT = min(triton.next_power_of_2(L), _LP_TILE // KP)
     device = root.device
 
     def empty(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
@@ -238,7 +239,7 @@ def build_tree_triton(
             L, K, budget,
             NP=NP, LT=LT, KP=KP, num_warps=_search_warps(NP),
         )  # fmt: skip
-        rows = max(1, _TILE // NP)
+        rows = max(1, _VIS_TILE // NP)
         _visibility_kernel[(bs, triton.cdiv(N, rows))](
             parents, visibility.view(torch.uint8), N, min(L, budget), ROWS=rows, NP=NP, num_warps=4
         )

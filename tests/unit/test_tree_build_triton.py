@@ -17,16 +17,18 @@ import sys
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from sglang_ddtree.tree import DraftTree, build_tree, build_tree_reference, tree_capacity
-from sglang_ddtree.tree.build_triton import build_tree_triton
+from sglang_ddtree.tree.build_triton import _pack_key, _unpack_key, build_tree_triton
 from sglang_ddtree.tree.testing import LOGPROB_MODES, check_tree_invariants, random_build_inputs
 
 torch.set_num_threads(1)
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interpreter_only = pytest.mark.skipif(not INTERPRETED, reason="runs in the interpreter process")
-CPU_TESTS = 20  # interpreter_only test items in this file; the interpreter process must pass all
+CPU_TESTS = 21  # interpreter_only test items in this file; the interpreter process must pass all
 
 
 def test_cpu_tests_under_triton_interpreter():
@@ -104,12 +106,66 @@ def test_k1_is_the_dflash_chain():
 
 
 @interpreter_only
-@pytest.mark.parametrize("mode", ["continuous", "ties"])
-def test_serving_shape_past_256_nodes(mode):
-    """L=15, K=8, budget 260: parent indices and depths beyond one byte in the packed key."""
+def test_serving_shape_large_budget():
+    """L=15, K=8, budget 260, no ties: a serving-sized tree past one byte of node indices."""
     g = torch.Generator().manual_seed(11)
-    root, ids, lps = random_build_inputs(g, 1, 15, 8, 1000, mode)
+    root, ids, lps = random_build_inputs(g, 1, 15, 8, 1000, "continuous")
     check_against_reference(build_tree_triton, root, ids, lps, 260)
+
+
+@interpreter_only
+def test_ties_with_node_indices_past_one_byte():
+    """Tied keys, budget 300 with rank 0 at log-prob 0: nodes with parents >= 256 get popped."""
+    g = torch.Generator().manual_seed(15)  # a seed whose tree reaches parents >= 256 (asserted)
+    root, ids, lps = random_build_inputs(g, 1, 15, 8, 1000, "ties")
+    lps[..., 0] = 0.0  # a node's rank-0 child ties its score and pops right after it
+    tree = check_against_reference(build_tree_triton, root, ids, lps, 300)
+    assert tree.parents.max().item() >= 256
+
+
+@triton.jit
+def _key_round_trip_kernel(
+    score_ptr, depth_ptr, parent_ptr, rank_ptr, key_ptr, n, BLOCK: tl.constexpr
+):
+    i = tl.arange(0, BLOCK)
+    ok = i < n
+    score = tl.load(score_ptr + i, mask=ok)
+    depth = tl.load(depth_ptr + i, mask=ok)
+    key = _pack_key(score, depth, tl.load(parent_ptr + i, mask=ok), tl.load(rank_ptr + i, mask=ok))
+    tl.store(key_ptr + i, key, mask=ok)
+    score, depth, parent, rank = _unpack_key(key)
+    tl.store(score_ptr + i, score, mask=ok)  # overwritten in place with the decoded fields
+    tl.store(depth_ptr + i, depth, mask=ok)
+    tl.store(parent_ptr + i, parent, mask=ok)
+    tl.store(rank_ptr + i, rank, mask=ok)
+
+
+@interpreter_only
+def test_packed_key_round_trips_and_orders_like_the_tuple():
+    """Fields over their whole ranges (depth 1..1025, parent 0..1024, rank 0..63), tied scores
+    including 0, subnormals and the deepest floor sum: integer order == (-score, depth, parent, rank).
+    """
+    g = torch.Generator().manual_seed(4)
+    n = 2000
+    values = torch.tensor([0.0, -1e-45, -3e-45, -0.5, -1.0, -1.0e4, -1.025e7], dtype=torch.float32)
+    fields = [
+        values[torch.randint(len(values), (n,), generator=g)],
+        torch.randint(1, 1026, (n,), generator=g),
+        torch.randint(0, 1025, (n,), generator=g),
+        torch.randint(0, 64, (n,), generator=g),
+    ]
+    for f in fields[1:]:
+        f[:4] = torch.tensor([f.min(), f.max(), f.min(), f.max()])  # the extremes, tied too
+    decoded = [f.clone() for f in fields]
+    keys = torch.empty(n, dtype=torch.int64)
+    _key_round_trip_kernel[(1,)](*decoded, keys, n, BLOCK=triton.next_power_of_2(n))
+    assert torch.equal(decoded[0].view(torch.int32), fields[0].view(torch.int32))
+    for got, want in zip(decoded[1:], fields[1:], strict=True):
+        assert torch.equal(got, want)
+    tuples = list(zip(*(f.tolist() for f in fields), strict=True))
+    by_tuple = sorted(range(n), key=lambda k: (-tuples[k][0], *tuples[k][1:]))
+    by_key = sorted(range(n), key=lambda k: keys[k].item())
+    assert [tuples[k] for k in by_key] == [tuples[k] for k in by_tuple]
 
 
 @interpreter_only
