@@ -74,12 +74,8 @@ def _preprocess(lp_ptr, s_l, s_k, out_ptr, L, K, LT: tl.constexpr, KP: tl.conste
 def _pack_key(score, depth, parent, rank):
     """(-score, depth, parent, rank) as one int64 ordered like the tuple (score <= 0)."""
     magnitude = (tl.cast(score, tl.int32, bitcast=True) & _ABS_MASK).to(tl.int64)
-    depth, parent, rank = (
-        tl.cast(depth, tl.int64),
-        tl.cast(parent, tl.int64),
-        tl.cast(rank, tl.int64),
-    )
-    return (magnitude << 32) | (depth << 20) | (parent << 8) | rank
+    fields = (tl.cast(depth, tl.int64) << 20) | (tl.cast(parent, tl.int64) << 8)
+    return (magnitude << 32) | fields | tl.cast(rank, tl.int64)
 
 
 @triton.jit
