@@ -227,6 +227,55 @@ def test_compiled_kernels_refuse_cpu_tensors():
         build_tree_triton(*_ok_inputs(), 3)
 
 
+# --- compiled for sm_90 on this host (no GPU needed) -------------------------------------------
+
+POINTER_TYPES = {
+    "root_ptr": "*i64",
+    "ids_ptr": "*i64",
+    "lp_ptr": "*fp32",
+    "lp_buf": "*fp32",
+    "tokens_ptr": "*i64",
+    "parents_ptr": "*i64",
+    "depth_ptr": "*i64",
+    "first_child_ptr": "*i64",
+    "next_sibling_ptr": "*i64",
+    "scores_ptr": "*fp32",
+    "vis_ptr": "*u8",
+}
+
+
+@pytest.mark.skipif(INTERPRETED, reason="needs the compiled kernels")
+@pytest.mark.parametrize(
+    "kernel,constexprs,num_warps",
+    [
+        ("_tree_search_kernel", {"NP": 128, "LT": 16, "KP": 8}, 1),  # budget 64..127, K=8
+        ("_tree_search_kernel", {"NP": 2048, "LT": 16, "KP": 64}, 8),  # both limits
+        ("_tree_search_kernel", {"NP": 16, "LT": 16, "KP": 1}, 1),  # K=1 chain
+        ("_visibility_kernel", {"ROWS": 32, "NP": 128}, 4),
+    ],
+)
+def test_kernels_compile_for_hopper(kernel, constexprs, num_warps, monkeypatch, tmp_path):
+    """Triton's full pipeline down to a cubin (its bundled ptxas): catches what the lenient
+    interpreter lets through (types of loop-carried values, scalar/tensor mixes)."""
+    pytest.importorskip("triton.backends.nvidia")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import ASTSource
+
+    from sglang_ddtree.tree import build_triton
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    fn = getattr(build_triton, kernel)
+    types = {
+        n: "constexpr" if n in constexprs else POINTER_TYPES.get(n, "i32") for n in fn.arg_names
+    }
+    compiled = triton.compile(
+        ASTSource(fn, types, constexprs=constexprs),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": num_warps},
+    )
+    assert compiled.asm["cubin"] and ".entry " + kernel in compiled.asm["ptx"]
+
+
 # --- CUDA: compiled kernels -------------------------------------------------------------------
 
 needs_cuda = pytest.mark.skipif(
