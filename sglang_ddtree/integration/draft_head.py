@@ -8,10 +8,25 @@ When the draft ran eagerly the worker calls the head itself on the same inputs.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from sglang_ddtree.config import DDTreeConfig
 from sglang_ddtree.tree import DraftTree, build_tree, topk_logprobs_from_logits
+
+
+def tree_builder(name: str | None = None):
+    """The tree builder the head uses: "torch" (default, `tree.build_tree`) or "triton"
+    (`tree.build_triton`, one program per request; select with SGLANG_DDTREE_TREE_BUILDER)."""
+    name = name or os.environ.get("SGLANG_DDTREE_TREE_BUILDER", "torch")
+    if name == "torch":
+        return build_tree
+    if name == "triton":
+        from sglang_ddtree.tree.build_triton import build_tree_triton
+
+        return build_tree_triton
+    raise ValueError(f"SGLANG_DDTREE_TREE_BUILDER must be 'torch' or 'triton', got {name!r}")
 
 
 class DraftTreeHead:
@@ -26,6 +41,7 @@ class DraftTreeHead:
         self.weight = lm_head_weight
         self.vocab_size = int(vocab_size)
         self.cfg = cfg
+        self.build = tree_builder()
         N, dev = cfg.num_nodes, lm_head_weight.device
         self.tokens = torch.zeros((max_bs, N), dtype=torch.int64, device=dev)
         self.parents = torch.zeros((max_bs, N), dtype=torch.int64, device=dev)
@@ -47,7 +63,7 @@ class DraftTreeHead:
         logits = torch.matmul(hidden.to(self.weight.dtype), self.weight[: self.vocab_size].T)
         ids, logprobs = topk_logprobs_from_logits(logits.float(), self.cfg.topk)  # [bs, B-1, K]
         root = input_ids.view(bs, B)[:, 0]
-        tree = build_tree(root, ids, logprobs, self.cfg.budget)
+        tree = self.build(root, ids, logprobs, self.cfg.budget)
         for name, value in tree._asdict().items():
             getattr(self, name)[:bs].copy_(value)
 

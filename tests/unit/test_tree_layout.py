@@ -72,3 +72,14 @@ def test_draft_head_builds_the_reference_tree_from_block_hidden_states():
     for name in expected._fields:
         assert torch.equal(getattr(got, name), getattr(expected, name)), name
     assert int(got.tokens.max()) < V
+
+
+def test_tree_builder_is_selectable_and_checked(monkeypatch):
+    import pytest
+
+    from sglang_ddtree.integration.draft_head import tree_builder
+
+    assert tree_builder() is build_tree
+    monkeypatch.setenv("SGLANG_DDTREE_TREE_BUILDER", "heap")
+    with pytest.raises(ValueError, match="'torch' or 'triton', got 'heap'"):
+        tree_builder()
