@@ -1,0 +1,130 @@
+"""End-to-end speed on the real (trained) pair: DDTREE (node-budget sweep) vs DFLASH vs plain
+decoding, all servers in one run on one GPU, with held-out prompts (issue 5, part 2).
+
+    python scripts/bench_e2e.py --target DIR --draft DIR --out OUT
+        [--budgets 16,32,64,128] [--concurrency 1,4,16] [--prompts 64] [--tokens 256]
+
+Prompts: the opening lines of files from the packages the training held out (asyncio, email,
+http, ...; `training.corpus.HELD_OUT_STDLIB`), deterministic order. For each server and
+concurrency c: c clients send requests back to back until every prompt was served once; reported
+are output tokens/s, mean time per output token, mean acceptance length (SGLang's meta_info), and
+for DDTREE the reference engine's acceptance length on the first prompts (at T=0 it must equal
+SGLang's, round for round). Servers run one at a time so each has the GPU to itself.
+Output: OUT/bench_e2e.jsonl and a table. Status: written, not yet run on the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.gpu import harness  # noqa: E402
+
+COMMON = ["--attention-backend", "flashinfer", "--dtype", "bfloat16", "--mem-fraction-static",
+          "0.5", "--max-running-requests", "16", "--cuda-graph-max-bs", "16"]  # fmt: skip
+
+
+def heldout_prompts(n: int, chars: int = 400) -> list[str]:
+    from sglang_ddtree.training.corpus import HELD_OUT_STDLIB
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for pkg in HELD_OUT_STDLIB for p in (stdlib / pkg).rglob("*.py"))
+    prompts = []
+    for path in files:
+        text = path.read_text(errors="replace").strip()
+        if len(text) >= chars:
+            prompts.append(text[:chars])
+        if len(prompts) == n:
+            break
+    return prompts
+
+
+def server_table(draft: str, budgets: list[int]) -> dict[str, list[str]]:
+    spec = ["--speculative-draft-model-path", draft]
+    table = {"none": [], "dflash": ["--speculative-algorithm", "DFLASH", *spec]}
+    for n in budgets:
+        table[f"ddtree{n}"] = ["--speculative-algorithm", "DDTREE", *spec,
+                               "--speculative-num-draft-tokens", str(n),
+                               "--speculative-eagle-topk", "8"]  # fmt: skip
+    return table
+
+
+def load(server, prompts: list[str], concurrency: int, tokens: int) -> dict:
+    def one(prompt):
+        t0 = time.perf_counter()
+        out = harness.generate(server, prompt, max_new_tokens=tokens, temperature=0,
+                               ignore_eos=True)  # fmt: skip
+        return time.perf_counter() - t0, out["meta_info"]
+
+    harness.run_all(one, prompts[:concurrency], concurrency)  # warm-up
+    t0 = time.perf_counter()
+    results = harness.run_all(one, prompts, concurrency)
+    wall = time.perf_counter() - t0
+    produced = sum(m["completion_tokens"] for _, m in results)
+    return {
+        "tokens_per_s": produced / wall,
+        "tpot_ms": 1e3 * statistics.mean(lat / m["completion_tokens"] for lat, m in results),
+        "accept_len": statistics.mean(m.get("spec_accept_length", 1.0) for _, m in results),
+        "verify_ct": [m.get("spec_verify_ct") for _, m in results],
+    }
+
+
+def reference_rounds(target: str, draft: str, prompts: list[str], budget: int, tokens: int):
+    from sglang_ddtree.reference.engine import generate, load_pair
+
+    runner, drafter, tok = load_pair(target, draft)
+    out = []
+    for prompt in prompts:
+        res = generate(runner, drafter, tok(prompt)["input_ids"], tokens, budget=budget, topk=8)
+        out.append(res.rounds)
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--target", required=True)
+    p.add_argument("--draft", required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--budgets", default="16,32,64,128")
+    p.add_argument("--concurrency", default="1,4,16")
+    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--tokens", type=int, default=256)
+    p.add_argument("--reference-prompts", type=int, default=4)
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    prompts = heldout_prompts(args.prompts)
+    budgets = [int(b) for b in args.budgets.split(",")]
+    rows = []
+    for i, (name, extra) in enumerate(server_table(args.draft, budgets).items()):
+        server = harness.Server(name, args.target, 33000 + i, [*COMMON, *extra], log_dir=args.out)
+        server.start()
+        try:
+            server.wait_healthy(timeout=900)
+            for c in (int(x) for x in args.concurrency.split(",")):
+                row = {"server": name, "concurrency": c, **load(server, prompts, c, args.tokens)}
+                if name.startswith("ddtree") and c == 1 and args.reference_prompts:
+                    k = args.reference_prompts
+                    ref = reference_rounds(args.target, args.draft, prompts[:k],
+                                           int(name[6:]) - 1, args.tokens)  # fmt: skip
+                    row["reference_rounds"], row["sglang_rounds"] = ref, row["verify_ct"][:k]
+                rows.append(row)
+                print(json.dumps({k: v for k, v in row.items() if k != "verify_ct"}), flush=True)
+                with open(args.out / "bench_e2e.jsonl", "a") as f:
+                    f.write(json.dumps(row) + "\n")
+        finally:
+            server.stop()
+    print(f"\n{'server':<10} {'conc':>4} {'tok/s':>9} {'TPOT ms':>8} {'accept':>7}")
+    for r in rows:
+        print(f"{r['server']:<10} {r['concurrency']:>4} {r['tokens_per_s']:>9.1f} "
+              f"{r['tpot_ms']:>8.2f} {r['accept_len']:>7.2f}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
