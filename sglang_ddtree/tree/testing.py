@@ -116,3 +116,13 @@ def assert_static_graph(fn: Callable, *args: torch.Tensor) -> torch.fx.GraphModu
             if isinstance(v, torch.Tensor):
                 assert all(isinstance(s, int) for s in v.shape), node.format_node()
     return gm
+
+
+def assert_trees_equal(fast: DraftTree, ref: DraftTree) -> None:
+    """Every field equal; scores compared bit-for-bit."""
+    for name in DraftTree._fields:
+        a, b = getattr(fast, name), getattr(ref, name)
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        if name == "scores":
+            a, b = a.view(torch.int32), b.view(torch.int32)
+        assert torch.equal(a, b), f"{name} differs:\n{a}\n{b}"

@@ -23,9 +23,7 @@ LOGIT_ATOL = 5e-5
 N_CTX = 11
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -35,12 +35,7 @@ BLOCK_SIZE = 16  # the OracleDrafter's
 DFLASH_BLOCK_SIZE = 8  # the random draft is never accepted; a short block keeps verify cheap
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

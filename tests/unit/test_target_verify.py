@@ -38,12 +38,7 @@ TAPS = [0, 2, 3]  # 3 = last layer: HF's hidden_states[-1] is the final-normed o
 ALPHABET = 6  # few distinct draft tokens, so branches repeat tokens
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _long_memory(model: torch.nn.Module, seed: int) -> torch.nn.Module:

@@ -18,10 +18,7 @@ from sglang_ddtree.testing.tiny import (
     write_tokenizer,
 )
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -21,22 +21,13 @@ from sglang_ddtree.tree import (
 from sglang_ddtree.tree.testing import (
     LOGPROB_MODES,
     assert_static_graph,
+    assert_trees_equal,
     check_tree_invariants,
     random_build_inputs,
     random_logprobs,
 )
 
 torch.set_num_threads(1)
-
-
-def assert_trees_equal(fast: DraftTree, ref: DraftTree) -> None:
-    """Every field equal; scores compared bit-for-bit."""
-    for name in DraftTree._fields:
-        a, b = getattr(fast, name), getattr(ref, name)
-        assert a.dtype == b.dtype and a.shape == b.shape, name
-        if name == "scores":
-            a, b = a.view(torch.int32), b.view(torch.int32)
-        assert torch.equal(a, b), f"{name} differs:\n{a}\n{b}"
 
 
 @st.composite

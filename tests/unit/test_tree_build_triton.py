@@ -22,7 +22,12 @@ import triton.language as tl
 
 from sglang_ddtree.tree import DraftTree, build_tree, build_tree_reference, tree_capacity
 from sglang_ddtree.tree.build_triton import _pack_key, _unpack_key, build_tree_triton
-from sglang_ddtree.tree.testing import LOGPROB_MODES, check_tree_invariants, random_build_inputs
+from sglang_ddtree.tree.testing import (
+    LOGPROB_MODES,
+    assert_trees_equal,
+    check_tree_invariants,
+    random_build_inputs,
+)
 
 torch.set_num_threads(1)
 
@@ -41,16 +46,6 @@ def test_cpu_tests_under_triton_interpreter():
     tail = (proc.stdout + proc.stderr)[-6000:]
     assert proc.returncode == 0, tail
     assert re.search(rf"\b{CPU_TESTS} passed", tail) and "failed" not in tail, tail
-
-
-def assert_trees_equal(fast: DraftTree, ref: DraftTree) -> None:
-    """Every field equal; scores compared bit-for-bit."""
-    for name in DraftTree._fields:
-        a, b = getattr(fast, name), getattr(ref, name)
-        assert a.dtype == b.dtype and a.shape == b.shape, name
-        if name == "scores":
-            a, b = a.view(torch.int32), b.view(torch.int32)
-        assert torch.equal(a, b), f"{name} differs:\n{a}\n{b}"
 
 
 def check_against_reference(build, root, ids, lps, budget: int) -> DraftTree:
