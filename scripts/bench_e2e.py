@@ -9,7 +9,9 @@ http, ...; `training.corpus.HELD_OUT_STDLIB`), deterministic order. For each ser
 concurrency c: c clients send requests back to back until every prompt was served once; reported
 are output tokens/s, mean time per output token, mean acceptance length (SGLang's meta_info), and
 for DDTREE the reference engine's acceptance length on the first prompts (at T=0 it must equal
-SGLang's, round for round). Servers run one at a time so each has the GPU to itself.
+SGLang's, round for round), and how many outputs equal the plain server's (greedy). All
+servers start up front in small memory slices; they are measured one at a time, so each has
+the GPU's compute to itself.
 Output: OUT/bench_e2e.jsonl and a table. Status: written, not yet run on the GPU.
 """
 
@@ -27,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.gpu import harness  # noqa: E402
 
 COMMON = ["--attention-backend", "flashinfer", "--dtype", "bfloat16", "--mem-fraction-static",
-          "0.5", "--max-running-requests", "16", "--cuda-graph-max-bs", "16"]  # fmt: skip
+          "0.08", "--max-running-requests", "16", "--cuda-graph-max-bs", "16"]  # fmt: skip
 
 
 def heldout_prompts(n: int, chars: int = 400) -> list[str]:
@@ -60,18 +62,19 @@ def load(server, prompts: list[str], concurrency: int, tokens: int) -> dict:
         t0 = time.perf_counter()
         out = harness.generate(server, prompt, max_new_tokens=tokens, temperature=0,
                                ignore_eos=True)  # fmt: skip
-        return time.perf_counter() - t0, out["meta_info"]
+        return time.perf_counter() - t0, out["meta_info"], out["output_ids"]
 
     harness.run_all(one, prompts[:concurrency], concurrency)  # warm-up
     t0 = time.perf_counter()
     results = harness.run_all(one, prompts, concurrency)
     wall = time.perf_counter() - t0
-    produced = sum(m["completion_tokens"] for _, m in results)
+    produced = sum(m["completion_tokens"] for _, m, _ in results)
     return {
         "tokens_per_s": produced / wall,
-        "tpot_ms": 1e3 * statistics.mean(lat / m["completion_tokens"] for lat, m in results),
-        "accept_len": statistics.mean(m.get("spec_accept_length", 1.0) for _, m in results),
-        "verify_ct": [m.get("spec_verify_ct") for _, m in results],
+        "tpot_ms": 1e3 * statistics.mean(lat / m["completion_tokens"] for lat, m, _ in results),
+        "accept_len": statistics.mean(m.get("spec_accept_length", 1.0) for _, m, _ in results),
+        "verify_ct": [m.get("spec_verify_ct") for _, m, _ in results],
+        "output_ids": [ids for _, _, ids in results],
     }
 
 
@@ -98,31 +101,60 @@ def main() -> int:
     p.add_argument("--reference-prompts", type=int, default=4)
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    logs = args.out / "logs"
+    logs.mkdir(exist_ok=True)
     prompts = heldout_prompts(args.prompts)
     budgets = [int(b) for b in args.budgets.split(",")]
-    rows = []
-    for i, (name, extra) in enumerate(server_table(args.draft, budgets).items()):
-        server = harness.Server(name, args.target, 33000 + i, [*COMMON, *extra], log_dir=args.out)
+    servers = [
+        harness.Server(name, args.target, 33000 + 10 * i, [*COMMON, *extra], log_dir=logs)
+        for i, (name, extra) in enumerate(server_table(args.draft, budgets).items())
+    ]
+    # Start every server up front (staggered: SGLang sizes its pools from the free memory it
+    # sees while loading), then measure one at a time; an idle server does not use the GPU.
+    t0 = time.time()
+    for server in servers:
         server.start()
-        try:
-            server.wait_healthy(timeout=900)
+        server.wait_for_log("Memory pool end", timeout=600)
+    for server in servers:
+        server.wait_healthy(timeout=900)
+    print(json.dumps({"all_healthy_after_s": round(time.time() - t0, 1)}), flush=True)
+    rows, plain_ids = [], None
+    try:
+        for server in servers:
             for c in (int(x) for x in args.concurrency.split(",")):
-                row = {"server": name, "concurrency": c, **load(server, prompts, c, args.tokens)}
-                if name.startswith("ddtree") and c == 1 and args.reference_prompts:
+                row = {"server": server.name, "concurrency": c,
+                       **load(server, prompts, c, args.tokens)}  # fmt: skip
+                ids = row.pop("output_ids")
+                if server.name == "none" and c == 1:
+                    plain_ids = ids
+                if plain_ids is not None:  # greedy: the same tokens as the plain server?
+                    row["identical_to_plain"] = sum(
+                        a == b for a, b in zip(ids, plain_ids, strict=False)
+                    )
+                    row["first_divergence"] = [harness.first_divergence(a, b)
+                                               for a, b in zip(ids, plain_ids, strict=False)]  # fmt: skip
+                if server.name.startswith("ddtree") and c == 1 and args.reference_prompts:
                     k = args.reference_prompts
                     ref = reference_rounds(args.target, args.draft, prompts[:k],
-                                           int(name[6:]) - 1, args.tokens)  # fmt: skip
+                                           int(server.name[6:]) - 1, args.tokens)  # fmt: skip
                     row["reference_rounds"], row["sglang_rounds"] = ref, row["verify_ct"][:k]
                 rows.append(row)
-                print(json.dumps({k: v for k, v in row.items() if k != "verify_ct"}), flush=True)
+                print(
+                    json.dumps(
+                        {k: v for k, v in row.items() if k not in ("verify_ct", "first_divergence")}
+                    ),
+                    flush=True,
+                )
                 with open(args.out / "bench_e2e.jsonl", "a") as f:
                     f.write(json.dumps(row) + "\n")
-        finally:
+    finally:
+        for server in servers:
             server.stop()
-    print(f"\n{'server':<10} {'conc':>4} {'tok/s':>9} {'TPOT ms':>8} {'accept':>7}")
+    print(f"\n{'server':<10} {'conc':>4} {'tok/s':>9} {'TPOT ms':>8} {'accept':>7} {'same':>5}")
     for r in rows:
         print(f"{r['server']:<10} {r['concurrency']:>4} {r['tokens_per_s']:>9.1f} "
-              f"{r['tpot_ms']:>8.2f} {r['accept_len']:>7.2f}")  # fmt: skip
+              f"{r['tpot_ms']:>8.2f} {r['accept_len']:>7.2f} "
+              f"{r.get('identical_to_plain', '-'):>5}")  # fmt: skip
     return 0
 
 

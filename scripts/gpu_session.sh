@@ -4,7 +4,7 @@
 #                                                GPU test servers detached, wait until healthy
 #   bash scripts/gpu_session.sh test [PYTEST ARGS]  run tests/gpu against the running servers
 #   bash scripts/gpu_session.sh stop
-#   bash scripts/gpu_session.sh train [MINUTES]  start scripts/train_pair.py detached (it shares
+#   bash scripts/gpu_session.sh train [MINUTES [TOTAL]]  start scripts/train_pair.py detached (it shares
 #                                                the GPU with the test servers), log in ROOT
 #   bash scripts/gpu_session.sh fetch-pair       copy the trained pair to $OUT in <16 MiB parts
 # Logs and results are copied to $OUT.
@@ -32,7 +32,7 @@ case "${1:-}" in
   train)
     mkdir -p "$ROOT"
     setsid nohup python3 scripts/train_pair.py --out "$ROOT/pair" --device cuda \
-      --minutes "${2:-10}" > "$ROOT/train.log" 2>&1 < /dev/null &
+      --minutes "${2:-10}" --total-minutes "${3:-${2:-10}}" > "$ROOT/train.log" 2>&1 < /dev/null &
     sleep 20; tail -n 5 "$ROOT/train.log" ;;
   fetch-pair)
     tail -n 20 "$ROOT/train.log" > "$OUT/train_tail.txt"
