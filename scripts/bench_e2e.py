@@ -21,30 +21,15 @@ import argparse
 import json
 import statistics
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from sglang_ddtree.training.corpus import heldout_prompts  # noqa: E402
 from tests.gpu import harness  # noqa: E402
 
 COMMON = ["--attention-backend", "flashinfer", "--dtype", "bfloat16", "--mem-fraction-static",
           "0.08", "--max-running-requests", "16", "--cuda-graph-max-bs", "16"]  # fmt: skip
-
-
-def heldout_prompts(n: int, chars: int = 400) -> list[str]:
-    from sglang_ddtree.training.corpus import HELD_OUT_STDLIB
-
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for pkg in HELD_OUT_STDLIB for p in (stdlib / pkg).rglob("*.py"))
-    prompts = []
-    for path in files:
-        text = path.read_text(errors="replace").strip()
-        if len(text) >= chars:
-            prompts.append(text[:chars])
-        if len(prompts) == n:
-            break
-    return prompts
 
 
 def server_table(draft: str, budgets: list[int]) -> dict[str, list[str]]:

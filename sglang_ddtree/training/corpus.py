@@ -239,3 +239,19 @@ def _cap(docs: list[tuple[str, str]], cap: int) -> list[tuple[str, str]]:
 
 def _nbytes(docs: list[tuple[str, str]]) -> int:
     return sum(len(t.encode("utf-8")) for _, t in docs)
+
+
+def heldout_prompts(n: int, chars: int = 400) -> list[str]:
+    """The opening `chars` characters of the first `n` files (sorted paths, at least `chars`
+    long) of this Python's held-out standard-library packages: prompts the shipped pair never
+    trained on (whole packages held out), the same on every machine with the same Python."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for pkg in HELD_OUT_STDLIB for p in (stdlib / pkg).rglob("*.py"))
+    prompts = []
+    for path in files:
+        text = path.read_text(errors="replace").strip()
+        if len(text) >= chars:
+            prompts.append(text[:chars])
+        if len(prompts) == n:
+            break
+    return prompts

@@ -1,11 +1,12 @@
 """DDTREE served by SGLang on the GPU, against the same server without speculation.
 
-Both servers load identical tiny checkpoints written here with seeded weights: an attention-only
-Qwen3 and a Qwen3.5 hybrid (Gated DeltaNet + gated attention, the Qwen3.6-27B architecture), each
-with a DFlash draft made to agree with it (testing/binary_pair.py), so rounds accept deep paths.
-All servers of a run share one GPU in small memory slices (tests/gpu/servers.py).
+Models (tests/gpu/servers.py): the agreeing binary pairs on an attention-only Qwen3 and a
+Qwen3.5 hybrid (Gated DeltaNet + gated attention, the Qwen3.6-27B architecture), written here
+with seeded weights, whose drafts make every round accept deep paths through side branches; and
+the trained Qwen3.5 pair shipped in sglang_ddtree/assets/demo (real text, natural margins).
+Every DDTREE server and its plain baseline load identical checkpoints.
 
-Run on the device:  python -m pytest tests/gpu -m gpu -x -q -s   (logs go to $OUT if set)
+Run on the device:  python -m pytest tests/gpu -m gpu -q -rA   (logs go to $OUT if set)
 """
 
 from __future__ import annotations
@@ -26,91 +27,127 @@ from tests.gpu import harness  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-from tests.gpu.servers import MODELS, NEW_TOKENS, NUM_NODES, TOPK, server_set  # noqa: E402
+from tests.gpu.servers import (  # noqa: E402
+    MODEL_VARIANTS,
+    MODELS,
+    NEW_TOKENS,
+    server_set,
+    tree_shape,
+)
+
+SPEC_VARIANTS = ("ddtree", "ddtree_sync", "ddtree_det")
+SPEC_SERVERS = [(m, v) for m in MODELS for v in MODEL_VARIANTS[m] if v in SPEC_VARIANTS]
 
 
 @pytest.fixture(scope="module")
 def servers():
-    """The server set of tests/gpu/servers.py: reused when already running, else started here."""
+    """The server set of tests/gpu/servers.py: reused when already running, else started here.
+    A server that did not come up fails the tests that use it (`_up`), not the others."""
     root = Path(os.environ.get("DDTREE_GPU_ROOT", tempfile.mkdtemp(prefix="ddtree-gpu-")))
     started = server_set(root)
-    reuse = all(s.is_healthy() for s in started.values())
+    reuse = any(s.is_healthy() for s in started.values())
     if not reuse:
         for server in started.values():
             server.start()
+            server.wait_for_log("Memory pool end", timeout=300)
         for server in started.values():
-            server.wait_healthy(timeout=900)
+            try:
+                server.wait_healthy(timeout=900)
+            except (RuntimeError, TimeoutError):
+                pass  # reported by _up in the tests that need it
     yield started  # logs stay in ROOT/logs (scripts/gpu_session.sh archives them to $OUT)
     if not reuse:
         for server in started.values():
             server.stop()
 
 
+def _up(servers, name: str) -> harness.Server:
+    server = servers[name]
+    if not server.is_healthy():
+        pytest.fail(f"server {name} is not up; log tail:\n{server.log_text()[-3000:]}")
+    return server
+
+
+def _flush(server) -> None:
+    """Empty the radix cache, so the next request's prefill runs over the whole prompt (the same
+    kernel shapes as a cold request) and no cached state is reused."""
+    status, body = harness.post(server.url + "/flush_cache", {})
+    assert status == 200, body
+
+
 # bf16 kernels of different shapes (width-1 decode vs N-node tree verify) round differently, so
 # two candidates whose log-probs are this close can swap places; anything farther apart cannot.
 TIE_TOL = 0.25  # nats; bf16 log-probs near -4 are quantised in steps of 1/32
+CONTROL_MAX = 1.0  # nats: a larger prefill-vs-decode gap on plain's own tokens is a broken setup
 
 
-def _greedy_ids(server, concurrency: int) -> list[list[int]]:
+def _greedy_ids(server, concurrency: int, prompts=harness.PROMPTS) -> list[list[int]]:
     def one(prompt):
         out = harness.generate(
             server, prompt, max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True
         )
         return out["output_ids"]
 
-    return harness.run_all(one, harness.PROMPTS, concurrency)
+    return harness.run_all(one, prompts, concurrency)
 
 
-def _base_verdicts(base, prompt: str, tokens: list[int]) -> list[tuple[float, float]]:
-    """Teacher-force `tokens` through the plain server: per position, (logprob of the chosen
-    token, best logprob) under the target alone given the prompt and the tokens before it."""
-    prompt_ids = base.tokenize(prompt)
-    out = harness.post(
+def _next_token_logprobs(base, input_ids: list[int], start: int, top: int = 1) -> dict:
+    """Teacher-force `input_ids` through the plain server (radix cache flushed first): per
+    position from `start` on, the log-prob of the token there and the top-`top` log-probs."""
+    _flush(base)
+    status, out = harness.post(
         base.url + "/generate",
         {
-            "input_ids": prompt_ids + tokens,
+            "input_ids": input_ids,
             "sampling_params": {"max_new_tokens": 1, "temperature": 0},
             "return_logprob": True,
-            "logprob_start_len": len(prompt_ids) - 1,
-            "top_logprobs_num": 1,
+            "logprob_start_len": start - 1,
+            "top_logprobs_num": top,
         },
-    )[1]
-    chosen = [lp for lp, _tok, *_ in out["meta_info"]["input_token_logprobs"][1:]]
-    best = [top[0][0] for top in out["meta_info"]["input_top_logprobs"][1:]]
-    return list(zip(chosen, best, strict=True))
+    )
+    assert status == 200, out
+    return out["meta_info"]
 
 
 def _deficits(base, tokens_per_prompt: list[list[int]]) -> list[float]:
     """Per generated token: how far below the target's own best log-prob it is (0 = argmax)."""
     out = []
     for prompt, tokens in zip(harness.PROMPTS, tokens_per_prompt, strict=True):
-        out += [best - chosen for chosen, best in _base_verdicts(base, prompt, tokens)]
+        prompt_ids = base.tokenize(prompt)
+        meta = _next_token_logprobs(base, prompt_ids + tokens, len(prompt_ids))
+        chosen = [lp for lp, _tok, *_ in meta["input_token_logprobs"][1:]]
+        best = [top[0][0] for top in meta["input_top_logprobs"][1:]]
+        out += [b - c for c, b in zip(chosen, best, strict=True)]
     return out
 
 
 @pytest.fixture(scope="module")
 def plain_greedy(servers):
-    """The plain server's own greedy tokens and their teacher-forced deficits: the control that
-    measures how far prefill (teacher forcing) and decode numerics disagree on their own."""
-    result = {}
-    for model in MODELS:
-        base = servers[f"{model}-base"]
-        tokens = _greedy_ids(base, 8)
-        result[model] = (tokens, _deficits(base, tokens))
-    return result
+    """Per model: the plain server's own greedy tokens and their teacher-forced deficits, the
+    control that measures how far prefill (teacher forcing) and decode numerics disagree."""
+    cache = {}
+
+    def get(model: str):
+        if model not in cache:
+            base = _up(servers, f"{model}-base")
+            tokens = _greedy_ids(base, 8)
+            cache[model] = (tokens, _deficits(base, tokens))
+        return cache[model]
+
+    return get
 
 
 @pytest.mark.parametrize("concurrency", [1, 8])
-@pytest.mark.parametrize("variant", ["ddtree", "ddtree_sync"])
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model,variant", SPEC_SERVERS)
 def test_generate_greedy_is_the_targets_greedy(servers, plain_greedy, model, variant, concurrency):
     """Every DDTREE token is the target's own greedy choice given the tokens before it, up to
-    bf16 near-ties: the tolerance is TIE_TOL or the largest deficit the plain server's own
-    greedy tokens show under the same teacher forcing, whichever is larger. A wrong token (a bug)
-    sits nats below the argmax; most sequences also match the plain server exactly."""
-    base = servers[f"{model}-base"]
-    plain_tokens, plain_deficits = plain_greedy[model]
-    spec = _greedy_ids(servers[f"{model}-{variant}"], concurrency)
+    bf16 near-ties: within TIE_TOL nats of the best, or within the largest deficit the plain
+    server's own greedy tokens show under the same teacher forcing (the control, which must
+    itself stay under CONTROL_MAX). A wrong token (a bug) sits nats below the argmax."""
+    base = _up(servers, f"{model}-base")
+    spec_server = _up(servers, f"{model}-{variant}")
+    plain_tokens, plain_deficits = plain_greedy(model)
+    spec = _greedy_ids(spec_server, concurrency)
     assert all(len(t) == NEW_TOKENS for t in spec)
     deficits = _deficits(base, spec)
     tol = max(TIE_TOL, max(plain_deficits))
@@ -122,72 +159,109 @@ def test_generate_greedy_is_the_targets_greedy(servers, plain_greedy, model, var
         f"off-argmax tokens {off_argmax}/{len(deficits)} (plain's own: {plain_off}); "
         f"max deficit {max(deficits):.3f} (plain's own {max(plain_deficits):.3f}, tol {tol:.3f})"
     )
+    assert max(plain_deficits) <= CONTROL_MAX, "control: teacher forcing disagrees with decode"
     assert max(deficits) <= tol
     assert off_argmax <= 2 * plain_off + len(deficits) // 100
 
 
-@pytest.mark.parametrize("variant", ["ddtree", "ddtree_sync"])
-@pytest.mark.parametrize("model", MODELS)
+def test_deterministic_mode_is_token_identical(servers):
+    """With SGLang's batch-invariant kernels (--enable-deterministic-inference), the issue's
+    literal check: temperature-0 /generate of DDTREE equals the plain server's, 32 prompts x 128
+    tokens, at batch 1 and 8, and the plain server equals itself across batch sizes."""
+    base = _up(servers, "pair-base_det")
+    spec = _up(servers, "pair-ddtree_det")
+    runs = {}
+    for name, server in (("plain", base), ("ddtree", spec)):
+        for c in (1, 8):
+            _flush(server)
+            runs[name, c] = _greedy_ids(server, c)
+    ref = runs["plain", 1]
+    same = {k: sum(a == b for a, b in zip(v, ref, strict=True)) for k, v in runs.items()}
+    print("identical to plain at batch 1 (of 32):", same)
+    firsts = {
+        k: [harness.first_divergence(a, b) for a, b in zip(v, ref, strict=True)]
+        for k, v in runs.items()
+    }
+    assert all(n == len(ref) for n in same.values()), firsts
+
+
+@pytest.mark.parametrize("model,variant", [(m, v) for m, v in SPEC_SERVERS if v != "ddtree_det"])
 def test_chat_goes_through_the_same_decode(servers, model, variant):
     """/v1/chat/completions on DDTREE equals /generate on the chat-templated prompt (one request
-    at a time, so batching cannot change numerics)."""
+    at a time from a flushed cache, so batching and prefix reuse cannot change numerics)."""
     from transformers import AutoTokenizer
 
-    server = servers[f"{model}-{variant}"]
+    server = _up(servers, f"{model}-{variant}")
     tok = AutoTokenizer.from_pretrained(server.model_path)
     for prompt in harness.PROMPTS[:8]:
         msgs = [{"role": "user", "content": prompt}]
+        _flush(server)
         chat = harness.chat(server, prompt, max_tokens=64, temperature=0, ignore_eos=True)
         text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        _flush(server)
         gen = harness.generate(server, text, max_new_tokens=64, temperature=0, ignore_eos=True)
-        assert chat["choices"][0]["message"]["content"] == gen["text"]
+        assert chat["choices"][0]["message"]["content"] == gen["text"], prompt
         assert chat["usage"]["completion_tokens"] == 64
 
 
 @pytest.mark.parametrize("model", MODELS)
 def test_acceptance_is_reported(servers, model):
+    server = _up(servers, f"{model}-ddtree")
     out = harness.generate(
-        servers[f"{model}-ddtree"],
-        harness.PROMPTS[0],
-        max_new_tokens=64,
-        temperature=0,
-        ignore_eos=True,
+        server, harness.PROMPTS[0], max_new_tokens=64, temperature=0, ignore_eos=True
     )
     meta = out["meta_info"]
     assert meta["spec_verify_ct"] >= 1
-    assert 3.0 <= meta["spec_accept_length"] <= 16.0  # the binary pair accepts ~4 per round
-    assert "accept len" in servers[f"{model}-ddtree"].log_text()
+    low = 2.0 if model == "pair" else 3.0  # the binary pairs accept ~4 per round
+    assert low <= meta["spec_accept_length"] <= 16.0, meta
+    assert "accept len" in server.log_text()
 
 
-def _token_counts(server, position_count: int, n: int) -> list[collections.Counter]:
+SAMPLE_POSITIONS, SAMPLES, SAMPLE_TOP_K = 3, 1500, 8
+
+
+def _samples(server, n: int) -> list[list[int]]:
     def one(seed):
         out = harness.generate(
             server,
             "def fibonacci(n):",
-            max_new_tokens=position_count,
+            max_new_tokens=SAMPLE_POSITIONS,
             temperature=1.0,
-            top_k=8,
+            top_k=SAMPLE_TOP_K,
             ignore_eos=True,
             sampling_seed=seed,
         )
         return out["output_ids"]
 
-    samples = harness.run_all(one, range(n), 16)
-    return [collections.Counter(s[i] for s in samples) for i in range(position_count)]
+    return harness.run_all(one, range(n), 16)
+
+
+@pytest.fixture(scope="module")
+def sampled(servers):
+    cache = {}
+
+    def get(model: str):
+        if model not in cache:
+            base, spec = _up(servers, f"{model}-base"), _up(servers, f"{model}-ddtree")
+            cache[model] = (_samples(base, SAMPLES), _samples(spec, SAMPLES))
+        return cache[model]
+
+    return get
 
 
 @pytest.mark.parametrize("model", MODELS)
-def test_sampling_distribution_matches(servers, model):
+def test_sampling_distribution_matches(sampled, model):
     """Chi-square homogeneity of the token at each of 3 positions, base vs DDTREE (T=1, top-k 8).
 
     alpha = 1e-3 per position (Bonferroni over 3 positions: family-wise 3e-3).
     """
     from scipy.stats import chi2_contingency
 
-    n = 1500
-    base = _token_counts(servers[f"{model}-base"], 3, n)
-    spec = _token_counts(servers[f"{model}-ddtree"], 3, n)
-    for pos, (a, b) in enumerate(zip(base, spec, strict=True)):
+    base_samples, spec_samples = sampled(model)
+    n = len(base_samples)
+    for pos in range(SAMPLE_POSITIONS):
+        a = collections.Counter(s[pos] for s in base_samples)
+        b = collections.Counter(s[pos] for s in spec_samples)
         tokens = sorted(set(a) | set(b), key=lambda t: -(a[t] + b[t]))
         common = [t for t in tokens if a[t] + b[t] >= 10]
         rows = [[a[t] for t in common], [b[t] for t in common]]
@@ -200,8 +274,37 @@ def test_sampling_distribution_matches(servers, model):
 
 
 @pytest.mark.parametrize("model", MODELS)
+def test_sampled_tokens_are_in_the_targets_top_k(servers, sampled, model):
+    """A support check with no sampling noise: every token DDTREE sampled (T=1, top-k 8) is one
+    of the target's top 8 given the tokens before it (teacher-forced through the plain server
+    from a flushed cache), up to TIE_TOL at the 8th place. Reports any violation with its prefix
+    and how often it was sampled."""
+    base = _up(servers, f"{model}-base")
+    _, spec_samples = sampled(model)
+    prompt_ids = base.tokenize("def fibonacci(n):")
+    by_prefix = collections.defaultdict(collections.Counter)
+    for s in spec_samples:
+        for pos in range(SAMPLE_POSITIONS):
+            by_prefix[tuple(s[:pos])][s[pos]] += 1
+    checked, violations = 0, []
+    for prefix, counts in sorted(by_prefix.items(), key=lambda kv: -sum(kv[1].values()))[:80]:
+        ids = prompt_ids + list(prefix)
+        meta = _next_token_logprobs(base, ids + [0], len(ids), top=SAMPLE_TOP_K + 1)
+        top = meta["input_top_logprobs"][-1]  # the distribution after `ids`
+        allowed = {tok for _lp, tok, *_ in top[:SAMPLE_TOP_K]}
+        if len(top) > SAMPLE_TOP_K and top[SAMPLE_TOP_K - 1][0] - top[SAMPLE_TOP_K][0] <= TIE_TOL:
+            allowed.add(top[SAMPLE_TOP_K][1])  # 8th and 9th near-tied: either may be in
+        checked += 1
+        for tok, count in counts.items():
+            if tok not in allowed:
+                violations.append((prefix, tok, count, [(round(lp, 2), t) for lp, t, *_ in top]))
+    print(f"{model}: {checked} prefixes checked, violations: {violations[:10]}")
+    assert not violations
+
+
+@pytest.mark.parametrize("model", MODELS)
 def test_bad_requests_get_4xx_and_server_stays_up(servers, model):
-    server = servers[f"{model}-ddtree"]
+    server = _up(servers, f"{model}-ddtree")
     chat = server.url + "/v1/chat/completions"
     msg = [{"role": "user", "content": "hi"}]
     cases = {
@@ -223,12 +326,10 @@ def test_bad_requests_get_4xx_and_server_stays_up(servers, model):
     assert len(ok["output_ids"]) >= 1
 
 
-@pytest.mark.parametrize("variant", ["ddtree", "ddtree_sync"])
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model,variant", SPEC_SERVERS)
 def test_pools_return_to_idle_and_no_host_sync(servers, model, variant):
-    server = servers[f"{model}-{variant}"]
-    status, _ = harness.post(server.url + "/flush_cache", {})
-    assert status == 200
+    server = _up(servers, f"{model}-{variant}")
+    _flush(server)
     status, loads = harness.get(server.url + "/v1/loads")
     assert status == 200, loads
     log = server.log_text()
@@ -244,19 +345,34 @@ def test_pools_return_to_idle_and_no_host_sync(servers, model, variant):
 @pytest.mark.parametrize("model", MODELS)
 def test_sglang_and_reference_engine_agree_round_for_round(servers, model):
     """The transformers reference engine (CPU, float32) and SGLang's DDTREE (GPU, bf16) on the
-    same checkpoints: the same tokens in the same number of rounds. The binary pair's wide
-    margins make both numerics pick the same tokens; budget 30 makes the tree a complete binary
-    tree, so the draft's exact c0/c1 tie cannot change its shape on either device."""
-    from sglang_ddtree.reference.engine import generate, load_pair
+    same checkpoints. The two numerics can flip a bf16 near-tie, so the comparison is made on
+    the prompts where the reference's plain greedy equals SGLang's plain server (the control):
+    there DDTREE must give the same tokens, and on the binary pairs (whose draft ties its two
+    tokens exactly, so the tree is the complete binary tree on both devices) in the same number
+    of rounds. At least half the prompts must pass the control."""
+    from sglang_ddtree.reference.engine import generate, generate_plain, load_pair
 
-    server = servers[f"{model}-ddtree"]
-    target, drafter, tok = load_pair(
-        server.model_path, server.args[server.args.index("--speculative-draft-model-path") + 1]
-    )
-    n = 48
-    for prompt in harness.PROMPTS[:6]:
-        out = harness.generate(server, prompt, max_new_tokens=n, temperature=0, ignore_eos=True)
+    base, server = _up(servers, f"{model}-base"), _up(servers, f"{model}-ddtree")
+    draft = server.args[server.args.index("--speculative-draft-model-path") + 1]
+    target, drafter, tok = load_pair(server.model_path, draft)
+    nodes, topk = tree_shape(model)
+    n, prompts, compared, rounds_equal = 48, harness.PROMPTS[:8], 0, 0
+    for prompt in prompts:
         ids = torch.tensor(tok(prompt)["input_ids"])
-        ref = generate(target, drafter, ids, n, budget=NUM_NODES - 1, topk=TOPK)
-        assert out["output_ids"] == list(ref.tokens), prompt
-        assert out["meta_info"]["spec_verify_ct"] == ref.rounds, (prompt, ref.accept_lengths)
+        kw = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
+        _flush(base)
+        plain = harness.generate(base, prompt, **kw)["output_ids"]
+        if plain != list(generate_plain(target, ids, n).tokens):
+            continue  # a bf16-vs-float32 near-tie: nothing to compare on this prompt
+        compared += 1
+        _flush(server)
+        out = harness.generate(server, prompt, **kw)
+        ref = generate(target, drafter, ids, n, budget=nodes - 1, topk=topk)
+        assert out["output_ids"] == list(ref.tokens) == plain, prompt
+        if out["meta_info"]["spec_verify_ct"] == ref.rounds:
+            rounds_equal += 1
+        elif model != "pair":
+            pytest.fail(f"{prompt!r}: SGLang {out['meta_info']['spec_verify_ct']} rounds, "
+                        f"reference {ref.rounds} ({ref.accept_lengths})")  # fmt: skip
+    print(f"{model}: {compared}/{len(prompts)} prompts compared, rounds equal on {rounds_equal}")
+    assert compared >= len(prompts) // 2
