@@ -51,7 +51,7 @@ DRAFT = dict(  # a Qwen3.6-27B-DFlash-shaped draft: 5 layers, 4 sliding + 1 full
     tie_word_embeddings=False, dtype="bfloat16",
 )  # fmt: skip
 COMMON = ["--attention-backend", "flashinfer", "--load-format", "dummy", "--context-length",
-          "8192", "--mem-fraction-static", "0.85", "--cuda-graph-max-bs", "16"]  # fmt: skip
+          "8192", "--mem-fraction-static", "0.85"]  # fmt: skip
 
 
 def variants(draft: Path) -> dict[str, list[str]]:
@@ -202,14 +202,16 @@ def main() -> int:
     p.add_argument("--batch", default="1,4,8,16")
     p.add_argument("--tokens", type=int, default=96)
     p.add_argument("--profile", default="ddtree64", help="variants to profile at bs 1 and 8")
+    p.add_argument("--graph-max-bs", type=int, help="--cuda-graph-max-bs (default: max --batch)")
     args = p.parse_args()
+    graph_bs = args.graph_max_bs or max(int(b) for b in args.batch.split(","))
     args.out.mkdir(parents=True, exist_ok=True)
     target, draft = write_configs(args.work)
     table = variants(draft)
     rows = []
     for i, name in enumerate(args.variants.split(",")):
-        server = harness.Server(name, str(target), 32000 + i, [*COMMON, *table[name]],
-                                log_dir=args.out)  # fmt: skip
+        extra = [*COMMON, "--cuda-graph-max-bs", str(graph_bs), *table[name]]
+        server = harness.Server(name, str(target), 32000 + i, extra, log_dir=args.out)
         server.start()
         try:
             server.wait_healthy(timeout=900)

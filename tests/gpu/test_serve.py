@@ -238,26 +238,28 @@ def _samples(server, n: int) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def sampled(servers):
+    """(model, variant) -> (the plain server's samples, the DDTREE server's samples)."""
     cache = {}
 
-    def get(model: str):
+    def get(model: str, variant: str):
         if model not in cache:
-            base, spec = _up(servers, f"{model}-base"), _up(servers, f"{model}-ddtree")
-            cache[model] = (_samples(base, SAMPLES), _samples(spec, SAMPLES))
-        return cache[model]
+            cache[model] = _samples(_up(servers, f"{model}-base"), SAMPLES)
+        if (model, variant) not in cache:
+            cache[model, variant] = _samples(_up(servers, f"{model}-{variant}"), SAMPLES)
+        return cache[model], cache[model, variant]
 
     return get
 
 
-@pytest.mark.parametrize("model", MODELS)
-def test_sampling_distribution_matches(sampled, model):
+@pytest.mark.parametrize("model,variant", SPEC_SERVERS)
+def test_sampling_distribution_matches(sampled, model, variant):
     """Chi-square homogeneity of the token at each of 3 positions, base vs DDTREE (T=1, top-k 8).
 
     alpha = 1e-3 per position (Bonferroni over 3 positions: family-wise 3e-3).
     """
     from scipy.stats import chi2_contingency
 
-    base_samples, spec_samples = sampled(model)
+    base_samples, spec_samples = sampled(model, variant)
     n = len(base_samples)
     for pos in range(SAMPLE_POSITIONS):
         a = collections.Counter(s[pos] for s in base_samples)
@@ -273,14 +275,14 @@ def test_sampling_distribution_matches(sampled, model):
         assert p_value > 1e-3, f"position {pos}: p={p_value:.2e}, base={a}, ddtree={b}"
 
 
-@pytest.mark.parametrize("model", MODELS)
-def test_sampled_tokens_are_in_the_targets_top_k(servers, sampled, model):
+@pytest.mark.parametrize("model,variant", SPEC_SERVERS)
+def test_sampled_tokens_are_in_the_targets_top_k(servers, sampled, model, variant):
     """A support check with no sampling noise: every token DDTREE sampled (T=1, top-k 8) is one
     of the target's top 8 given the tokens before it (teacher-forced through the plain server
     from a flushed cache), up to TIE_TOL at the 8th place. Reports any violation with its prefix
     and how often it was sampled."""
     base = _up(servers, f"{model}-base")
-    _, spec_samples = sampled(model)
+    _, spec_samples = sampled(model, variant)
     prompt_ids = base.tokenize("def fibonacci(n):")
     by_prefix = collections.defaultdict(collections.Counter)
     for s in spec_samples:
@@ -298,7 +300,7 @@ def test_sampled_tokens_are_in_the_targets_top_k(servers, sampled, model):
         for tok, count in counts.items():
             if tok not in allowed:
                 violations.append((prefix, tok, count, [(round(lp, 2), t) for lp, t, *_ in top]))
-    print(f"{model}: {checked} prefixes checked, violations: {violations[:10]}")
+    print(f"{model}-{variant}: {checked} prefixes checked, violations: {violations[:10]}")
     assert not violations
 
 
