@@ -55,11 +55,19 @@ VARIANTS = {
     "ddtree_sync": lambda model, draft: [*ddtree_args(model, draft), "--disable-overlap-schedule"],
     "base_det": lambda model, draft: DETERMINISTIC,
     "ddtree_det": lambda model, draft: [*ddtree_args(model, draft), *DETERMINISTIC],
+    # SGLang's own chain DFlash on the same pair: the control for numerics (a bf16 difference
+    # between the verify and the decode path shows up in DFLASH as much as in DDTREE).
+    "dflash": lambda model, draft: [
+        "--speculative-algorithm",
+        "DFLASH",
+        "--speculative-draft-model-path",
+        str(draft),
+    ],  # fmt: skip
 }
-# Which variants each model runs (10 servers in all, 7% of the GPU's memory each).
+# Which variants each model runs (11 servers in all, 7% of the GPU's memory each).
 MODEL_VARIANTS = {
     "qwen3": ("base", "ddtree", "ddtree_sync"),
-    "qwen35": ("base", "ddtree", "ddtree_sync"),
+    "qwen35": ("base", "ddtree", "ddtree_sync", "dflash"),
     "pair": ("base", "ddtree", "base_det", "ddtree_det"),
 }
 

@@ -35,7 +35,7 @@ from tests.gpu.servers import (  # noqa: E402
     tree_shape,
 )
 
-SPEC_VARIANTS = ("ddtree", "ddtree_sync", "ddtree_det")
+SPEC_VARIANTS = ("ddtree", "ddtree_sync", "ddtree_det", "dflash")  # dflash: SGLang's, a control
 SPEC_SERVERS = [(m, v) for m in MODELS for v in MODEL_VARIANTS[m] if v in SPEC_VARIANTS]
 
 
