@@ -7,6 +7,8 @@
 #   bash scripts/gpu_session.sh train [MINUTES [TOTAL]]  start scripts/train_pair.py detached (it shares
 #                                                the GPU with the test servers), log in ROOT
 #   bash scripts/gpu_session.sh fetch-pair       copy the trained pair to $OUT in <16 MiB parts
+#   bash scripts/gpu_session.sh bench-e2e [ARGS]    scripts/bench_e2e.py on the shipped pair
+#   bash scripts/gpu_session.sh bench-round [ARGS]  scripts/bench_round.py (27B-shaped, dummy)
 # Logs and results are copied to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -39,5 +41,18 @@ case "${1:-}" in
     cp "$ROOT/pair/report.json" "$OUT/" 2>/dev/null
     tar -C "$ROOT" -cf - pair | xz -1 -T0 | split -b 15M -d -a 1 - "$OUT/pair.tar.xz.part-"
     ls -la "$OUT" ;;
-  *) echo "usage: gpu_session.sh start|test|stop|train|fetch-pair" >&2; exit 2 ;;
+  bench-e2e)
+    shift
+    python3 -m tests.gpu.servers stop "$ROOT"  # the benchmark wants the GPU to itself
+    demo=sglang_ddtree/assets/demo
+    python3 scripts/bench_e2e.py --target $demo/target --draft $demo/draft --out "$OUT/e2e" "$@"
+    rc=$?; tar czf "$OUT/e2e_logs.tgz" -C "$OUT/e2e" logs && rm -rf "$OUT/e2e/logs"; exit $rc ;;
+  bench-round)
+    shift
+    python3 -m tests.gpu.servers stop "$ROOT"
+    python3 scripts/bench_round.py --out "$OUT/round" "$@"
+    rc=$?; tar czf "$OUT/round_logs.tgz" -C "$OUT/round" --remove-files \
+      $(cd "$OUT/round" && ls server_*.log 2>/dev/null); exit $rc ;;
+  *) echo "usage: gpu_session.sh start|test|stop|train|fetch-pair|bench-e2e|bench-round" >&2
+     exit 2 ;;
 esac
