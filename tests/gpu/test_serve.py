@@ -220,8 +220,13 @@ def test_acceptance_is_reported(servers, model):
 SAMPLE_POSITIONS, SAMPLES, SAMPLE_TOP_K = 3, 1500, 8
 
 
-def _samples(server, n: int) -> list[list[int]]:
+def _samples(server, n: int, seeded: bool = True) -> list[list[int]]:
+    """n samples of SAMPLE_POSITIONS tokens at T=1, top-k 8. `seeded`: request i carries
+    sampling_seed=i (SGLang then draws the verify coins from a hash of seed and position);
+    otherwise the coins come from torch's RNG."""
+
     def one(seed):
+        params = {"sampling_seed": seed} if seeded else {}
         out = harness.generate(
             server,
             "def fibonacci(n):",
@@ -229,7 +234,7 @@ def _samples(server, n: int) -> list[list[int]]:
             temperature=1.0,
             top_k=SAMPLE_TOP_K,
             ignore_eos=True,
-            sampling_seed=seed,
+            **params,
         )
         return out["output_ids"]
 
@@ -238,28 +243,35 @@ def _samples(server, n: int) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def sampled(servers):
-    """(model, variant) -> (the plain server's samples, the DDTREE server's samples)."""
+    """(model, variant, seeded) -> (the plain server's seeded samples, the speculative
+    server's samples)."""
     cache = {}
 
-    def get(model: str, variant: str):
+    def get(model: str, variant: str, seeded: bool = True):
         if model not in cache:
             cache[model] = _samples(_up(servers, f"{model}-base"), SAMPLES)
-        if (model, variant) not in cache:
-            cache[model, variant] = _samples(_up(servers, f"{model}-{variant}"), SAMPLES)
-        return cache[model], cache[model, variant]
+        key = model, variant, seeded
+        if key not in cache:
+            cache[key] = _samples(_up(servers, f"{model}-{variant}"), SAMPLES, seeded)
+        return cache[model], cache[key]
 
     return get
 
 
-@pytest.mark.parametrize("model,variant", SPEC_SERVERS)
-def test_sampling_distribution_matches(sampled, model, variant):
-    """Chi-square homogeneity of the token at each of 3 positions, base vs DDTREE (T=1, top-k 8).
+@pytest.mark.parametrize(
+    "model,variant,seeded",
+    [(m, v, True) for m, v in SPEC_SERVERS] + [(m, "ddtree", False) for m in MODELS],
+)
+def test_sampling_distribution_matches(sampled, model, variant, seeded):
+    """Chi-square homogeneity of the token at each of 3 positions, base vs DDTREE (T=1, top-k 8),
+    with seeded requests (SGLang's hashed verify coins) and, for one server per model, unseeded
+    ones (torch's RNG).
 
     alpha = 1e-3 per position (Bonferroni over 3 positions: family-wise 3e-3).
     """
     from scipy.stats import chi2_contingency
 
-    base_samples, spec_samples = sampled(model, variant)
+    base_samples, spec_samples = sampled(model, variant, seeded)
     n = len(base_samples)
     for pos in range(SAMPLE_POSITIONS):
         a = collections.Counter(s[pos] for s in base_samples)
