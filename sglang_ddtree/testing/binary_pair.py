@@ -66,7 +66,27 @@ def _make_binary_target(target: Path, lift: float, gain: float, bias: float = 0.
     norm = w[prefix + "norm.weight"]  # final norm: unit gain on both features
     unit = 0.0 if prefix == "model.language_model." else 1.0  # Qwen3.5 norms scale by 1 + w
     norm[[BIAS_DIM, DECISION_DIM]] = unit
+    _calm_gated_deltanet(w)
     save_file(w, str(path), metadata={"format": "pt"})
+
+
+def _calm_gated_deltanet(w: dict) -> None:
+    """Give the Gated DeltaNet layers (Qwen3.5 only) a realistic, mild decay.
+
+    The tiny writer's random A_log (mean 1.5, std 1.6) and in_proj_a (std 0.2) make the per-step
+    log-decay g = -exp(A_log) * softplus(a + dt_bias) reach -100: a float32 model still decodes
+    fine, but the chunked prefill kernel then loses everything in bf16 (on CPU the teacher-forced
+    and decoded log-probs of the greedy token differed by up to 10 nats; on the H200 the plain
+    server disagreed with itself by 7.4). With A = 1, dt_bias = -4 and in_proj_a / 10, g stays
+    near -0.02 (trained Qwen3.5 decays are of that order) and the same check gives 0.0 nats.
+    """
+    for name, tensor in w.items():
+        if name.endswith("linear_attn.A_log"):
+            tensor.fill_(0.0)
+        elif name.endswith("linear_attn.dt_bias"):
+            tensor.fill_(-4.0)
+        elif name.endswith("linear_attn.in_proj_a.weight"):
+            tensor.mul_(0.1)
 
 
 def _silence_draft(draft: Path) -> None:
