@@ -10,6 +10,12 @@
 #   bash scripts/gpu_session.sh bench-e2e [ARGS]    scripts/bench_e2e.py on the shipped pair
 #   bash scripts/gpu_session.sh bench-round [ARGS]  scripts/bench_round.py (27B-shaped, dummy)
 # Logs and results are copied to $OUT.
+# The working tree carries the ~24 MiB shipped pair, so run `bash scripts/gpu_resplit.sh 26` once
+# after ../shared/gpu/build_bundle.sh and stash the 5 smaller parts in 5 calls (the last one with
+# .gpu/jitcache.tar.xz) to stay under the device tool's 64 MiB per call.
+# Suggested test split (each call under 600 s):
+#   bash scripts/gpu_session.sh test -k "greedy or deterministic or chat"
+#   bash scripts/gpu_session.sh test -k "not (greedy or deterministic or chat)"
 set -uo pipefail
 cd "$(dirname "$0")/.."
 eval "$(bash .gpu/device.sh env)" || exit 1
