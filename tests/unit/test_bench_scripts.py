@@ -1,0 +1,104 @@
+"""The GPU benchmark and test-server scripts, checked on CPU so device time is not spent on a
+typo: their configs parse with SGLang's readers, every server command line parses with SGLang's
+CLI, and the profiler-trace parser attributes kernel time to the right ranges."""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _parse_cli(args: list[str]) -> argparse.Namespace:
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    return parser.parse_args(args)
+
+
+def test_bench_round_configs_have_qwen36_27b_shapes(tmp_path):
+    pytest.importorskip("sglang.srt.speculative.dflash_utils")
+    from sglang.srt.speculative.dflash_utils import parse_dflash_draft_config
+    from sglang.srt.utils.hf_transformers.config import get_config
+
+    bench = _script("bench_round")
+    target, draft = bench.write_configs(tmp_path)
+    cfg = get_config(str(target), trust_remote_code=False)
+    text = cfg.text_config
+    assert cfg.architectures == ["Qwen3_5ForConditionalGeneration"]
+    assert (text.hidden_size, text.num_hidden_layers, text.vocab_size) == (5120, 64, 248320)
+    assert text.layers_block_type.count("linear_attention") == 48
+    assert text.layers_block_type.count("attention") == 16
+    assert (text.num_attention_heads, text.num_key_value_heads, text.head_dim) == (24, 4, 256)
+    assert (text.linear_num_key_heads, text.linear_num_value_heads) == (16, 48)
+    dcfg = get_config(str(draft), trust_remote_code=False)
+    parsed = parse_dflash_draft_config(draft_hf_config=dcfg)
+    assert parsed.resolve_block_size() == 16
+    assert parsed.resolve_target_layer_ids(target_num_layers=64) == [1, 16, 31, 46, 61]
+    assert dcfg.num_hidden_layers == 5 and dcfg.hidden_size == 5120
+
+
+def test_bench_round_server_commands_parse(tmp_path):
+    pytest.importorskip("sglang.srt.server_args")
+    bench = _script("bench_round")
+    _, draft = bench.write_configs(tmp_path)
+    for name, extra in bench.variants(draft).items():
+        ns = _parse_cli(["--model-path", "x", *bench.COMMON, "--cuda-graph-max-bs", "8", *extra])
+        assert ns.load_format == "dummy", name
+        if name.startswith("ddtree"):
+            assert ns.speculative_algorithm == "DDTREE"
+            assert ns.speculative_num_draft_tokens == int(name[6:])
+            assert 1 <= ns.max_running_requests <= 16
+
+
+def test_bench_e2e_and_test_server_commands_parse(tmp_path):
+    pytest.importorskip("sglang.srt.server_args")
+    from tests.gpu.servers import COMMON, ENV, MODEL_VARIANTS, VARIANTS
+
+    bench = _script("bench_e2e")
+    for name, extra in bench.server_table("draft", [32, 64]).items():
+        ns = _parse_cli(["--model-path", "x", *bench.COMMON, *extra])
+        assert ns.attention_backend == "flashinfer", name
+    for model, variants in MODEL_VARIANTS.items():
+        for variant in variants:
+            ns = _parse_cli(["--model-path", "x", *COMMON, *VARIANTS[variant](model, "d")])
+            assert ns.max_running_requests == 16, (model, variant)
+            assert ns.enable_deterministic_inference == variant.endswith("_det")
+    assert ENV["SGLANG_DDTREE_SYNC_CHECK"] == "1"
+
+
+def test_trace_parser_sums_kernels_inside_each_range(tmp_path):
+    bench = _script("bench_round")
+    events = [
+        {"ph": "X", "name": "ddtree.draft", "ts": 0, "dur": 100, "tid": 1},
+        {"ph": "X", "name": "ddtree.draft", "ts": 200, "dur": 100, "tid": 1},
+        {"ph": "X", "name": "ddtree.verify", "ts": 400, "dur": 100, "tid": 1},
+        {"cat": "cuda_runtime", "ts": 10, "tid": 1, "args": {"correlation": 1}},
+        {"cat": "cuda_runtime", "ts": 210, "tid": 1, "args": {"correlation": 2}},
+        {"cat": "cuda_runtime", "ts": 410, "tid": 1, "args": {"correlation": 3}},
+        {"cat": "cuda_runtime", "ts": 420, "tid": 2, "args": {"correlation": 4}},  # other thread
+        {"cat": "kernel", "dur": 30, "args": {"correlation": 1}},
+        {"cat": "kernel", "dur": 50, "args": {"correlation": 2}},
+        {"cat": "kernel", "dur": 7, "args": {"correlation": 3}},
+        {"cat": "gpu_memcpy", "dur": 3, "args": {"correlation": 3}},
+        {"cat": "kernel", "dur": 1000, "args": {"correlation": 4}},
+    ]
+    path = tmp_path / "trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    parts = bench.parse_trace(str(path))
+    assert parts == {"ddtree.draft": 0.04, "ddtree.verify": 0.01}  # ms per range occurrence
