@@ -5,7 +5,8 @@ Not used on the serving path (they sync with the host freely).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -16,6 +17,18 @@ from .types import DraftTree
 TIE_VALUES = (0.0, -0.5, -0.5, -1.0, -2.0, LOGPROB_FLOOR, 2 * LOGPROB_FLOOR, float("-inf"))
 
 LOGPROB_MODES = ("continuous", "ties", "dirty")
+
+
+@contextlib.contextmanager
+def no_host_sync() -> Iterator[None]:
+    """CUDA work inside the block raises on any host synchronisation (torch's sync debug mode
+    "error"); work queued before it is finished first, so it cannot be blamed."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def random_logprobs(g: torch.Generator, shape: tuple[int, ...], mode: str) -> torch.Tensor:

@@ -23,7 +23,12 @@ from sglang_ddtree.tree import (
     tree_capacity,
 )
 from sglang_ddtree.tree.sampling import filtered_probs
-from sglang_ddtree.tree.testing import LOGPROB_MODES, assert_static_graph, random_build_inputs
+from sglang_ddtree.tree.testing import (
+    LOGPROB_MODES,
+    assert_static_graph,
+    no_host_sync,
+    random_build_inputs,
+)
 
 torch.set_num_threads(1)
 
@@ -380,12 +385,8 @@ def test_walk_and_sampling_cuda_sync_free():
     logits = torch.randn(8, 129, 1000, device="cuda")
     knobs = (torch.rand(8, device="cuda"), torch.rand(8, device="cuda"),
              torch.randint(0, 50, (8,), device="cuda"))  # fmt: skip
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         result = accept_walk(cuda_tree, cuda_targets, 15)
         sampled = sample_target_tokens(logits, *knobs)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert_results_equal(AcceptResult(*(t.cpu() for t in result)), ref)
     assert sampled.shape == (8, 129)

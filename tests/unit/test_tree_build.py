@@ -23,6 +23,7 @@ from sglang_ddtree.tree.testing import (
     assert_static_graph,
     assert_trees_equal,
     check_tree_invariants,
+    no_host_sync,
     random_build_inputs,
     random_logprobs,
 )
@@ -270,12 +271,8 @@ def test_build_tree_cuda_sync_free_and_exact():
             root, ids, lps = random_build_inputs(g, 4, L, K, 2 * K + 3, mode)
             ref = build_tree_reference(root, ids, lps, budget)
             args = (root.cuda(), ids.cuda(), lps.cuda())
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("error")
-            try:
+            with no_host_sync():
                 tree = build_tree(*args, budget)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
             assert_trees_equal(DraftTree(*(t.cpu() for t in tree)), ref)
 
 

@@ -26,6 +26,7 @@ from sglang_ddtree.tree.testing import (
     LOGPROB_MODES,
     assert_trees_equal,
     check_tree_invariants,
+    no_host_sync,
     random_build_inputs,
 )
 
@@ -305,12 +306,8 @@ def test_cuda_exact_and_sync_free(L, K, budgets):
         for mode in LOGPROB_MODES:
             root, ids, lps = random_build_inputs(g, 3, L, K, 2 * K + 3, mode)
             args = _cuda(root, ids, lps)
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("error")
-            try:
+            with no_host_sync():
                 tree = build_tree_triton(*args, budget)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
             assert_trees_equal(
                 DraftTree(*(t.cpu() for t in tree)), build_tree_reference(root, ids, lps, budget)
             )
