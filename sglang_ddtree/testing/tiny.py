@@ -23,7 +23,7 @@ import contextlib
 import glob
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,7 @@ SPECIAL_TOKENS = (
     "<|image_pad|>",
     "<|video_pad|>",
 )
+EOS_TOKEN, PAD_TOKEN = "<|im_end|>", "<|endoftext|>"
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -64,11 +65,23 @@ def write_tokenizer(
 
     Returns the ids of SPECIAL_TOKENS (special tokens come first: ids 0..7).
     """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    fast = build_bpe_tokenizer(
+        vocab_size, lambda tok, trainer: tok.train(_stdlib_corpus(), trainer)
+    )
+    fast.save_pretrained(str(out))
+    return {s: fast.convert_tokens_to_ids(s) for s in SPECIAL_TOKENS}
+
+
+def build_bpe_tokenizer(vocab_size: int, train: Callable[[Any, Any], None]):
+    """A byte-level BPE with SPECIAL_TOKENS first (ids 0..7), eos <|im_end|>, pad <|endoftext|>
+    and the ChatML template, as a PreTrainedTokenizerFast; `train(tokenizer, trainer)` feeds
+    the text (files or an iterator). Shared by the tiny test checkpoints and the training run.
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -78,13 +91,10 @@ def write_tokenizer(
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train(_stdlib_corpus(), trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>"
-    )
+    train(tok, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN)
     fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(str(out))
-    return {s: tok.token_to_id(s) for s in SPECIAL_TOKENS}
+    return fast
 
 
 def read_tokenizer_vocab_size(model_dir: str | os.PathLike) -> int:

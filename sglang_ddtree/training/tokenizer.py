@@ -11,10 +11,8 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from sglang_ddtree.testing.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS
+from sglang_ddtree.testing.tiny import SPECIAL_TOKENS, build_bpe_tokenizer
 
-EOS_TOKEN = "<|im_end|>"
-PAD_TOKEN = "<|endoftext|>"
 MASK_TOKEN = "<|MASK|>"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
@@ -24,24 +22,12 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str | os.Pat
 
     Returns the PreTrainedTokenizerFast. Special tokens come first (ids 0..7).
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     min_vocab = 256 + len(SPECIAL_TOKENS)
     if vocab_size <= min_vocab:
         raise ValueError(f"vocab_size must exceed {min_vocab} (bytes + specials), got {vocab_size}")
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+    fast = build_bpe_tokenizer(
+        vocab_size, lambda tok, trainer: tok.train_from_iterator(texts, trainer)
     )
-    tok.train_from_iterator(texts, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN)
-    fast.chat_template = CHAT_TEMPLATE
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(str(out))
