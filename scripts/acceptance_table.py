@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import torch  # noqa: E402
 
+from sglang_ddtree import DEMO_PAIR_DIR as DEMO  # noqa: E402
 from sglang_ddtree.reference.engine import (  # noqa: E402
     generate,
     generate_chain,
@@ -33,8 +34,6 @@ from sglang_ddtree.reference.engine import (  # noqa: E402
     load_pair,
 )
 from sglang_ddtree.training.corpus import heldout_prompts  # noqa: E402
-
-DEMO = Path(__file__).resolve().parents[1] / "sglang_ddtree" / "assets" / "demo"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

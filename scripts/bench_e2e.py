@@ -32,13 +32,16 @@ COMMON = ["--attention-backend", "flashinfer", "--dtype", "bfloat16", "--mem-fra
           "0.08", "--max-running-requests", "16", "--cuda-graph-max-bs", "16"]  # fmt: skip
 
 
+TOPK = 8  # DDTREE's --speculative-eagle-topk, and the reference engine's topk beside it
+
+
 def server_table(draft: str, budgets: list[int]) -> dict[str, list[str]]:
     spec = ["--speculative-draft-model-path", draft]
     table = {"none": [], "dflash": ["--speculative-algorithm", "DFLASH", *spec]}
     for n in budgets:
         table[f"ddtree{n}"] = ["--speculative-algorithm", "DDTREE", *spec,
                                "--speculative-num-draft-tokens", str(n),
-                               "--speculative-eagle-topk", "8"]  # fmt: skip
+                               "--speculative-eagle-topk", str(TOPK)]  # fmt: skip
     return table
 
 
@@ -69,7 +72,7 @@ def reference_rounds(target: str, draft: str, prompts: list[str], budget: int, t
     runner, drafter, tok = load_pair(target, draft)
     out = []
     for prompt in prompts:
-        res = generate(runner, drafter, tok(prompt)["input_ids"], tokens, budget=budget, topk=8)
+        res = generate(runner, drafter, tok(prompt)["input_ids"], tokens, budget=budget, topk=TOPK)
         out.append(res.rounds)
     return out
 

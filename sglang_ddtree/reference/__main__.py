@@ -17,8 +17,9 @@ from typing import NoReturn
 
 import torch
 
+from sglang_ddtree import DEMO_PAIR_DIR
+
 DEMO_PROMPT = "def fibonacci(n):"
-DEMO_ASSETS = Path(__file__).resolve().parents[1] / "assets" / "demo"
 EXIT_USAGE = 2
 
 
@@ -67,7 +68,7 @@ def _demo_dirs(cache_dir: str | None) -> tuple[Path, Path]:
     continuations at every depth, a chain only one."""
     from sglang_ddtree.testing.binary_pair import write_binary_pair
 
-    shipped = DEMO_ASSETS / "target", DEMO_ASSETS / "draft"
+    shipped = DEMO_PAIR_DIR / "target", DEMO_PAIR_DIR / "draft"
     if cache_dir is None and all((d / "config.json").exists() for d in shipped):
         return shipped
     default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "sglang_ddtree"

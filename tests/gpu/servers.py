@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from sglang_ddtree import DEMO_PAIR_DIR as DEMO
 from tests.gpu.harness import Server
 
 MODELS = ("qwen3", "qwen35", "pair")
@@ -25,7 +26,6 @@ NEW_TOKENS = 128
 NUM_NODES, TOPK = 31, 4
 # The trained pair (sglang_ddtree/assets/demo): the issue-4 default shape, budget 31, top-8.
 PAIR_NUM_NODES, PAIR_TOPK = 32, 8
-DEMO = Path(__file__).resolve().parents[2] / "sglang_ddtree" / "assets" / "demo"
 COMMON = [
     "--attention-backend", "flashinfer", "--dtype", "bfloat16", "--mem-fraction-static", "0.07",
     "--max-running-requests", "16", "--cuda-graph-max-bs", "16", "--context-length", "2048",

@@ -5,15 +5,13 @@ DDTree / chain DFlash on it emit the target's own greedy tokens on a held-out pr
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
+from sglang_ddtree import DEMO_PAIR_DIR as DEMO
 from sglang_ddtree.reference.engine import generate, generate_chain, generate_plain, load_pair
 from sglang_ddtree.training.corpus import HELD_OUT_STDLIB, heldout_prompts
-
-DEMO = Path(__file__).resolve().parents[2] / "sglang_ddtree" / "assets" / "demo"
 
 
 def test_files_fit_the_budget_and_report_matches():
