@@ -7,9 +7,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.gpu"
 mib=${1:-26}
+sha256sum -c --quiet MANIFEST || { echo "bundle parts do not match MANIFEST" >&2; exit 1; }
 tmp=$(mktemp -d .resplit.XXXX)
 cat site.part-* > "$tmp/site.tar.xz"
-(sha256sum -c --quiet MANIFEST) || { echo "bundle parts do not match MANIFEST" >&2; exit 1; }
 rm -f site.part-*
 split -b "${mib}M" -d -a 2 "$tmp/site.tar.xz" site.part-
 rm -rf "$tmp"
