@@ -12,7 +12,9 @@ for DDTREE the reference engine's acceptance length on the first prompts (at T=0
 SGLang's, round for round), and how many outputs equal the plain server's (greedy). All
 servers start up front in small memory slices; they are measured one at a time, so each has
 the GPU's compute to itself.
-Output: OUT/bench_e2e.jsonl and a table. Status: written, not yet run on the GPU.
+`--attach ROOT`: measure the pair's servers of the GPU test set (tests/gpu/servers.py, already
+running under ROOT: plain, DFLASH, DDTREE N=32 and N=64, top-8) instead of starting new ones.
+Output: OUT/bench_e2e.jsonl and a table.
 """
 
 from __future__ import annotations
@@ -43,6 +45,25 @@ def server_table(draft: str, budgets: list[int]) -> dict[str, list[str]]:
                                "--speculative-num-draft-tokens", str(n),
                                "--speculative-eagle-topk", str(TOPK)]  # fmt: skip
     return table
+
+
+def attached_servers(root: Path) -> list:
+    """The trained pair's servers of the GPU test set, renamed as this script names its own."""
+    from tests.gpu.servers import server_set, tree_shape
+
+    running = server_set(root)
+    nodes, topk = tree_shape("pair")
+    assert topk == TOPK, (topk, TOPK)
+    names = {"none": "pair-base", "dflash": "pair-dflash", f"ddtree{nodes}": "pair-ddtree",
+             "ddtree64": "pair-ddtree64"}  # fmt: skip
+    servers = []
+    for name, test_name in names.items():
+        server = running[test_name]
+        if not server.is_healthy():
+            raise SystemExit(f"{test_name} is not running under {root}")
+        server.name = name
+        servers.append(server)
+    return servers
 
 
 def load(server, prompts: list[str], concurrency: int, tokens: int) -> dict:
@@ -87,25 +108,30 @@ def main() -> int:
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--reference-prompts", type=int, default=4)
+    p.add_argument("--attach", type=Path, help="use the running GPU test servers under this root")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     logs = args.out / "logs"
     logs.mkdir(exist_ok=True)
     prompts = heldout_prompts(args.prompts)
     budgets = [int(b) for b in args.budgets.split(",")]
-    servers = [
-        harness.Server(name, args.target, 33000 + 10 * i, [*COMMON, *extra], log_dir=logs)
-        for i, (name, extra) in enumerate(server_table(args.draft, budgets).items())
-    ]
-    # Start every server up front (staggered: SGLang sizes its pools from the free memory it
-    # sees while loading), then measure one at a time; an idle server does not use the GPU.
-    t0 = time.time()
-    for server in servers:
-        server.start()
-        server.wait_for_log("Memory pool end", timeout=600)
-    for server in servers:
-        server.wait_healthy(timeout=900)
-    print(json.dumps({"all_healthy_after_s": round(time.time() - t0, 1)}), flush=True)
+    if args.attach:
+        servers = attached_servers(args.attach)
+    else:
+        servers = [
+            harness.Server(name, args.target, 33000 + 10 * i, [*COMMON, *extra], log_dir=logs)
+            for i, (name, extra) in enumerate(server_table(args.draft, budgets).items())
+        ]
+        # Start every server up front (staggered: SGLang sizes its pools from the free memory
+        # it sees while loading), then measure one at a time; an idle server does not use the
+        # GPU.
+        t0 = time.time()
+        for server in servers:
+            server.start()
+            server.wait_for_log("Memory pool end", timeout=600)
+        for server in servers:
+            server.wait_healthy(timeout=900)
+        print(json.dumps({"all_healthy_after_s": round(time.time() - t0, 1)}), flush=True)
     rows, plain_ids = [], None
     try:
         for server in servers:
@@ -137,7 +163,7 @@ def main() -> int:
                     f.write(json.dumps(row) + "\n")
     finally:
         for server in servers:
-            server.stop()
+            server.stop()  # only those this script started (attached ones have no process)
     print(f"\n{'server':<10} {'conc':>4} {'tok/s':>9} {'TPOT ms':>8} {'accept':>7} {'same':>5}")
     for r in rows:
         print(f"{r['server']:<10} {r['concurrency']:>4} {r['tokens_per_s']:>9.1f} "

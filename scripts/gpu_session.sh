@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
 # On the GPU device (see ../shared/gpu/README.md): after the bundle parts are stashed,
-#   bash scripts/gpu_session.sh start [WAIT_S]   unpack sglang, install this package, start the
-#                                                GPU test servers detached, wait until healthy
-#   bash scripts/gpu_session.sh test [PYTEST ARGS]  run tests/gpu against the running servers
+#   bash scripts/gpu_session.sh start [WAIT_S]   unpack sglang, install this package, launch the
+#                                                GPU test servers detached, start the tests in
+#                                                the background (one pytest per model, each
+#                                                beginning as its servers come up), then
+#                                                collect for up to WAIT_S
+#   bash scripts/gpu_session.sh collect [WAIT_S] wait for the background tests, copy results
+#   bash scripts/gpu_session.sh test-bg [PYTEST ARGS]  the background tests again
+#   bash scripts/gpu_session.sh test [PYTEST ARGS]  tests/gpu in the foreground
 #   bash scripts/gpu_session.sh stop
 #   bash scripts/gpu_session.sh train [MINUTES [TOTAL]]  start scripts/train_pair.py detached (it shares
 #                                                the GPU with the test servers), log in ROOT
@@ -13,9 +18,8 @@
 # The working tree carries the ~24 MiB shipped pair, so run `bash scripts/gpu_resplit.sh 26` once
 # after ../shared/gpu/build_bundle.sh and stash the 5 smaller parts in 5 calls (the last one with
 # .gpu/jitcache.tar.xz) to stay under the device tool's 64 MiB per call.
-# Suggested test split (each call under 600 s):
-#   bash scripts/gpu_session.sh test -k "greedy or deterministic or chat"
-#   bash scripts/gpu_session.sh test -k "not (greedy or deterministic or chat)"
+# Background processes (servers, tests) outlive a call while the machine stays warm (30 s), so
+# issue the next call (`collect`) at once; results come back as $OUT/results.tgz + summary.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 eval "$(bash .gpu/device.sh env)" || exit 1
@@ -23,20 +27,55 @@ ROOT=${DDTREE_GPU_ROOT:-/root/ddtree-gpu}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/pip.log" 2>&1 \
   || { cat "$OUT/pip.log"; exit 1; }
+MODELS="qwen3 qwen35 pair"
+
+test_bg() {  # one detached pytest per model; ROOT/results/pytest_<model>.{log,rc}
+  mkdir -p "$ROOT/results"; rm -f "$ROOT"/results/pytest_*.rc
+  for m in $MODELS; do
+    DDTREE_GPU_ROOT="$ROOT" DDTREE_GPU_MODELS=$m DDTREE_GPU_WAIT=600 OMP_NUM_THREADS=4 \
+      OUT="$ROOT/results" setsid nohup bash -c \
+      'python3 -m pytest tests/gpu -m gpu -q -rA --durations=12 "$@" > "$0.log" 2>&1; echo $? > "$0.rc"' \
+      "$ROOT/results/pytest_$m" "$@" < /dev/null > /dev/null 2>&1 &
+  done
+}
+
+collect() {  # wait up to $1 s for every background pytest; results to $OUT
+  local t0=$SECONDS
+  while [ $((SECONDS - t0)) -lt "$1" ]; do
+    n=$(ls "$ROOT"/results/pytest_*.rc 2>/dev/null | wc -l)
+    [ "$n" -ge 3 ] && break
+    sleep 5
+  done
+  {
+    echo "== server status"; cat "$ROOT/status.json" 2>/dev/null; echo
+    for m in $MODELS; do
+      echo "== pytest $m rc=$(cat "$ROOT/results/pytest_$m.rc" 2>/dev/null || echo running)"
+      grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|^[0-9.]+s (call|setup)" \
+        "$ROOT/results/pytest_$m.log" 2>/dev/null | tail -n 60
+    done
+  } > "$OUT/summary.txt"
+  cat "$OUT/summary.txt"
+  tar czf "$OUT/results.tgz" -C "$ROOT" results logs launcher.log status.json 2>/dev/null
+  ls "$ROOT"/results/pytest_*.rc 2>/dev/null | wc -l | grep -q 3 || return 3
+  ! grep -qv '^0$' "$ROOT"/results/pytest_*.rc
+}
+
 case "${1:-}" in
   start)
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
-    python3 -m tests.gpu.servers start "$ROOT" "${2:-520}"; rc=$?
-    tail -n 30 "$ROOT"/logs/*.log > "$OUT/server_tails.txt" 2>/dev/null
-    tar czf "$OUT/logs.tgz" -C "$ROOT/logs" . 2>/dev/null
-    exit $rc ;;
+    python3 -m tests.gpu.servers launch "$ROOT" || exit 1
+    test_bg
+    collect "${2:-500}" ;;
+  collect) collect "${2:-540}" ;;
+  test-bg) shift; test_bg "$@"; sleep 2; echo "started" ;;
+  wait) python3 -m tests.gpu.servers wait "$ROOT" "${2:-540}" ;;
   test)
     shift
     DDTREE_GPU_ROOT="$ROOT" python3 -m pytest tests/gpu -m gpu -q -rA "$@" 2>&1 | tee "$OUT/pytest.log"
     rc=${PIPESTATUS[0]}
     tar czf "$OUT/logs.tgz" -C "$ROOT/logs" . 2>/dev/null
     exit $rc ;;
-  stop) python3 -m tests.gpu.servers stop "$ROOT" ;;
+  stop) shift; python3 -m tests.gpu.servers stop "$ROOT" "$@" ;;
   train)
     mkdir -p "$ROOT"
     setsid nohup python3 scripts/train_pair.py --out "$ROOT/pair" --device cuda \
@@ -47,18 +86,20 @@ case "${1:-}" in
     cp "$ROOT/pair/report.json" "$OUT/" 2>/dev/null
     tar -C "$ROOT" -cf - pair | xz -1 -T0 | split -b 15M -d -a 1 - "$OUT/pair.tar.xz.part-"
     ls -la "$OUT" ;;
-  bench-e2e)
+  bench-e2e)  # on the pair servers of the test set (plain, DFLASH, DDTREE N=32 and 64)
     shift
-    python3 -m tests.gpu.servers stop "$ROOT"  # the benchmark wants the GPU to itself
+    python3 -m tests.gpu.servers stop "$ROOT" qwen3 qwen35  # the GPU and CPUs to the pair
     demo=sglang_ddtree/assets/demo
-    python3 scripts/bench_e2e.py --target $demo/target --draft $demo/draft --out "$OUT/e2e" "$@"
-    rc=$?; tar czf "$OUT/e2e_logs.tgz" -C "$OUT/e2e" logs && rm -rf "$OUT/e2e/logs"; exit $rc ;;
+    python3 scripts/bench_e2e.py --target $demo/target --draft $demo/draft --out "$OUT/e2e" \
+      --attach "$ROOT" "$@"
+    rc=$?; tar czf "$OUT/e2e_logs.tgz" -C "$ROOT/logs" $(cd "$ROOT/logs" && ls server_pair-*.log)
+    exit $rc ;;
   bench-round)
     shift
     python3 -m tests.gpu.servers stop "$ROOT"
     python3 scripts/bench_round.py --out "$OUT/round" "$@"
     rc=$?; tar czf "$OUT/round_logs.tgz" -C "$OUT/round" --remove-files \
       $(cd "$OUT/round" && ls server_*.log 2>/dev/null); exit $rc ;;
-  *) echo "usage: gpu_session.sh start|test|stop|train|fetch-pair|bench-e2e|bench-round" >&2
+  *) echo "usage: gpu_session.sh start|collect|test-bg|wait|test|stop|train|fetch-pair|bench-e2e|bench-round" >&2
      exit 2 ;;
 esac

@@ -1,18 +1,26 @@
 """The GPU test server set, all on one GPU in small memory slices: per binary pair
 (attention-only Qwen3, hybrid Qwen3.5) a plain server and DDTREE with and without the overlap
 scheduler; for the trained pair (hybrid Qwen3.5, sglang_ddtree/assets/demo) a plain server and
-DDTREE, each also in SGLang's deterministic (batch-invariant) mode.
+DDTREE, each also in SGLang's deterministic (batch-invariant) mode, plus SGLang's DFLASH and
+DDTREE at N=64 for the end-to-end benchmark (scripts/bench_e2e.py --attach).
 
-    python -m tests.gpu.servers start ROOT   # write checkpoints, start every server detached
-                                             # (setsid), wait until healthy; logs in ROOT/logs
-    python -m tests.gpu.servers stop ROOT
+    python -m tests.gpu.servers launch ROOT      # write checkpoints, start a detached launcher
+                                                 # (setsid) that starts every server, restarts
+                                                 # a failed one once, and keeps ROOT/status.json
+    python -m tests.gpu.servers wait ROOT [S]    # until every server is healthy or failed
+    python -m tests.gpu.servers start ROOT [S]   # launch + wait
+    python -m tests.gpu.servers stop ROOT [MODEL...]
 
-Then `DDTREE_GPU_ROOT=ROOT python -m pytest tests/gpu -m gpu` reuses the running servers.
+Then `DDTREE_GPU_ROOT=ROOT python -m pytest tests/gpu -m gpu` reuses the running servers
+(DDTREE_GPU_MODELS=qwen3 narrows it to one model, DDTREE_GPU_WAIT=S lets a test wait for its
+server to come up).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,8 +34,13 @@ NEW_TOKENS = 128
 NUM_NODES, TOPK = 31, 4
 # The trained pair (sglang_ddtree/assets/demo): the issue-4 default shape, budget 31, top-8.
 PAIR_NUM_NODES, PAIR_TOPK = 32, 8
+# Pools capped far below the memory fraction: each server measures the free memory before it
+# loads and needs all but 15% of it still free when it sizes its pools (a second later), so
+# neighbours that start at the same time (a few GiB each) cannot make that check fail, and
+# thirteen servers fit on one GPU.
 COMMON = [
-    "--attention-backend", "flashinfer", "--dtype", "bfloat16", "--mem-fraction-static", "0.07",
+    "--attention-backend", "flashinfer", "--dtype", "bfloat16", "--mem-fraction-static", "0.15",
+    "--max-total-tokens", "65536", "--max-mamba-cache-size", "256",
     "--max-running-requests", "16", "--cuda-graph-max-bs", "16", "--context-length", "2048",
 ]  # fmt: skip
 ENV = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1", "SGLANG_DDTREE_SYNC_CHECK": "1"}
@@ -41,8 +54,9 @@ def tree_shape(model: str) -> tuple[int, int]:
     return (PAIR_NUM_NODES, PAIR_TOPK) if model == "pair" else (NUM_NODES, TOPK)
 
 
-def ddtree_args(model: str, draft: Path) -> list[str]:
-    nodes, topk = tree_shape(model)
+def ddtree_args(model: str, draft: Path, nodes: int | None = None) -> list[str]:
+    default_nodes, topk = tree_shape(model)
+    nodes = nodes or default_nodes
     return [
         "--speculative-algorithm", "DDTREE", "--speculative-draft-model-path", str(draft),
         "--speculative-num-draft-tokens", str(nodes), "--speculative-eagle-topk", str(topk),
@@ -63,13 +77,18 @@ VARIANTS = {
         "--speculative-draft-model-path",
         str(draft),
     ],  # fmt: skip
+    "ddtree64": lambda model, draft: ddtree_args(model, draft, nodes=64),
 }
-# Which variants each model runs (11 servers in all, 7% of the GPU's memory each).
+# Which variants each model runs (13 servers in all). Launch order interleaves the models, plain
+# servers first, so each model's tests can begin while the others still start.
 MODEL_VARIANTS = {
     "qwen3": ("base", "ddtree", "ddtree_sync"),
     "qwen35": ("base", "ddtree", "ddtree_sync", "dflash"),
-    "pair": ("base", "ddtree", "base_det", "ddtree_det"),
+    "pair": ("base", "ddtree", "base_det", "ddtree_det", "dflash", "ddtree64"),
 }
+# Started for scripts/bench_e2e.py --attach, not tested by tests/gpu.
+BENCH_ONLY = {("pair", "dflash"), ("pair", "ddtree64")}
+LAUNCH_GAP_S = 4.0
 
 
 def write_pair(root: Path, model: str) -> tuple[Path, Path]:
@@ -88,6 +107,7 @@ def write_pair(root: Path, model: str) -> tuple[Path, Path]:
 
 
 def server_set(root: Path) -> dict[str, Server]:
+    """Every server, in launch order (interleaved across models, plain servers first)."""
     root = Path(root)
     (root / "logs").mkdir(parents=True, exist_ok=True)
     servers, port = {}, 31000
@@ -98,39 +118,124 @@ def server_set(root: Path) -> dict[str, Server]:
             args = [*COMMON, *VARIANTS[variant](model, draft)]
             servers[name] = Server(name, str(target), port, args, ENV, log_dir=root / "logs")
             port += 10
-    return servers
+    rank = {
+        name: MODEL_VARIANTS[name.split("-")[0]].index(name.split("-", 1)[1]) for name in servers
+    }
+    return dict(
+        sorted(servers.items(), key=lambda kv: (rank[kv[0]], MODELS.index(kv[0].split("-")[0])))
+    )
+
+
+def status_path(root: Path) -> Path:
+    return Path(root) / "status.json"
+
+
+def read_status(root: Path) -> dict[str, str]:
+    """name -> "starting" | "healthy" | "failed", as the launcher last wrote it ({} before)."""
+    try:
+        return json.loads(status_path(root).read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def _write_status(root: Path, status: dict[str, str]) -> None:
+    tmp = status_path(root).with_suffix(".tmp")
+    tmp.write_text(json.dumps(status, indent=1))
+    tmp.replace(status_path(root))
+
+
+def run_launcher(root: Path, timeout: float = 900) -> None:
+    """Start every server LAUNCH_GAP_S apart, then watch them: one that dies is started again
+    once, alone (after the others have settled, so no neighbour allocates while it sizes its
+    pools). Keeps ROOT/status.json current."""
+    servers = server_set(root)
+    status = {}
+    for name, s in servers.items():
+        if s.is_healthy():
+            status[name] = "healthy"
+            continue
+        s.start(detach=True)
+        status[name] = "starting"
+        _write_status(root, status)
+        time.sleep(LAUNCH_GAP_S)
+    _write_status(root, status)
+    retried, t0 = set(), time.time()
+    while any(v == "starting" for v in status.values()) and time.time() - t0 < timeout:
+        time.sleep(2)
+        booting, dead = [], []
+        for name, s in servers.items():
+            if status[name] != "starting":
+                continue
+            if s.is_healthy():
+                status[name] = "healthy"
+            elif s.is_alive():
+                booting.append(name)
+            elif name in retried:
+                status[name] = "failed"
+            else:
+                dead.append(name)
+        if dead and not booting:  # restart one dead server, alone
+            name = dead[0]
+            retried.add(name)
+            log = servers[name].log_path
+            log.rename(log.with_suffix(".first_try.log"))
+            servers[name].start(detach=True)
+            print(f"{name}: restarted once", flush=True)
+        _write_status(root, status)
+    for name, v in status.items():
+        if v == "starting":
+            status[name] = "failed"
+    _write_status(root, status)
+    print(json.dumps(status), flush=True)
+
+
+def launch(root: Path) -> None:
+    """Write the checkpoints, then run the launcher detached (its own session, so it outlives
+    the calling command)."""
+    root = Path(root)
+    server_set(root)  # writes the binary-pair checkpoints before anything starts
+    status_path(root).unlink(missing_ok=True)
+    log = open(root / "launcher.log", "a")  # noqa: SIM115 - the launcher's stdout
+    subprocess.Popen(
+        [sys.executable, "-m", "tests.gpu.servers", "launcher", str(root)],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=os.getcwd(),
+    )  # fmt: skip
+
+
+def wait(root: Path, timeout: float) -> dict[str, str]:
+    """Until the launcher has settled every server (or timeout); returns the status."""
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        status = read_status(root)
+        if status and all(v != "starting" for v in status.values()):
+            return status
+        time.sleep(3)
+    return read_status(root)
 
 
 def main(argv: list[str]) -> None:
     command, root = argv[0], Path(argv[1])
-    servers = server_set(root)
     if command == "stop":
-        for s in servers.values():
-            s.stop_by_port()
+        models = argv[2:] or MODELS
+        for name, s in server_set(root).items():
+            if name.split("-")[0] in models:
+                s.stop_by_port()
+        return
+    if command == "launcher":
+        run_launcher(root)
         return
     t0 = time.time()
-    failed = {}
-    for name, s in servers.items():
-        if not s.is_healthy():
-            s.start(detach=True)
-            # Stagger: SGLang sizes its pools from free memory measured around weight loading,
-            # so a neighbour allocating at that moment makes the check fail.
-            try:
-                s.wait_for_log("Memory pool end", timeout=300)
-            except RuntimeError as e:  # one server failing must not stop the others
-                failed[name] = str(e)[-1500:]
-    times = {}
-    for name, s in servers.items():
-        if name in failed:
-            continue
-        try:
-            times[name] = round(s.wait_healthy(timeout=float(argv[2]) if len(argv) > 2 else 900), 1)
-        except (RuntimeError, TimeoutError) as e:
-            failed[name] = str(e)[-1500:]
-    print(json.dumps({"healthy_after_s": times, "total_s": round(time.time() - t0, 1)}))
-    for name, why in failed.items():
-        print(f"FAILED TO START {name}: {why}")
-    sys.exit(1 if failed else 0)
+    if command in ("launch", "start"):
+        launch(root)
+        if command == "launch":
+            return
+    status = wait(root, float(argv[2]) if len(argv) > 2 else 900)
+    print(json.dumps({"status": status, "after_s": round(time.time() - t0, 1)}))
+    servers = server_set(root)
+    for name, v in status.items():
+        if v != "healthy":
+            print(f"NOT HEALTHY {name} ({v}): {servers[name].log_text()[-1500:]}")
+    sys.exit(0 if status and all(v == "healthy" for v in status.values()) else 1)
 
 
 if __name__ == "__main__":

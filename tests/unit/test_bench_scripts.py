@@ -102,3 +102,37 @@ def test_trace_parser_sums_kernels_inside_each_range(tmp_path):
         json.dump({"traceEvents": events}, f)
     parts = bench.parse_trace(str(path))
     assert parts == {"ddtree.draft": 0.04, "ddtree.verify": 0.01}  # ms per range occurrence
+
+
+def test_launcher_restarts_a_failed_server_once_and_reports_status(tmp_path, monkeypatch):
+    """The GPU test-server launcher (tests/gpu/servers.py) on fake servers: one that dies on
+    its first start is started again once, alone, and comes up; one that always dies ends
+    "failed"; status.json ends with every server settled."""
+    from tests.gpu import servers as mod
+
+    starts: dict[str, int] = {}
+
+    class Fake:
+        def __init__(self, name, log_dir):
+            self.name, self.log_path = name, Path(log_dir) / f"server_{name}.log"
+
+        def start(self, detach=False):
+            starts[self.name] = starts.get(self.name, 0) + 1
+            self.log_path.write_text("log\n")
+
+        def is_healthy(self):
+            n = starts.get(self.name, 0)
+            return n >= 1 and not (self.name == "b" and n == 1) and self.name != "c"
+
+        def is_alive(self):
+            return self.is_healthy()
+
+    fakes = {n: Fake(n, tmp_path) for n in ("a", "b", "c")}
+    monkeypatch.setattr(mod, "server_set", lambda root: fakes)
+    monkeypatch.setattr(mod, "LAUNCH_GAP_S", 0.0)
+    monkeypatch.setattr(mod.time, "sleep", lambda s: None)
+    mod.run_launcher(tmp_path, timeout=5)
+    assert mod.read_status(tmp_path) == {"a": "healthy", "b": "healthy", "c": "failed"}
+    assert starts == {"a": 1, "b": 2, "c": 2}
+    assert (tmp_path / "server_b.first_try.log").exists()
+    assert mod.wait(tmp_path, timeout=1) == mod.read_status(tmp_path)
