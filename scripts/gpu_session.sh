@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the GPU device (see ../shared/gpu/README.md): after the bundle parts are stashed,
-#   bash scripts/gpu_session.sh start [WAIT_S]   unpack sglang, install this package, launch the
+#   bash scripts/gpu_session.sh start [WAIT_S [PYTEST ARGS]]  unpack sglang, install this package, launch the
 #                                                GPU test servers detached, start the tests in
 #                                                the background (one pytest per model, each
 #                                                beginning as its servers come up), then
@@ -64,8 +64,9 @@ case "${1:-}" in
   start)
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
     python3 -m tests.gpu.servers launch "$ROOT" || exit 1
-    test_bg
-    collect "${2:-500}" ;;
+    wait_s=${2:-500}; shift 2 2>/dev/null || shift
+    test_bg "$@"
+    collect "$wait_s" ;;
   collect) collect "${2:-540}" ;;
   test-bg) shift; test_bg "$@"; sleep 2; echo "started" ;;
   wait) python3 -m tests.gpu.servers wait "$ROOT" "${2:-540}" ;;

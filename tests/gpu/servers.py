@@ -54,6 +54,10 @@ def tree_shape(model: str) -> tuple[int, int]:
     return (PAIR_NUM_NODES, PAIR_TOPK) if model == "pair" else (NUM_NODES, TOPK)
 
 
+def dflash_args(draft: Path) -> list[str]:
+    return ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(draft)]
+
+
 def ddtree_args(model: str, draft: Path, nodes: int | None = None) -> list[str]:
     default_nodes, topk = tree_shape(model)
     nodes = nodes or default_nodes
@@ -71,20 +75,17 @@ VARIANTS = {
     "ddtree_det": lambda model, draft: [*ddtree_args(model, draft), *DETERMINISTIC],
     # SGLang's own chain DFlash on the same pair: the control for numerics (a bf16 difference
     # between the verify and the decode path shows up in DFLASH as much as in DDTREE).
-    "dflash": lambda model, draft: [
-        "--speculative-algorithm",
-        "DFLASH",
-        "--speculative-draft-model-path",
-        str(draft),
-    ],  # fmt: skip
+    "dflash": lambda model, draft: dflash_args(draft),
+    "dflash_det": lambda model, draft: [*dflash_args(draft), *DETERMINISTIC],
     "ddtree64": lambda model, draft: ddtree_args(model, draft, nodes=64),
 }
-# Which variants each model runs (13 servers in all). Launch order interleaves the models, plain
-# servers first, so each model's tests can begin while the others still start.
+# Which variants each model runs (15 servers in all). Launch order interleaves the models, plain
+# servers first, so each model's tests can begin while the others still start. SGLang's own
+# chain DFLASH runs beside DDTREE on every model as the control for numerics.
 MODEL_VARIANTS = {
-    "qwen3": ("base", "ddtree", "ddtree_sync"),
+    "qwen3": ("base", "ddtree", "ddtree_sync", "dflash"),
     "qwen35": ("base", "ddtree", "ddtree_sync", "dflash"),
-    "pair": ("base", "ddtree", "base_det", "ddtree_det", "dflash", "ddtree64"),
+    "pair": ("base", "ddtree", "base_det", "ddtree_det", "dflash_det", "dflash", "ddtree64"),
 }
 # Started for scripts/bench_e2e.py --attach, not tested by tests/gpu.
 BENCH_ONLY = {("pair", "dflash"), ("pair", "ddtree64")}
@@ -107,7 +108,8 @@ def write_pair(root: Path, model: str) -> tuple[Path, Path]:
 
 
 def server_set(root: Path) -> dict[str, Server]:
-    """Every server, in launch order (interleaved across models, plain servers first)."""
+    """Every server, in launch order (interleaved across models, plain servers first).
+    DDTREE_GPU_SERVERS=name,name,...: only those (a partial rerun)."""
     root = Path(root)
     (root / "logs").mkdir(parents=True, exist_ok=True)
     servers, port = {}, 31000
@@ -118,6 +120,9 @@ def server_set(root: Path) -> dict[str, Server]:
             args = [*COMMON, *VARIANTS[variant](model, draft)]
             servers[name] = Server(name, str(target), port, args, ENV, log_dir=root / "logs")
             port += 10
+    only = os.environ.get("DDTREE_GPU_SERVERS")
+    if only:
+        servers = {n: s for n, s in servers.items() if n in only.split(",")}
     rank = {
         name: MODEL_VARIANTS[name.split("-")[0]].index(name.split("-", 1)[1]) for name in servers
     }
