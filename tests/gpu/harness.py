@@ -201,3 +201,13 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
         if x != y:
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def fp32_deficit(target, prompt_ids: list[int], tokens: list[int], index: int) -> float:
+    """How far below the float32 target's best log-prob tokens[index] is, given the prompt and
+    tokens[:index] (0 = the float32 argmax). `target`: the reference engine's target runner."""
+    import torch
+
+    logits, _ = target.prefill(torch.tensor(prompt_ids + tokens[:index]))
+    logprobs = logits[-1].log_softmax(-1)
+    return float(logprobs.max() - logprobs[tokens[index]])

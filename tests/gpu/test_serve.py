@@ -148,6 +148,40 @@ def _deficits(base, tokens_per_prompt: list[list[int]], prompts=harness.PROMPTS)
 
 
 @pytest.fixture(scope="module")
+def fp32_pair(servers):
+    """Per model: the reference engine's (target runner, draft runner, tokenizer) in float32 on
+    the CPU, on the checkpoints the model's servers load: the referee for tokens that bf16
+    teacher forcing calls off-argmax, and the engine SGLang's DDTREE is compared with."""
+    from sglang_ddtree.reference.engine import load_pair
+
+    cache = {}
+
+    def get(model: str):
+        if model not in cache:
+            spec = next(s for n, s in servers.items() if n.startswith(f"{model}-ddtree"))
+            draft = spec.args[spec.args.index("--speculative-draft-model-path") + 1]
+            cache[model] = load_pair(spec.model_path, draft)
+        return cache[model]
+
+    return get
+
+
+def _beyond_tol_are_fp32_ties(base, target, spec, deficits, tol) -> list[tuple]:
+    """Every token whose bf16 deficit exceeds `tol`: (prompt index, position, bf16 deficit,
+    float32 deficit). The caller requires the float32 deficit to be a near-tie: a kernel
+    difference can flip a float32 near-tie, a wrong token stays far from the float32 argmax."""
+    out, k = [], 0
+    for i, tokens in enumerate(spec):
+        prompt_ids = base.tokenize(harness.PROMPTS[i])
+        for pos in range(len(tokens)):
+            if deficits[k + pos] > tol:
+                fp32 = harness.fp32_deficit(target, prompt_ids, tokens, pos)
+                out.append((i, pos, round(deficits[k + pos], 3), round(fp32, 3)))
+        k += len(tokens)
+    return out
+
+
+@pytest.fixture(scope="module")
 def plain_greedy(servers):
     """Per model: the plain server's own greedy tokens and their teacher-forced deficits, the
     control that measures how far prefill (teacher forcing) and decode numerics disagree."""
@@ -187,14 +221,16 @@ def dflash_greedy(servers):
 @pytest.mark.parametrize("concurrency", [1, 8])
 @pytest.mark.parametrize("model,variant", SPEC_SERVERS)
 def test_generate_greedy_is_the_targets_greedy(
-    servers, plain_greedy, dflash_greedy, model, variant, concurrency
+    servers, plain_greedy, dflash_greedy, fp32_pair, model, variant, concurrency
 ):
     """Every DDTREE token is the target's own greedy choice given the tokens before it, up to
     bf16 near-ties: within TIE_TOL nats of the best, or within the largest deficit the controls
     show under the same teacher forcing: the plain server's own greedy tokens (decode vs
-    prefill kernels) and SGLang's DFLASH on the same checkpoints (its verify vs prefill). A wrong
-    token (a bug) sits nats below the argmax, and a systematic one multiplies the off-argmax
-    count, which may be at most twice the controls'."""
+    prefill kernels) and SGLang's DFLASH on the same checkpoints (its verify vs prefill). A
+    token beyond that goes to the float32 referee, which must call it a near-tie (within
+    TIE_TOL of the float32 argmax). A wrong token (a bug) sits nats below the argmax in both
+    precisions, and a systematic one multiplies the off-argmax count, which may be at most
+    twice the controls'."""
     base = _up(servers, f"{model}-base")
     spec_server = _up(servers, f"{model}-{variant}")
     plain_tokens, plain_deficits = plain_greedy(model)
@@ -226,7 +262,9 @@ def test_generate_greedy_is_the_targets_greedy(
     assert max(plain_deficits) <= CONTROL_MAX or "dflash" in controls or variant == "dflash", (
         "control: teacher forcing disagrees with decode"
     )
-    assert max(deficits) <= tol
+    beyond = _beyond_tol_are_fp32_ties(base, fp32_pair(model)[0], spec, deficits, tol)
+    print(f"beyond tol (prompt, position, bf16 deficit, float32 deficit): {beyond}")
+    assert all(fp32 <= TIE_TOL for *_, fp32 in beyond), beyond
     assert off_argmax <= 2 * control_off + len(deficits) // 100
 
 
@@ -441,36 +479,35 @@ def test_pools_return_to_idle_and_no_host_sync(servers, model, variant):
 
 
 @pytest.mark.parametrize("model", MODELS)
-def test_sglang_and_reference_engine_agree_round_for_round(servers, model):
-    """The transformers reference engine (CPU, float32) and SGLang's DDTREE (GPU, bf16) on the
-    same checkpoints. The two numerics can flip a bf16 near-tie, so the comparison is made on
-    the prompts where the reference's plain greedy equals SGLang's plain server (the control):
-    there DDTREE must give the same tokens, and on the binary pairs (whose draft ties its two
-    tokens exactly, so the tree is the complete binary tree on both devices) in the same number
-    of rounds. At least half the prompts must pass the control."""
-    from sglang_ddtree.reference.engine import generate, generate_plain, load_pair
+def test_sglang_and_reference_engine_agree_round_for_round(servers, fp32_pair, model):
+    """The transformers reference engine (float32) and SGLang's DDTREE (bf16) on the same
+    checkpoints, 8 prompts x 48 tokens. Where their tokens agree, the binary pairs (whose draft
+    ties its two tokens exactly, so the tree is the complete binary tree in both precisions)
+    must also agree round for round. Where they part, SGLang's token must be a float32
+    near-tie there (within TIE_TOL of the float32 argmax, teacher-forced on SGLang's own
+    prefix): bf16 may flip a near-tie, nothing else. Reports how many prompts agree."""
+    from sglang_ddtree.reference.engine import generate
 
-    base, server = _up(servers, f"{model}-base"), _up(servers, f"{model}-ddtree")
-    draft = server.args[server.args.index("--speculative-draft-model-path") + 1]
-    target, drafter, tok = load_pair(server.model_path, draft)
+    server = _up(servers, f"{model}-ddtree")
+    target, drafter, tok = fp32_pair(model)
     nodes, topk = tree_shape(model)
-    n, prompts, compared, rounds_equal = 48, harness.PROMPTS[:8], 0, 0
+    n, prompts, same, rounds_equal, parted = 48, harness.PROMPTS[:8], 0, 0, []
     for prompt in prompts:
-        ids = torch.tensor(tok(prompt)["input_ids"])
-        kw = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
-        _flush(base)
-        plain = harness.generate(base, prompt, **kw)["output_ids"]
-        if plain != list(generate_plain(target, ids, n).tokens):
-            continue  # a bf16-vs-float32 near-tie: nothing to compare on this prompt
-        compared += 1
+        ids = tok(prompt)["input_ids"]
         _flush(server)
-        out = harness.generate(server, prompt, **kw)
-        ref = generate(target, drafter, ids, n, budget=nodes - 1, topk=topk)
-        assert out["output_ids"] == list(ref.tokens) == plain, prompt
-        if out["meta_info"]["spec_verify_ct"] == ref.rounds:
-            rounds_equal += 1
-        elif model != "pair":
-            pytest.fail(f"{prompt!r}: SGLang {out['meta_info']['spec_verify_ct']} rounds, "
-                        f"reference {ref.rounds} ({ref.accept_lengths})")  # fmt: skip
-    print(f"{model}: {compared}/{len(prompts)} prompts compared, rounds equal on {rounds_equal}")
-    assert compared >= len(prompts) // 2
+        out = harness.generate(server, prompt, max_new_tokens=n, temperature=0, ignore_eos=True)
+        ref = generate(target, drafter, torch.tensor(ids), n, budget=nodes - 1, topk=topk)
+        tokens = out["output_ids"]
+        at = harness.first_divergence(tokens, list(ref.tokens))
+        if at is None:
+            same += 1
+            if out["meta_info"]["spec_verify_ct"] == ref.rounds:
+                rounds_equal += 1
+            elif model != "pair":
+                pytest.fail(f"{prompt!r}: SGLang {out['meta_info']['spec_verify_ct']} rounds, "
+                            f"reference {ref.rounds} ({ref.accept_lengths})")  # fmt: skip
+        else:
+            parted.append((prompt, at, round(harness.fp32_deficit(target, ids, tokens, at), 3)))
+    print(f"{model}: identical on {same}/{len(prompts)} prompts, rounds equal on "
+          f"{rounds_equal}; parted (prompt, index, float32 deficit of SGLang's token): {parted}")  # fmt: skip
+    assert all(d <= TIE_TOL for *_, d in parted), parted

@@ -136,3 +136,18 @@ def test_launcher_restarts_a_failed_server_once_and_reports_status(tmp_path, mon
     assert starts == {"a": 1, "b": 2, "c": 2}
     assert (tmp_path / "server_b.first_try.log").exists()
     assert mod.wait(tmp_path, timeout=1) == mod.read_status(tmp_path)
+
+
+def test_fp32_referee_scores_greedy_tokens_zero_and_others_positive():
+    """tests/gpu's float32 referee (harness.fp32_deficit) on the shipped pair: the reference
+    engine's own greedy tokens score 0, any other token scores its gap to the argmax."""
+    from sglang_ddtree import DEMO_PAIR_DIR
+    from sglang_ddtree.reference.engine import generate_plain, load_pair
+    from tests.gpu import harness
+
+    target, _, tok = load_pair(DEMO_PAIR_DIR / "target", DEMO_PAIR_DIR / "draft")
+    prompt = tok("def fibonacci(n):")["input_ids"]
+    tokens = list(generate_plain(target, __import__("torch").tensor(prompt), 6).tokens)
+    assert [harness.fp32_deficit(target, prompt, tokens, i) for i in range(6)] == [0.0] * 6
+    other = [*tokens[:3], (tokens[3] + 1) % 8192]
+    assert harness.fp32_deficit(target, prompt, other, 3) > 0.0
