@@ -103,6 +103,25 @@ def reference_rounds(target: str, draft: str, prompts: list[str], budget: int, t
     return out
 
 
+def profile(servers: list, out: Path) -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_round", Path(__file__).with_name("bench_round.py")
+    )
+    bench_round = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_round)
+    for server in servers:
+        if server.name == "none":
+            continue
+        for bs in (1, 8):
+            row = {"server": server.name, "bs": bs,
+                   **bench_round.profile_parts(server, bs, out / "traces")}  # fmt: skip
+            print(json.dumps(row), flush=True)
+            with open(out / "profile.jsonl", "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--target", required=True)
@@ -114,6 +133,12 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--reference-prompts", type=int, default=4)
     p.add_argument("--attach", type=Path, help="use the running GPU test servers under this root")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="then profile one round of each speculative server at batch 1 and 8 "
+        "(bench_round.profile_parts: GPU ms per DDTREE part, host ms, syncs per round)",
+    )
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     logs = args.out / "logs"
@@ -169,6 +194,8 @@ def main() -> int:
                 )
                 with open(args.out / "bench_e2e.jsonl", "a") as f:
                     f.write(json.dumps(row) + "\n")
+        if args.profile:
+            profile(servers, args.out)
     finally:
         for server in servers:
             server.stop()  # only those this script started (attached ones have no process)

@@ -109,6 +109,20 @@ def _latencies(server, bs: int, tokens: int) -> list[dict]:
     return harness.run_all(one, prompts, bs)
 
 
+def wait_gpu_free(baseline: int, timeout: float = 120) -> float:
+    """Until the GPU has 95% of `baseline` bytes free again (a stopped server's processes can
+    hold their memory for seconds, and the next server sizes its pools from what is free);
+    returns the free GiB."""
+    import torch
+
+    t0 = time.time()
+    while True:
+        free, _ = torch.cuda.mem_get_info()
+        if free >= 0.95 * baseline or time.time() - t0 > timeout:
+            return free / 2**30
+        time.sleep(2)
+
+
 def measure(server, bs: int, tokens: int) -> dict:
     _latencies(server, bs, 8)  # warm-up
     prefill = statistics.median(r["latency"] for r in _latencies(server, bs, 1))
@@ -130,8 +144,9 @@ def gdn_scratch_gb(log: str) -> float | None:
     return float(m.group(1)) if m else None
 
 
-def profile_parts(server, bs: int, out_dir: Path, tokens: int = 48) -> dict[str, float]:
-    """GPU ms per DDTREE part per round, from SGLang's torch-profiler trace."""
+def profile_parts(server, bs: int, out_dir: Path, tokens: int = 48) -> dict:
+    """From SGLang's torch-profiler trace of `bs` requests: {"gpu_ms": GPU ms per DDTREE part
+    per round (parse_trace), "host": round period, host ms per part, syncs (parse_trace_host)}."""
     trace_dir = out_dir / f"trace_{server.name}_bs{bs}"
     trace_dir.mkdir(parents=True, exist_ok=True)
     harness.post(
@@ -143,19 +158,66 @@ def profile_parts(server, bs: int, out_dir: Path, tokens: int = 48) -> dict[str,
     while time.time() < deadline and not glob.glob(str(trace_dir / "*.json*")):
         time.sleep(2)
     files = sorted(glob.glob(str(trace_dir / "*.json*")))
-    return parse_trace(files[-1]) if files else {}
+    if not files:
+        return {}
+    return {"gpu_ms": parse_trace(files[-1]), "host": parse_trace_host(files[-1])}
+
+
+def _load_events(path: str) -> list[dict]:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return json.load(f)["traceEvents"]
+
+
+def parse_trace_host(path: str) -> dict:
+    """Host side of a trace: the median period of the scheduler's `run_batch` (one decode round
+    per batch), the mean host ms of each `ddtree.*` range, and host synchronisations
+    (cudaStreamSynchronize/cudaDeviceSynchronize) per round, with those whose innermost Python
+    frame from sglang or sglang_ddtree is in sglang_ddtree counted as DDTREE's own."""
+    events = [e for e in _load_events(path) if e.get("ph") == "X"]
+    ann = [e for e in events if e.get("cat") == "user_annotation"]
+    starts = sorted(e["ts"] for e in ann if e["name"] == "scheduler.run_batch")
+    gaps = [(b - a) / 1e3 for a, b in zip(starts, starts[1:], strict=False)]
+    host: dict[str, list[float]] = {}
+    for e in ann:
+        if e["name"].startswith("ddtree."):
+            host.setdefault(e["name"], []).append(e["dur"] / 1e3)
+    frames = [e for e in events if e.get("cat") == "python_function"]
+    syncs = [e for e in events if e.get("cat") == "cuda_runtime" and "Synchronize" in e["name"]]
+    own = 0
+    for s in syncs:
+        around = [
+            f for f in frames
+            if f["tid"] == s["tid"] and f["ts"] <= s["ts"] <= f["ts"] + f["dur"]
+            and ("sglang/" in f["name"] or "sglang_ddtree/" in f["name"])
+        ]  # fmt: skip
+        if around and "sglang_ddtree/" in max(around, key=lambda f: f["ts"])["name"]:
+            own += 1
+    rounds = max(len(starts), 1)
+    return {
+        "round_period_ms": statistics.median(gaps) if gaps else None,
+        "host_ms": {k: statistics.mean(v) for k, v in host.items()},
+        "syncs_per_round": len(syncs) / rounds,
+        "own_syncs_per_round": own / rounds,
+    }
 
 
 def parse_trace(path: str) -> dict[str, float]:
-    """Sum the GPU kernel time launched inside each `ddtree.*` range, per round (ms)."""
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as f:
-        events = json.load(f)["traceEvents"]
+    """Sum the GPU kernel time launched inside each `ddtree.*` range, per round (ms). Ranges are
+    the host-side ones (the profiler also mirrors them on the GPU timeline); launches include
+    driver calls, which is how CUDA-graph replays (cuGraphLaunch) appear."""
+    events = _load_events(path)
     ranges = [
-        e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith("ddtree.")
+        e
+        for e in events
+        if e.get("ph") == "X"
+        and e.get("cat") == "user_annotation"
+        and str(e.get("name", "")).startswith("ddtree.")
     ]
     launches = [
-        e for e in events if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
+        e
+        for e in events
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
     ]
     kernels = {}
     for e in events:
@@ -208,10 +270,14 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     target, draft = write_configs(args.work)
     table = variants(draft)
+    import torch
+
+    baseline = torch.cuda.mem_get_info()[0]  # free before any server (others may share the GPU)
     rows = []
     for i, name in enumerate(args.variants.split(",")):
         extra = [*COMMON, "--cuda-graph-max-bs", str(graph_bs), *table[name]]
         server = harness.Server(name, str(target), 32000 + i, extra, log_dir=args.out)
+        print(json.dumps({"variant": name, "gpu_free_gib": round(wait_gpu_free(baseline), 1)}))
         server.start()
         try:
             server.wait_healthy(timeout=900)
@@ -223,7 +289,7 @@ def main() -> int:
                 row = {"variant": name, "gdn_scratch_gb": scratch, "max_running": max_req,
                        **measure(server, bs, args.tokens)}  # fmt: skip
                 if name in args.profile.split(",") and bs in (1, 8):
-                    row["parts_ms"] = profile_parts(server, bs, args.work)
+                    row["profile"] = profile_parts(server, bs, args.work)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 with open(args.out / "bench_round.jsonl", "a") as f:

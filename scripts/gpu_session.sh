@@ -14,6 +14,7 @@
 #   bash scripts/gpu_session.sh fetch-pair       copy the trained pair to $OUT in <16 MiB parts
 #   bash scripts/gpu_session.sh bench-e2e [ARGS]    scripts/bench_e2e.py on the shipped pair
 #   bash scripts/gpu_session.sh bench-round [ARGS]  scripts/bench_round.py (27B-shaped, dummy)
+#   bash scripts/gpu_session.sh bench-round-bg [ARGS] / collect-round [WAIT_S]  the same, detached
 # Logs and results are copied to $OUT.
 # The working tree carries the ~24 MiB shipped pair, so run `bash scripts/gpu_resplit.sh 26` once
 # after ../shared/gpu/build_bundle.sh and stash the 5 smaller parts in 5 calls (the last one with
@@ -94,13 +95,31 @@ case "${1:-}" in
     python3 scripts/bench_e2e.py --target $demo/target --draft $demo/draft --out "$OUT/e2e" \
       --attach "$ROOT" "$@"
     rc=$?; tar czf "$OUT/e2e_logs.tgz" -C "$ROOT/logs" $(cd "$ROOT/logs" && ls server_pair-*.log)
+    # profiler traces (--profile) nest too deep and too many to come back one by one
+    [ -d "$OUT/e2e/traces" ] && tar cJf "$OUT/e2e_traces.tar.xz" -C "$OUT/e2e" traces \
+      && rm -rf "$OUT/e2e/traces"
     exit $rc ;;
+  bench-round-bg)  # bench_round.py detached (outlives the call), results in ROOT/round
+    shift
+    mkdir -p "$ROOT/round"
+    setsid nohup python3 scripts/bench_round.py --out "$ROOT/round" "$@" \
+      > "$ROOT/round/run.log" 2>&1 < /dev/null &
+    sleep 5; tail -n 3 "$ROOT/round/run.log"; echo started ;;
+  collect-round)  # wait up to $2 s for bench-round-bg; results to $OUT
+    t0=$SECONDS
+    while pgrep -f "scripts/bench_round.py" > /dev/null && [ $((SECONDS - t0)) -lt "${2:-540}" ]; do
+      sleep 5
+    done
+    cp "$ROOT"/round/bench_round.jsonl "$ROOT"/round/bench_round.png "$OUT/" 2>/dev/null
+    tail -n 40 "$ROOT/round/run.log"
+    tar czf "$OUT/round_logs.tgz" -C "$ROOT/round" $(cd "$ROOT/round" && ls *.log 2>/dev/null)
+    pgrep -f "scripts/bench_round.py" > /dev/null && echo "bench_round still running" ;;
   bench-round)
     shift
     python3 -m tests.gpu.servers stop "$ROOT"
     python3 scripts/bench_round.py --out "$OUT/round" "$@"
     rc=$?; tar czf "$OUT/round_logs.tgz" -C "$OUT/round" --remove-files \
       $(cd "$OUT/round" && ls server_*.log 2>/dev/null); exit $rc ;;
-  *) echo "usage: gpu_session.sh start|collect|test-bg|wait|test|stop|train|fetch-pair|bench-e2e|bench-round" >&2
+  *) echo "usage: gpu_session.sh start|collect|test-bg|wait|test|stop|train|fetch-pair|bench-e2e|bench-round[-bg]|collect-round" >&2
      exit 2 ;;
 esac

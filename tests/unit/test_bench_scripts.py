@@ -83,10 +83,22 @@ def test_bench_e2e_and_test_server_commands_parse(tmp_path):
 
 def test_trace_parser_sums_kernels_inside_each_range(tmp_path):
     bench = _script("bench_round")
+    ann = "user_annotation"
     events = [
-        {"ph": "X", "name": "ddtree.draft", "ts": 0, "dur": 100, "tid": 1},
-        {"ph": "X", "name": "ddtree.draft", "ts": 200, "dur": 100, "tid": 1},
-        {"ph": "X", "name": "ddtree.verify", "ts": 400, "dur": 100, "tid": 1},
+        {"ph": "X", "cat": ann, "name": "ddtree.draft", "ts": 0, "dur": 100, "tid": 1},
+        {"ph": "X", "cat": ann, "name": "ddtree.draft", "ts": 200, "dur": 100, "tid": 1},
+        {"ph": "X", "cat": ann, "name": "ddtree.verify", "ts": 400, "dur": 100, "tid": 1},
+        # the profiler's GPU-timeline mirror of a range: not a range of its own
+        {
+            "ph": "X",
+            "cat": "gpu_user_annotation",
+            "name": "ddtree.draft",
+            "ts": 5,
+            "dur": 50,
+            "tid": 7,
+        },  # fmt: skip
+        {"cat": "cuda_driver", "ts": 220, "tid": 1, "args": {"correlation": 5}},  # graph replay
+        {"cat": "kernel", "dur": 20, "args": {"correlation": 5}},
         {"cat": "cuda_runtime", "ts": 10, "tid": 1, "args": {"correlation": 1}},
         {"cat": "cuda_runtime", "ts": 210, "tid": 1, "args": {"correlation": 2}},
         {"cat": "cuda_runtime", "ts": 410, "tid": 1, "args": {"correlation": 3}},
@@ -101,7 +113,7 @@ def test_trace_parser_sums_kernels_inside_each_range(tmp_path):
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": events}, f)
     parts = bench.parse_trace(str(path))
-    assert parts == {"ddtree.draft": 0.04, "ddtree.verify": 0.01}  # ms per range occurrence
+    assert parts == {"ddtree.draft": 0.05, "ddtree.verify": 0.01}  # ms per range occurrence
 
 
 def test_launcher_restarts_a_failed_server_once_and_reports_status(tmp_path, monkeypatch):
@@ -151,3 +163,34 @@ def test_fp32_referee_scores_greedy_tokens_zero_and_others_positive():
     assert [harness.fp32_deficit(target, prompt, tokens, i) for i in range(6)] == [0.0] * 6
     other = [*tokens[:3], (tokens[3] + 1) % 8192]
     assert harness.fp32_deficit(target, prompt, other, 3) > 0.0
+
+
+def test_host_trace_parser_counts_rounds_parts_and_own_syncs(tmp_path):
+    bench = _script("bench_round")
+    ann = "user_annotation"
+    events = [
+        {"ph": "X", "cat": ann, "name": "scheduler.run_batch", "ts": 0, "dur": 8, "tid": 1},
+        {"ph": "X", "cat": ann, "name": "scheduler.run_batch", "ts": 10, "dur": 8, "tid": 1},
+        {"ph": "X", "cat": ann, "name": "scheduler.run_batch", "ts": 22, "dur": 8, "tid": 1},
+        {"ph": "X", "cat": ann, "name": "ddtree.draft", "ts": 1, "dur": 2000, "tid": 1},
+        {"ph": "X", "cat": ann, "name": "ddtree.draft", "ts": 11, "dur": 4000, "tid": 1},
+        # a sync under SGLang's code called from ours: SGLang's
+        {"ph": "X", "cat": "python_function", "name": "sglang_ddtree/x.py(1): f", "ts": 1,
+         "dur": 5, "tid": 1},
+        {"ph": "X", "cat": "python_function", "name": "sglang/srt/y.py(2): g", "ts": 2, "dur": 2,
+         "tid": 1},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 3, "dur": 1,
+         "tid": 1},
+        # a sync in our own frame: ours
+        {"ph": "X", "cat": "python_function", "name": "sglang_ddtree/x.py(9): h", "ts": 12,
+         "dur": 3, "tid": 1},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 13, "dur": 1,
+         "tid": 1},
+    ]  # fmt: skip
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    host = bench.parse_trace_host(str(path))
+    assert host["round_period_ms"] == 0.011  # median of 10 us and 12 us
+    assert host["host_ms"] == {"ddtree.draft": 3.0}
+    assert host["syncs_per_round"] == 2 / 3
+    assert host["own_syncs_per_round"] == 1 / 3
