@@ -13,7 +13,8 @@ SGLang's, round for round), and how many outputs equal the plain server's (greed
 servers start up front in small memory slices; they are measured one at a time, so each has
 the GPU's compute to itself.
 `--attach ROOT`: measure the pair's servers of the GPU test set (tests/gpu/servers.py, already
-running under ROOT: plain, DFLASH, DDTREE N=32 and N=64, top-8) instead of starting new ones.
+running under ROOT: plain, DFLASH, DDTREE N=32 (torch and Triton tree builders) and N=64, top-8)
+instead of starting new ones.
 Output: OUT/bench_e2e.jsonl and a table.
 """
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import time
@@ -55,7 +57,7 @@ def attached_servers(root: Path) -> list:
     nodes, topk = tree_shape("pair")
     assert topk == TOPK, (topk, TOPK)
     names = {"none": "pair-base", "dflash": "pair-dflash", f"ddtree{nodes}": "pair-ddtree",
-             "ddtree64": "pair-ddtree64"}  # fmt: skip
+             f"ddtree{nodes}_triton": "pair-ddtree_triton", "ddtree64": "pair-ddtree64"}  # fmt: skip
     servers = []
     for name, test_name in names.items():
         server = running[test_name]
@@ -85,6 +87,11 @@ def load(server, prompts: list[str], concurrency: int, tokens: int) -> dict:
         "verify_ct": [m.get("spec_verify_ct") for _, m, _ in results],
         "output_ids": [ids for _, _, ids in results],
     }
+
+
+def budget_of(name: str) -> int:
+    """The reference engine's node budget (N - 1, the root excluded) of a `ddtree<N>...` server."""
+    return int(re.match(r"ddtree(\d+)", name).group(1)) - 1
 
 
 def reference_rounds(target: str, draft: str, prompts: list[str], budget: int, tokens: int):
@@ -181,7 +188,7 @@ def main() -> int:
                     k = args.reference_prompts
                     try:
                         ref = reference_rounds(args.target, args.draft, prompts[:k],
-                                               int(server.name[6:]) - 1, args.tokens)  # fmt: skip
+                                               budget_of(server.name), args.tokens)  # fmt: skip
                     except Exception as e:  # the measured rows matter more; report and go on
                         ref = f"reference engine failed: {e!r}"
                     row["reference_rounds"], row["sglang_rounds"] = ref, row["verify_ct"][:k]

@@ -78,15 +78,21 @@ VARIANTS = {
     "dflash": lambda model, draft: dflash_args(draft),
     "dflash_det": lambda model, draft: [*dflash_args(draft), *DETERMINISTIC],
     "ddtree64": lambda model, draft: ddtree_args(model, draft, nodes=64),
+    "ddtree_triton": ddtree_args,  # with VARIANT_ENV below: the Triton tree builder
 }
-# Which variants each model runs (15 servers in all). Launch order interleaves the models, plain
+# Per-variant environment on top of ENV.
+VARIANT_ENV = {"ddtree_triton": {"SGLANG_DDTREE_TREE_BUILDER": "triton"}}
+# Which variants each model runs (16 servers in all). Launch order interleaves the models, plain
 # servers first, so each model's tests can begin while the others still start. SGLang's own
 # chain DFLASH runs beside DDTREE on every model as the control for numerics.
 MODEL_VARIANTS = {
     "qwen3": ("base", "ddtree", "ddtree_sync", "dflash"),
     "qwen35": ("base", "ddtree", "ddtree_sync", "dflash"),
-    "pair": ("base", "ddtree", "base_det", "ddtree_det", "dflash_det", "dflash", "ddtree64"),
-}
+    "pair": (
+        "base", "ddtree", "base_det", "ddtree_det", "dflash_det", "dflash", "ddtree64",
+        "ddtree_triton",
+    ),
+}  # fmt: skip
 # Started for scripts/bench_e2e.py --attach, not tested by tests/gpu.
 BENCH_ONLY = {("pair", "dflash"), ("pair", "ddtree64")}
 LAUNCH_GAP_S = 4.0
@@ -118,7 +124,8 @@ def server_set(root: Path) -> dict[str, Server]:
         for variant in MODEL_VARIANTS[model]:
             name = f"{model}-{variant}"
             args = [*COMMON, *VARIANTS[variant](model, draft)]
-            servers[name] = Server(name, str(target), port, args, ENV, log_dir=root / "logs")
+            env = {**ENV, **VARIANT_ENV.get(variant, {})}
+            servers[name] = Server(name, str(target), port, args, env, log_dir=root / "logs")
             port += 10
     only = os.environ.get("DDTREE_GPU_SERVERS")
     if only:

@@ -44,7 +44,13 @@ from tests.gpu.servers import MODELS as ALL_MODELS  # noqa: E402
 MODELS = tuple(os.environ.get("DDTREE_GPU_MODELS", ",".join(ALL_MODELS)).split(","))
 assert set(MODELS) <= set(ALL_MODELS), MODELS
 WAIT_S = float(os.environ.get("DDTREE_GPU_WAIT", "0"))  # how long a test waits for its server
-SPEC_VARIANTS = ("ddtree", "ddtree_sync", "ddtree_det", "dflash")  # dflash: SGLang's, a control
+SPEC_VARIANTS = (
+    "ddtree",
+    "ddtree_sync",
+    "ddtree_det",
+    "ddtree_triton",
+    "dflash",
+)  # dflash: a control
 SPEC_SERVERS = [
     (m, v)
     for m in MODELS
