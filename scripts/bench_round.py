@@ -265,6 +265,7 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=96)
     p.add_argument("--profile", default="ddtree64", help="variants to profile at bs 1 and 8")
     p.add_argument("--graph-max-bs", type=int, help="--cuda-graph-max-bs (default: max --batch)")
+    p.add_argument("--port-base", type=int, default=32000, help="variant i listens on base + i")
     args = p.parse_args()
     graph_bs = args.graph_max_bs or max(int(b) for b in args.batch.split(","))
     args.out.mkdir(parents=True, exist_ok=True)
@@ -276,7 +277,7 @@ def main() -> int:
     rows = []
     for i, name in enumerate(args.variants.split(",")):
         extra = [*COMMON, "--cuda-graph-max-bs", str(graph_bs), *table[name]]
-        server = harness.Server(name, str(target), 32000 + i, extra, log_dir=args.out)
+        server = harness.Server(name, str(target), args.port_base + i, extra, log_dir=args.out)
         print(json.dumps({"variant": name, "gpu_free_gib": round(wait_gpu_free(baseline), 1)}))
         server.start()
         try:
