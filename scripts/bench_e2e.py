@@ -1,7 +1,7 @@
 """End-to-end speed on the real (trained) pair: DDTREE (node-budget sweep) vs DFLASH vs plain
 decoding, all servers in one run on one GPU, with held-out prompts (issue 5, part 2).
 
-    python scripts/bench_e2e.py --target DIR --draft DIR --out OUT
+    python scripts/bench_e2e.py --out OUT [--target DIR --draft DIR (default: the shipped pair)]
         [--budgets 16,32,64,128] [--concurrency 1,4,16] [--prompts 64] [--tokens 256]
 
 Prompts: the opening lines of files from the packages the training held out (asyncio, email,
@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from sglang_ddtree import DEMO_PAIR_DIR  # noqa: E402
 from sglang_ddtree.training.corpus import heldout_prompts  # noqa: E402
 from tests.gpu import harness  # noqa: E402
 
@@ -129,10 +130,40 @@ def profile(servers: list, out: Path) -> None:
                 f.write(json.dumps(row) + "\n")
 
 
+def plot(rows: list[dict], path: Path) -> None:
+    """Output tokens/s against concurrency, one line per server (acceptance in the legend)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name in dict.fromkeys(r["server"] for r in rows):
+        mine = sorted((r for r in rows if r["server"] == name), key=lambda r: r["concurrency"])
+        accept = statistics.mean(r["accept_len"] for r in mine)
+        ax.plot([r["concurrency"] for r in mine], [r["tokens_per_s"] for r in mine],
+                marker="o", label=f"{name} (accept {accept:.2f})")  # fmt: skip
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrency")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("trained pair (9.7M target, 2.0M DFlash draft), one H200")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"\n{'server':<16} {'conc':>4} {'tok/s':>9} {'TPOT ms':>8} {'accept':>7} {'same':>5}")
+    for r in rows:
+        print(f"{r['server']:<16} {r['concurrency']:>4} {r['tokens_per_s']:>9.1f} "
+              f"{r['tpot_ms']:>8.2f} {r['accept_len']:>7.2f} "
+              f"{r.get('identical_to_plain', '-'):>5}")  # fmt: skip
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--target", required=True)
-    p.add_argument("--draft", required=True)
+    p.add_argument("--target", default=str(DEMO_PAIR_DIR / "target"))
+    p.add_argument("--draft", default=str(DEMO_PAIR_DIR / "draft"))
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--budgets", default="16,32,64,128")
     p.add_argument("--concurrency", default="1,4,16")
@@ -140,6 +171,7 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--reference-prompts", type=int, default=4)
     p.add_argument("--attach", type=Path, help="use the running GPU test servers under this root")
+    p.add_argument("--plot-only", type=Path, help="re-plot a bench_e2e.jsonl into OUT and stop")
     p.add_argument(
         "--profile",
         action="store_true",
@@ -148,6 +180,11 @@ def main() -> int:
     )
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.plot_only:
+        rows = [json.loads(line) for line in args.plot_only.read_text().splitlines() if line]
+        print_table(rows)
+        plot(rows, args.out / "bench_e2e.png")
+        return 0
     logs = args.out / "logs"
     logs.mkdir(exist_ok=True)
     prompts = heldout_prompts(args.prompts)
@@ -206,11 +243,12 @@ def main() -> int:
     finally:
         for server in servers:
             server.stop()  # only those this script started (attached ones have no process)
-    print(f"\n{'server':<10} {'conc':>4} {'tok/s':>9} {'TPOT ms':>8} {'accept':>7} {'same':>5}")
-    for r in rows:
-        print(f"{r['server']:<10} {r['concurrency']:>4} {r['tokens_per_s']:>9.1f} "
-              f"{r['tpot_ms']:>8.2f} {r['accept_len']:>7.2f} "
-              f"{r.get('identical_to_plain', '-'):>5}")  # fmt: skip
+    print_table(rows)
+    if rows:
+        try:
+            plot(rows, args.out / "bench_e2e.png")
+        except ImportError as exc:  # matplotlib is optional; the jsonl has everything
+            print(f"no plot: {exc}")
     return 0
 
 
