@@ -15,6 +15,7 @@
 #   bash scripts/gpu_session.sh bench-e2e [ARGS]    scripts/bench_e2e.py on the shipped pair
 #   bash scripts/gpu_session.sh bench-round [ARGS]  scripts/bench_round.py (27B-shaped, dummy)
 #   bash scripts/gpu_session.sh bench-round-bg [ARGS] / collect-round [WAIT_S]  the same, detached
+#   bash scripts/gpu_session.sh bench-tree [ARGS]   scripts/bench_tree_build.py (no server)
 # Logs and results are copied to $OUT.
 # The working tree carries the ~24 MiB shipped pair, so run `bash scripts/gpu_resplit.sh 26` once
 # after ../shared/gpu/build_bundle.sh and stash the 5 smaller parts in 5 calls (the last one with
@@ -99,6 +100,9 @@ case "${1:-}" in
     [ -d "$OUT/e2e/traces" ] && tar cJf "$OUT/e2e_traces.tar.xz" -C "$OUT/e2e" traces \
       && rm -rf "$OUT/e2e/traces"
     exit $rc ;;
+  bench-tree)  # tree build / draft head GPU time, torch vs Triton builder (no server)
+    shift
+    python3 scripts/bench_tree_build.py --out "$OUT/tree" "$@" ;;
   bench-round-bg)  # bench_round.py detached (outlives the call), results in ROOT/round
     shift
     mkdir -p "$ROOT/round"
@@ -120,6 +124,6 @@ case "${1:-}" in
     python3 scripts/bench_round.py --out "$OUT/round" "$@"
     rc=$?; tar czf "$OUT/round_logs.tgz" -C "$OUT/round" --remove-files \
       $(cd "$OUT/round" && ls server_*.log 2>/dev/null); exit $rc ;;
-  *) echo "usage: gpu_session.sh start|collect|test-bg|wait|test|stop|train|fetch-pair|bench-e2e|bench-round[-bg]|collect-round" >&2
+  *) echo "usage: gpu_session.sh start|collect|test-bg|wait|test|stop|train|fetch-pair|bench-e2e|bench-tree|bench-round[-bg]|collect-round" >&2
      exit 2 ;;
 esac

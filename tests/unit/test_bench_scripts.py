@@ -194,3 +194,15 @@ def test_host_trace_parser_counts_rounds_parts_and_own_syncs(tmp_path):
     assert host["host_ms"] == {"ddtree.draft": 3.0}
     assert host["syncs_per_round"] == 2 / 3
     assert host["own_syncs_per_round"] == 1 / 3
+
+
+def test_tree_build_bench_runs_the_server_head_on_cpu():
+    """scripts/bench_tree_build.py's configuration path (the server's DraftTreeHead on random
+    pair-shaped weights) on CPU: a valid tree of the asked size, nothing timed."""
+    from sglang_ddtree.tree.testing import check_tree_invariants
+
+    bench = _script("bench_tree_build")
+    row, tree = bench.run_one("pair", "torch", bs=2, nodes=16, iters=1, device="cpu")
+    assert row == {"shape": "pair", "builder": "torch", "bs": 2, "nodes": 16}
+    assert tree.tokens.shape == (2, 16)
+    check_tree_invariants(tree)
