@@ -36,8 +36,8 @@ NUM_NODES, TOPK = 31, 4
 PAIR_NUM_NODES, PAIR_TOPK = 32, 8
 # Pools capped far below the memory fraction: each server measures the free memory before it
 # loads and needs all but 15% of it still free when it sizes its pools (a second later), so
-# neighbours that start at the same time (a few GiB each) cannot make that check fail, and
-# thirteen servers fit on one GPU.
+# neighbours that start at the same time (a few GiB each) cannot make that check fail, and all
+# the servers below fit on one GPU (13 of them used 32 GiB on the H200).
 COMMON = [
     "--attention-backend", "flashinfer", "--dtype", "bfloat16", "--mem-fraction-static", "0.15",
     "--max-total-tokens", "65536", "--max-mamba-cache-size", "256",
