@@ -54,24 +54,62 @@ COMMON = ["--attention-backend", "flashinfer", "--load-format", "dummy", "--cont
           "8192", "--mem-fraction-static", "0.85"]  # fmt: skip
 
 
+# Gated DeltaNet verify scratch: SGLang keeps every verified token's recurrent state until the
+# commit, 48 layers x 48 heads x 128 x 128 per request and token (144 MiB in float32, 72 MiB in
+# bfloat16), for (running requests + 1) x verify width. This much of the H200 goes to it; the
+# rest holds the 27B weights (~56 GB with the draft), the KV cache and the live states.
+SCRATCH_GIB = 48
+GDN_STATE_MIB = 48 * 48 * 128 * 128 * 4 / 2**20
+MAMBA_SLOTS_PER_REQ = 6  # >= SGLang's mamba slots per running request (3, +2 with overlap)
+# SGLang's SSM-state dtype (SGLANG_MAMBA_SSM_DTYPE; float32 by default): the `_bf16ssm` variants
+# halve the scratch, which is what lets N = 64 run 8 requests.
+VARIANT_ENV = {"_bf16ssm": {"SGLANG_MAMBA_SSM_DTYPE": "bfloat16"}}
+
+
+def max_requests(width: int, state_bytes: int = 4) -> int:
+    """Running requests whose verify scratch at `width` tokens fits SCRATCH_GIB (1 to 16)."""
+    per_request_mib = GDN_STATE_MIB * state_bytes / 4 * width
+    return max(1, min(16, int(SCRATCH_GIB * 1024 / per_request_mib) - 1))
+
+
+def variant_env(name: str) -> dict[str, str]:
+    return {
+        k: v for suffix, env in VARIANT_ENV.items() if name.endswith(suffix) for k, v in env.items()
+    }
+
+
 def variants(draft: Path) -> dict[str, list[str]]:
-    dd = ["--speculative-algorithm", "DDTREE", "--speculative-draft-model-path", str(draft),
-          "--speculative-draft-load-format", "dummy", "--speculative-eagle-topk", "8"]  # fmt: skip
+    """Server flags per variant. Speculative variants size the Mamba pool explicitly
+    (--max-mamba-cache-size) so SGLang's verify scratch is reserved for max_requests() requests
+    rather than solved from leftover memory."""
+
+    def running(width: int, state_bytes: int = 4) -> list[str]:
+        n = max_requests(width, state_bytes)
+        return ["--max-running-requests", str(n),
+                "--max-mamba-cache-size", str(MAMBA_SLOTS_PER_REQ * n)]  # fmt: skip
+
+    spec = ["--speculative-draft-model-path", str(draft), "--speculative-draft-load-format",
+            "dummy"]  # fmt: skip
+    dd = ["--speculative-algorithm", "DDTREE", *spec, "--speculative-eagle-topk", "8"]
+    dflash = ["--speculative-algorithm", "DFLASH", *spec]
     out = {
         "none": ["--max-running-requests", "16"],
-        "dflash": ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path",
-                   str(draft), "--speculative-draft-load-format", "dummy",
-                   "--max-running-requests", "16"],
+        "dflash": [*dflash, *running(16)],
+        "dflash_bf16ssm": [*dflash, *running(16, 2)],
         "nextn": ["--speculative-algorithm", "NEXTN", "--speculative-eagle-topk", "4",
                   "--speculative-num-steps", "3", "--speculative-num-draft-tokens", "8",
-                  "--max-running-requests", "16"],
+                  *running(8)],
     }  # fmt: skip
     for n in (16, 32, 64, 128):
-        # GDN verify scratch: ~144 MiB per node per request in fp32 at this size (ddtree.md §3).
-        max_req = max(1, min(16, int(60 * 1024 / (n * 144))))
-        out[f"ddtree{n}"] = [*dd, "--speculative-num-draft-tokens", str(n),
-                             "--max-running-requests", str(max_req)]  # fmt: skip
+        out[f"ddtree{n}"] = [*dd, "--speculative-num-draft-tokens", str(n), *running(n)]
+    out["ddtree64_bf16ssm"] = [*dd, "--speculative-num-draft-tokens", "64", *running(64, 2)]
     return out
+
+
+def effective_max_running(log: str) -> int | None:
+    """The max_running_requests SGLang settled on (it can lower the flag to fit its pools)."""
+    found = re.findall(r"max_running_requests=(\d+)", log)
+    return int(found[-1]) if found else None
 
 
 def write_configs(root: Path) -> tuple[Path, Path]:
@@ -277,13 +315,15 @@ def main() -> int:
     rows = []
     for i, name in enumerate(args.variants.split(",")):
         extra = [*COMMON, "--cuda-graph-max-bs", str(graph_bs), *table[name]]
-        server = harness.Server(name, str(target), args.port_base + i, extra, log_dir=args.out)
+        server = harness.Server(name, str(target), args.port_base + i, extra,
+                                env=variant_env(name), log_dir=args.out)  # fmt: skip
         print(json.dumps({"variant": name, "gpu_free_gib": round(wait_gpu_free(baseline), 1)}))
         server.start()
         try:
             server.wait_healthy(timeout=900)
             scratch = gdn_scratch_gb(server.log_text())
             max_req = int(table[name][table[name].index("--max-running-requests") + 1])
+            max_req = min(max_req, effective_max_running(server.log_text()) or max_req)
             for bs in (int(b) for b in args.batch.split(",")):
                 if bs > max_req:
                     continue

@@ -60,9 +60,18 @@ def test_bench_round_server_commands_parse(tmp_path):
         ns = _parse_cli(["--model-path", "x", *bench.COMMON, "--cuda-graph-max-bs", "8", *extra])
         assert ns.load_format == "dummy", name
         if name.startswith("ddtree"):
+            nodes = int(name[6:].split("_")[0])
             assert ns.speculative_algorithm == "DDTREE"
-            assert ns.speculative_num_draft_tokens == int(name[6:])
+            assert ns.speculative_num_draft_tokens == nodes
             assert 1 <= ns.max_running_requests <= 16
+            # the verify scratch SGLang reserves fits the budget the script plans for
+            state = 2 if name.endswith("_bf16ssm") else 4
+            scratch_mib = bench.GDN_STATE_MIB * state / 4 * nodes * (ns.max_running_requests + 1)
+            assert scratch_mib <= bench.SCRATCH_GIB * 1024
+            assert ns.max_mamba_cache_size >= 5 * ns.max_running_requests
+            assert bench.variant_env(name) == (
+                {"SGLANG_MAMBA_SSM_DTYPE": "bfloat16"} if state == 2 else {}
+            )
 
 
 def test_bench_e2e_and_test_server_commands_parse(tmp_path):
