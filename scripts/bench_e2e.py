@@ -112,13 +112,8 @@ def reference_rounds(target: str, draft: str, prompts: list[str], budget: int, t
 
 
 def profile(servers: list, out: Path) -> None:
-    import importlib.util
+    import bench_round  # beside this script, so on sys.path when it runs
 
-    spec = importlib.util.spec_from_file_location(
-        "bench_round", Path(__file__).with_name("bench_round.py")
-    )
-    bench_round = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench_round)
     for server in servers:
         if server.name == "none":
             continue

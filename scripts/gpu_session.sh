@@ -17,8 +17,8 @@
 #   bash scripts/gpu_session.sh bench-round-bg [ARGS] / collect-round [WAIT_S]  the same, detached
 #   bash scripts/gpu_session.sh bench-tree [ARGS]   scripts/bench_tree_build.py (no server)
 # Logs and results are copied to $OUT.
-# The working tree carries the ~24 MiB shipped pair, so run `bash scripts/gpu_resplit.sh 26` once
-# after ../shared/gpu/build_bundle.sh and stash the 5 smaller parts in 5 calls (the last one with
+# The working tree carries the ~24 MiB shipped pair, so run `bash scripts/gpu_resplit.sh 38` once
+# after ../shared/gpu/build_bundle.sh and stash the 4 smaller parts in 4 calls (the last one with
 # .gpu/jitcache.tar.xz) to stay under the device tool's 64 MiB per call.
 # Background processes (servers, tests) outlive a call while the machine stays warm (30 s), so
 # issue the next call (`collect`) at once; results come back as $OUT/results.tgz + summary.txt.
@@ -30,6 +30,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/pip.log" 2>&1 \
   || { cat "$OUT/pip.log"; exit 1; }
 MODELS="qwen3 qwen35 pair"
+N_MODELS=$(wc -w <<< "$MODELS")
 
 test_bg() {  # one detached pytest per model; ROOT/results/pytest_<model>.{log,rc}
   mkdir -p "$ROOT/results"; rm -f "$ROOT"/results/pytest_*.rc
@@ -45,7 +46,7 @@ collect() {  # wait up to $1 s for every background pytest; results to $OUT
   local t0=$SECONDS
   while [ $((SECONDS - t0)) -lt "$1" ]; do
     n=$(ls "$ROOT"/results/pytest_*.rc 2>/dev/null | wc -l)
-    [ "$n" -ge 3 ] && break
+    [ "$n" -ge "$N_MODELS" ] && break
     sleep 5
   done
   {
@@ -58,7 +59,7 @@ collect() {  # wait up to $1 s for every background pytest; results to $OUT
   } > "$OUT/summary.txt"
   cat "$OUT/summary.txt"
   tar czf "$OUT/results.tgz" -C "$ROOT" results logs launcher.log status.json 2>/dev/null
-  ls "$ROOT"/results/pytest_*.rc 2>/dev/null | wc -l | grep -q 3 || return 3
+  [ "$(ls "$ROOT"/results/pytest_*.rc 2>/dev/null | wc -l)" -ge "$N_MODELS" ] || return 3
   ! grep -qv '^0$' "$ROOT"/results/pytest_*.rc
 }
 
@@ -92,9 +93,7 @@ case "${1:-}" in
   bench-e2e)  # on the pair servers of the test set (plain, DFLASH, DDTREE N=32 and 64)
     shift
     python3 -m tests.gpu.servers stop "$ROOT" qwen3 qwen35  # the GPU and CPUs to the pair
-    demo=sglang_ddtree/assets/demo
-    python3 scripts/bench_e2e.py --target $demo/target --draft $demo/draft --out "$OUT/e2e" \
-      --attach "$ROOT" "$@"
+    python3 scripts/bench_e2e.py --out "$OUT/e2e" --attach "$ROOT" "$@"  # the shipped pair
     rc=$?; tar czf "$OUT/e2e_logs.tgz" -C "$ROOT/logs" $(cd "$ROOT/logs" && ls server_pair-*.log)
     # profiler traces (--profile) nest too deep and too many to come back one by one
     [ -d "$OUT/e2e/traces" ] && tar cJf "$OUT/e2e_traces.tar.xz" -C "$OUT/e2e" traces \

@@ -98,6 +98,11 @@ BENCH_ONLY = {("pair", "dflash"), ("pair", "ddtree64")}
 LAUNCH_GAP_S = 4.0
 
 
+def model_of(name: str) -> str:
+    """The model of a server name `<model>-<variant>`."""
+    return name.split("-", 1)[0]
+
+
 def write_pair(root: Path, model: str) -> tuple[Path, Path]:
     """The checkpoints a model name stands for. `qwen3` / `qwen35`: the agreeing binary pair
     (testing/binary_pair.py; deep side-branch acceptance every round), written under root.
@@ -130,12 +135,12 @@ def server_set(root: Path) -> dict[str, Server]:
     only = os.environ.get("DDTREE_GPU_SERVERS")
     if only:
         servers = {n: s for n, s in servers.items() if n in only.split(",")}
-    rank = {
-        name: MODEL_VARIANTS[name.split("-")[0]].index(name.split("-", 1)[1]) for name in servers
-    }
-    return dict(
-        sorted(servers.items(), key=lambda kv: (rank[kv[0]], MODELS.index(kv[0].split("-")[0])))
-    )
+
+    def launch_order(name: str) -> tuple[int, int]:
+        model = model_of(name)
+        return MODEL_VARIANTS[model].index(name.split("-", 1)[1]), MODELS.index(model)
+
+    return dict(sorted(servers.items(), key=lambda kv: launch_order(kv[0])))
 
 
 def status_path(root: Path) -> Path:
@@ -230,7 +235,7 @@ def main(argv: list[str]) -> None:
     if command == "stop":
         models = argv[2:] or MODELS
         for name, s in server_set(root).items():
-            if name.split("-")[0] in models:
+            if model_of(name) in models:
                 s.stop_by_port()
         return
     if command == "launcher":

@@ -33,6 +33,7 @@ from tests.gpu.servers import (  # noqa: E402
     MODEL_VARIANTS,
     NEW_TOKENS,
     read_status,
+    run_launcher,
     server_set,
     status_path,
     tree_shape,
@@ -68,18 +69,11 @@ def servers():
     # Launched by `python -m tests.gpu.servers launch` (status.json), or already up: reuse.
     reuse = status_path(root).exists() or any(s.is_healthy() for s in started.values())
     if not reuse:
-        for server in started.values():
-            server.start()
-            server.wait_for_log("Memory pool end", timeout=300)
-        for server in started.values():
-            try:
-                server.wait_healthy(timeout=900)
-            except (RuntimeError, TimeoutError):
-                pass  # reported by _up in the tests that need it
+        run_launcher(root)  # the same launcher, in this process: returns once all have settled
     yield started  # logs stay in ROOT/logs (scripts/gpu_session.sh archives them to $OUT)
     if not reuse:
         for server in started.values():
-            server.stop()
+            server.stop_by_port()
 
 
 def _up(servers, name: str) -> harness.Server:

@@ -90,22 +90,19 @@ def test_bench_e2e_and_test_server_commands_parse(tmp_path):
     assert ENV["SGLANG_DDTREE_SYNC_CHECK"] == "1"
 
 
+def _span(cat: str, name: str, ts: int, dur: int, tid: int = 1) -> dict:
+    """A complete ("X") event of a torch-profiler trace."""
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid}
+
+
 def test_trace_parser_sums_kernels_inside_each_range(tmp_path):
     bench = _script("bench_round")
-    ann = "user_annotation"
     events = [
-        {"ph": "X", "cat": ann, "name": "ddtree.draft", "ts": 0, "dur": 100, "tid": 1},
-        {"ph": "X", "cat": ann, "name": "ddtree.draft", "ts": 200, "dur": 100, "tid": 1},
-        {"ph": "X", "cat": ann, "name": "ddtree.verify", "ts": 400, "dur": 100, "tid": 1},
+        _span("user_annotation", "ddtree.draft", 0, 100),
+        _span("user_annotation", "ddtree.draft", 200, 100),
+        _span("user_annotation", "ddtree.verify", 400, 100),
         # the profiler's GPU-timeline mirror of a range: not a range of its own
-        {
-            "ph": "X",
-            "cat": "gpu_user_annotation",
-            "name": "ddtree.draft",
-            "ts": 5,
-            "dur": 50,
-            "tid": 7,
-        },  # fmt: skip
+        _span("gpu_user_annotation", "ddtree.draft", 5, 50, tid=7),
         {"cat": "cuda_driver", "ts": 220, "tid": 1, "args": {"correlation": 5}},  # graph replay
         {"cat": "kernel", "dur": 20, "args": {"correlation": 5}},
         {"cat": "cuda_runtime", "ts": 10, "tid": 1, "args": {"correlation": 1}},
@@ -162,13 +159,15 @@ def test_launcher_restarts_a_failed_server_once_and_reports_status(tmp_path, mon
 def test_fp32_referee_scores_greedy_tokens_zero_and_others_positive():
     """tests/gpu's float32 referee (harness.fp32_deficit) on the shipped pair: the reference
     engine's own greedy tokens score 0, any other token scores its gap to the argmax."""
+    import torch
+
     from sglang_ddtree import DEMO_PAIR_DIR
     from sglang_ddtree.reference.engine import generate_plain, load_pair
     from tests.gpu import harness
 
     target, _, tok = load_pair(DEMO_PAIR_DIR / "target", DEMO_PAIR_DIR / "draft")
     prompt = tok("def fibonacci(n):")["input_ids"]
-    tokens = list(generate_plain(target, __import__("torch").tensor(prompt), 6).tokens)
+    tokens = list(generate_plain(target, torch.tensor(prompt), 6).tokens)
     assert [harness.fp32_deficit(target, prompt, tokens, i) for i in range(6)] == [0.0] * 6
     other = [*tokens[:3], (tokens[3] + 1) % 8192]
     assert harness.fp32_deficit(target, prompt, other, 3) > 0.0
@@ -176,26 +175,20 @@ def test_fp32_referee_scores_greedy_tokens_zero_and_others_positive():
 
 def test_host_trace_parser_counts_rounds_parts_and_own_syncs(tmp_path):
     bench = _script("bench_round")
-    ann = "user_annotation"
     events = [
-        {"ph": "X", "cat": ann, "name": "scheduler.run_batch", "ts": 0, "dur": 8, "tid": 1},
-        {"ph": "X", "cat": ann, "name": "scheduler.run_batch", "ts": 10, "dur": 8, "tid": 1},
-        {"ph": "X", "cat": ann, "name": "scheduler.run_batch", "ts": 22, "dur": 8, "tid": 1},
-        {"ph": "X", "cat": ann, "name": "ddtree.draft", "ts": 1, "dur": 2000, "tid": 1},
-        {"ph": "X", "cat": ann, "name": "ddtree.draft", "ts": 11, "dur": 4000, "tid": 1},
+        _span("user_annotation", "scheduler.run_batch", 0, 8),
+        _span("user_annotation", "scheduler.run_batch", 10, 8),
+        _span("user_annotation", "scheduler.run_batch", 22, 8),
+        _span("user_annotation", "ddtree.draft", 1, 2000),
+        _span("user_annotation", "ddtree.draft", 11, 4000),
         # a sync under SGLang's code called from ours: SGLang's
-        {"ph": "X", "cat": "python_function", "name": "sglang_ddtree/x.py(1): f", "ts": 1,
-         "dur": 5, "tid": 1},
-        {"ph": "X", "cat": "python_function", "name": "sglang/srt/y.py(2): g", "ts": 2, "dur": 2,
-         "tid": 1},
-        {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 3, "dur": 1,
-         "tid": 1},
+        _span("python_function", "sglang_ddtree/x.py(1): f", 1, 5),
+        _span("python_function", "sglang/srt/y.py(2): g", 2, 2),
+        _span("cuda_runtime", "cudaStreamSynchronize", 3, 1),
         # a sync in our own frame: ours
-        {"ph": "X", "cat": "python_function", "name": "sglang_ddtree/x.py(9): h", "ts": 12,
-         "dur": 3, "tid": 1},
-        {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 13, "dur": 1,
-         "tid": 1},
-    ]  # fmt: skip
+        _span("python_function", "sglang_ddtree/x.py(9): h", 12, 3),
+        _span("cuda_runtime", "cudaStreamSynchronize", 13, 1),
+    ]
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": events}))
     host = bench.parse_trace_host(str(path))
