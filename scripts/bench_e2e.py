@@ -58,7 +58,7 @@ def attached_servers(root: Path) -> list:
     nodes, topk = tree_shape("pair")
     assert topk == TOPK, (topk, TOPK)
     names = {"none": "pair-base", "dflash": "pair-dflash", f"ddtree{nodes}": "pair-ddtree",
-             f"ddtree{nodes}_triton": "pair-ddtree_triton", "ddtree64": "pair-ddtree64"}  # fmt: skip
+             f"ddtree{nodes}_torch": "pair-ddtree_torch", "ddtree64": "pair-ddtree64"}  # fmt: skip
     servers = []
     for name, test_name in names.items():
         server = running[test_name]

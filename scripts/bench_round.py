@@ -63,7 +63,11 @@ GDN_STATE_MIB = 48 * 48 * 128 * 128 * 4 / 2**20
 MAMBA_SLOTS_PER_REQ = 6  # >= SGLang's mamba slots per running request (3, +2 with overlap)
 # SGLang's SSM-state dtype (SGLANG_MAMBA_SSM_DTYPE; float32 by default): the `_bf16ssm` variants
 # halve the scratch, which is what lets N = 64 run 8 requests.
-VARIANT_ENV = {"_bf16ssm": {"SGLANG_MAMBA_SSM_DTYPE": "bfloat16"}}
+# `_torch`: DDTREE with the batched torch tree builder instead of the Triton one (its CUDA default).
+VARIANT_ENV = {
+    "_bf16ssm": {"SGLANG_MAMBA_SSM_DTYPE": "bfloat16"},
+    "_torch": {"SGLANG_DDTREE_TREE_BUILDER": "torch"},
+}
 
 
 def max_requests(width: int, state_bytes: int = 4) -> int:
@@ -73,9 +77,7 @@ def max_requests(width: int, state_bytes: int = 4) -> int:
 
 
 def variant_env(name: str) -> dict[str, str]:
-    return {
-        k: v for suffix, env in VARIANT_ENV.items() if name.endswith(suffix) for k, v in env.items()
-    }
+    return {k: v for suffix, env in VARIANT_ENV.items() if suffix in name for k, v in env.items()}
 
 
 def variants(draft: Path) -> dict[str, list[str]]:
@@ -103,6 +105,8 @@ def variants(draft: Path) -> dict[str, list[str]]:
     for n in (16, 32, 64, 128):
         out[f"ddtree{n}"] = [*dd, "--speculative-num-draft-tokens", str(n), *running(n)]
     out["ddtree64_bf16ssm"] = [*dd, "--speculative-num-draft-tokens", "64", *running(64, 2)]
+    for name in [k for k in out if k.startswith("ddtree")]:
+        out[f"{name}_torch"] = out[name]
     return out
 
 

@@ -20,6 +20,7 @@ import dataclasses
 DEFAULT_TOPK = 8
 DEFAULT_BUDGET_PER_BLOCK = 2  # N = 2 * B unless given
 MAX_NUM_NODES = 1024  # SGLang's tree kernels index nodes with small ints
+MAX_TOPK = 64  # the Triton tree builder's packed keys hold candidate ranks < 2**8
 DEFAULT_MAX_RUNNING_REQUESTS = 16  # GDN scratch grows with N x running requests
 
 
@@ -74,6 +75,11 @@ class DDTreeConfig:
                 f"DDTREE needs --speculative-eagle-topk >= 2, got {K}. SGLang verifies trees "
                 f"through Gated DeltaNet layers only when topk > 1; for a chain use "
                 f"--speculative-algorithm DFLASH."
+            )
+        if K > MAX_TOPK:
+            raise DDTreeConfigError(
+                f"--speculative-eagle-topk {K} exceeds the largest supported ({MAX_TOPK}); "
+                f"trees gain little past K = 8. Use --speculative-eagle-topk 8."
             )
         if vocab_size is not None and K > vocab_size:
             raise DDTreeConfigError(

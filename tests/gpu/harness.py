@@ -203,11 +203,37 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def fp32_deficit(target, prompt_ids: list[int], tokens: list[int], index: int) -> float:
-    """How far below the float32 target's best log-prob tokens[index] is, given the prompt and
-    tokens[:index] (0 = the float32 argmax). `target`: the reference engine's target runner."""
+def fp32_deficits(target, prompt_ids: list[int], tokens: list[int]) -> list[float]:
+    """Per token: how far below the float32 target's best log-prob tokens[i] is, given the
+    prompt and tokens[:i] (0 = the float32 argmax), from one causal pass over prompt + tokens.
+    `target`: the reference engine's target runner."""
     import torch
 
-    logits, _ = target.prefill(torch.tensor(prompt_ids + tokens[:index]))
-    logprobs = logits[-1].log_softmax(-1)
-    return float(logprobs.max() - logprobs[tokens[index]])
+    logits, _ = target.prefill(torch.tensor(prompt_ids + tokens))
+    logprobs = logits[len(prompt_ids) - 1 : len(prompt_ids) - 1 + len(tokens)].log_softmax(-1)
+    chosen = logprobs.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+    return (logprobs.max(-1).values - chosen).tolist()
+
+
+def fp32_deficit(target, prompt_ids: list[int], tokens: list[int], index: int) -> float:
+    """fp32_deficits of tokens[index] alone."""
+    return fp32_deficits(target, prompt_ids, tokens[: index + 1])[index]
+
+
+def beyond_tol_referee(target, prompt_ids, tokens, bf16, tol) -> list[tuple]:
+    """Every token of one sequence whose bf16 deficit `bf16[pos]` exceeds `tol`: (position,
+    bf16 deficit, float32 deficit, bf16 error), where the bf16 error is the largest gap between
+    the bf16 and float32 deficits at the sequence's other positions: how far teacher forcing in
+    bf16 strays from float32 on this very sequence. The caller requires the float32 deficit to
+    be within max(its near-tie tolerance, that error): a kernel difference can flip a float32 near-tie, or a
+    choice as close as bf16 demonstrably is here; a wrong token sits far below the float32
+    argmax while the two precisions agree elsewhere."""
+    if max(bf16) <= tol:
+        return []
+    fp32 = fp32_deficits(target, prompt_ids, tokens)
+    gaps = [abs(a - b) for a, b in zip(bf16, fp32, strict=True)]
+    return [
+        (pos, round(bf16[pos], 3), round(fp32[pos], 3),
+         round(max(g for i, g in enumerate(gaps) if i != pos), 3))
+        for pos in range(len(tokens)) if bf16[pos] > tol
+    ]  # fmt: skip

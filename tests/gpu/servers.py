@@ -78,10 +78,10 @@ VARIANTS = {
     "dflash": lambda model, draft: dflash_args(draft),
     "dflash_det": lambda model, draft: [*dflash_args(draft), *DETERMINISTIC],
     "ddtree64": lambda model, draft: ddtree_args(model, draft, nodes=64),
-    "ddtree_triton": ddtree_args,  # with VARIANT_ENV below: the Triton tree builder
+    "ddtree_torch": ddtree_args,  # with VARIANT_ENV below: the torch tree builder (CUDA default: Triton)
 }
 # Per-variant environment on top of ENV.
-VARIANT_ENV = {"ddtree_triton": {"SGLANG_DDTREE_TREE_BUILDER": "triton"}}
+VARIANT_ENV = {"ddtree_torch": {"SGLANG_DDTREE_TREE_BUILDER": "torch"}}
 # Which variants each model runs (16 servers in all). Launch order interleaves the models, plain
 # servers first, so each model's tests can begin while the others still start. SGLang's own
 # chain DFLASH runs beside DDTREE on every model as the control for numerics.
@@ -90,7 +90,7 @@ MODEL_VARIANTS = {
     "qwen35": ("base", "ddtree", "ddtree_sync", "dflash"),
     "pair": (
         "base", "ddtree", "base_det", "ddtree_det", "dflash_det", "dflash", "ddtree64",
-        "ddtree_triton",
+        "ddtree_torch",
     ),
 }  # fmt: skip
 # Started for scripts/bench_e2e.py --attach, not tested by tests/gpu.

@@ -65,13 +65,13 @@ def test_bench_round_server_commands_parse(tmp_path):
             assert ns.speculative_num_draft_tokens == nodes
             assert 1 <= ns.max_running_requests <= 16
             # the verify scratch SGLang reserves fits the budget the script plans for
-            state = 2 if name.endswith("_bf16ssm") else 4
+            state = 2 if "_bf16ssm" in name else 4
             scratch_mib = bench.GDN_STATE_MIB * state / 4 * nodes * (ns.max_running_requests + 1)
             assert scratch_mib <= bench.SCRATCH_GIB * 1024
             assert ns.max_mamba_cache_size >= 5 * ns.max_running_requests
-            assert bench.variant_env(name) == (
-                {"SGLANG_MAMBA_SSM_DTYPE": "bfloat16"} if state == 2 else {}
-            )
+            env = bench.variant_env(name)
+            assert env.get("SGLANG_MAMBA_SSM_DTYPE") == ("bfloat16" if state == 2 else None)
+            assert env.get("SGLANG_DDTREE_TREE_BUILDER") == ("torch" if "_torch" in name else None)
 
 
 def test_bench_e2e_and_test_server_commands_parse(tmp_path):
@@ -171,6 +171,29 @@ def test_fp32_referee_scores_greedy_tokens_zero_and_others_positive():
     assert [harness.fp32_deficit(target, prompt, tokens, i) for i in range(6)] == [0.0] * 6
     other = [*tokens[:3], (tokens[3] + 1) % 8192]
     assert harness.fp32_deficit(target, prompt, other, 3) > 0.0
+
+
+def test_greedy_referee_allows_what_bf16_strays_by_elsewhere_and_nothing_more():
+    """tests/gpu's referee for tokens beyond the bf16 tolerance: a float32 argmax token passes;
+    a token below the float32 argmax passes only within the bf16-vs-float32 gap measured at the
+    same sequence's other positions."""
+    import torch
+
+    from sglang_ddtree import DEMO_PAIR_DIR
+    from sglang_ddtree.reference.engine import generate_plain, load_pair
+    from tests.gpu import harness
+
+    target, _, tok = load_pair(DEMO_PAIR_DIR / "target", DEMO_PAIR_DIR / "draft")
+    prompt = tok("def fibonacci(n):")["input_ids"]
+    tokens = list(generate_plain(target, torch.tensor(prompt), 6).tokens)
+    bf16 = [0.0, 0.0, 0.4, 0.0, 0.3, 0.0]  # teacher forcing strays from float32 at 2 and 4
+    assert harness.beyond_tol_referee(target, prompt, tokens, bf16, 0.25) == [
+        (2, 0.4, 0.0, 0.3), (4, 0.3, 0.0, 0.4)]  # fmt: skip
+    wrong = [*tokens[:5], (tokens[5] + 1) % 8192]
+    fp32 = harness.fp32_deficits(target, prompt, wrong)[5]
+    bf16 = [0.0] * 5 + [fp32]  # both precisions call it off-argmax, and agree elsewhere
+    (row,) = harness.beyond_tol_referee(target, prompt, wrong, bf16, 0.25)
+    assert fp32 > 0.25 and row[2] > max(0.25, row[3])  # the test's assertion fails
 
 
 def test_host_trace_parser_counts_rounds_parts_and_own_syncs(tmp_path):

@@ -176,6 +176,10 @@ def test_explicit_flags_are_kept(draft_dir):
         (dict(speculative_adaptive=True), "--speculative-adaptive"),
         (dict(speculative_draft_window_size=256), "--speculative-draft-window-size"),
         (dict(speculative_eagle_topk=1), "--speculative-eagle-topk >= 2, got 1"),
+        (
+            dict(speculative_eagle_topk=65),
+            "--speculative-eagle-topk 65 exceeds the largest supported (64)",
+        ),
         (dict(speculative_num_draft_tokens=8), "N=8 < B=16"),
         (dict(speculative_num_draft_tokens=4096), "exceeds"),
         (dict(speculative_dflash_block_size=8), "block_size 16"),

@@ -80,6 +80,9 @@ def test_tree_builder_is_selectable_and_checked(monkeypatch):
     from sglang_ddtree.integration.draft_head import tree_builder
 
     assert tree_builder() is build_tree
+    assert tree_builder(device=torch.device("cpu")) is build_tree
+    monkeypatch.setenv("SGLANG_DDTREE_TREE_BUILDER", "torch")
+    assert tree_builder(device=torch.device("cuda")) is build_tree
     monkeypatch.setenv("SGLANG_DDTREE_TREE_BUILDER", "heap")
     with pytest.raises(ValueError, match="'torch' or 'triton', got 'heap'"):
         tree_builder()
