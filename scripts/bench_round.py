@@ -11,7 +11,8 @@ accept at random, so this is the cost of a round, not a speed-up. Also recorded:
 verify scratch the server allocated, and (for `--profile` variants) GPU time per DDTREE part from
 SGLang's torch-profiler trace, using the worker's `ddtree.*` ranges.
 Output: OUT/bench_round.jsonl (one row per measurement), a table on stdout, OUT/bench_round.png.
-Status: written and checked on CPU (configs, variants, trace parser); not yet run on the GPU.
+Run on the H200 in session 4 (docs/benchmarks.md); the unit tests check configs, variants and
+the trace parsers on CPU.
 """
 
 from __future__ import annotations
@@ -50,8 +51,10 @@ DRAFT = dict(  # a Qwen3.6-27B-DFlash-shaped draft: 5 layers, 4 sliding + 1 full
     block_size=16, dflash_config={"target_layer_ids": [1, 16, 31, 46, 61]},
     tie_word_embeddings=False, dtype="bfloat16",
 )  # fmt: skip
+# Prefill CUDA graphs are off: they do not touch the decode round and took 33-112 s to capture
+# per server at 27B (session 4).
 COMMON = ["--attention-backend", "flashinfer", "--load-format", "dummy", "--context-length",
-          "8192", "--mem-fraction-static", "0.85"]  # fmt: skip
+          "8192", "--mem-fraction-static", "0.85", "--disable-prefill-cuda-graph"]  # fmt: skip
 
 
 # Gated DeltaNet verify scratch: SGLang keeps every verified token's recurrent state until the

@@ -16,6 +16,8 @@
 #   bash scripts/gpu_session.sh bench-round [ARGS]  scripts/bench_round.py (27B-shaped, dummy)
 #   bash scripts/gpu_session.sh bench-round-bg [ARGS] / collect-round [WAIT_S]  the same, detached
 #   bash scripts/gpu_session.sh bench-tree [ARGS]   scripts/bench_tree_build.py (no server)
+#   bash scripts/gpu_session.sh save-cache       the FlashInfer + Triton JIT caches to $OUT in <16 MiB
+#                                                parts; here: cat them into .gpu/jitcache.tar.xz
 # Logs and results are copied to $OUT.
 # The working tree carries the ~24 MiB shipped pair, so run `bash scripts/gpu_resplit.sh 38` once
 # after ../shared/gpu/build_bundle.sh and stash the 4 smaller parts in 4 calls (the last one with
@@ -123,6 +125,10 @@ case "${1:-}" in
     python3 scripts/bench_round.py --out "$OUT/round" "$@"
     rc=$?; tar czf "$OUT/round_logs.tgz" -C "$OUT/round" --remove-files \
       $(cd "$OUT/round" && ls server_*.log 2>/dev/null); exit $rc ;;
-  *) echo "usage: gpu_session.sh start|collect|test-bg|wait|test|stop|train|fetch-pair|bench-e2e|bench-tree|bench-round[-bg]|collect-round" >&2
+  save-cache)  # .gpu/device.sh save-cache writes one file, which outgrew the 16 MiB per file
+    tar -C /root -cf - $(cd /root && ls -d .cache/flashinfer .triton/cache 2>/dev/null) \
+      | xz -6 -T0 | split -b 15M -d -a 1 - "$OUT/jitcache.tar.xz.part-"
+    ls -la "$OUT"/jitcache.tar.xz.part-* ;;
+  *) echo "usage: gpu_session.sh start|collect|test-bg|wait|test|stop|train|fetch-pair|bench-e2e|bench-tree|bench-round[-bg]|collect-round|save-cache" >&2
      exit 2 ;;
 esac
