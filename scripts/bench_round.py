@@ -205,7 +205,11 @@ def profile_parts(server, bs: int, out_dir: Path, tokens: int = 48) -> dict:
     files = sorted(glob.glob(str(trace_dir / "*.json*")))
     if not files:
         return {}
-    return {"gpu_ms": parse_trace(files[-1]), "host": parse_trace_host(files[-1])}
+    return {
+        "gpu_ms": parse_trace(files[-1]),
+        "host": parse_trace_host(files[-1]),
+        "top_kernels": top_kernels(files[-1]),
+    }
 
 
 def _load_events(path: str) -> list[dict]:
@@ -245,6 +249,23 @@ def parse_trace_host(path: str) -> dict:
         "syncs_per_round": len(syncs) / rounds,
         "own_syncs_per_round": own / rounds,
     }
+
+
+def top_kernels(path: str, n: int = 15) -> list[tuple[str, float]]:
+    """The n GPU kernels with the most time in the trace, as (name, ms per round), rounds
+    counted by the scheduler's `run_batch` ranges: which kernels a round's GPU time is made of."""
+    events = _load_events(path)
+    rounds = sum(
+        1 for e in events
+        if e.get("ph") == "X" and e.get("cat") == "user_annotation"
+        and e.get("name") == "scheduler.run_batch"
+    )  # fmt: skip
+    total: dict[str, float] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "kernel":
+            total[e["name"][:120]] = total.get(e["name"][:120], 0.0) + e["dur"]
+    ranked = sorted(total.items(), key=lambda kv: -kv[1])[:n]
+    return [(name, round(us / max(rounds, 1) / 1e3, 4)) for name, us in ranked]
 
 
 def parse_trace(path: str) -> dict[str, float]:

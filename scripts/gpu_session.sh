@@ -14,7 +14,8 @@
 #   bash scripts/gpu_session.sh fetch-pair       copy the trained pair to $OUT in <16 MiB parts
 #   bash scripts/gpu_session.sh bench-e2e [ARGS]    scripts/bench_e2e.py on the shipped pair
 #   bash scripts/gpu_session.sh bench-round [ARGS]  scripts/bench_round.py (27B-shaped, dummy)
-#   bash scripts/gpu_session.sh bench-round-bg [ARGS] / collect-round [WAIT_S]  the same, detached
+#   [ROUND=name] bash scripts/gpu_session.sh bench-round-bg [ARGS] / collect-round [WAIT_S]  the same,
+#                                                detached (several at once under distinct ROUNDs)
 #   bash scripts/gpu_session.sh bench-tree [ARGS]   scripts/bench_tree_build.py (no server)
 #   bash scripts/gpu_session.sh save-cache       the FlashInfer + Triton JIT caches to $OUT in <16 MiB
 #                                                parts; here: cat them into .gpu/jitcache.tar.xz
@@ -104,20 +105,25 @@ case "${1:-}" in
   bench-tree)  # tree build / draft head GPU time, torch vs Triton builder (no server)
     shift
     python3 scripts/bench_tree_build.py --out "$OUT/tree" "$@" ;;
-  bench-round-bg)  # bench_round.py detached (outlives the call), results in ROOT/round
-    shift
-    mkdir -p "$ROOT/round"
-    setsid nohup python3 scripts/bench_round.py --out "$ROOT/round" "$@" \
-      > "$ROOT/round/run.log" 2>&1 < /dev/null &
-    sleep 5; tail -n 3 "$ROOT/round/run.log"; echo started ;;
-  collect-round)  # wait up to $2 s for bench-round-bg; results to $OUT
+  bench-round-bg)  # bench_round.py detached (outlives the call), results in ROOT/$ROUND
+    # ROUND=name (default "round") runs several at once, e.g. one per GPU with
+    # CUDA_VISIBLE_DEVICES and distinct --port-base; collect-round gathers all of them.
+    shift; dir="$ROOT/${ROUND:-round}"
+    mkdir -p "$dir"
+    setsid nohup python3 scripts/bench_round.py --out "$dir" --work "/root/bench_${ROUND:-round}" \
+      "$@" > "$dir/run.log" 2>&1 < /dev/null &
+    sleep 5; tail -n 3 "$dir/run.log"; echo started ;;
+  collect-round)  # wait up to $2 s for every bench-round-bg; results to $OUT
     t0=$SECONDS
     while pgrep -f "scripts/bench_round.py" > /dev/null && [ $((SECONDS - t0)) -lt "${2:-540}" ]; do
       sleep 5
     done
-    cp "$ROOT"/round/bench_round.jsonl "$ROOT"/round/bench_round.png "$OUT/" 2>/dev/null
-    tail -n 40 "$ROOT/round/run.log"
-    tar czf "$OUT/round_logs.tgz" -C "$ROOT/round" $(cd "$ROOT/round" && ls *.log 2>/dev/null)
+    for dir in "$ROOT"/round*/; do
+      name=$(basename "$dir")
+      cp "$dir/bench_round.jsonl" "$OUT/$name.jsonl" 2>/dev/null
+      echo "== $name"; tail -n 20 "$dir/run.log" | cut -c1-600
+    done
+    tar czf "$OUT/round_logs.tgz" -C "$ROOT" $(cd "$ROOT" && ls -d round*/*.log 2>/dev/null)
     pgrep -f "scripts/bench_round.py" > /dev/null && echo "bench_round still running" ;;
   bench-round)
     shift

@@ -196,6 +196,22 @@ def test_greedy_referee_allows_what_bf16_strays_by_elsewhere_and_nothing_more():
     assert fp32 > 0.25 and row[2] > max(0.25, row[3])  # the test's assertion fails
 
 
+def test_top_kernels_ranks_gpu_time_per_round(tmp_path):
+    bench = _script("bench_round")
+    events = [
+        _span("user_annotation", "scheduler.run_batch", 0, 8),
+        _span("user_annotation", "scheduler.run_batch", 10, 8),
+        _span("kernel", "gemm", 1, 3000),
+        _span("kernel", "gemm", 11, 3000),
+        _span("kernel", "gdn_tree", 2, 5000),
+        _span("kernel", "gdn_tree", 12, 5000),
+        _span("kernel", "tiny", 3, 10),
+    ]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    assert bench.top_kernels(str(path), n=2) == [("gdn_tree", 5.0), ("gemm", 3.0)]
+
+
 def test_host_trace_parser_counts_rounds_parts_and_own_syncs(tmp_path):
     bench = _script("bench_round")
     events = [
