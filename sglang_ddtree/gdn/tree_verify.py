@@ -112,6 +112,17 @@ def dfs_preorder_reference(parents: torch.Tensor) -> torch.Tensor:
     return torch.tensor(perms, dtype=torch.int64)
 
 
+def relabel_parents(parents: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """Parents of the same trees with node perm[b, i] renamed i (perm[b, 0] must be 0)."""
+    out = torch.full_like(parents, -1)
+    for b in range(parents.shape[0]):
+        inv = {old: new for new, old in enumerate(perm[b].tolist())}
+        for new, old in enumerate(perm[b].tolist()):
+            if old:
+                out[b, new] = inv[int(parents[b, old])]
+    return out
+
+
 # --- Triton --------------------------------------------------------------------------------------
 
 

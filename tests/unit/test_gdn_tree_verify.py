@@ -18,6 +18,7 @@ import torch
 
 from sglang_ddtree.gdn.tree_verify import (
     dfs_preorder_reference,
+    relabel_parents,
     replay_path,
     replay_reference,
     state_traffic,
@@ -32,7 +33,7 @@ torch.set_num_threads(1)
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interpreter_only = pytest.mark.skipif(not INTERPRETED, reason="runs in the interpreter process")
-INTERPRETER_TESTS = 7  # non-gpu tests the child process runs (all but this one); it must pass all
+INTERPRETER_TESTS = 9  # non-gpu tests the child process runs (all but this one); it must pass all
 
 
 def test_cpu_kernel_tests_under_triton_interpreter():
@@ -75,17 +76,6 @@ def random_inputs(bs, N, H, HV, K, V, gen, dtype=torch.float32, device="cpu"):
     beta = torch.rand(T, HV, generator=gen).to(device)
     h0 = 0.1 * r(bs, HV, V, K)
     return q, k, v, g, beta, h0
-
-
-def relabel(parents: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
-    """Parents of the same trees with node perm[b, i] renamed i."""
-    out = torch.full_like(parents, -1)
-    for b in range(parents.shape[0]):
-        inv = {int(old): new for new, old in enumerate(perm[b].tolist())}
-        for new, old in enumerate(perm[b].tolist()):
-            if old:
-                out[b, new] = inv[int(parents[b, old])]
-    return out
 
 
 def deepest_paths(parents: torch.Tensor, gen: torch.Generator):
@@ -141,7 +131,7 @@ def test_dfs_preorder_keeps_parents_first_and_cuts_state_traffic_on_ddtrees():
     parents = tree.parents.clone()
     parents[:, 0] = -1
     perm = dfs_preorder_reference(parents)
-    pre = relabel(parents, perm)
+    pre = relabel_parents(parents, perm)
     assert (pre[:, 1:] < torch.arange(1, N)[None, :]).all()
     assert torch.equal(torch.sort(perm, 1).values, torch.arange(N).expand(bs, N))
     for name, p in (("best_first", parents), ("preorder", pre)):
@@ -175,7 +165,7 @@ def test_tree_verify_in_preorder_matches_reference_on_a_ddtree():
     root, ids, lps = random_build_inputs(gen, bs, 6, 3, 100, mode="continuous")
     parents = build_tree_reference(root, ids, lps, N - 1).parents.clone()
     parents[:, 0] = -1
-    parents = relabel(parents, dfs_preorder_reference(parents))
+    parents = relabel_parents(parents, dfs_preorder_reference(parents))
     q, k, v, g, beta, h0 = random_inputs(bs, N, H, HV, K, V, gen, dtype=torch.bfloat16)
     o, _ = tree_verify(q, k, v, g, beta, h0, parents, scale=0.25)
     o_ref, _ = tree_verify_reference(q, k, v, g, beta, h0, parents, scale=0.25)
@@ -192,6 +182,26 @@ def test_replay_path_matches_the_reference_state_of_the_accepted_node():
     path, path_len, ends = deepest_paths(parents, gen)
     out = replay_path(k, v, g, beta, h0, path, path_len)
     torch.testing.assert_close(out, states[torch.arange(bs), ends], rtol=1e-5, atol=1e-5)
+
+
+@interpreter_only
+@pytest.mark.parametrize("order", ["best_first", "preorder"])
+def test_tree_verify_and_replay_equal_sglangs_own_verify_and_commit(order):
+    """scripts/bench_gdn_tree.py's comparison, on the CPU: SGLang 0.5.17's tree-verify kernel
+    (fused_sigmoid_gating_delta_rule_update with retrieve_parent_token) and its commit (the
+    accepted node's stored state) against tree_verify + replay_path on the same builder trees."""
+    import importlib.util
+    from pathlib import Path
+
+    pytest.importorskip("sglang.kernels.ops.attention.fla.fused_sigmoid_gating_recurrent")
+    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_gdn_tree.py"
+    spec = importlib.util.spec_from_file_location("bench_gdn_tree", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    parents = dict(zip(("best_first", "preorder"), bench.trees(2, 12, seed=3), strict=True))
+    row = bench.run_one(2, 12, order, parents[order], 1, device="cpu", heads=(2, 4, 16, 32))
+    assert row["max_abs_diff_o"] < 2e-2, row  # bf16 outputs; beta passes through bf16 in ours
+    assert row["max_abs_diff_state"] < 1e-2, row
 
 
 # --- the kernels on the GPU --------------------------------------------------------------------
