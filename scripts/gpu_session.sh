@@ -17,6 +17,7 @@
 #   [ROUND=name] bash scripts/gpu_session.sh bench-round-bg [ARGS] / collect-round [WAIT_S]  the same,
 #                                                detached (several at once under distinct ROUNDs)
 #   bash scripts/gpu_session.sh bench-tree [ARGS]   scripts/bench_tree_build.py (no server)
+#   bash scripts/gpu_session.sh bench-gdn [ARGS]    scripts/bench_gdn_tree.py (no server)
 #   bash scripts/gpu_session.sh save-cache       the FlashInfer + Triton JIT caches to $OUT in <16 MiB
 #                                                parts; here: cat them into .gpu/jitcache.tar.xz
 # Logs and results are copied to $OUT.
@@ -105,6 +106,9 @@ case "${1:-}" in
   bench-tree)  # tree build / draft head GPU time, torch vs Triton builder (no server)
     shift
     python3 scripts/bench_tree_build.py --out "$OUT/tree" "$@" ;;
+  bench-gdn)  # one GDN layer's tree verify + commit: SGLang's kernel vs sglang_ddtree.gdn (no server)
+    shift
+    python3 scripts/bench_gdn_tree.py --out "$OUT/gdn" "$@" ;;
   bench-round-bg)  # bench_round.py detached (outlives the call), results in ROOT/$ROUND
     # ROUND=name (default "round") runs several at once, e.g. one per GPU with
     # CUDA_VISIBLE_DEVICES and distinct --port-base; collect-round gathers all of them.
@@ -135,6 +139,6 @@ case "${1:-}" in
     tar -C /root -cf - $(cd /root && ls -d .cache/flashinfer .triton/cache 2>/dev/null) \
       | xz -6 -T0 | split -b 15M -d -a 1 - "$OUT/jitcache.tar.xz.part-"
     ls -la "$OUT"/jitcache.tar.xz.part-* ;;
-  *) echo "usage: gpu_session.sh start|collect|test-bg|wait|test|stop|train|fetch-pair|bench-e2e|bench-tree|bench-round[-bg]|collect-round|save-cache" >&2
+  *) echo "usage: gpu_session.sh start|collect|test-bg|wait|test|stop|train|fetch-pair|bench-e2e|bench-tree|bench-gdn|bench-round[-bg]|collect-round|save-cache" >&2
      exit 2 ;;
 esac
