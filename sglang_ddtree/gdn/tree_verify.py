@@ -76,6 +76,15 @@ def replay_reference(k, v, g, beta, h0, path, path_len, num_nodes: int, *, l2nor
     return out
 
 
+def gdn_gating(A_log, a, b, dt_bias) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g [T, HV], beta [T, HV]) float32 from the layer's A_log, dt_bias [HV] and the token's a,
+    b [T, HV], as SGLang's fused verify kernel forms them in float32 (softplus with beta 1 and
+    threshold 20). SGLang's standalone `fused_gdn_gating` rounds beta to b's dtype instead."""
+    x = a.float() + dt_bias.float()
+    softplus = torch.where(x <= 20.0, torch.log(1.0 + torch.exp(x)), x)
+    return -torch.exp(A_log.float()) * softplus, 1.0 / (1.0 + torch.exp(-b.float()))
+
+
 def store_flags(parents: torch.Tensor) -> torch.Tensor:
     """[bs, N] int8: 1 where node t has a child other than t + 1 (whose walk must reload t's
     state). Sync-free."""
