@@ -7,7 +7,7 @@ outputs and committed state.
     python scripts/bench_gdn_tree.py [--nodes 16,32,64] [--bs 1,8] [--iters 50] [--out OUT]
 
 Each measured call is captured in a CUDA graph and replayed `iters` times between CUDA events
-(GPU time, no launch overhead). Per (bs, N, order): SGLang's verify, its commit (copying the
+(`bench_tree_build.gpu_ms`: GPU time, no launch overhead). Per (bs, N, order): SGLang's verify, its commit (copying the
 accepted node's state into the pool), our gating + verify, our replay commit; state loads and
 stores per request (`state_traffic`). A 27B round runs 48 such layers.
 Output: JSON lines (OUT/bench_gdn_tree.jsonl if --out) and a table.
@@ -28,6 +28,7 @@ from sglang_ddtree.gdn.tree_verify import (  # noqa: E402
     gdn_gating,
     relabel_parents,
     replay_path,
+    root_paths,
     state_traffic,
     tree_verify,
 )
@@ -36,23 +37,6 @@ from sglang_ddtree.tree.testing import random_build_inputs  # noqa: E402
 
 H, HV, K, V = 16, 48, 128, 128  # Qwen3.6-27B: GDN key / value heads x head dim
 BLOCK, TOPK = 16, 8
-
-
-def gpu_ms(fn, iters: int) -> float:
-    """Mean GPU ms per call of fn(), captured in a CUDA graph and replayed between events."""
-    for _ in range(3):
-        fn()  # warm-up and Triton compile, outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def trees(bs: int, nodes: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,16 +55,8 @@ def accepted_paths(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     depth = torch.zeros((bs, N), dtype=torch.int64)
     for t in range(1, N):
         depth[:, t] = depth[torch.arange(bs), parents[:, t]] + 1
-    path = torch.zeros((bs, BLOCK), dtype=torch.int64)
-    ends = []
-    for b in range(bs):
-        node = int(N - 1 - torch.argmax(depth[b].flip(0)))
-        ends.append(node)
-        chain = [node]
-        while chain[-1]:
-            chain.append(int(parents[b, chain[-1]]))
-        path[b, : len(chain)] = torch.tensor(chain[::-1])
-    return path, (path > 0).sum(1) + 1, torch.tensor(ends)
+    ends = (N - 1 - torch.argmax(depth.flip(1), dim=1)).tolist()
+    return (*root_paths(parents, ends, width=BLOCK), torch.tensor(ends))
 
 
 def run_one(
@@ -143,7 +119,9 @@ def run_one(
     for name, fn in (("sglang_verify", sglang_verify), ("sglang_commit", sglang_commit),
                      ("ours_verify", ours_verify), ("ours_commit", ours_commit)):  # fmt: skip
         if dev == "cuda":
-            row[f"{name}_ms"] = gpu_ms(fn, iters)
+            from bench_tree_build import gpu_ms  # beside this script, so on sys.path when it runs
+
+            row[f"{name}_ms"] = gpu_ms(fn, iters, graph=True)
         else:
             fn()
     loads, stores = state_traffic(parents)

@@ -121,6 +121,21 @@ def dfs_preorder_reference(parents: torch.Tensor) -> torch.Tensor:
     return torch.tensor(perms, dtype=torch.int64)
 
 
+def root_paths(parents: torch.Tensor, ends: list[int], width: int | None = None):
+    """(path [bs, width] int64: the node indices from the root to ends[b], zero-padded;
+    path_len [bs]) for `replay_path`. width defaults to the longest path."""
+    chains = []
+    for b, node in enumerate(ends):
+        chain = [int(node)]
+        while chain[-1]:
+            chain.append(int(parents[b, chain[-1]]))
+        chains.append(chain[::-1])
+    path = torch.zeros((len(ends), width or max(map(len, chains))), dtype=torch.int64)
+    for b, chain in enumerate(chains):
+        path[b, : len(chain)] = torch.tensor(chain)
+    return path, torch.tensor([len(c) for c in chains])
+
+
 def relabel_parents(parents: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
     """Parents of the same trees with node perm[b, i] renamed i (perm[b, 0] must be 0)."""
     out = torch.full_like(parents, -1)
@@ -151,6 +166,18 @@ def _delta_update(b_h, b_k, b_v, b_g, b_beta):
 
 
 @triton.jit
+def _advance(b_h, k, v, g, beta, tok, i_h, i_hv, o_k, o_v, mask_k, mask_v,
+             H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+             L2NORM: tl.constexpr):  # fmt: skip
+    """b_h advanced by token `tok` (its k, v, g and beta)."""
+    b_k = _load_qk(k, tok, i_h, H, K, o_k, mask_k, L2NORM)
+    b_v = tl.load(v + (tok * HV + i_hv) * V + o_v, mask=mask_v, other=0).to(tl.float32)
+    b_g = tl.load(g + tok * HV + i_hv)
+    b_beta = tl.load(beta + tok * HV + i_hv)
+    return _delta_update(b_h, b_k, b_v, b_g, b_beta)
+
+
+@triton.jit
 def _tree_verify_kernel(
     q, k, v, g, beta, h0, parents, flags, o, scratch, scale, N,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -171,12 +198,9 @@ def _tree_verify_kernel(
         if (t > 0) & (parent != t - 1):  # the state in registers is not the parent's
             src = scratch + ((i_n * N + parent) * HV + i_hv) * V * K + in_state
             b_h = tl.load(src, mask=mask_h, other=0)
+        b_h = _advance(b_h, k, v, g, beta, tok, i_h, i_hv, o_k, o_v, mask_k, mask_v,
+                       H, HV, K, V, L2NORM)  # fmt: skip
         b_q = _load_qk(q, tok, i_h, H, K, o_k, mask_k, L2NORM) * scale
-        b_k = _load_qk(k, tok, i_h, H, K, o_k, mask_k, L2NORM)
-        b_v = tl.load(v + (tok * HV + i_hv) * V + o_v, mask=mask_v, other=0).to(tl.float32)
-        b_g = tl.load(g + tok * HV + i_hv)
-        b_beta = tl.load(beta + tok * HV + i_hv)
-        b_h = _delta_update(b_h, b_k, b_v, b_g, b_beta)
         b_o = tl.sum(b_h * b_q[:, None], 0)
         tl.store(o + (tok * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=mask_v)
         if tl.load(flags + tok) != 0:  # a later node starts from this one's state
@@ -203,11 +227,8 @@ def _replay_kernel(
     for i in range(0, MAX_LEN):
         if i < steps:
             tok = i_n * N + tl.load(path + i_n * MAX_LEN + i)
-            b_k = _load_qk(k, tok, i_h, H, K, o_k, mask_k, L2NORM)
-            b_v = tl.load(v + (tok * HV + i_hv) * V + o_v, mask=mask_v, other=0).to(tl.float32)
-            b_g = tl.load(g + tok * HV + i_hv)
-            b_beta = tl.load(beta + tok * HV + i_hv)
-            b_h = _delta_update(b_h, b_k, b_v, b_g, b_beta)
+            b_h = _advance(b_h, k, v, g, beta, tok, i_h, i_hv, o_k, o_v, mask_k, mask_v,
+                           H, HV, K, V, L2NORM)  # fmt: skip
     dst = out + (i_n * HV + i_hv) * V * K + in_state
     tl.store(dst, b_h.to(out.dtype.element_ty), mask=mask_h)
 

@@ -1,4 +1,5 @@
-"""Helpers for tests: random builder inputs and a host-side structural check of a DraftTree.
+"""Helpers for tests: random builder inputs, a host-side structural check of a DraftTree, and
+running a test file's CPU tests under Triton's interpreter.
 
 Not used on the serving path (they sync with the host freely).
 """
@@ -6,6 +7,10 @@ Not used on the serving path (they sync with the host freely).
 from __future__ import annotations
 
 import contextlib
+import os
+import re
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 
 import torch
@@ -17,6 +22,28 @@ from .types import DraftTree
 TIE_VALUES = (0.0, -0.5, -0.5, -1.0, -2.0, LOGPROB_FLOOR, 2 * LOGPROB_FLOOR, float("-inf"))
 
 LOGPROB_MODES = ("continuous", "ties", "dirty")
+
+
+def run_cpu_tests_under_triton_interpreter(test_file: str, expected_passed: int) -> None:
+    """Run `test_file`'s non-GPU tests in a child pytest with TRITON_INTERPRET=1 (Triton picks its
+    interpreter when imported, so the parent process cannot switch) and require exactly
+    `expected_passed` passes and no failure."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        test_file,
+        "-m",
+        "not gpu",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    tail = (proc.stdout + proc.stderr)[-6000:]
+    assert proc.returncode == 0, tail
+    assert re.search(rf"\b{expected_passed} passed", tail) and "failed" not in tail, tail
 
 
 @contextlib.contextmanager

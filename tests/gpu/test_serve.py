@@ -166,7 +166,7 @@ def fp32_pair(servers):
     return get
 
 
-def _beyond_tol_are_fp32_ties(base, target, spec, deficits, tol) -> list[tuple]:
+def _beyond_tol_refereed(base, target, spec, deficits, tol) -> list[tuple]:
     """harness.beyond_tol_referee over every prompt: (prompt index, position, bf16 deficit, float32
     deficit, bf16 error on that sequence)."""
     out, k = [], 0
@@ -260,7 +260,7 @@ def test_generate_greedy_is_the_targets_greedy(
     assert max(plain_deficits) <= CONTROL_MAX or "dflash" in controls or variant == "dflash", (
         "control: teacher forcing disagrees with decode"
     )
-    beyond = _beyond_tol_are_fp32_ties(base, fp32_pair(model)[0], spec, deficits, tol)
+    beyond = _beyond_tol_refereed(base, fp32_pair(model)[0], spec, deficits, tol)
     print(f"beyond tol (prompt, position, bf16 deficit, float32 deficit, bf16 error): {beyond}")
     assert all(fp32 <= max(TIE_TOL, err) for *_, fp32, err in beyond), beyond
     assert off_argmax <= 2 * control_off + len(deficits) // 100

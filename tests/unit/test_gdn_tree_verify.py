@@ -9,9 +9,6 @@ Directly: TRITON_INTERPRET=1 python -m pytest tests/unit/test_gdn_tree_verify.py
 from __future__ import annotations
 
 import os
-import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -21,13 +18,17 @@ from sglang_ddtree.gdn.tree_verify import (
     relabel_parents,
     replay_path,
     replay_reference,
+    root_paths,
     state_traffic,
     store_flags,
     tree_verify,
     tree_verify_reference,
 )
 from sglang_ddtree.tree import build_tree_reference
-from sglang_ddtree.tree.testing import random_build_inputs
+from sglang_ddtree.tree.testing import (
+    random_build_inputs,
+    run_cpu_tests_under_triton_interpreter,
+)
 
 torch.set_num_threads(1)
 
@@ -39,29 +40,13 @@ INTERPRETER_TESTS = 9  # non-gpu tests the child process runs (all but this one)
 def test_cpu_kernel_tests_under_triton_interpreter():
     if INTERPRETED:
         pytest.skip("already inside the interpreter process")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [
-        sys.executable,
-        "-m",
-        "pytest",
-        __file__,
-        "-m",
-        "not gpu",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    tail = (proc.stdout + proc.stderr)[-6000:]
-    assert proc.returncode == 0, tail
-    assert re.search(rf"\b{INTERPRETER_TESTS} passed", tail) and "failed" not in tail, tail
+    run_cpu_tests_under_triton_interpreter(__file__, INTERPRETER_TESTS)
 
 
 def random_parents(bs: int, N: int, gen: torch.Generator) -> torch.Tensor:
     """[bs, N] parents in an arbitrary parent < child order (node 0 = root, parent -1)."""
-    rows = [[-1] + [int(torch.randint(0, t, (1,), generator=gen)) for t in range(1, N)]]
-    rows += [[-1] + [int(torch.randint(0, t, (1,), generator=gen)) for t in range(1, N)]
-             for _ in range(bs - 1)]  # fmt: skip
+    rows = [[-1] + [int(torch.randint(0, t, (1,), generator=gen)) for t in range(1, N)]
+            for _ in range(bs)]  # fmt: skip
     return torch.tensor(rows, dtype=torch.int64)
 
 
@@ -79,21 +64,14 @@ def random_inputs(bs, N, H, HV, K, V, gen, dtype=torch.float32, device="cpu"):
 
 
 def deepest_paths(parents: torch.Tensor, gen: torch.Generator):
-    """A random node per request and its root path: (path [bs, depth_max], path_len [bs], node)."""
+    """A random node per request and its root path: (path, path_len, node), the path one column
+    wider than the longest so that padding must be ignored."""
     bs, N = parents.shape
-    paths, ends = [], []
-    for b in range(bs):
-        node = int(torch.randint(0, N, (1,), generator=gen))
-        chain = [node]
-        while chain[-1]:
-            chain.append(int(parents[b, chain[-1]]))
-        paths.append(chain[::-1])
-        ends.append(node)
-    width = max(len(p) for p in paths) + 1  # one unused column: padding must be ignored
-    path = torch.zeros((bs, width), dtype=torch.int64)
-    for b, p in enumerate(paths):
-        path[b, : len(p)] = torch.tensor(p)
-    return path, torch.tensor([len(p) for p in paths]), ends
+    ends = [int(torch.randint(0, N, (1,), generator=gen)) for _ in range(bs)]
+    path, path_len = root_paths(parents, ends)
+    padded = torch.zeros((bs, path.shape[1] + 1), dtype=torch.int64)
+    padded[:, :-1] = path
+    return padded, path_len, ends
 
 
 # --- plain torch, no interpreter needed --------------------------------------------------------

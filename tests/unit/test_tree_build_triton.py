@@ -11,9 +11,6 @@ Directly: TRITON_INTERPRET=1 python -m pytest tests/unit/test_tree_build_triton.
 from __future__ import annotations
 
 import os
-import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -28,6 +25,7 @@ from sglang_ddtree.tree.testing import (
     check_tree_invariants,
     no_host_sync,
     random_build_inputs,
+    run_cpu_tests_under_triton_interpreter,
 )
 
 torch.set_num_threads(1)
@@ -40,13 +38,7 @@ CPU_TESTS = 21  # interpreter_only test items in this file; the interpreter proc
 def test_cpu_tests_under_triton_interpreter():
     if INTERPRETED:
         pytest.skip("already inside the interpreter process")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    options = ["-m", "not gpu", "-q", "-p", "no:cacheprovider"]
-    cmd = [sys.executable, "-m", "pytest", __file__, *options]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    tail = (proc.stdout + proc.stderr)[-6000:]
-    assert proc.returncode == 0, tail
-    assert re.search(rf"\b{CPU_TESTS} passed", tail) and "failed" not in tail, tail
+    run_cpu_tests_under_triton_interpreter(__file__, CPU_TESTS)
 
 
 def check_against_reference(build, root, ids, lps, budget: int) -> DraftTree:
