@@ -1,15 +1,16 @@
 """One Gated DeltaNet layer's tree verify and commit at Qwen3.6-27B head sizes, on the GPU: SGLang's
-kernel (every node's state stored, the parent's reloaded at every node) against
-sglang_ddtree.gdn.tree_verify (state carried in registers) + replay_path, on DDTrees from the
-builder in its best-first node order and in DFS preorder. Also checks that both give the same
+kernel (the N nodes walked one after another, every node's state stored, the commit a copy)
+against sglang_ddtree.gdn.tree_verify (one program per root path, no state stored, the commit a
+replay of the accepted path), on DDTrees from the builder. Also checks that both give the same
 outputs and committed state.
 
-    python scripts/bench_gdn_tree.py [--nodes 16,32,64] [--bs 1,8] [--iters 50] [--out OUT]
+    python scripts/bench_gdn_tree.py [--nodes 16,32,64,128] [--bs 1,8] [--iters 50] [--out OUT]
 
 Each measured call is captured in a CUDA graph and replayed `iters` times between CUDA events
-(`bench_tree_build.gpu_ms`: GPU time, no launch overhead). Per (bs, N, order): SGLang's verify, its commit (copying the
-accepted node's state into the pool), our gating + verify, our replay commit; state loads and
-stores per request (`state_traffic`). A 27B round runs 48 such layers.
+(`bench_tree_build.gpu_ms`: GPU time, no launch overhead). Per (bs, N): SGLang's verify, its commit
+(copying the accepted node's state into the pool), our verify, our commit (one layer; in the
+server one launch commits all 48). A 27B round runs 48 such layers. The commit replays the
+deepest path of each tree (the longest a round can accept).
 Output: JSON lines (OUT/bench_gdn_tree.jsonl if --out) and a table.
 """
 
@@ -24,12 +25,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sglang_ddtree.gdn.tree_verify import (  # noqa: E402
-    dfs_preorder_reference,
-    gdn_gating,
-    relabel_parents,
-    replay_path,
-    root_paths,
-    state_traffic,
+    commit_paths,
+    root_path,
+    scratch_floats,
     tree_verify,
 )
 from sglang_ddtree.tree import build_tree_reference  # noqa: E402
@@ -39,35 +37,24 @@ H, HV, K, V = 16, 48, 128, 128  # Qwen3.6-27B: GDN key / value heads x head dim
 BLOCK, TOPK = 16, 8
 
 
-def trees(bs: int, nodes: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(parents in the builder's best-first order, the same trees in DFS preorder), [bs, N]."""
+def trees(bs: int, nodes: int, seed: int) -> torch.Tensor:
+    """[bs, N] parents of DDTrees from the builder, in its best-first node order."""
     g = torch.Generator().manual_seed(seed)
     root, ids, lps = random_build_inputs(g, bs, BLOCK - 1, TOPK, 1000, "continuous")
     parents = build_tree_reference(root, ids, lps, nodes - 1).parents.clone()
     parents[:, 0] = -1
-    return parents, relabel_parents(parents, dfs_preorder_reference(parents))
+    return parents
 
 
-def accepted_paths(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per request, the deepest node (ties: the last) and its root path (path [bs, BLOCK],
-    path_len [bs], node [bs]): the longest commit a round can make."""
-    bs, N = parents.shape
-    depth = torch.zeros((bs, N), dtype=torch.int64)
-    for t in range(1, N):
-        depth[:, t] = depth[torch.arange(bs), parents[:, t]] + 1
-    ends = (N - 1 - torch.argmax(depth.flip(1), dim=1)).tolist()
-    return (*root_paths(parents, ends, width=BLOCK), torch.tensor(ends))
+def deepest(parents: torch.Tensor) -> torch.Tensor:
+    """Per request the deepest node (ties: the last): the longest commit a round can make."""
+    depth = [[len(root_path(parents, b, t)) for t in range(parents.shape[1])]
+             for b in range(parents.shape[0])]  # fmt: skip
+    return torch.tensor([max(range(len(d)), key=lambda t, d=d: (d[t], t)) for d in depth])
 
 
-def run_one(
-    bs: int,
-    nodes: int,
-    order: str,
-    parents: torch.Tensor,
-    iters: int,
-    device: str = "cuda",
-    heads: tuple[int, int, int, int] = (H, HV, K, V),
-) -> dict:
+def run_one(bs: int, nodes: int, parents: torch.Tensor, iters: int, device: str = "cuda",
+            heads: tuple[int, int, int, int] = (H, HV, K, V), tiles=()) -> dict:  # fmt: skip
     """One configuration; on a CPU device (Triton's interpreter) only the equality checks."""
     from sglang.kernels.ops.attention.fla.fused_sigmoid_gating_recurrent import (
         fused_sigmoid_gating_delta_rule_update,
@@ -85,12 +72,12 @@ def run_one(
     A_log, dt_bias = randn(HV, dtype=torch.float32, std=0.5), randn(HV, dtype=torch.float32)
     ssm = randn(bs + 1, HV, V, K, dtype=torch.float32, std=0.1)  # the pool: slot b = request b
     slots = torch.arange(bs, dtype=torch.int32, device=dev)
-    scratch = torch.empty((bs + 1, nodes, HV, V, K), dtype=torch.float32, device=dev)
+    inter = torch.empty((bs + 1, nodes, HV, V, K), dtype=torch.float32, device=dev)
     cu = torch.arange(0, T + 1, nodes, dtype=torch.int32, device=dev)
-    parent_tok = parents.clamp(min=0).to(dev)
     parents_dev = parents.to(dev)
-    path, path_len, ends = (x.to(dev) for x in accepted_paths(parents))
-    committed = torch.empty((bs, HV, V, K), dtype=torch.float32, device=dev)
+    ends = deepest(parents).to(dev)
+    scratch = torch.empty((1, bs + 1, scratch_floats(nodes, HV, K, V)), device=dev)
+    pool = ssm.clone()[None]  # our commit writes the pool in place
     out = {}
 
     def sglang_verify():
@@ -98,67 +85,73 @@ def run_one(
             A_log=A_log, a=a, dt_bias=dt_bias, softplus_beta=1.0, softplus_threshold=20.0,
             q=q, k=k, v=v, b=b, initial_state_source=ssm, initial_state_indices=slots,
             cu_seqlens=cu, use_qk_l2norm_in_kernel=True, disable_state_update=True,
-            intermediate_states_buffer=scratch, intermediate_state_indices=slots,
-            cache_steps=nodes, retrieve_parent_token=parent_tok,
+            intermediate_states_buffer=inter, intermediate_state_indices=slots,
+            cache_steps=nodes, retrieve_parent_token=parents_dev.clamp(min=0),
         )  # fmt: skip
 
     def sglang_commit():
-        committed.copy_(scratch[torch.arange(bs, device=dev), ends])
+        out["committed"] = inter[torch.arange(bs, device=dev), ends]
 
     def ours_verify():
-        gg, beta = gdn_gating(A_log, a, b, dt_bias)
-        out["ours"], _ = tree_verify(
-            q[0], k[0], v[0], gg, beta, ssm[:bs], parents_dev, scale=K**-0.5
-        )
-        out["g"], out["beta"] = gg, beta
+        out["ours"] = tree_verify(q[0], k[0], v[0], a, b, A_log, dt_bias, ssm, slots,
+                                  parents_dev, scratch[0], slots, max_path=BLOCK)  # fmt: skip
 
     def ours_commit():
-        out["replayed"] = replay_path(k[0], v[0], out["g"], out["beta"], ssm[:bs], path, path_len)
+        commit_paths(pool, slots, scratch, slots, parents_dev, ends, max_path=BLOCK)
 
-    row = {"bs": bs, "nodes": nodes, "order": order}
-    for name, fn in (("sglang_verify", sglang_verify), ("sglang_commit", sglang_commit),
-                     ("ours_verify", ours_verify), ("ours_commit", ours_commit)):  # fmt: skip
-        if dev == "cuda":
-            from bench_tree_build import gpu_ms  # beside this script, so on sys.path when it runs
+    def ours_verify_tile(block_v, warps):
+        def fn():
+            tree_verify(q[0], k[0], v[0], a, b, A_log, dt_bias, ssm, slots, parents_dev,
+                        scratch[0], slots, max_path=BLOCK, block_v=block_v, num_warps=warps)  # fmt: skip
 
-            row[f"{name}_ms"] = gpu_ms(fn, iters, graph=True)
-        else:
-            fn()
-    loads, stores = state_traffic(parents)
-    row.update(ours_loads=loads / bs, ours_stores=stores / bs, sglang_loads=nodes - 1,
-               sglang_stores=nodes)  # fmt: skip
+        return fn
+
+    for fn in (sglang_verify, sglang_commit, ours_verify, ours_commit):  # once, for the checks
+        fn()
+    row = {"bs": bs, "nodes": nodes}
     # the same numbers either way, up to float32 rounding and the bf16 output
     o_diff = (out["ours"].float() - out["sglang"].reshape(T, HV, V).float()).abs().max()
     row["max_abs_diff_o"] = float(o_diff)
-    row["max_abs_diff_state"] = float((out["replayed"] - committed).abs().max())
+    row["max_abs_diff_state"] = float((pool[0, :bs] - out["committed"]).abs().max())
+    if dev == "cuda":
+        from bench_tree_build import gpu_ms  # beside this script, so on sys.path when it runs
+
+        for name, fn in (("sglang_verify", sglang_verify), ("sglang_commit", sglang_commit),
+                         ("ours_verify", ours_verify), ("ours_commit", ours_commit)):  # fmt: skip
+            row[f"{name}_ms"] = gpu_ms(fn, iters, graph=True)
+        for block_v, warps in tiles:
+            row[f"ours_verify_bv{block_v}_w{warps}_ms"] = gpu_ms(
+                ours_verify_tile(block_v, warps), iters, graph=True
+            )
     return row
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--nodes", default="16,32,64")
+    p.add_argument("--nodes", default="16,32,64,128")
     p.add_argument("--bs", default="1,8")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--out", type=Path)
+    p.add_argument("--tiles", default="", help="also time our verify at these V tiles x warps, "
+                   "e.g. 16x1,32x2,64x4")  # fmt: skip
     args = p.parse_args()
+    tiles = [tuple(int(x) for x in t.split("x")) for t in args.tiles.split(",") if t]
     rows = []
     for bs in (int(x) for x in args.bs.split(",")):
         for nodes in (int(x) for x in args.nodes.split(",")):
-            best_first, preorder = trees(bs, nodes, seed=nodes)
-            for order, parents in (("best_first", best_first), ("preorder", preorder)):
-                rows.append(run_one(bs, nodes, order, parents, args.iters))
-                print(json.dumps(rows[-1]), flush=True)
+            rows.append(run_one(bs, nodes, trees(bs, nodes, seed=nodes), args.iters, tiles=tiles))
+            print(json.dumps(rows[-1]), flush=True)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         with open(args.out / "bench_gdn_tree.jsonl", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
-    print(f"\n{'bs':>3} {'N':>4} {'order':<10} {'SGLang verify':>13} {'commit':>7} "
-          f"{'ours verify':>11} {'commit':>7} {'loads/stores ours':>17} {'diff o':>7}")  # fmt: skip
+    print(f"\n{'bs':>3} {'N':>4} {'SGLang verify':>13} {'commit':>7} {'ours verify':>11} "
+          f"{'commit':>7} {'diff o':>7} {'diff state':>10}")  # fmt: skip
     for r in rows:
-        print(f"{r['bs']:>3} {r['nodes']:>4} {r['order']:<10} {r['sglang_verify_ms']:>13.3f} "
+        print(f"{r['bs']:>3} {r['nodes']:>4} {r['sglang_verify_ms']:>13.3f} "
               f"{r['sglang_commit_ms']:>7.3f} {r['ours_verify_ms']:>11.3f} "
-              f"{r['ours_commit_ms']:>7.3f} {r['ours_loads']:>8.1f}/{r['ours_stores']:<8.1f} "
-              f"{r['max_abs_diff_o']:>7.4f}")  # fmt: skip
+              f"{r['ours_commit_ms']:>7.3f} {r['max_abs_diff_o']:>7.4f} "
+              f"{r['max_abs_diff_state']:>10.2e}")  # fmt: skip
     return 0
 
 

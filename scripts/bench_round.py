@@ -67,9 +67,12 @@ MAMBA_SLOTS_PER_REQ = 6  # >= SGLang's mamba slots per running request (3, +2 wi
 # SGLang's SSM-state dtype (SGLANG_MAMBA_SSM_DTYPE; float32 by default): the `_bf16ssm` variants
 # halve the scratch, which is what lets N = 64 run 8 requests.
 # `_torch`: DDTREE with the batched torch tree builder instead of the Triton one (its CUDA default).
+# `_sglanggdn`: DDTREE with SGLang's own GDN tree verify and commit (per-node states) instead of
+# sglang_ddtree.gdn's (one program per root path, commit by replay).
 VARIANT_ENV = {
     "_bf16ssm": {"SGLANG_MAMBA_SSM_DTYPE": "bfloat16"},
     "_torch": {"SGLANG_DDTREE_TREE_BUILDER": "torch"},
+    "_sglanggdn": {"SGLANG_DDTREE_GDN": "sglang"},
 }
 
 
@@ -110,6 +113,7 @@ def variants(draft: Path) -> dict[str, list[str]]:
     out["ddtree64_bf16ssm"] = [*dd, "--speculative-num-draft-tokens", "64", *running(64, 2)]
     for name in [k for k in out if k.startswith("ddtree")]:
         out[f"{name}_torch"] = out[name]
+        out[f"{name}_sglanggdn"] = out[name]
     return out
 
 

@@ -16,6 +16,8 @@
 #   bash scripts/gpu_session.sh bench-round [ARGS]  scripts/bench_round.py (27B-shaped, dummy)
 #   [ROUND=name] bash scripts/gpu_session.sh bench-round-bg [ARGS] / collect-round [WAIT_S]  the same,
 #                                                detached (several at once under distinct ROUNDs)
+#   bash scripts/gpu_session.sh chain GPU NAME [--after-tests] [ARGS]  on one GPU, detached: (the
+#                                                tests, then) bench_round.py into ROOT/NAME
 #   bash scripts/gpu_session.sh bench-tree [ARGS]   scripts/bench_tree_build.py (no server)
 #   bash scripts/gpu_session.sh bench-gdn [ARGS]    scripts/bench_gdn_tree.py (no server)
 #   bash scripts/gpu_session.sh save-cache       the FlashInfer + Triton JIT caches to $OUT in <16 MiB
@@ -128,7 +130,22 @@ case "${1:-}" in
       echo "== $name"; tail -n 20 "$dir/run.log" | cut -c1-600
     done
     tar czf "$OUT/round_logs.tgz" -C "$ROOT" $(cd "$ROOT" && ls -d round*/*.log 2>/dev/null)
-    pgrep -f "scripts/bench_round.py" > /dev/null && echo "bench_round still running" ;;
+    pgrep -f "scripts/bench_round.py" > /dev/null && echo "bench_round still running"
+    pgrep -f "gpu_session.sh start" > /dev/null && echo "tests still running" ;;
+  chain)  # chain GPU NAME [--after-tests] BENCH_ROUND_ARGS: detached, on GPU number GPU: (with
+    # --after-tests: the GPU test suite first, its summary in ROOT/NAME/tests.txt, then its servers
+    # stopped) scripts/bench_round.py into ROOT/NAME. `collect-round` / `collect` gather them.
+    gpu=$2; name=$3; shift 3; tests=0
+    [ "${1:-}" = "--after-tests" ] && { tests=1; shift; }
+    mkdir -p "$ROOT/$name"
+    ROOT=$ROOT CUDA_VISIBLE_DEVICES=$gpu TESTS=$tests NAME=$name setsid nohup bash -c '
+      if [ "$TESTS" = 1 ]; then
+        bash scripts/gpu_session.sh start 1500 > "$ROOT/$NAME/tests.txt" 2>&1
+        python3 -m tests.gpu.servers stop "$ROOT"
+      fi
+      python3 scripts/bench_round.py --out "$ROOT/$NAME" --work "/root/bench_$NAME" "$@" \
+        > "$ROOT/$NAME/run.log" 2>&1' chain "$@" < /dev/null > /dev/null 2>&1 &
+    sleep 2; echo "chain $name on GPU $gpu started" ;;
   bench-round)
     shift
     python3 -m tests.gpu.servers stop "$ROOT"
@@ -139,6 +156,6 @@ case "${1:-}" in
     tar -C /root -cf - $(cd /root && ls -d .cache/flashinfer .triton/cache 2>/dev/null) \
       | xz -6 -T0 | split -b 15M -d -a 1 - "$OUT/jitcache.tar.xz.part-"
     ls -la "$OUT"/jitcache.tar.xz.part-* ;;
-  *) echo "usage: gpu_session.sh start|collect|test-bg|wait|test|stop|train|fetch-pair|bench-e2e|bench-tree|bench-gdn|bench-round[-bg]|collect-round|save-cache" >&2
+  *) echo "usage: gpu_session.sh start|collect|test-bg|wait|test|stop|train|fetch-pair|bench-e2e|bench-tree|bench-gdn|bench-round[-bg]|chain|collect-round|save-cache" >&2
      exit 2 ;;
 esac

@@ -45,8 +45,10 @@ def _register() -> None:
 
 def _worker_factory(server_args):
     """Runs in the scheduler process before memory pools, backends and CUDA graphs exist."""
+    from sglang_ddtree.integration import gdn
     from sglang_ddtree.integration.hooks import install_runtime_hooks
     from sglang_ddtree.integration.worker import DDTreeWorker
 
+    gdn.configure(server_args)
     install_runtime_hooks()
     return DDTreeWorker

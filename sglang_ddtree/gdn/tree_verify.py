@@ -1,24 +1,28 @@
-"""Gated DeltaNet over a token tree, carrying the recurrent state in registers (work in progress).
+"""Gated DeltaNet over a token tree, one root path per program, and the commit by replay.
 
-SGLang's tree verify (`fused_sigmoid_gating_delta_rule_update_kernel` with the EAGLE tree mask)
-reloads the parent's state from memory at every node but the first, even when the parent is the
-node just processed, and stores every node's state so that the commit can copy the accepted one:
-at Qwen3.6-27B that is 144 MiB per node and request in float32, and it is most of the cost of a
-64-node DDTREE round (docs/benchmarks.md). Here:
+SGLang 0.5.17's tree verify (`fused_sigmoid_gating_delta_rule_update` with the EAGLE parent
+indices) walks a request's N nodes one after another in one program per (value head, V block),
+storing every node's state so that the commit can copy the accepted one. At Qwen3.6-27B that is
+N sequential steps per layer (64 for a 64-node tree against a chain's 16) and 3 MiB of state
+written per node and layer. A tree's depth is at most the DFlash block B, though. Here:
 
-- `tree_verify`: one program per (request, value head, V block) walks the nodes in their given
-  order (any order with parent < child). The state stays in registers from a node to the next
-  when the next is its child; it is reloaded from `scratch` only when the next node's parent is
-  an earlier one, and stored only at nodes that have such a child (`store_flags`). In DFS
-  preorder that is once per extra sibling instead of once per node.
-- `replay_path`: the commit by replay instead of copy: the accepted path's updates (at most
-  B - 1 + 1 steps) folded into the pre-verify state, writing one state per request.
+- `tree_verify`: the tree is cut into segments, each a node that is not its parent's first
+  child (or the root) followed by the first-child chain below it down to a leaf. One program per
+  (segment, value head, V block) runs the recurrence along the whole root path of its leaf (at
+  most B steps, all programs in parallel) and writes the outputs of its segment's nodes, so
+  every node's output is written exactly once. No state is stored; instead each node's k, v,
+  gate and beta go to a small per-request scratch (N x HV x (K + V + 2) floats, k per value
+  head so that the commit needs no head grouping).
+- `commit_paths`: the accepted path replayed from the pre-verify state with that scratch, for
+  all layers in one launch, written into the state pool in place (and into the radix-cache
+  track slot at the step SGLang's commit would snapshot).
 
-The per-token math is SGLang's (l2-normalised q and k, q scaled, h *= exp(g), delta rule with
-beta); g (log decay) and beta come precomputed per token and value head. Layouts follow SGLang:
-q, k [T, H, K]; v [T, HV, V]; g, beta [T, HV] float32; states [.., HV, V, K] (K contiguous);
-T = bs * N tokens, request-major. Not yet wired into SGLang's GDN backend: `*_reference` are the
-plain-torch definitions the kernels are tested against (tests/unit/test_gdn_tree_verify.py).
+The per-token math is SGLang's: q and k l2-normalised, q scaled by K^-0.5, g = -exp(A_log) *
+softplus(a + dt_bias) (threshold 20) and beta = sigmoid(b) in float32, h *= exp(g), delta rule.
+Layouts follow SGLang: q, k [T, H, K]; v [T, HV, V]; a, b [T, HV]; states [.., HV, V, K] with K
+contiguous; T = bs * N tokens, request-major; parents [bs, N] local node indices (parents[:, 0]
+is ignored). `*_reference` are the plain-torch definitions the kernels are tested against
+(tests/unit/test_gdn_tree_verify.py). The SGLang wiring is `integration/gdn.py`.
 """
 
 from __future__ import annotations
@@ -47,6 +51,15 @@ def _update(state, k, v, g, beta):
     return state + v_new[:, :, None] * k[:, None, :]
 
 
+def gdn_gating(A_log, a, b, dt_bias) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g [T, HV], beta [T, HV]) float32 from the layer's A_log, dt_bias [HV] and the token's a,
+    b [T, HV], as SGLang's fused verify kernel forms them in float32 (softplus with beta 1 and
+    threshold 20). SGLang's standalone `fused_gdn_gating` rounds beta to b's dtype instead."""
+    x = a.float() + dt_bias.float()
+    softplus = torch.where(x <= 20.0, torch.log(1.0 + torch.exp(x)), x)
+    return -torch.exp(A_log.float()) * softplus, 1.0 / (1.0 + torch.exp(-b.float()))
+
+
 def tree_verify_reference(q, k, v, g, beta, h0, parents, *, scale: float, l2norm: bool = True):
     """(o [T, HV, V] float32, states [bs, N, HV, V, K] float32): node t starts from its parent's
     state (node 0, the root, from h0 [bs, HV, V, K]); parents [bs, N] with parents[:, 0] ignored."""
@@ -64,98 +77,52 @@ def tree_verify_reference(q, k, v, g, beta, h0, parents, *, scale: float, l2norm
     return o, states
 
 
-def replay_reference(k, v, g, beta, h0, path, path_len, num_nodes: int, *, l2norm: bool = True):
-    """[bs, HV, V, K] float32: h0 advanced by the nodes path[b, :path_len[b]] (root first)."""
-    HV = v.shape[1]
-    out = h0.float().clone()
-    for b in range(path.shape[0]):
-        for i in range(int(path_len[b])):
-            tok = b * num_nodes + int(path[b, i])
-            _, kk = _prepare(k[tok], k[tok], HV, l2norm, 1.0)
-            out[b] = _update(out[b], kk, v[tok], g[tok], beta[tok])
-    return out
+def root_path(parents: torch.Tensor, b: int, node: int) -> list[int]:
+    """Request b's node indices from the root (node 0) down to `node`."""
+    chain = [int(node)]
+    while chain[-1]:
+        chain.append(int(parents[b, chain[-1]]))
+    return chain[::-1]
 
 
-def gdn_gating(A_log, a, b, dt_bias) -> tuple[torch.Tensor, torch.Tensor]:
-    """(g [T, HV], beta [T, HV]) float32 from the layer's A_log, dt_bias [HV] and the token's a,
-    b [T, HV], as SGLang's fused verify kernel forms them in float32 (softplus with beta 1 and
-    threshold 20). SGLang's standalone `fused_gdn_gating` rounds beta to b's dtype instead."""
-    x = a.float() + dt_bias.float()
-    softplus = torch.where(x <= 20.0, torch.log(1.0 + torch.exp(x)), x)
-    return -torch.exp(A_log.float()) * softplus, 1.0 / (1.0 + torch.exp(-b.float()))
+def max_path_len(parents: torch.Tensor) -> int:
+    """The longest root path (nodes, root included) among the trees: the kernels' `max_path`
+    must be at least this (DDTREE: the DFlash block size B)."""
+    return max(
+        len(root_path(parents, b, t)) for b in range(len(parents)) for t in range(parents.shape[1])
+    )
 
 
-def store_flags(parents: torch.Tensor) -> torch.Tensor:
-    """[bs, N] int8: 1 where node t has a child other than t + 1 (whose walk must reload t's
-    state). Sync-free."""
-    bs, N = parents.shape
-    child = torch.arange(1, N, device=parents.device)
-    parent = parents[:, 1:].clamp(min=0)
-    needs = (child[None, :] != parent + 1).to(torch.int8)
-    flags = torch.zeros((bs, N), dtype=torch.int8, device=parents.device)
-    return flags.scatter_reduce_(1, parent, needs, reduce="amax")
+# --- scratch layout ------------------------------------------------------------------------------
 
 
-def state_traffic(parents: torch.Tensor) -> tuple[int, int]:
-    """(state loads, state stores) over all requests for `tree_verify` in this node order;
-    SGLang's tree verify does bs * (N - 1) loads and bs * N stores."""
-    bs, N = parents.shape
-    loads = int((parents[:, 1:] != torch.arange(N - 1, device=parents.device)[None, :]).sum())
-    return loads, int(store_flags(parents).sum())
+def scratch_floats(N: int, HV: int, K: int, V: int) -> int:
+    """Float32 words per request that `tree_verify` writes and `commit_paths` reads: per node and
+    value head its g, beta, raw k [K] and v [V], in that order ([N, HV] blocks)."""
+    return N * HV * (2 + K + V)
 
 
-def dfs_preorder_reference(parents: torch.Tensor) -> torch.Tensor:
-    """[bs, N] permutation (new position -> old node) into DFS preorder, children in their
-    original order; node 0 stays first and every parent still precedes its children."""
-    perms = []
-    for row in parents.tolist():
-        children: dict[int, list[int]] = {}
-        for t in range(1, len(row)):
-            children.setdefault(row[t], []).append(t)
-        order, stack = [], [0]
-        while stack:
-            node = stack.pop()
-            order.append(node)
-            stack.extend(reversed(children.get(node, [])))
-        perms.append(order)
-    return torch.tensor(perms, dtype=torch.int64)
-
-
-def root_paths(parents: torch.Tensor, ends: list[int], width: int | None = None):
-    """(path [bs, width] int64: the node indices from the root to ends[b], zero-padded;
-    path_len [bs]) for `replay_path`. width defaults to the longest path."""
-    chains = []
-    for b, node in enumerate(ends):
-        chain = [int(node)]
-        while chain[-1]:
-            chain.append(int(parents[b, chain[-1]]))
-        chains.append(chain[::-1])
-    path = torch.zeros((len(ends), width or max(map(len, chains))), dtype=torch.int64)
-    for b, chain in enumerate(chains):
-        path[b, : len(chain)] = torch.tensor(chain)
-    return path, torch.tensor([len(c) for c in chains])
-
-
-def relabel_parents(parents: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
-    """Parents of the same trees with node perm[b, i] renamed i (perm[b, 0] must be 0)."""
-    out = torch.full_like(parents, -1)
-    for b in range(parents.shape[0]):
-        inv = {old: new for new, old in enumerate(perm[b].tolist())}
-        for new, old in enumerate(perm[b].tolist()):
-            if old:
-                out[b, new] = inv[int(parents[b, old])]
-    return out
+def as_scratch(buffer: torch.Tensor, rows_dims: int) -> torch.Tensor:
+    """A [*rows, words] float32 view of a contiguous-per-row buffer whose first `rows_dims`
+    dimensions index the rows (e.g. SGLang's intermediate-state buffer [slots, N, HV, V, K], any
+    float dtype): the per-request scratch lives at the front of each row. No copy."""
+    rows = buffer.shape[:rows_dims]
+    flat = buffer.reshape(*rows, -1)
+    if flat.stride(-1) != 1 or flat.shape[-1] * flat.element_size() % 4:
+        raise ValueError(
+            f"cannot view a {tuple(buffer.shape)} {buffer.dtype} buffer as scratch rows"
+        )
+    return flat.view(torch.float32)
 
 
 # --- Triton --------------------------------------------------------------------------------------
 
 
 @triton.jit
-def _load_qk(ptr, tok, i_h, H: tl.constexpr, K: tl.constexpr, o_k, mask_k, L2NORM: tl.constexpr):
+def _load_qk(ptr, tok, i_h, H: tl.constexpr, K: tl.constexpr, o_k, mask_k):
+    """(raw, l2-normalised) float32 q or k of token `tok`, key head i_h."""
     x = tl.load(ptr + (tok * H + i_h) * K + o_k, mask=mask_k, other=0).to(tl.float32)
-    if L2NORM:
-        x = x / tl.sqrt(tl.sum(x * x) + 1e-6)
-    return x
+    return x, x / tl.sqrt(tl.sum(x * x) + 1e-6)
 
 
 @triton.jit
@@ -166,118 +133,193 @@ def _delta_update(b_h, b_k, b_v, b_g, b_beta):
 
 
 @triton.jit
-def _advance(b_h, k, v, g, beta, tok, i_h, i_hv, o_k, o_v, mask_k, mask_v,
-             H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-             L2NORM: tl.constexpr):  # fmt: skip
-    """b_h advanced by token `tok` (its k, v, g and beta)."""
-    b_k = _load_qk(k, tok, i_h, H, K, o_k, mask_k, L2NORM)
-    b_v = tl.load(v + (tok * HV + i_hv) * V + o_v, mask=mask_v, other=0).to(tl.float32)
-    b_g = tl.load(g + tok * HV + i_hv)
-    b_beta = tl.load(beta + tok * HV + i_hv)
-    return _delta_update(b_h, b_k, b_v, b_g, b_beta)
+def _path_to(parents, row, node, N, MAX_PATH: tl.constexpr):
+    """(rev [MAX_PATH]: rev[j] = the node j steps above `node`, length of its root path): walks
+    parents[row + .] up to node 0 (whose own parent entry is never read). Entries outside
+    [0, N) (a warm-up or padding row) are clamped, so every read stays in the row."""
+    o_p = tl.arange(0, MAX_PATH)
+    rev = tl.zeros([MAX_PATH], dtype=tl.int32)
+    length = 0
+    cur = node
+    live = 1
+    for j in range(MAX_PATH):
+        rev = tl.where((o_p == j) & (live != 0), cur, rev)
+        length += live
+        live = live * (cur != 0).to(tl.int32)
+        parent = tl.load(parents + row + tl.maximum(cur, 1)).to(tl.int32)  # cur 0: unused
+        cur = tl.where(cur != 0, tl.minimum(tl.maximum(parent, 0), N - 1), 0)
+    return rev, length
 
 
 @triton.jit
 def _tree_verify_kernel(
-    q, k, v, g, beta, h0, parents, flags, o, scratch, scale, N,
+    q, k, v, a, b, A_log, dt_bias, state, state_idx, state_stride, parents,
+    scratch, scratch_idx, scratch_stride, o, scale, N, stride_a, stride_b,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, NP: tl.constexpr, MAX_PATH: tl.constexpr,
 ):  # fmt: skip
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_v, i_nh, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
+    row = i_n * N
+    # Segment start: the root or a node that is not its parent's first (lowest-index) child.
+    o_n = tl.arange(0, NP)
+    par = tl.load(parents + row + o_n, mask=o_n < N, other=-2).to(tl.int32)
+    par = tl.where(o_n == 0, -1, par)
+    p = tl.sum(tl.where(o_n == s, par, 0))
+    if (s > 0) & (tl.min(tl.where(par == p, o_n, NP)) == s):
+        return
+    leaf = s  # down the first-child chain: the segment is s .. leaf
+    seg = 1
+    for _step in range(MAX_PATH):
+        child = tl.min(tl.where(par == leaf, o_n, NP))
+        seg += (child < NP).to(tl.int32)
+        leaf = tl.where(child < NP, child, leaf)
+    rev, length = _path_to(parents, row, leaf, N, MAX_PATH)
+    o_p = tl.arange(0, MAX_PATH)
+
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     mask_k, mask_v = o_k < K, o_v < V
     mask_h = mask_k[:, None] & mask_v[None, :]
-    in_state = o_v[None, :] * K + o_k[:, None]  # [BK, BV] offsets into one [V, K] state
-    b_h = tl.load(h0 + (i_n * HV + i_hv) * V * K + in_state, mask=mask_h, other=0).to(tl.float32)
-    for t in range(0, N):
-        tok = i_n * N + t
-        parent = tl.load(parents + tok)
-        if (t > 0) & (parent != t - 1):  # the state in registers is not the parent's
-            src = scratch + ((i_n * N + parent) * HV + i_hv) * V * K + in_state
-            b_h = tl.load(src, mask=mask_h, other=0)
-        b_h = _advance(b_h, k, v, g, beta, tok, i_h, i_hv, o_k, o_v, mask_k, mask_v,
-                       H, HV, K, V, L2NORM)  # fmt: skip
-        b_q = _load_qk(q, tok, i_h, H, K, o_k, mask_k, L2NORM) * scale
-        b_o = tl.sum(b_h * b_q[:, None], 0)
-        tl.store(o + (tok * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=mask_v)
-        if tl.load(flags + tok) != 0:  # a later node starts from this one's state
-            dst = scratch + ((i_n * N + t) * HV + i_hv) * V * K + in_state
-            tl.store(dst, b_h, mask=mask_h)
+    slot = tl.load(state_idx + i_n).to(tl.int64)
+    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    if slot >= 0:  # SGLang pads a graph batch with slot -1
+        src = state + slot * state_stride + i_hv * V * K + o_v[None, :] * K + o_k[:, None]
+        b_h = tl.load(src, mask=mask_h, other=0).to(tl.float32)
+    neg_a = -tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+    dtb = tl.load(dt_bias + i_hv).to(tl.float32)
+    x_row = scratch + tl.load(scratch_idx + i_n).to(tl.int64) * scratch_stride
+    x_beta, x_k, x_v = N * HV, 2 * N * HV, 2 * N * HV + N * HV * K
+    for i in range(MAX_PATH):
+        if i < length:
+            node = tl.sum(tl.where(o_p == length - 1 - i, rev, 0))
+            tok = row + node
+            raw_k, b_k = _load_qk(k, tok, i_h, H, K, o_k, mask_k)
+            b_v = tl.load(v + (tok * HV + i_hv) * V + o_v, mask=mask_v, other=0).to(tl.float32)
+            x = tl.load(a + tok * stride_a + i_hv).to(tl.float32) + dtb
+            b_g = neg_a * tl.where(x <= 20.0, tl.log(1.0 + tl.exp(x)), x)
+            b_beta = 1.0 / (1.0 + tl.exp(-tl.load(b + tok * stride_b + i_hv).to(tl.float32)))
+            b_h = _delta_update(b_h, b_k, b_v, b_g, b_beta)
+            if i >= length - seg:  # this program's segment: the node's output and scratch
+                b_q = _load_qk(q, tok, i_h, H, K, o_k, mask_k)[1]
+                b_o = tl.sum(b_h * (b_q * scale)[:, None], 0)
+                tl.store(o + (tok * HV + i_hv) * V + o_v, b_o.to(o.dtype.element_ty), mask=mask_v)
+                tl.store(x_row + x_v + (node * HV + i_hv) * V + o_v, b_v, mask=mask_v)
+                if i_v == 0:
+                    tl.store(x_row + node * HV + i_hv, b_g)
+                    tl.store(x_row + x_beta + node * HV + i_hv, b_beta)
+                    tl.store(x_row + x_k + (node * HV + i_hv) * K + o_k, raw_k, mask=mask_k)
 
 
 @triton.jit
-def _replay_kernel(
-    k, v, g, beta, h0, path, path_len, out, N, MAX_LEN,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
+def _commit_kernel(
+    state, state_idx, state_layer_stride, state_stride, scratch, scratch_idx,
+    scratch_layer_stride, scratch_stride, parents, last, track_idx, track_node, N,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, MAX_PATH: tl.constexpr, TRACK: tl.constexpr,
 ):  # fmt: skip
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_v, i_nh, i_l = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     i_n, i_hv = i_nh // HV, i_nh % HV
-    i_h = i_hv // (HV // H)
+    end = tl.load(last + i_n).to(tl.int32)
+    slot = tl.load(state_idx + i_n).to(tl.int64)
+    if (end < 0) | (slot < 0):
+        return
+    rev, length = _path_to(parents, i_n * N, tl.minimum(end, N - 1), N, MAX_PATH)
+    o_p = tl.arange(0, MAX_PATH)
+    if TRACK:
+        tracked = tl.load(track_node + i_n).to(tl.int32)
+        track_slot = tl.load(track_idx + i_n).to(tl.int64)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     mask_k, mask_v = o_k < K, o_v < V
     mask_h = mask_k[:, None] & mask_v[None, :]
-    in_state = o_v[None, :] * K + o_k[:, None]
-    b_h = tl.load(h0 + (i_n * HV + i_hv) * V * K + in_state, mask=mask_h, other=0).to(tl.float32)
-    steps = tl.load(path_len + i_n)
-    for i in range(0, MAX_LEN):
-        if i < steps:
-            tok = i_n * N + tl.load(path + i_n * MAX_LEN + i)
-            b_h = _advance(b_h, k, v, g, beta, tok, i_h, i_hv, o_k, o_v, mask_k, mask_v,
-                           H, HV, K, V, L2NORM)  # fmt: skip
-    dst = out + (i_n * HV + i_hv) * V * K + in_state
-    tl.store(dst, b_h.to(out.dtype.element_ty), mask=mask_h)
-
-
-def _shapes(q, v, parents):
-    bs, N = parents.shape
-    T, H, K = q.shape
-    _, HV, V = v.shape
-    if T != bs * N or HV % H:
-        raise ValueError(f"q {tuple(q.shape)} / v {tuple(v.shape)} do not fit {bs} x {N} nodes")
-    return bs, N, H, HV, K, V
+    in_state = i_hv * V * K + o_v[None, :] * K + o_k[:, None]
+    layer = state + i_l * state_layer_stride
+    b_h = tl.load(layer + slot * state_stride + in_state, mask=mask_h, other=0).to(tl.float32)
+    x_row = scratch + i_l * scratch_layer_stride
+    x_row += tl.load(scratch_idx + i_n).to(tl.int64) * scratch_stride
+    x_beta, x_k, x_v = N * HV, 2 * N * HV, 2 * N * HV + N * HV * K
+    for i in range(MAX_PATH):
+        if i < length:
+            node = tl.sum(tl.where(o_p == length - 1 - i, rev, 0))
+            b_k = tl.load(x_row + x_k + (node * HV + i_hv) * K + o_k, mask=mask_k, other=0)
+            b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
+            b_v = tl.load(x_row + x_v + (node * HV + i_hv) * V + o_v, mask=mask_v, other=0)
+            b_g = tl.load(x_row + node * HV + i_hv)
+            b_beta = tl.load(x_row + x_beta + node * HV + i_hv)
+            b_h = _delta_update(b_h, b_k, b_v, b_g, b_beta)
+            if TRACK:
+                if (node == tracked) & (track_slot >= 0):
+                    dst = layer + track_slot * state_stride + in_state
+                    tl.store(dst, b_h.to(dst.dtype.element_ty), mask=mask_h)
+    dst = layer + slot * state_stride + in_state
+    tl.store(dst, b_h.to(dst.dtype.element_ty), mask=mask_h)
 
 
 def _block_v(V: int) -> int:
     return min(32, triton.next_power_of_2(V))
 
 
-def tree_verify(q, k, v, g, beta, h0, parents, *, scale: float, l2norm: bool = True):
-    """(o [T, HV, V] in v's dtype, scratch [bs, N, HV, V, K] float32, written at
-    `store_flags` nodes only). Same definition as `tree_verify_reference`. Sync-free."""
-    bs, N, H, HV, K, V = _shapes(q, v, parents)
-    q, k, v, g, beta, h0 = (x.contiguous() for x in (q, k, v, g, beta, h0))
-    parents = parents.to(torch.int64).contiguous()
-    flags = store_flags(parents)
-    o = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    scratch = torch.empty((bs, N, HV, V, K), dtype=torch.float32, device=v.device)
-    BV = _block_v(V)
-    grid = (triton.cdiv(V, BV), bs * HV)
-    _tree_verify_kernel[grid](
-        q, k, v, g, beta, h0, parents, flags, o, scratch, float(scale), N,
-        H=H, HV=HV, K=K, V=V, BK=triton.next_power_of_2(K), BV=BV, L2NORM=l2norm,
-    )  # fmt: skip
-    return o, scratch
+def _check_state(state: torch.Tensor, inner: tuple[int, int, int]) -> None:
+    if tuple(state.shape[-3:]) != inner or not state[(0,) * (state.dim() - 3)].is_contiguous():
+        raise ValueError(f"state pool {tuple(state.shape)} is not [..., {inner}] with K contiguous")
 
 
-def replay_path(k, v, g, beta, h0, path, path_len, *, l2norm: bool = True, out=None):
-    """h0 [bs, HV, V, K] advanced by the nodes path[b, :path_len[b]] (node indices, root first)
-    into `out` (a new tensor in h0's dtype if None; h0 itself is allowed). Sync-free."""
-    bs, MAX_LEN = path.shape
-    N = k.shape[0] // bs
+def tree_verify(q, k, v, a, b, A_log, dt_bias, state, state_idx, parents, scratch, scratch_idx,
+                *, max_path: int, scale: float | None = None, block_v: int | None = None,
+                num_warps: int = 1) -> torch.Tensor:  # fmt: skip
+    """o [T, HV, V] (q's dtype) of every node of bs trees of N nodes (T = bs * N, request-major):
+    the recurrence runs from state[state_idx[b]] (the pool [S, HV, V, K], left unchanged; slot -1
+    starts from zeros) along each node's root path, at most `max_path` nodes. Writes each node's
+    g, beta, raw k and v to scratch[scratch_idx[b]] (rows of at least `scratch_floats` float32
+    words) for `commit_paths`. block_v / num_warps: the V tile and warps per program (the
+    benchmark's sweep; the defaults are SGLang's). Sync-free, CUDA-graph safe."""
+    bs, N = parents.shape
+    T, H, K = q.shape
     _, HV, V = v.shape
-    H, K = k.shape[1], k.shape[2]
-    k, v, g, beta = (x.contiguous() for x in (k, v, g, beta))
-    out = torch.empty_like(h0) if out is None else out
-    BV = _block_v(V)
-    grid = (triton.cdiv(V, BV), bs * HV)
-    _replay_kernel[grid](
-        k, v, g, beta, h0.contiguous(), path.to(torch.int64).contiguous(),
-        path_len.to(torch.int64).contiguous(), out, N, MAX_LEN,
-        H=H, HV=HV, K=K, V=V, BK=triton.next_power_of_2(K), BV=BV, L2NORM=l2norm,
+    if T != bs * N or HV % H or k.shape != q.shape:
+        raise ValueError(f"q {tuple(q.shape)} / v {tuple(v.shape)} do not fit {bs} x {N} nodes")
+    if scratch.dtype != torch.float32 or scratch.shape[-1] < scratch_floats(N, HV, K, V):
+        raise ValueError(f"scratch rows {tuple(scratch.shape)} {scratch.dtype} are too small")
+    _check_state(state, (HV, V, K))
+    q, k, v = (x if x.stride(-1) == 1 and x.is_contiguous() else x.contiguous() for x in (q, k, v))
+    a, b = (x if x.stride(-1) == 1 else x.contiguous() for x in (a, b))
+    o = torch.empty(v.shape, dtype=q.dtype, device=v.device)
+    BV = block_v or _block_v(V)
+    grid = (triton.cdiv(V, BV), bs * HV, N)
+    _tree_verify_kernel[grid](
+        q, k, v, a, b, A_log, dt_bias, state, state_idx, state.stride(0), parents,
+        scratch, scratch_idx, scratch.stride(0), o, float(K**-0.5 if scale is None else scale),
+        N, a.stride(0), b.stride(0),
+        H=H, HV=HV, K=K, V=V, BK=triton.next_power_of_2(K), BV=BV,
+        NP=triton.next_power_of_2(N), MAX_PATH=triton.next_power_of_2(max_path),
+        num_warps=num_warps,
     )  # fmt: skip
-    return out
+    return o
+
+
+def commit_paths(state, state_idx, scratch, scratch_idx, parents, last, *, max_path: int,
+                 track_idx=None, track_node=None) -> None:  # fmt: skip
+    """In place, for every layer l and request b with last[b] >= 0 and state_idx[b] >= 0:
+    state[l, state_idx[b]] advanced along the root path of node last[b] with the g, beta, k and
+    v that `tree_verify` left in scratch[l, scratch_idx[b]]; where track_node[b] >= 0 (a node on
+    that path), the state after it also goes to state[l, track_idx[b]]. state [L, S, HV, V, K];
+    scratch [L, S2, words] float32; parents [bs', N] with bs' >= bs = len(last). Sync-free."""
+    bs, N = len(last), parents.shape[1]
+    L, _, HV, V, K = state.shape
+    _check_state(state, (HV, V, K))
+    if scratch.dtype != torch.float32 or scratch.shape[-1] < scratch_floats(N, HV, K, V):
+        raise ValueError(f"scratch rows {tuple(scratch.shape)} {scratch.dtype} are too small")
+    if bs == 0:
+        return
+    track = track_node is not None
+    BV = _block_v(V)
+    grid = (triton.cdiv(V, BV), bs * HV, L)
+    _commit_kernel[grid](
+        state, state_idx, state.stride(0), state.stride(1), scratch, scratch_idx,
+        scratch.stride(0), scratch.stride(1), parents, last,
+        track_idx if track else last, track_node if track else last, N,
+        HV=HV, K=K, V=V, BK=triton.next_power_of_2(K), BV=BV,
+        MAX_PATH=triton.next_power_of_2(max_path), TRACK=track, num_warps=1,
+    )  # fmt: skip

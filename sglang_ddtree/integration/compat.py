@@ -20,6 +20,23 @@ DFLASH_REQUEST_VALIDATOR = "sglang.srt.speculative.dflash_utils.validate_dflash_
 TOKENIZER_REQUEST_VALIDATOR = (
     "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
 )
+# Gated DeltaNet tree verify (per layer) and state commit (per round): integration/gdn.py.
+GDN_TARGET_VERIFY = (
+    "sglang.srt.layers.attention.linear.gdn_backend.GDNKernelDispatcher.target_verify"
+)
+MAMBA_STATE_COMMIT = (
+    "sglang.srt.layers.attention.hybrid_linear_attn_backend.HybridLinearAttnBackend"
+    ".update_mamba_state_after_mtp_verify"
+)
+
+
+def scatter_mamba_states_after_mtp_verify():
+    """SGLang's per-round Mamba-pool commit (states + conv windows + track slots)."""
+    from sglang.kernels.ops.mamba.mamba_state_scatter_triton import (
+        scatter_mamba_states_after_mtp_verify as scatter,
+    )
+
+    return scatter
 
 
 class UnsupportedSGLangVersion(RuntimeError):

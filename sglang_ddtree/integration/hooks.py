@@ -11,8 +11,11 @@
 | dflash_utils.validate_dflash_request    | requests DDTREE rejects are reported as DDTREE's      |
 | TokenizerManager._validate_one_request  | (front end) reject what DDTREE cannot serve with a    |
 |                                         | 400 before it is scheduled: logprobs, max_tokens < 1  |
+| GDNKernelDispatcher.target_verify       | Gated DeltaNet tree verify without per-node states    |
+| HybridLinearAttnBackend                 | and the commit by replaying the accepted path         |
+|   .update_mamba_state_after_mtp_verify  | (integration/gdn.py; SGLANG_DDTREE_GDN=sglang: off)   |
 
-The first three are installed from the worker factory (scheduler process only, before any graph
+All but the front-end one are installed from the worker factory (scheduler process only, before any graph
 capture), so other processes never import those heavy modules; the front-end one is registered
 at plugin load and applied by SGLang's load_plugins() in the server's main process.
 """
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import logging
 
-from sglang_ddtree.integration import compat
+from sglang_ddtree.integration import compat, gdn
 
 logger = logging.getLogger(__name__)
 
@@ -143,4 +146,6 @@ HOOKS = {
     compat.TARGET_GRAPH_SPEC_INFO: _target_graph_spec_info,
     compat.DUMMY_VERIFY_INPUT: _dummy_verify_input,
     compat.DFLASH_REQUEST_VALIDATOR: _validate_request,
+    compat.GDN_TARGET_VERIFY: gdn.target_verify,
+    compat.MAMBA_STATE_COMMIT: gdn.commit,
 }

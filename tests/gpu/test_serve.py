@@ -50,6 +50,7 @@ SPEC_VARIANTS = (
     "ddtree_sync",
     "ddtree_det",
     "ddtree_torch",
+    "ddtree_sglanggdn",
     "dflash",
 )  # dflash: a control
 SPEC_SERVERS = [

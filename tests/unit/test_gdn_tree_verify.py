@@ -1,5 +1,5 @@
-"""sglang_ddtree.gdn.tree_verify: the register-carried Gated DeltaNet tree verify and the replay
-commit against their plain-torch definitions, and the state traffic they save.
+"""sglang_ddtree.gdn.tree_verify: the path-parallel Gated DeltaNet tree verify and the replay
+commit against their plain-torch definitions, and against SGLang 0.5.17's own verify + commit.
 
 CPU: the kernels run under Triton's interpreter, chosen before triton is imported, so those
 tests run in a child process (as in test_tree_build_triton.py).
@@ -14,13 +14,12 @@ import pytest
 import torch
 
 from sglang_ddtree.gdn.tree_verify import (
-    dfs_preorder_reference,
-    relabel_parents,
-    replay_path,
-    replay_reference,
-    root_paths,
-    state_traffic,
-    store_flags,
+    as_scratch,
+    commit_paths,
+    gdn_gating,
+    max_path_len,
+    root_path,
+    scratch_floats,
     tree_verify,
     tree_verify_reference,
 )
@@ -44,130 +43,154 @@ def test_cpu_kernel_tests_under_triton_interpreter():
 
 
 def random_parents(bs: int, N: int, gen: torch.Generator) -> torch.Tensor:
-    """[bs, N] parents in an arbitrary parent < child order (node 0 = root, parent -1)."""
-    rows = [[-1] + [int(torch.randint(0, t, (1,), generator=gen)) for t in range(1, N)]
+    """[bs, N] parents in an arbitrary parent < child order (node 0 = root; its entry is junk,
+    as in SGLang's retrieve_parent_token)."""
+    rows = [[7] + [int(torch.randint(0, t, (1,), generator=gen)) for t in range(1, N)]
             for _ in range(bs)]  # fmt: skip
     return torch.tensor(rows, dtype=torch.int64)
 
 
-def random_inputs(bs, N, H, HV, K, V, gen, dtype=torch.float32, device="cpu"):
-    T = bs * N
-
-    def r(*shape):
-        return torch.randn(*shape, generator=gen).to(device)
-
-    q, k, v = r(T, H, K).to(dtype), r(T, H, K).to(dtype), r(T, HV, V).to(dtype)
-    g = -torch.rand(T, HV, generator=gen).to(device)  # log decay in (-1, 0]
-    beta = torch.rand(T, HV, generator=gen).to(device)
-    h0 = 0.1 * r(bs, HV, V, K)
-    return q, k, v, g, beta, h0
+def builder_parents(bs: int, N: int, block: int, gen: torch.Generator) -> torch.Tensor:
+    """DDTrees from the reference builder, in its best-first node order."""
+    root, ids, lps = random_build_inputs(gen, bs, block - 1, 4, 100, mode="continuous")
+    return build_tree_reference(root, ids, lps, N - 1).parents.clone()
 
 
-def deepest_paths(parents: torch.Tensor, gen: torch.Generator):
-    """A random node per request and its root path: (path, path_len, node), the path one column
-    wider than the longest so that padding must be ignored."""
-    bs, N = parents.shape
-    ends = [int(torch.randint(0, N, (1,), generator=gen)) for _ in range(bs)]
-    path, path_len = root_paths(parents, ends)
-    padded = torch.zeros((bs, path.shape[1] + 1), dtype=torch.int64)
-    padded[:, :-1] = path
-    return padded, path_len, ends
+class Case:
+    """One layer's verify inputs for bs trees of N nodes, a state pool with the requests in
+    shuffled slots, and the plain-torch outputs and per-node states."""
+
+    def __init__(self, parents, H, HV, K, V, gen, dtype=torch.float32, pool_dtype=torch.float32,
+                 pad_last=False, device="cpu"):  # fmt: skip
+        bs, N = parents.shape
+        T = bs * N
+
+        def r(*shape, std=1.0):
+            return (std * torch.randn(*shape, generator=gen)).to(device)
+
+        self.parents, self.N, self.H, self.K = parents.to(device), N, H, K
+        self.q, self.k, self.v = r(T, H, K).to(dtype), r(T, H, K).to(dtype), r(T, HV, V).to(dtype)
+        self.a, self.b = r(T, HV).to(dtype), r(T, HV).to(dtype)
+        self.A_log, self.dt_bias = r(HV, std=0.5), r(HV)
+        self.pool = r(bs + 3, HV, V, K, std=0.1).to(pool_dtype)
+        slots = torch.randperm(bs + 3, generator=gen)[:bs]
+        if pad_last:
+            slots[-1] = -1  # a CUDA-graph padding request
+        self.slots = slots.to(torch.int32).to(device)
+        self.scratch_slots = torch.randperm(bs + 1, generator=gen)[:bs].to(torch.int32).to(device)
+        self.scratch = torch.full((bs + 1, scratch_floats(N, HV, K, V) + 5), float("nan"),
+                                  device=device)  # fmt: skip
+        g, beta = gdn_gating(self.A_log, self.a, self.b, self.dt_bias)
+        h0 = torch.stack([self.pool[s].float() if s >= 0 else torch.zeros_like(self.pool[0],
+                          dtype=torch.float32) for s in slots.tolist()])  # fmt: skip
+        cpu = [x.cpu() for x in (self.q, self.k, self.v, g, beta, h0)]
+        self.o_ref, self.states = tree_verify_reference(*cpu, parents.cpu(), scale=K**-0.5)
+
+    def verify(self, max_path):
+        return tree_verify(self.q, self.k, self.v, self.a, self.b, self.A_log, self.dt_bias,
+                           self.pool, self.slots, self.parents, self.scratch, self.scratch_slots,
+                           max_path=max_path)  # fmt: skip
 
 
 # --- plain torch, no interpreter needed --------------------------------------------------------
 
 
-def test_store_flags_mark_exactly_the_nodes_a_later_sibling_starts_from():
-    # 0 -> 1 -> 2, 0 -> 3, 1 -> 4: node 0 (child 3) and node 1 (child 4) are reloaded from
-    parents = torch.tensor([[-1, 0, 1, 0, 1]])
-    assert store_flags(parents).tolist() == [[1, 1, 0, 0, 0]]
-    assert state_traffic(parents) == (2, 2)  # loads at 3 and 4; SGLang: 4 loads, 5 stores
-    chain = torch.tensor([[-1, 0, 1, 2]])
-    assert store_flags(chain).tolist() == [[0, 0, 0, 0]] and state_traffic(chain) == (0, 0)
+def test_as_scratch_views_sglangs_intermediate_state_rows_without_a_copy():
+    inter = torch.zeros((3, 5, 16, 2, 4, 4), dtype=torch.bfloat16)  # [L, slots, N, HV, V, K]
+    rows = as_scratch(inter, 2)
+    assert rows.shape == (3, 5, 16 * 2 * 4 * 4 // 2) and rows.dtype == torch.float32
+    rows[1, 2, 0] = 1.0
+    assert inter[1, 2].abs().sum() > 0 and inter[1, 1].abs().sum() == 0  # the same memory
+    assert as_scratch(inter[1], 1).shape == (5, 16 * 2 * 4 * 4 // 2)
+    # Qwen3.6-27B at N = 64: the scratch is 1.6 % of the state buffer that SGLang allocates
+    assert scratch_floats(64, 48, 128, 128) < 0.016 * 64 * 48 * 128 * 128
 
 
-def test_replay_reference_reaches_the_state_the_tree_walk_computed():
-    gen = torch.Generator().manual_seed(1)
-    bs, N, H, HV, K, V = 3, 11, 2, 4, 8, 12
-    parents = random_parents(bs, N, gen)
-    q, k, v, g, beta, h0 = random_inputs(bs, N, H, HV, K, V, gen)
-    _, states = tree_verify_reference(q, k, v, g, beta, h0, parents, scale=0.3)
-    path, path_len, ends = deepest_paths(parents, gen)
-    final = replay_reference(k, v, g, beta, h0, path, path_len, N)
-    for b in range(bs):
-        torch.testing.assert_close(final[b], states[b, ends[b]], rtol=1e-5, atol=1e-6)
-
-
-def test_dfs_preorder_keeps_parents_first_and_cuts_state_traffic_on_ddtrees():
-    """On DDTrees from the builder (best-first node order), preorder needs fewer state loads
-    and stores than the builder's order, and both need far fewer than SGLang's per-node ones."""
-    gen = torch.Generator().manual_seed(0)
-    totals = {"best_first": [0, 0], "preorder": [0, 0]}
-    bs, N = 8, 64
-    root, ids, lps = random_build_inputs(gen, bs, 15, 8, 1000, mode="continuous")
-    tree = build_tree_reference(root, ids, lps, N - 1)
-    parents = tree.parents.clone()
-    parents[:, 0] = -1
-    perm = dfs_preorder_reference(parents)
-    pre = relabel_parents(parents, perm)
-    assert (pre[:, 1:] < torch.arange(1, N)[None, :]).all()
-    assert torch.equal(torch.sort(perm, 1).values, torch.arange(N).expand(bs, N))
-    for name, p in (("best_first", parents), ("preorder", pre)):
-        totals[name] = list(state_traffic(p))
-    sglang = [bs * (N - 1), bs * N]
-    print("state loads / stores for 8 trees of 64 nodes:", totals, "SGLang:", sglang)
-    assert sum(totals["preorder"]) < sum(totals["best_first"]) < sum(sglang)
+def test_max_path_len_and_root_path():
+    parents = torch.tensor([[5, 0, 1, 0, 3, 4]])
+    assert root_path(parents, 0, 5) == [0, 3, 4, 5] and max_path_len(parents) == 4
 
 
 # --- the kernels, under the interpreter --------------------------------------------------------
 
 
 @interpreter_only
-@pytest.mark.parametrize("l2norm", [True, False])
-def test_tree_verify_matches_reference_in_any_parent_first_order(l2norm):
-    gen = torch.Generator().manual_seed(2 + l2norm)
-    bs, N, H, HV, K, V = 2, 9, 2, 4, 16, 48  # V = 48: two V blocks of 32, the second masked
-    parents = random_parents(bs, N, gen)
-    q, k, v, g, beta, h0 = random_inputs(bs, N, H, HV, K, V, gen)
-    o, scratch = tree_verify(q, k, v, g, beta, h0, parents, scale=0.25, l2norm=l2norm)
-    o_ref, states = tree_verify_reference(q, k, v, g, beta, h0, parents, scale=0.25, l2norm=l2norm)
-    torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-5)
-    flags = store_flags(parents).bool()
-    torch.testing.assert_close(scratch[flags], states[flags], rtol=1e-5, atol=1e-5)
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_tree_verify_matches_reference_in_any_parent_first_order(pool_dtype):
+    gen = torch.Generator().manual_seed(2)
+    parents = random_parents(3, 11, gen)
+    case = Case(parents, 2, 4, 16, 48, gen, pool_dtype=pool_dtype, pad_last=True)  # V: 2 blocks
+    o = case.verify(max_path=max_path_len(parents))
+    torch.testing.assert_close(o, case.o_ref, rtol=1e-5, atol=1e-5)
+    # the scratch rows hold g, beta, raw k and v per node for the commit
+    g, beta = gdn_gating(case.A_log, case.a, case.b, case.dt_bias)
+    N, H, HV, K, V = 11, 2, 4, 16, 48
+    for i, row in enumerate(case.scratch_slots.tolist()):
+        x, tok = case.scratch[row], slice(i * N, (i + 1) * N)
+        torch.testing.assert_close(x[: N * HV].view(N, HV), g[tok], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(x[N * HV : 2 * N * HV].view(N, HV), beta[tok])
+        k_end = 2 * N * HV + N * HV * K
+        k_per_value_head = case.k[tok].repeat_interleave(HV // H, 1)
+        assert torch.equal(x[2 * N * HV : k_end].view(N, HV, K), k_per_value_head)
+        assert torch.equal(x[k_end : k_end + N * HV * V].view(N, HV, V), case.v[tok])
 
 
 @interpreter_only
-def test_tree_verify_in_preorder_matches_reference_on_a_ddtree():
+def test_tree_verify_on_builder_trees_with_the_block_as_max_path():
     gen = torch.Generator().manual_seed(5)
-    bs, N, H, HV, K, V = 2, 16, 1, 2, 16, 16
-    root, ids, lps = random_build_inputs(gen, bs, 6, 3, 100, mode="continuous")
-    parents = build_tree_reference(root, ids, lps, N - 1).parents.clone()
-    parents[:, 0] = -1
-    parents = relabel_parents(parents, dfs_preorder_reference(parents))
-    q, k, v, g, beta, h0 = random_inputs(bs, N, H, HV, K, V, gen, dtype=torch.bfloat16)
-    o, _ = tree_verify(q, k, v, g, beta, h0, parents, scale=0.25)
-    o_ref, _ = tree_verify_reference(q, k, v, g, beta, h0, parents, scale=0.25)
-    torch.testing.assert_close(o.float(), o_ref, rtol=2e-2, atol=2e-2)  # o is stored in bf16
+    block = 6
+    parents = builder_parents(2, 16, block, gen)
+    assert max_path_len(parents) <= block
+    case = Case(parents, 1, 2, 16, 16, gen, dtype=torch.bfloat16)
+    o = case.verify(max_path=block)
+    torch.testing.assert_close(o.float(), case.o_ref, rtol=2e-2, atol=2e-2)  # o is bf16
 
 
 @interpreter_only
-def test_replay_path_matches_the_reference_state_of_the_accepted_node():
+def test_commit_replays_the_accepted_path_into_every_layer_and_the_track_slot():
     gen = torch.Generator().manual_seed(7)
     bs, N, H, HV, K, V = 3, 10, 2, 4, 16, 40
     parents = random_parents(bs, N, gen)
-    q, k, v, g, beta, h0 = random_inputs(bs, N, H, HV, K, V, gen)
-    _, states = tree_verify_reference(q, k, v, g, beta, h0, parents, scale=1.0)
-    path, path_len, ends = deepest_paths(parents, gen)
-    out = replay_path(k, v, g, beta, h0, path, path_len)
-    torch.testing.assert_close(out, states[torch.arange(bs), ends], rtol=1e-5, atol=1e-5)
+    layers = [Case(parents, H, HV, K, V, gen) for _ in range(2)]
+    pool = torch.stack([c.pool for c in layers])  # [L, S, HV, V, K], slots shared by layers
+    scratch = torch.stack([c.scratch for c in layers])
+    for li, c in enumerate(layers):
+        c.pool, c.scratch, c.slots = pool[li], scratch[li], layers[0].slots
+        c.scratch_slots = layers[0].scratch_slots
+        c.verify(max_path=N)
+    # the layers' references start from the same slots: recompute them for the shared pool
+    before = pool.clone()
+    last = torch.tensor([int(torch.randint(0, N, (1,), generator=gen)) for _ in range(bs)])
+    last[1] = -1  # no commit for request 1
+    mid = root_path(parents, 0, int(last[0]))
+    track_node = torch.tensor([mid[len(mid) // 2], -1, int(last[2])])
+    free = [s for s in range(bs + 3) if s not in layers[0].slots.tolist()]
+    track_idx = torch.tensor([free[0], free[1], free[2]], dtype=torch.int32)
+    commit_paths(pool, layers[0].slots, scratch, layers[0].scratch_slots, parents, last,
+                 max_path=N, track_idx=track_idx, track_node=track_node)  # fmt: skip
+    for li in range(2):
+        g, beta = gdn_gating(layers[li].A_log, layers[li].a, layers[li].b, layers[li].dt_bias)
+        h0 = before[li][layers[0].slots.long()]
+        _, states = tree_verify_reference(layers[li].q, layers[li].k, layers[li].v, g, beta,
+                                          h0, parents, scale=K**-0.5)  # fmt: skip
+        for b in range(bs):
+            slot = int(layers[0].slots[b])
+            if last[b] < 0:
+                assert torch.equal(pool[li, slot], before[li, slot])
+            else:
+                torch.testing.assert_close(pool[li, slot], states[b, last[b]], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            pool[li, free[0]], states[0, track_node[0]], rtol=1e-5, atol=1e-5
+        )
+        assert torch.equal(pool[li, free[1]], before[li, free[1]])
+        torch.testing.assert_close(pool[li, free[2]], states[2, last[2]], rtol=1e-5, atol=1e-5)
 
 
 @interpreter_only
-@pytest.mark.parametrize("order", ["best_first", "preorder"])
-def test_tree_verify_and_replay_equal_sglangs_own_verify_and_commit(order):
+def test_tree_verify_and_commit_equal_sglangs_own_verify_and_commit():
     """scripts/bench_gdn_tree.py's comparison, on the CPU: SGLang 0.5.17's tree-verify kernel
     (fused_sigmoid_gating_delta_rule_update with retrieve_parent_token) and its commit (the
-    accepted node's stored state) against tree_verify + replay_path on the same builder trees."""
+    accepted node's stored state) against tree_verify + commit_paths on the same builder trees."""
     import importlib.util
     from pathlib import Path
 
@@ -176,8 +199,7 @@ def test_tree_verify_and_replay_equal_sglangs_own_verify_and_commit(order):
     spec = importlib.util.spec_from_file_location("bench_gdn_tree", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    parents = dict(zip(("best_first", "preorder"), bench.trees(2, 12, seed=3), strict=True))
-    row = bench.run_one(2, 12, order, parents[order], 1, device="cpu", heads=(2, 4, 16, 32))
+    row = bench.run_one(2, 12, bench.trees(2, 12, seed=3), 1, device="cpu", heads=(2, 4, 16, 32))
     assert row["max_abs_diff_o"] <= 2**-8, row  # one bf16 step at |o| < 1
     assert row["max_abs_diff_state"] < 1e-5, row
 
@@ -187,16 +209,108 @@ def test_tree_verify_and_replay_equal_sglangs_own_verify_and_commit(order):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA")
-def test_tree_verify_and_replay_on_gpu_at_qwen36_head_sizes():
+def test_tree_verify_and_commit_on_gpu_at_qwen36_head_sizes():
     gen = torch.Generator().manual_seed(11)
-    bs, N, H, HV, K, V = 2, 32, 16, 48, 128, 128
-    parents = random_parents(bs, N, gen)
-    inputs = random_inputs(bs, N, H, HV, K, V, gen, dtype=torch.bfloat16, device="cuda")
-    q, k, v, g, beta, h0 = inputs
-    o, _ = tree_verify(q, k, v, g, beta, h0, parents.cuda(), scale=K**-0.5)
-    cpu = [x.cpu() for x in inputs]
-    o_ref, states = tree_verify_reference(*cpu, parents, scale=K**-0.5)
-    torch.testing.assert_close(o.float().cpu(), o_ref, rtol=2e-2, atol=2e-2)
-    path, path_len, ends = deepest_paths(parents, gen)
-    out = replay_path(k, v, g, beta, h0, path.cuda(), path_len.cuda())
-    torch.testing.assert_close(out.cpu(), states[torch.arange(bs), ends], rtol=1e-4, atol=1e-4)
+    bs, N, H, HV, K, V, block = 2, 32, 16, 48, 128, 128, 16
+    parents = builder_parents(bs, N, block, gen)
+    case = Case(parents, H, HV, K, V, gen, dtype=torch.bfloat16, device="cuda")
+    o = case.verify(max_path=block)
+    torch.testing.assert_close(o.float().cpu(), case.o_ref, rtol=2e-2, atol=2e-2)
+    last = torch.tensor([N - 1, N // 2], device="cuda")
+    pool = case.pool[None]
+    commit_paths(pool, case.slots, case.scratch[None], case.scratch_slots, case.parents, last,
+                 max_path=block)  # fmt: skip
+    for b in range(bs):
+        got = pool[0, int(case.slots[b])].cpu()
+        torch.testing.assert_close(got, case.states[b, int(last[b])], rtol=1e-4, atol=1e-4)
+
+
+# --- the SGLang hooks (integration/gdn.py), under the interpreter ------------------------------
+
+
+def test_hook_targets_exist_with_the_signatures_the_hooks_assume():
+    """The two GDN hook targets in installed SGLang, called the way integration/gdn.py calls
+    the originals."""
+    import inspect
+
+    from sglang_ddtree.integration import compat, gdn, hooks
+
+    pytest.importorskip("sglang.srt.layers.attention.linear.gdn_backend")
+    assert hooks.HOOKS[compat.GDN_TARGET_VERIFY] is gdn.target_verify
+    assert hooks.HOOKS[compat.MAMBA_STATE_COMMIT] is gdn.commit
+    from sglang.srt.layers.attention.hybrid_linear_attn_backend import HybridLinearAttnBackend
+    from sglang.srt.layers.attention.linear.gdn_backend import GDNKernelDispatcher
+
+    verify = list(inspect.signature(GDNKernelDispatcher.target_verify).parameters)
+    assert verify[:8] == ["self", "A_log", "dt_bias", "q", "k", "v", "a", "b"]
+    commit = inspect.signature(HybridLinearAttnBackend.update_mamba_state_after_mtp_verify)
+    assert list(commit.parameters)[1:] == list(inspect.signature(gdn.commit).parameters)[2:]
+    assert callable(compat.scatter_mamba_states_after_mtp_verify())
+
+
+@interpreter_only
+def test_hooks_commit_the_state_sglangs_own_tree_verify_and_commit_would(monkeypatch):
+    """One GDN layer through both hooks, as SGLang's GDN backend calls them (q [1, T, H, K], the
+    pool, the per-layer intermediate buffer, retrieve_parent_token), against SGLang's own
+    TritonGDNKernel.target_verify (per-node states) + its commit (the accepted node's state):
+    the same outputs and the same committed states, in the request slot and the track slot."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    pytest.importorskip("sglang.srt.layers.attention.linear.kernels.gdn_triton")
+    from sglang.srt.layers.attention.linear.kernels.gdn_triton import TritonGDNKernel
+    from sglang.srt.mem_cache.memory_pool import MambaPool
+
+    from sglang_ddtree.integration import compat, gdn
+
+    gen = torch.Generator().manual_seed(13)
+    bs, N, H, HV, K, V, block = 2, 12, 2, 4, 16, 16, 5
+    parents = builder_parents(bs, N, block, gen)
+    parents[:, 0] = 0  # SGLang's conv kernel leaves the root's entry as it finds it
+    case = Case(parents, H, HV, K, V, gen, dtype=torch.bfloat16)
+    T = bs * N
+    L, S = 1, bs + 3
+    temporal = case.pool[None].clone()  # [L, S, HV, V, K]
+    inter = torch.zeros((L, bs + 1, N, HV, V, K))  # SGLang: one row per request + padding
+    caches = MambaPool.SpeculativeState(conv=[torch.zeros(L, S, 3, 2)], temporal=temporal,
+                                        intermediate_ssm=inter, intermediate_conv_window=[
+                                            torch.zeros(L, bs + 1, N, 3, 2)])  # fmt: skip
+    kwargs = dict(
+        ssm_states=temporal[0], cache_indices=case.slots,
+        query_start_loc=torch.arange(0, T + 1, N, dtype=torch.int32),
+        intermediate_states_buffer=inter[0],
+        intermediate_state_indices=torch.arange(bs, dtype=torch.int32), cache_steps=N,
+        retrieve_parent_token=parents,
+    )  # fmt: skip
+    args = (case.A_log, case.dt_bias, case.q[None], case.k[None], case.v[None], case.a, case.b)
+    kernel = TritonGDNKernel()
+    monkeypatch.setattr(gdn, "_max_path", None)
+    o_sglang = gdn.target_verify(type(kernel).target_verify, kernel, *args, **kwargs)
+    last = torch.tensor([N - 1, 3])
+    expected = inter[0, torch.arange(bs), last].clone()  # what SGLang's commit copies
+    track_node = torch.tensor([-1, root_path(parents, 1, 3)[1]])
+    expected_track = inter[0, 1, track_node[1]].clone()
+
+    monkeypatch.setattr(gdn, "_max_path", block)
+    inter.fill_(float("nan"))  # the hooks must not read SGLang's per-node states
+    o_ours = gdn.target_verify(None, None, *args, **kwargs)
+    assert o_ours.shape == o_sglang.shape and o_ours.dtype == o_sglang.dtype
+    assert (o_ours.float() - o_sglang.float()).abs().max() <= 2**-8
+    scattered = []
+    monkeypatch.setattr(compat, "scatter_mamba_states_after_mtp_verify",
+                        lambda: lambda *a: scattered.append(a))  # fmt: skip
+    meta = SimpleNamespace(retrieve_parent_token=parents, mamba_cache_indices=case.slots)
+    pool = SimpleNamespace(get_speculative_mamba2_params_all_layers=lambda: caches)
+    backend = SimpleNamespace(linear_attn_backend=SimpleNamespace(
+        forward_metadata=meta, req_to_token_pool=pool,
+        verify_intermediate_state_indices=torch.arange(bs + 1, dtype=torch.int32)))  # fmt: skip
+    free = next(s for s in range(S) if s not in case.slots.tolist())
+    track_idx = torch.tensor([-1, free], dtype=torch.int32)
+    gdn.commit(None, backend, last, track_idx, track_node, model=None)
+    for b in range(bs):
+        got = temporal[0, int(case.slots[b])]
+        torch.testing.assert_close(got, expected[b], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(temporal[0, free], expected_track, rtol=1e-5, atol=1e-5)
+    (conv_call,) = scattered  # the conv windows still go through SGLang's scatter, states not
+    assert conv_call[0].temporal.numel() == 0 and conv_call[0].conv is caches.conv
+    assert dataclasses.replace(conv_call[0], temporal=temporal).intermediate_ssm is inter

@@ -1,0 +1,133 @@
+"""DDTREE's Gated DeltaNet tree verify and commit inside SGLang (hybrid models: Qwen3.5 / 3.6).
+
+SGLang 0.5.17 verifies a tree through a GDN layer node after node and stores every node's state
+in the Mamba pool's `intermediate_ssm` so that the commit can copy the accepted one; at 27B and
+N = 64 that is most of DDTREE's extra round time (docs/benchmarks.md). Two hooks replace it with
+`sglang_ddtree.gdn.tree_verify` while DDTREE serves a tree (topk > 1):
+
+- `target_verify` (around GDNKernelDispatcher.target_verify, once per GDN layer, inside the
+  verify CUDA graph): `tree_verify`, one program per root path; each node's g, beta, k and v go
+  to the front of the request's row of `intermediate_ssm` (1.6 % of it at 27B), no state does.
+- `commit` (around HybridLinearAttnBackend.update_mamba_state_after_mtp_verify, once per round):
+  `commit_paths` replays the accepted path into the pool for all GDN layers in one launch (and
+  into the radix-cache track slot where SGLang would snapshot one); the conv windows are
+  committed by SGLang's own scatter, its state part skipped.
+
+The accepted path comes from the same parent indices the verify used (SGLang's conv kernel
+fills `retrieve_parent_token` from the tree), so the committed state is the verified one.
+SGLANG_DDTREE_GDN=sglang keeps SGLang's own verify and commit (the comparison baseline).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+from sglang_ddtree.integration import compat
+
+logger = logging.getLogger(__name__)
+
+_max_path: int | None = None  # set by configure() in the scheduler process; None: SGLang's path
+
+
+def configure(server_args) -> None:
+    """Enable the hooks' DDTREE path for this process (the worker factory calls it)."""
+    global _max_path
+    choice = os.environ.get("SGLANG_DDTREE_GDN", "ddtree")
+    if choice not in ("ddtree", "sglang"):
+        raise ValueError(f"SGLANG_DDTREE_GDN must be 'ddtree' or 'sglang', got {choice!r}.")
+    # a root path holds the bonus token and at most B - 1 drafted tokens
+    block = compat.resolved(server_args).speculative_dflash_block_size
+    _max_path = None if choice == "sglang" else int(block)
+    logger.info("sglang_ddtree: GDN tree verify and commit: %s", choice)
+
+
+def active() -> bool:
+    return _max_path is not None
+
+
+def target_verify(original, dispatcher, A_log, dt_bias, q, k, v, a, b, **kwargs):
+    parents = kwargs.get("retrieve_parent_token")
+    if _max_path is None or parents is None:  # not DDTREE, or a chain / warm-up batch
+        return original(dispatcher, A_log, dt_bias, q, k, v, a, b, **kwargs)
+    from sglang_ddtree.gdn.tree_verify import as_scratch, tree_verify
+
+    N = int(kwargs["cache_steps"])
+    H, K = q.shape[-2:]
+    HV, V = v.shape[-2:]
+    T = v.numel() // (HV * V)
+    bs = T // N
+    o = tree_verify(
+        q.reshape(T, H, K),
+        k.reshape(T, H, K),
+        v.reshape(T, HV, V),
+        a.reshape(T, HV),
+        b.reshape(T, HV),
+        A_log,
+        dt_bias,
+        kwargs["ssm_states"],
+        kwargs["cache_indices"][:bs],
+        _rows(parents, N),
+        as_scratch(kwargs["intermediate_states_buffer"], 1),
+        kwargs["intermediate_state_indices"][:bs],
+        max_path=_max_path,
+    )
+    return o.reshape(v.shape)
+
+
+def commit(original, backend, last_correct_step_indices, mamba_track_indices,
+           mamba_steps_to_track, model, req_pool_indices=None):  # fmt: skip
+    linear = backend.linear_attn_backend
+    meta = linear.forward_metadata
+    parents = getattr(meta, "retrieve_parent_token", None)
+    if _max_path is None or parents is None:
+        return original(backend, last_correct_step_indices, mamba_track_indices,
+                        mamba_steps_to_track, model, req_pool_indices)  # fmt: skip
+    from sglang_ddtree.gdn.tree_verify import as_scratch, commit_paths
+
+    bs = last_correct_step_indices.shape[0]
+    caches = linear.req_to_token_pool.get_speculative_mamba2_params_all_layers()
+    state_idx = meta.mamba_cache_indices[:bs]
+    N = caches.intermediate_ssm.shape[2]
+    commit_paths(
+        caches.temporal,
+        state_idx,
+        as_scratch(caches.intermediate_ssm, 2),
+        linear.verify_intermediate_state_indices[:bs],
+        _rows(parents, N),
+        last_correct_step_indices,
+        max_path=_max_path,
+        track_idx=mamba_track_indices,
+        track_node=mamba_steps_to_track if mamba_track_indices is not None else None,
+    )
+    # conv windows: SGLang's scatter, with an empty state pool so that it skips the states
+    compat.scatter_mamba_states_after_mtp_verify()(
+        _without_states(caches),
+        state_idx,
+        last_correct_step_indices,
+        mamba_track_indices,
+        mamba_steps_to_track,
+    )
+
+
+def _rows(parents, N: int):
+    """parents as request rows of N (a view when SGLang's buffer already is one)."""
+    rows = parents.reshape(-1, N)
+    return rows if rows.stride() == (N, 1) else rows.contiguous()
+
+
+_no_states_cache: dict[int, object] = {}
+
+
+def _without_states(caches):
+    """The pool's caches with an empty `temporal` (SGLang's scatter then moves conv windows only);
+    made once per pool."""
+    key = id(caches)
+    if key not in _no_states_cache:
+        _no_states_cache.clear()
+        _no_states_cache[key] = (
+            caches,  # keeps id(caches) from being reused while cached
+            dataclasses.replace(caches, temporal=caches.temporal[:, :0]),
+        )
+    return _no_states_cache[key][1]
