@@ -1,4 +1,4 @@
-"""Gated DeltaNet tree verify with less state traffic (work in progress: not yet wired into SGLang).
+"""Gated DeltaNet tree verify by root paths, and the commit by replay (`tree_verify.py`).
 
-See `tree_verify.py` and docs/benchmarks.md ("What I would change").
+Wired into SGLang by `sglang_ddtree.integration.gdn`; docs/design.md and docs/benchmarks.md.
 """
