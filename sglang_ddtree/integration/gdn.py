@@ -58,21 +58,27 @@ def target_verify(original, dispatcher, A_log, dt_bias, q, k, v, a, b, **kwargs)
     HV, V = v.shape[-2:]
     T = v.numel() // (HV * V)
     bs = T // N
-    o = tree_verify(
-        q.reshape(T, H, K),
-        k.reshape(T, H, K),
-        v.reshape(T, HV, V),
-        a.reshape(T, HV),
-        b.reshape(T, HV),
-        A_log,
-        dt_bias,
-        kwargs["ssm_states"],
-        kwargs["cache_indices"][:bs],
-        _rows(parents, N),
-        as_scratch(kwargs["intermediate_states_buffer"], 1),
-        kwargs["intermediate_state_indices"][:bs],
-        max_path=_max_path,
-    )
+    try:
+        o = tree_verify(
+            q.reshape(T, H, K),
+            k.reshape(T, H, K),
+            v.reshape(T, HV, V),
+            a.reshape(T, HV),
+            b.reshape(T, HV),
+            A_log,
+            dt_bias,
+            kwargs["ssm_states"],
+            kwargs["cache_indices"][:bs],
+            _rows(parents, N),
+            as_scratch(kwargs["intermediate_states_buffer"], 1),
+            kwargs["intermediate_state_indices"][:bs],
+            max_path=_max_path,
+        )
+    except ValueError as exc:  # a pool layout the kernel does not take: name the way out
+        raise RuntimeError(
+            f"DDTREE's Gated DeltaNet tree verify cannot run on this Mamba pool ({exc}); serve "
+            "with SGLANG_DDTREE_GDN=sglang to use SGLang's own."
+        ) from exc
     return o.reshape(v.shape)
 
 

@@ -65,9 +65,24 @@ def own_code():
         torch.cuda.set_sync_debug_mode(previous)
 
 
+class _DropWidthMismatch(logging.Filter):
+    """DFlashWorkerV2 warns "DFLASH block size mismatch" because DDTREE's verify width N is not
+    the draft's block B; for DDTREE that is the design (the draft runs at width B), not a
+    misconfiguration, and the worker logs both below."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("DFLASH block size mismatch")
+
+
 class DDTreeWorker(DFlashWorkerV2):
     def __init__(self, server_args, gpu_id, ps, nccl_port, target_worker):
-        super().__init__(server_args, gpu_id, ps, nccl_port, target_worker)
+        dflash_logger = logging.getLogger(DFlashWorkerV2.__module__)
+        width_note = _DropWidthMismatch()
+        dflash_logger.addFilter(width_note)
+        try:
+            super().__init__(server_args, gpu_id, ps, nccl_port, target_worker)
+        finally:
+            dflash_logger.removeFilter(width_note)
         self.cfg = DDTreeConfig(
             block_size=int(server_args.speculative_dflash_block_size),
             num_nodes=int(server_args.speculative_num_draft_tokens),

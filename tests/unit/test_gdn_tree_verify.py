@@ -33,7 +33,7 @@ torch.set_num_threads(1)
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interpreter_only = pytest.mark.skipif(not INTERPRETED, reason="runs in the interpreter process")
-INTERPRETER_TESTS = 9  # non-gpu tests the child process runs (all but this one); it must pass all
+INTERPRETER_TESTS = 10  # non-gpu tests the child process runs (all but this one); it must pass all
 
 
 def test_cpu_kernel_tests_under_triton_interpreter():
@@ -314,3 +314,34 @@ def test_hooks_commit_the_state_sglangs_own_tree_verify_and_commit_would(monkeyp
     (conv_call,) = scattered  # the conv windows still go through SGLang's scatter, states not
     assert conv_call[0].temporal.numel() == 0 and conv_call[0].conv is caches.conv
     assert dataclasses.replace(conv_call[0], temporal=temporal).intermediate_ssm is inter
+
+
+def test_gdn_switch_and_an_unsupported_pool_name_the_fix(monkeypatch):
+    from types import SimpleNamespace
+
+    from sglang_ddtree.integration import gdn
+
+    args = SimpleNamespace(speculative_dflash_block_size=16)
+    monkeypatch.setattr(gdn, "_max_path", gdn._max_path)  # restored after the test
+    monkeypatch.setenv("SGLANG_DDTREE_GDN", "sglang")
+    gdn.configure(args)
+    assert not gdn.active()
+    monkeypatch.setenv("SGLANG_DDTREE_GDN", "fast")
+    with pytest.raises(ValueError, match="SGLANG_DDTREE_GDN must be"):
+        gdn.configure(args)
+    monkeypatch.setenv("SGLANG_DDTREE_GDN", "ddtree")
+    gdn.configure(args)
+    assert gdn.active() and gdn._max_path == 16
+    # a pool whose K is not contiguous (a transposed layout): a clear error, not wrong numbers
+    bs, N, H, HV, K, V = 1, 4, 1, 2, 8, 8
+    pool = torch.zeros(2, HV, K, V).transpose(-1, -2)
+    kwargs = dict(ssm_states=pool, cache_indices=torch.zeros(1, dtype=torch.int32),
+                  query_start_loc=None, cache_steps=N,
+                  retrieve_parent_token=torch.tensor([[0, 0, 1, 1]]),
+                  intermediate_states_buffer=torch.zeros(2, N, HV, V, K),
+                  intermediate_state_indices=torch.zeros(1, dtype=torch.int32))  # fmt: skip
+    q = torch.zeros(1, bs * N, H, K)
+    v = torch.zeros(1, bs * N, HV, V)
+    ab = torch.zeros(bs * N, HV)
+    with pytest.raises(RuntimeError, match="SGLANG_DDTREE_GDN=sglang"):
+        gdn.target_verify(None, None, torch.zeros(HV), torch.zeros(HV), q, q, v, ab, ab, **kwargs)

@@ -319,3 +319,19 @@ def test_verify_input_carries_the_tree_in_eagle_layout():
     expected = torch.empty(tree_layout.full_mask_size(9, 2, 40), dtype=torch.bool)
     tree_layout.write_full_mask(tree.visibility, seq_lens, expected)
     assert torch.equal(v.custom_mask, expected)
+
+
+def test_worker_drops_only_dflashs_width_mismatch_warning():
+    """DDTREE's verify width N differs from the draft's block B by design: DFlashWorkerV2's
+    "block size mismatch" warning is dropped while it initialises, nothing else."""
+    import logging
+
+    from sglang_ddtree.integration.worker import _DropWidthMismatch
+
+    def record(msg):
+        return logging.LogRecord("x", logging.WARNING, __file__, 1, msg, (64, 16), None)
+
+    drop = _DropWidthMismatch()
+    mismatch = "DFLASH block size mismatch: using speculative_num_draft_tokens=%s but draft config block_size=%s."
+    assert not drop.filter(record(mismatch))
+    assert drop.filter(record("Initialized DFLASH draft runner. block_size=%s %s"))
