@@ -34,6 +34,7 @@ from sglang_ddtree.tree import build_tree_reference  # noqa: E402
 from sglang_ddtree.tree.testing import random_build_inputs  # noqa: E402
 
 H, HV, K, V = 16, 48, 128, 128  # Qwen3.6-27B: GDN key / value heads x head dim
+CONV_DIM = 2 * H * K + HV * V  # the conv1d runs over q, k and v: 10,240 channels
 BLOCK, TOPK = 16, 8
 
 
@@ -126,6 +127,51 @@ def run_one(bs: int, nodes: int, parents: torch.Tensor, iters: int, device: str 
     return row
 
 
+def run_conv(bs: int, nodes: int, parents: torch.Tensor, iters: int, dim: int = CONV_DIM) -> dict:
+    """One configuration of the tree conv1d: SGLang's causal_conv1d_update (tree path) against
+    sglang_ddtree.gdn.conv_tree, bf16 at Qwen3.6-27B's conv width; also checks they agree."""
+    from bench_tree_build import gpu_ms  # beside this script, so on sys.path when it runs
+    from sglang.kernels.ops.mamba.causal_conv1d_triton import causal_conv1d_update
+
+    from sglang_ddtree.gdn.conv_tree import conv_tree, eagle_links
+
+    dev, KW = "cuda", 4
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, device=dev).to(torch.bfloat16)
+
+    x = randn(bs, nodes, dim).transpose(1, 2)
+    weight, bias, state = randn(dim, KW), randn(dim), randn(bs + 1, dim, KW - 1)
+    idx = torch.arange(bs, dtype=torch.int32, device=dev)
+    nxt, sib = (t.to(dev) for t in eagle_links(parents))
+    out = {}
+
+    def call(name, fn):
+        def run():
+            windows = out.setdefault(f"{name}_win", torch.empty((bs + 1, nodes, dim, KW - 1),
+                                     dtype=torch.bfloat16, device=dev))  # fmt: skip
+            par = out.setdefault(f"{name}_par", torch.empty((bs, nodes), dtype=torch.int64,
+                                 device=dev))  # fmt: skip
+            out[name] = fn(x, state, weight, bias, "silu", conv_state_indices=idx,
+                           intermediate_conv_window=windows, intermediate_state_indices=idx,
+                           retrieve_next_token=nxt, retrieve_next_sibling=sib,
+                           retrieve_parent_token=par)  # fmt: skip
+
+        return run
+
+    sglang, ours = call("sglang", causal_conv1d_update), call("ours", conv_tree)
+    sglang()
+    ours()
+    row = {"bs": bs, "nodes": nodes, "conv_dim": dim,
+           "conv_max_abs_diff_o": float((out["ours"].float() - out["sglang"].float()).abs().max()),
+           "conv_windows_equal": bool(torch.equal(out["ours_win"][:bs], out["sglang_win"][:bs])),
+           "conv_parents_equal": bool(torch.equal(out["ours_par"], out["sglang_par"]))}  # fmt: skip
+    row["sglang_conv_ms"] = gpu_ms(sglang, iters, graph=True)
+    row["ours_conv_ms"] = gpu_ms(ours, iters, graph=True)
+    return row
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--nodes", default="16,32,64,128")
@@ -134,12 +180,16 @@ def main() -> int:
     p.add_argument("--out", type=Path)
     p.add_argument("--tiles", default="", help="also time our verify at these V tiles x warps, "
                    "e.g. 16x1,32x2,64x4")  # fmt: skip
+    p.add_argument("--conv", action="store_true", help="also time the tree conv1d (conv_tree)")
     args = p.parse_args()
     tiles = [tuple(int(x) for x in t.split("x")) for t in args.tiles.split(",") if t]
     rows = []
     for bs in (int(x) for x in args.bs.split(",")):
         for nodes in (int(x) for x in args.nodes.split(",")):
-            rows.append(run_one(bs, nodes, trees(bs, nodes, seed=nodes), args.iters, tiles=tiles))
+            parents = trees(bs, nodes, seed=nodes)
+            rows.append(run_one(bs, nodes, parents, args.iters, tiles=tiles))
+            if args.conv:
+                rows[-1].update(run_conv(bs, nodes, parents, args.iters))
             print(json.dumps(rows[-1]), flush=True)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

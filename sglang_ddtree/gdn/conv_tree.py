@@ -1,0 +1,154 @@
+"""The Gated DeltaNet layers' causal conv1d over a token tree, every node in parallel (work in
+progress: tested against SGLang's kernel under Triton's interpreter, not yet used by the server).
+
+SGLang 0.5.17's tree path of `causal_conv1d_update` (`_causal_conv1d_update_kernel` with
+retrieve_next_token / retrieve_next_sibling) runs one program per (request, 256 channels) that
+walks the N nodes in an unrolled loop, re-deriving parent links with vector reductions at every
+node. At Qwen3.6-27B and N = 64 that is 3.4 ms of a DDTREE round against 0.6 ms for DFLASH's
+16-token chain (docs/benchmarks.md), and the unrolled loop is compiled per width. A node's conv
+output only needs its own input and its K - 1 nearest ancestors' (or, above the root, the conv
+state's history columns), so here:
+
+- `tree_parents`: one program per request derives every node's parent from SGLang's first-child /
+  next-sibling links at once (pointer jumping along the sibling chains), into the same
+  `retrieve_parent_token` SGLang's kernel fills (root and unused entries 0).
+- `conv_tree`: one program per (request, channel block, node block) gathers each node's window
+  through the parent links, writes the output and the node's window into SGLang's
+  intermediate-window buffer (for SGLang's commit scatter), in SGLang's arithmetic order.
+
+Unlike SGLang's kernel it leaves the conv state itself alone: SGLang's tree path overwrites it
+with the last K - 1 node inputs by index, which the commit then replaces with the accepted node's
+window for every request, so only the commit's result matters.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def eagle_links(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(retrieve_next_token, retrieve_next_sibling) [bs, N] int64 of parent-first trees (CPU
+    parents [bs, N], root entry ignored): each node's first (lowest-index) child and its next
+    sibling in index order, -1 where none. For tests and benchmarks."""
+    bs, N = parents.shape
+    first = torch.full((bs, N), -1, dtype=torch.int64)
+    sibling = torch.full((bs, N), -1, dtype=torch.int64)
+    for b in range(bs):
+        last_child: dict[int, int] = {}
+        for t in range(1, N):
+            p = int(parents[b, t])
+            if p in last_child:
+                sibling[b, last_child[p]] = t
+            else:
+                first[b, p] = t
+            last_child[p] = t
+    return first, sibling
+
+
+@triton.jit
+def _parents_kernel(next_token, next_sibling, parents, N, stride_nt, stride_ns, stride_p,
+                    NP: tl.constexpr, LOG_NP: tl.constexpr):  # fmt: skip
+    b = tl.program_id(0)
+    o = tl.arange(0, NP)
+    m = o < N
+    nt = tl.load(next_token + b * stride_nt + o, mask=m, other=-1).to(tl.int32)
+    ns = tl.load(next_sibling + b * stride_ns + o, mask=m, other=-1).to(tl.int32)
+    # first-child links give a parent directly; a later sibling inherits its first sibling's
+    fc_parent = tl.max(tl.where(nt[None, :] == o[:, None], o[None, :], -1), axis=1)
+    prev = tl.max(tl.where(ns[None, :] == o[:, None], o[None, :], -1), axis=1)
+    first = tl.where(prev >= 0, prev, o)
+    for _ in range(LOG_NP):  # pointer jumping: first[s] <- first[first[s]]
+        first = tl.max(tl.where(o[None, :] == first[:, None], first[None, :], -1), axis=1)
+    parent = tl.max(tl.where(o[None, :] == first[:, None], fc_parent[None, :], -1), axis=1)
+    tl.store(parents + b * stride_p + o, tl.maximum(parent, 0), mask=m)
+
+
+@triton.jit
+def _conv_tree_kernel(
+    x, w, bias, conv_state, state_idx, inter, inter_idx, parents, o, N, dim,
+    stride_x_seq, stride_x_dim, stride_x_tok, stride_w_dim, stride_w_win,
+    stride_cs_seq, stride_cs_dim, stride_cs_tok, stride_in_seq, stride_in_step, stride_in_dim,
+    stride_in_win, stride_p, stride_o_seq, stride_o_dim, stride_o_tok,
+    KW: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, SAVE: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    b, i_c, i_t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    slot = tl.load(state_idx + b).to(tl.int64)
+    if slot == -1:  # SGLang's PAD_SLOT_ID: a padding request
+        return
+    t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    c = i_c * BLOCK_N + tl.arange(0, BLOCK_N)
+    mt, mc = t < N, c < dim
+    m2 = mt[:, None] & mc[None, :]
+    if HAS_BIAS:
+        acc = tl.load(bias + c, mask=mc, other=0.0).to(tl.float32)[None, :] + tl.zeros(
+            [BLOCK_T, BLOCK_N], dtype=tl.float32
+        )
+    else:
+        acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+    x_row = x + b * stride_x_seq + c[None, :] * stride_x_dim
+    history = conv_state + slot * stride_cs_seq + c[None, :] * stride_cs_dim
+    if SAVE:
+        window = inter + tl.load(inter_idx + b).to(tl.int64) * stride_in_seq
+        window += t[:, None] * stride_in_step + c[None, :] * stride_in_dim
+    cur = t  # the j-th ancestor: a node >= 0, or -1, -2, ... for the history above the root
+    for j in tl.static_range(KW):
+        in_tree = cur >= 0
+        from_x = tl.load(x_row + tl.maximum(cur, 0)[:, None] * stride_x_tok,
+                         mask=m2 & in_tree[:, None], other=0.0)  # fmt: skip
+        from_state = tl.load(history + (KW - 1 + cur)[:, None] * stride_cs_tok,
+                             mask=m2 & (cur < 0)[:, None], other=0.0)  # fmt: skip
+        xv = tl.where(in_tree[:, None], from_x, from_state.to(from_x.dtype))
+        wv = tl.load(w + c * stride_w_dim + (KW - 1 - j) * stride_w_win, mask=mc, other=0.0)
+        acc += xv * wv[None, :]
+        if SAVE:
+            if KW - j - 2 >= 0:  # the node's window: itself last, its ancestors before it
+                tl.store(window + (KW - j - 2) * stride_in_win, xv, mask=m2)
+        parent = tl.load(parents + b * stride_p + tl.maximum(cur, 0), mask=mt, other=0)
+        cur = tl.where(cur > 0, parent.to(tl.int32), cur - 1)
+    if SILU:
+        acc = acc / (1 + tl.exp(-acc))
+    out = o + b * stride_o_seq + c[None, :] * stride_o_dim + t[:, None] * stride_o_tok
+    tl.store(out, acc, mask=m2)
+
+
+def tree_parents(next_token: torch.Tensor, next_sibling: torch.Tensor, out: torch.Tensor) -> None:
+    """out [bs, N] <- every node's parent from SGLang's first-child / next-sibling links (root and
+    unreachable entries 0, as SGLang's conv kernel leaves them). Sync-free."""
+    bs, N = next_token.shape
+    NP = triton.next_power_of_2(N)
+    _parents_kernel[(bs,)](
+        next_token, next_sibling, out, N, next_token.stride(0), next_sibling.stride(0),
+        out.stride(0), NP=NP, LOG_NP=max(1, NP.bit_length() - 1),
+    )  # fmt: skip
+
+
+def conv_tree(x, conv_state, weight, bias, activation, *, conv_state_indices,
+              intermediate_conv_window, intermediate_state_indices, retrieve_next_token,
+              retrieve_next_sibling, retrieve_parent_token, block_t: int = 16,
+              block_n: int = 256) -> torch.Tensor:  # fmt: skip
+    """SGLang's `causal_conv1d_update` for a tree verify (same arguments and outputs: x and the
+    returned o are [bs, dim, N] views, conv_state [slots, dim, K - 1], weight [dim, K],
+    intermediate_conv_window [slots', N, dim, K - 1]; retrieve_parent_token is filled), with
+    every node computed in parallel. The conv state is read, not rolled (module docstring)."""
+    bs, dim, N = x.shape
+    KW = weight.shape[1]
+    if conv_state.shape[-1] != KW - 1:
+        raise ValueError(f"conv_state {tuple(conv_state.shape)} is not [.., dim, {KW - 1}]")
+    tree_parents(retrieve_next_token, retrieve_next_sibling, retrieve_parent_token)
+    o = torch.empty_like(x)
+    save = intermediate_conv_window is not None
+    inter = intermediate_conv_window if save else x
+    in_strides = intermediate_conv_window.stride() if save else (0, 0, 0, 0)
+    grid = (bs, triton.cdiv(dim, block_n), triton.cdiv(N, block_t))
+    _conv_tree_kernel[grid](
+        x, weight, bias if bias is not None else weight, conv_state, conv_state_indices,
+        inter, intermediate_state_indices if save else conv_state_indices,
+        retrieve_parent_token, o, N, dim, *x.stride(), *weight.stride(), *conv_state.stride(),
+        *in_strides, retrieve_parent_token.stride(0), *o.stride(),
+        KW=KW, HAS_BIAS=bias is not None, SILU=activation in ("silu", "swish", True),
+        SAVE=save, BLOCK_T=block_t, BLOCK_N=block_n,
+    )  # fmt: skip
+    return o

@@ -1,0 +1,108 @@
+"""sglang_ddtree.gdn.conv_tree: the tree conv1d with every node in parallel against SGLang 0.5.17's
+own `causal_conv1d_update` tree path: the same outputs, intermediate windows and parent links.
+
+CPU: both kernels run under Triton's interpreter, in a child process (as test_gdn_tree_verify.py).
+Directly: TRITON_INTERPRET=1 python -m pytest tests/unit/test_conv_tree.py -m "not gpu"
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from sglang_ddtree.gdn.conv_tree import conv_tree, eagle_links
+from sglang_ddtree.tree import build_tree_reference
+from sglang_ddtree.tree.testing import (
+    random_build_inputs,
+    run_cpu_tests_under_triton_interpreter,
+)
+
+torch.set_num_threads(1)
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+interpreter_only = pytest.mark.skipif(not INTERPRETED, reason="runs in the interpreter process")
+INTERPRETER_TESTS = 2  # non-gpu tests the child process runs (all but this one)
+
+
+def test_cpu_kernel_tests_under_triton_interpreter():
+    if INTERPRETED:
+        pytest.skip("already inside the interpreter process")
+    run_cpu_tests_under_triton_interpreter(__file__, INTERPRETER_TESTS)
+
+
+def trees(bs: int, N: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    root, ids, lps = random_build_inputs(gen, bs, 7, 4, 100, mode="continuous")
+    parents = build_tree_reference(root, ids, lps, N - 1).parents.clone()
+    parents[:, 0] = -1
+    return parents
+
+
+def run_both(parents, dim, dtype, pad_last=False, device="cpu", seed=0):
+    """Ours and SGLang's on the same inputs: {name: (o, windows, parents)}."""
+    from sglang.kernels.ops.mamba.causal_conv1d_triton import causal_conv1d_update
+
+    gen = torch.Generator().manual_seed(seed)
+    bs, N = parents.shape
+    KW, slots = 4, bs + 2
+
+    def r(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype).to(device)
+
+    x = r(bs, N, dim).transpose(1, 2)  # [bs, dim, N] view, as SGLang's GDN backend passes it
+    weight, bias = r(dim, KW), r(dim)
+    state0 = r(slots, dim, KW - 1)
+    idx = torch.randperm(slots, generator=gen)[:bs].to(torch.int32).to(device)
+    if pad_last:
+        idx[-1] = -1
+    inter_idx = torch.arange(bs, dtype=torch.int32, device=device)
+    nxt, sib = (t.to(device) for t in eagle_links(parents))
+    out = {}
+    for name, fn in (("sglang", causal_conv1d_update), ("ours", conv_tree)):
+        state = state0.clone()
+        windows = torch.zeros((bs + 1, N, dim, KW - 1), dtype=dtype, device=device)
+        par = torch.full((bs, N), 99, dtype=torch.int64, device=device)
+        o = fn(x, state, weight, bias, "silu", conv_state_indices=idx,
+               intermediate_conv_window=windows, intermediate_state_indices=inter_idx,
+               retrieve_next_token=nxt, retrieve_next_sibling=sib, retrieve_parent_token=par)  # fmt: skip
+        out[name] = (o, windows, par)
+    return out
+
+
+@interpreter_only
+def test_conv_tree_equals_sglangs_tree_conv():
+    """float32 (the interpreter's bfloat16 arithmetic is not the GPU's; the GPU test below runs
+    bfloat16, the serving dtype)."""
+    pytest.importorskip("sglang.kernels.ops.mamba.causal_conv1d_triton")
+    parents = trees(3, 13, seed=1)
+    out = run_both(parents, dim=40, dtype=torch.float32, pad_last=True)  # 40: a masked block
+    (o, win, par), (o_s, win_s, par_s) = out["ours"], out["sglang"]
+    live = slice(0, 2)  # request 2 is padding: SGLang writes nothing for it (ours: its parents)
+    assert torch.equal(par[live], par_s[live])
+    expected = parents.clamp(min=0)
+    expected[:, 0] = 0
+    assert torch.equal(par, expected)  # the parents of the tree, root 0 as SGLang leaves it
+    assert torch.equal(o[live], o_s[live])
+    assert torch.equal(win[:2], win_s[:2])
+
+
+@interpreter_only
+def test_conv_tree_on_deep_chains_reads_the_history_above_the_root():
+    pytest.importorskip("sglang.kernels.ops.mamba.causal_conv1d_triton")
+    parents = torch.tensor([[-1, 0, 1, 2, 3, 0, 5]])  # depth 4 chain and a side branch
+    out = run_both(parents, dim=8, dtype=torch.float32, seed=3)
+    (o, win, _), (o_s, win_s, _) = out["ours"], out["sglang"]
+    assert torch.equal(o, o_s) and torch.equal(win, win_s)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA")
+def test_conv_tree_equals_sglangs_tree_conv_on_gpu_in_bf16_at_qwen36_width():
+    pytest.importorskip("sglang.kernels.ops.mamba.causal_conv1d_triton")
+    parents = trees(4, 64, seed=2)
+    out = run_both(parents, dim=10240, dtype=torch.bfloat16, device="cuda")
+    (o, win, par), (o_s, win_s, par_s) = out["ours"], out["sglang"]
+    assert torch.equal(par, par_s) and torch.equal(win, win_s)
+    assert (o.float() - o_s.float()).abs().max() == 0
