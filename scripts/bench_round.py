@@ -68,11 +68,13 @@ MAMBA_SLOTS_PER_REQ = 6  # >= SGLang's mamba slots per running request (3, +2 wi
 # halve the scratch, which is what lets N = 64 run 8 requests.
 # `_torch`: DDTREE with the batched torch tree builder instead of the Triton one (its CUDA default).
 # `_sglanggdn`: DDTREE with SGLang's own GDN tree verify and commit (per-node states) instead of
-# sglang_ddtree.gdn's (one program per root path, commit by replay).
+# sglang_ddtree.gdn's (one program per root path, commit by replay). `_conv`: DDTREE with the opt-in
+# tree conv1d of gdn/conv_tree.py.
 VARIANT_ENV = {
     "_bf16ssm": {"SGLANG_MAMBA_SSM_DTYPE": "bfloat16"},
     "_torch": {"SGLANG_DDTREE_TREE_BUILDER": "torch"},
     "_sglanggdn": {"SGLANG_DDTREE_GDN": "sglang"},
+    "_conv": {"SGLANG_DDTREE_CONV": "ddtree"},
 }
 
 
@@ -114,6 +116,7 @@ def variants(draft: Path) -> dict[str, list[str]]:
     for name in [k for k in out if k.startswith("ddtree")]:
         out[f"{name}_torch"] = out[name]
         out[f"{name}_sglanggdn"] = out[name]
+        out[f"{name}_conv"] = out[name]
     return out
 
 

@@ -24,6 +24,7 @@ TOKENIZER_REQUEST_VALIDATOR = (
 GDN_TARGET_VERIFY = (
     "sglang.srt.layers.attention.linear.gdn_backend.GDNKernelDispatcher.target_verify"
 )
+GDN_CONV_UPDATE = "sglang.srt.layers.attention.linear.gdn_backend.causal_conv1d_update"
 MAMBA_STATE_COMMIT = (
     "sglang.srt.layers.attention.hybrid_linear_attn_backend.HybridLinearAttnBackend"
     ".update_mamba_state_after_mtp_verify"

@@ -16,6 +16,8 @@ N = 64 that is most of DDTREE's extra round time (docs/benchmarks.md). Two hooks
 The accepted path comes from the same parent indices the verify used (SGLang's conv kernel
 fills `retrieve_parent_token` from the tree), so the committed state is the verified one.
 SGLANG_DDTREE_GDN=sglang keeps SGLang's own verify and commit (the comparison baseline).
+A third hook, opt-in with SGLANG_DDTREE_CONV=ddtree, runs the tree verify's conv1d through
+`gdn/conv_tree.py` (every node in parallel) instead of SGLang's node-after-node kernel.
 """
 
 from __future__ import annotations
@@ -29,18 +31,27 @@ from sglang_ddtree.integration import compat
 logger = logging.getLogger(__name__)
 
 _max_path: int | None = None  # set by configure() in the scheduler process; None: SGLang's path
+_conv_tree = False  # SGLANG_DDTREE_CONV=ddtree: the tree conv1d of gdn/conv_tree.py (opt-in)
+
+
+def _choice(name: str, default: str) -> str:
+    choice = os.environ.get(name, default)
+    if choice not in ("ddtree", "sglang"):
+        raise ValueError(f"{name} must be 'ddtree' or 'sglang', got {choice!r}.")
+    return choice
 
 
 def configure(server_args) -> None:
-    """Enable the hooks' DDTREE path for this process (the worker factory calls it)."""
-    global _max_path
-    choice = os.environ.get("SGLANG_DDTREE_GDN", "ddtree")
-    if choice not in ("ddtree", "sglang"):
-        raise ValueError(f"SGLANG_DDTREE_GDN must be 'ddtree' or 'sglang', got {choice!r}.")
+    """Enable the hooks' DDTREE paths for this process (the worker factory calls it)."""
+    global _max_path, _conv_tree
+    choice = _choice("SGLANG_DDTREE_GDN", "ddtree")
     # a root path holds the bonus token and at most B - 1 drafted tokens
     block = compat.resolved(server_args).speculative_dflash_block_size
     _max_path = None if choice == "sglang" else int(block)
-    logger.info("sglang_ddtree: GDN tree verify and commit: %s", choice)
+    # Opt-in until the GPU suite and bench_gdn_tree --conv have run it (docs/benchmarks.md).
+    conv = _choice("SGLANG_DDTREE_CONV", "sglang")
+    _conv_tree = conv == "ddtree"
+    logger.info("sglang_ddtree: GDN tree verify and commit: %s; tree conv1d: %s", choice, conv)
 
 
 def active() -> bool:
@@ -80,6 +91,28 @@ def target_verify(original, dispatcher, A_log, dt_bias, q, k, v, a, b, **kwargs)
             "with SGLANG_DDTREE_GDN=sglang to use SGLang's own."
         ) from exc
     return o.reshape(v.shape)
+
+
+def conv_update(original, x, conv_state, weight, bias=None, activation=None, **kwargs):
+    """Around gdn_backend.causal_conv1d_update: a tree verify's conv1d through
+    `gdn.conv_tree.conv_tree` when SGLANG_DDTREE_CONV=ddtree (same outputs, per-node windows and
+    retrieve_parent_token as SGLang's kernel); everything else to SGLang's."""
+    tree = all(kwargs.get(k) is not None for k in _CONV_TREE_ARGS)
+    if not (_conv_tree and tree) or set(kwargs) - set(_CONV_TREE_ARGS):
+        return original(x, conv_state, weight, bias, activation, **kwargs)
+    from sglang_ddtree.gdn.conv_tree import conv_tree
+
+    return conv_tree(x, conv_state, weight, bias, activation, **kwargs)
+
+
+_CONV_TREE_ARGS = (
+    "conv_state_indices",
+    "intermediate_conv_window",
+    "intermediate_state_indices",
+    "retrieve_next_token",
+    "retrieve_next_sibling",
+    "retrieve_parent_token",
+)
 
 
 def commit(original, backend, last_correct_step_indices, mamba_track_indices,

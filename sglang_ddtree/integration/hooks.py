@@ -14,6 +14,8 @@
 | GDNKernelDispatcher.target_verify       | Gated DeltaNet tree verify without per-node states    |
 | HybridLinearAttnBackend                 | and the commit by replaying the accepted path         |
 |   .update_mamba_state_after_mtp_verify  | (integration/gdn.py; SGLANG_DDTREE_GDN=sglang: off)   |
+| gdn_backend.causal_conv1d_update        | the tree conv1d, every node in parallel (opt-in:      |
+|                                         | SGLANG_DDTREE_CONV=ddtree)                            |
 
 All but the front-end one are installed from the worker factory (scheduler process only, before any graph
 capture), so other processes never import those heavy modules; the front-end one is registered
@@ -148,4 +150,5 @@ HOOKS = {
     compat.DFLASH_REQUEST_VALIDATOR: _validate_request,
     compat.GDN_TARGET_VERIFY: gdn.target_verify,
     compat.MAMBA_STATE_COMMIT: gdn.commit,
+    compat.GDN_CONV_UPDATE: gdn.conv_update,
 }

@@ -51,6 +51,7 @@ SPEC_VARIANTS = (
     "ddtree_det",
     "ddtree_torch",
     "ddtree_sglanggdn",
+    "ddtree_conv",
     "dflash",
 )  # dflash: a control
 SPEC_SERVERS = [

@@ -23,7 +23,7 @@ torch.set_num_threads(1)
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interpreter_only = pytest.mark.skipif(not INTERPRETED, reason="runs in the interpreter process")
-INTERPRETER_TESTS = 2  # non-gpu tests the child process runs (all but this one)
+INTERPRETER_TESTS = 4  # non-gpu tests the child process runs (all but this one)
 
 
 def test_cpu_kernel_tests_under_triton_interpreter():
@@ -106,3 +106,46 @@ def test_conv_tree_equals_sglangs_tree_conv_on_gpu_in_bf16_at_qwen36_width():
     (o, win, par), (o_s, win_s, par_s) = out["ours"], out["sglang"]
     assert torch.equal(par, par_s) and torch.equal(win, win_s)
     assert (o.float() - o_s.float()).abs().max() == 0
+
+
+def test_conv_hook_target_exists_and_the_hook_passes_everything_else_through(monkeypatch):
+    from sglang_ddtree.integration import compat, gdn, hooks
+
+    module = pytest.importorskip("sglang.srt.layers.attention.linear.gdn_backend")
+    assert callable(module.causal_conv1d_update)
+    assert compat.GDN_CONV_UPDATE.rsplit(".", 1) == [module.__name__, "causal_conv1d_update"]
+    assert hooks.HOOKS[compat.GDN_CONV_UPDATE] is gdn.conv_update
+    calls = []
+
+    def original(*args, **kwargs):
+        calls.append(kwargs)
+        return "sglang"
+
+    tree = {k: object() for k in gdn._CONV_TREE_ARGS}
+    monkeypatch.setattr(gdn, "_conv_tree", False)  # the default: SGLang's kernel
+    assert gdn.conv_update(original, 1, 2, 3, None, "silu", **tree) == "sglang"
+    monkeypatch.setattr(gdn, "_conv_tree", True)
+    single = {"conv_state_indices": object()}  # a decode step, not a tree
+    assert gdn.conv_update(original, 1, 2, 3, None, "silu", **single) == "sglang"
+    extra = {**tree, "num_accept_tokens": object()}  # a call conv_tree does not cover
+    assert gdn.conv_update(original, 1, 2, 3, None, "silu", **extra) == "sglang"
+    assert len(calls) == 3
+
+
+@interpreter_only
+def test_conv_hook_runs_conv_tree_when_enabled(monkeypatch):
+    mod = pytest.importorskip("sglang.kernels.ops.mamba.causal_conv1d_triton")
+    import sglang_ddtree.gdn.conv_tree as conv_module
+    from sglang_ddtree.integration import gdn
+
+    monkeypatch.setattr(gdn, "_conv_tree", True)
+    used = []
+    plain = conv_module.conv_tree
+    monkeypatch.setattr(conv_module, "conv_tree", lambda *a, **k: used.append(1) or plain(*a, **k))
+    original = mod.causal_conv1d_update
+    hooked = lambda *a, **k: gdn.conv_update(original, *a, **k)  # noqa: E731
+    monkeypatch.setattr(mod, "causal_conv1d_update", hooked)  # run_both's "sglang" side: hooked
+    out = run_both(trees(2, 9, seed=4), dim=24, dtype=torch.float32)
+    (o, win, par), (o_h, win_h, par_h) = out["ours"], out["sglang"]
+    assert used == [1]  # the hook went to conv_tree, with SGLang's call passed through intact
+    assert torch.equal(o, o_h) and torch.equal(win, win_h) and torch.equal(par, par_h)
