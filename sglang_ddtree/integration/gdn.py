@@ -93,13 +93,14 @@ def target_verify(original, dispatcher, A_log, dt_bias, q, k, v, a, b, **kwargs)
     return o.reshape(v.shape)
 
 
-def conv_update(original, x, conv_state, weight, bias=None, activation=None, **kwargs):
-    """Around gdn_backend.causal_conv1d_update: a tree verify's conv1d through
-    `gdn.conv_tree.conv_tree` when SGLANG_DDTREE_CONV=ddtree (same outputs, per-node windows and
-    retrieve_parent_token as SGLang's kernel); everything else to SGLang's."""
+def conv_update(original, x, conv_state, weight, bias=None, activation=None, *rest, **kwargs):
+    """Around gdn_backend.causal_conv1d_update (SGLang's hook registry also rebinds every other
+    module's import of that function): a tree verify's conv1d through `gdn.conv_tree.conv_tree`
+    when SGLANG_DDTREE_CONV=ddtree (same outputs, per-node windows and retrieve_parent_token as
+    SGLang's kernel); every other call, as it came, to SGLang's."""
     tree = all(kwargs.get(k) is not None for k in _CONV_TREE_ARGS)
-    if not (_conv_tree and tree) or set(kwargs) - set(_CONV_TREE_ARGS):
-        return original(x, conv_state, weight, bias, activation, **kwargs)
+    if not (_conv_tree and tree) or rest or set(kwargs) - set(_CONV_TREE_ARGS):
+        return original(x, conv_state, weight, bias, activation, *rest, **kwargs)
     from sglang_ddtree.gdn.conv_tree import conv_tree
 
     return conv_tree(x, conv_state, weight, bias, activation, **kwargs)

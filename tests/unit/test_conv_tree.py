@@ -129,7 +129,8 @@ def test_conv_hook_target_exists_and_the_hook_passes_everything_else_through(mon
     assert gdn.conv_update(original, 1, 2, 3, None, "silu", **single) == "sglang"
     extra = {**tree, "num_accept_tokens": object()}  # a call conv_tree does not cover
     assert gdn.conv_update(original, 1, 2, 3, None, "silu", **extra) == "sglang"
-    assert len(calls) == 3
+    assert gdn.conv_update(original, 1, 2, 3, None, "silu", None, **tree) == "sglang"  # 6th arg
+    assert len(calls) == 4
 
 
 @interpreter_only
