@@ -127,19 +127,21 @@ def run_one(bs: int, nodes: int, parents: torch.Tensor, iters: int, device: str 
     return row
 
 
-def run_conv(bs: int, nodes: int, parents: torch.Tensor, iters: int, dim: int = CONV_DIM) -> dict:
+def run_conv(bs: int, nodes: int, parents: torch.Tensor, iters: int, dim: int = CONV_DIM,
+             device: str = "cuda") -> dict:  # fmt: skip
     """One configuration of the tree conv1d: SGLang's causal_conv1d_update (tree path) against
-    sglang_ddtree.gdn.conv_tree, bf16 at Qwen3.6-27B's conv width; also checks they agree."""
-    from bench_tree_build import gpu_ms  # beside this script, so on sys.path when it runs
+    sglang_ddtree.gdn.conv_tree, bf16 at Qwen3.6-27B's conv width; also checks they agree. On a
+    CPU device (Triton's interpreter) only the checks, in float32."""
     from sglang.kernels.ops.mamba.causal_conv1d_triton import causal_conv1d_update
 
     from sglang_ddtree.gdn.conv_tree import conv_tree, eagle_links
 
-    dev, KW = "cuda", 4
+    dev, KW = device, 4
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     g = torch.Generator(device=dev).manual_seed(0)
 
     def randn(*shape):
-        return torch.randn(*shape, generator=g, device=dev).to(torch.bfloat16)
+        return torch.randn(*shape, generator=g, device=dev).to(dtype)
 
     x = randn(bs, nodes, dim).transpose(1, 2)
     weight, bias, state = randn(dim, KW), randn(dim), randn(bs + 1, dim, KW - 1)
@@ -148,12 +150,14 @@ def run_conv(bs: int, nodes: int, parents: torch.Tensor, iters: int, dim: int = 
     out = {}
 
     def call(name, fn):
+        # its own conv state (SGLang's kernel rolls it during a tree verify), windows, parents
+        own = state.clone()
+        windows = out[f"{name}_win"] = torch.zeros((bs + 1, nodes, dim, KW - 1), dtype=dtype,
+                                                   device=dev)  # fmt: skip
+        par = out[f"{name}_par"] = torch.zeros((bs, nodes), dtype=torch.int64, device=dev)
+
         def run():
-            windows = out.setdefault(f"{name}_win", torch.empty((bs + 1, nodes, dim, KW - 1),
-                                     dtype=torch.bfloat16, device=dev))  # fmt: skip
-            par = out.setdefault(f"{name}_par", torch.empty((bs, nodes), dtype=torch.int64,
-                                 device=dev))  # fmt: skip
-            out[name] = fn(x, state, weight, bias, "silu", conv_state_indices=idx,
+            out[name] = fn(x, own, weight, bias, "silu", conv_state_indices=idx,
                            intermediate_conv_window=windows, intermediate_state_indices=idx,
                            retrieve_next_token=nxt, retrieve_next_sibling=sib,
                            retrieve_parent_token=par)  # fmt: skip
@@ -167,8 +171,11 @@ def run_conv(bs: int, nodes: int, parents: torch.Tensor, iters: int, dim: int = 
            "conv_max_abs_diff_o": float((out["ours"].float() - out["sglang"].float()).abs().max()),
            "conv_windows_equal": bool(torch.equal(out["ours_win"][:bs], out["sglang_win"][:bs])),
            "conv_parents_equal": bool(torch.equal(out["ours_par"], out["sglang_par"]))}  # fmt: skip
-    row["sglang_conv_ms"] = gpu_ms(sglang, iters, graph=True)
-    row["ours_conv_ms"] = gpu_ms(ours, iters, graph=True)
+    if dev == "cuda":
+        from bench_tree_build import gpu_ms  # beside this script, so on sys.path when it runs
+
+        row["sglang_conv_ms"] = gpu_ms(sglang, iters, graph=True)
+        row["ours_conv_ms"] = gpu_ms(ours, iters, graph=True)
     return row
 
 

@@ -23,7 +23,7 @@ torch.set_num_threads(1)
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interpreter_only = pytest.mark.skipif(not INTERPRETED, reason="runs in the interpreter process")
-INTERPRETER_TESTS = 4  # non-gpu tests the child process runs (all but this one)
+INTERPRETER_TESTS = 5  # non-gpu tests the child process runs (all but this one)
 
 
 def test_cpu_kernel_tests_under_triton_interpreter():
@@ -150,3 +150,19 @@ def test_conv_hook_runs_conv_tree_when_enabled(monkeypatch):
     (o, win, par), (o_h, win_h, par_h) = out["ours"], out["sglang"]
     assert used == [1]  # the hook went to conv_tree, with SGLang's call passed through intact
     assert torch.equal(o, o_h) and torch.equal(win, win_h) and torch.equal(par, par_h)
+
+
+@interpreter_only
+def test_bench_conv_checks_agree_on_the_cpu():
+    """scripts/bench_gdn_tree.py --conv's configuration and checks, small, under the interpreter."""
+    import importlib.util
+    from pathlib import Path
+
+    pytest.importorskip("sglang.kernels.ops.mamba.causal_conv1d_triton")
+    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_gdn_tree.py"
+    spec = importlib.util.spec_from_file_location("bench_gdn_tree", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    row = bench.run_conv(2, 12, bench.trees(2, 12, seed=5), 1, dim=24, device="cpu")
+    assert row["conv_max_abs_diff_o"] == 0.0, row
+    assert row["conv_windows_equal"] and row["conv_parents_equal"], row
