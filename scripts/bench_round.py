@@ -212,27 +212,38 @@ def profile_parts(server, bs: int, out_dir: Path, tokens: int = 48) -> dict:
     files = sorted(glob.glob(str(trace_dir / "*.json*")))
     if not files:
         return {}
+    events = load_events(files[-1])  # one parse of the (large) trace for all three
     return {
-        "gpu_ms": parse_trace(files[-1]),
-        "host": parse_trace_host(files[-1]),
-        "top_kernels": top_kernels(files[-1]),
+        "gpu_ms": parse_trace(events),
+        "host": parse_trace_host(events),
+        "top_kernels": top_kernels(events),
     }
 
 
-def _load_events(path: str) -> list[dict]:
+def load_events(path: str) -> list[dict]:
+    """The events of a torch-profiler trace (.json or .json.gz)."""
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
         return json.load(f)["traceEvents"]
 
 
-def parse_trace_host(path: str) -> dict:
+def _round_starts(events: list[dict]) -> list[float]:
+    """Start times of the scheduler's `run_batch` ranges: one per decode round."""
+    return sorted(
+        e["ts"] for e in events
+        if e.get("ph") == "X" and e.get("cat") == "user_annotation"
+        and e.get("name") == "scheduler.run_batch"
+    )  # fmt: skip
+
+
+def parse_trace_host(events: list[dict]) -> dict:
     """Host side of a trace: the median period of the scheduler's `run_batch` (one decode round
     per batch), the mean host ms of each `ddtree.*` range, and host synchronisations
     (cudaStreamSynchronize/cudaDeviceSynchronize) per round, with those whose innermost Python
     frame from sglang or sglang_ddtree is in sglang_ddtree counted as DDTREE's own."""
-    events = [e for e in _load_events(path) if e.get("ph") == "X"]
+    starts = _round_starts(events)
+    events = [e for e in events if e.get("ph") == "X"]
     ann = [e for e in events if e.get("cat") == "user_annotation"]
-    starts = sorted(e["ts"] for e in ann if e["name"] == "scheduler.run_batch")
     gaps = [(b - a) / 1e3 for a, b in zip(starts, starts[1:], strict=False)]
     host: dict[str, list[float]] = {}
     for e in ann:
@@ -258,15 +269,10 @@ def parse_trace_host(path: str) -> dict:
     }
 
 
-def top_kernels(path: str, n: int = 15) -> list[tuple[str, float]]:
+def top_kernels(events: list[dict], n: int = 15) -> list[tuple[str, float]]:
     """The n GPU kernels with the most time in the trace, as (name, ms per round), rounds
     counted by the scheduler's `run_batch` ranges: which kernels a round's GPU time is made of."""
-    events = _load_events(path)
-    rounds = sum(
-        1 for e in events
-        if e.get("ph") == "X" and e.get("cat") == "user_annotation"
-        and e.get("name") == "scheduler.run_batch"
-    )  # fmt: skip
+    rounds = len(_round_starts(events))
     total: dict[str, float] = {}
     for e in events:
         if e.get("ph") == "X" and e.get("cat") == "kernel":
@@ -275,11 +281,10 @@ def top_kernels(path: str, n: int = 15) -> list[tuple[str, float]]:
     return [(name, round(us / max(rounds, 1) / 1e3, 4)) for name, us in ranked]
 
 
-def parse_trace(path: str) -> dict[str, float]:
+def parse_trace(events: list[dict]) -> dict[str, float]:
     """Sum the GPU kernel time launched inside each `ddtree.*` range, per round (ms). Ranges are
     the host-side ones (the profiler also mirrors them on the GPU timeline); launches include
     driver calls, which is how CUDA-graph replays (cuGraphLaunch) appear."""
-    events = _load_events(path)
     ranges = [
         e
         for e in events

@@ -118,7 +118,7 @@ def test_trace_parser_sums_kernels_inside_each_range(tmp_path):
     path = tmp_path / "trace.json.gz"
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": events}, f)
-    parts = bench.parse_trace(str(path))
+    parts = bench.parse_trace(bench.load_events(str(path)))
     assert parts == {"ddtree.draft": 0.05, "ddtree.verify": 0.01}  # ms per range occurrence
 
 
@@ -197,7 +197,7 @@ def test_greedy_referee_allows_what_bf16_strays_by_elsewhere_and_nothing_more():
     assert harness.referee_accepts((5, 0.27, 0.253, 0.215), 0.25)  # run 10's bf16 near-tie
 
 
-def test_top_kernels_ranks_gpu_time_per_round(tmp_path):
+def test_top_kernels_ranks_gpu_time_per_round():
     bench = _script("bench_round")
     events = [
         _span("user_annotation", "scheduler.run_batch", 0, 8),
@@ -208,12 +208,10 @@ def test_top_kernels_ranks_gpu_time_per_round(tmp_path):
         _span("kernel", "gdn_tree", 12, 5000),
         _span("kernel", "tiny", 3, 10),
     ]
-    path = tmp_path / "trace.json"
-    path.write_text(json.dumps({"traceEvents": events}))
-    assert bench.top_kernels(str(path), n=2) == [("gdn_tree", 5.0), ("gemm", 3.0)]
+    assert bench.top_kernels(events, n=2) == [("gdn_tree", 5.0), ("gemm", 3.0)]
 
 
-def test_host_trace_parser_counts_rounds_parts_and_own_syncs(tmp_path):
+def test_host_trace_parser_counts_rounds_parts_and_own_syncs():
     bench = _script("bench_round")
     events = [
         _span("user_annotation", "scheduler.run_batch", 0, 8),
@@ -229,9 +227,7 @@ def test_host_trace_parser_counts_rounds_parts_and_own_syncs(tmp_path):
         _span("python_function", "sglang_ddtree/x.py(9): h", 12, 3),
         _span("cuda_runtime", "cudaStreamSynchronize", 13, 1),
     ]
-    path = tmp_path / "trace.json"
-    path.write_text(json.dumps({"traceEvents": events}))
-    host = bench.parse_trace_host(str(path))
+    host = bench.parse_trace_host(events)
     assert host["round_period_ms"] == 0.011  # median of 10 us and 12 us
     assert host["host_ms"] == {"ddtree.draft": 3.0}
     assert host["syncs_per_round"] == 2 / 3
