@@ -126,6 +126,12 @@ def _load_qk(ptr, tok, i_h, H: tl.constexpr, K: tl.constexpr, o_k, mask_k):
 
 
 @triton.jit
+def _scratch_offsets(N, HV: tl.constexpr, K: tl.constexpr):
+    """(beta, k, v) offsets in a request's scratch row; g starts at 0 (`scratch_floats`)."""
+    return N * HV, 2 * N * HV, 2 * N * HV + N * HV * K
+
+
+@triton.jit
 def _delta_update(b_h, b_k, b_v, b_g, b_beta):
     b_h *= tl.exp(b_g)
     b_v = (b_v - tl.sum(b_h * b_k[:, None], 0)) * b_beta
@@ -190,7 +196,7 @@ def _tree_verify_kernel(
     neg_a = -tl.exp(tl.load(A_log + i_hv).to(tl.float32))
     dtb = tl.load(dt_bias + i_hv).to(tl.float32)
     x_row = scratch + tl.load(scratch_idx + i_n).to(tl.int64) * scratch_stride
-    x_beta, x_k, x_v = N * HV, 2 * N * HV, 2 * N * HV + N * HV * K
+    x_beta, x_k, x_v = _scratch_offsets(N, HV, K)
     for i in range(MAX_PATH):
         if i < length:
             node = tl.sum(tl.where(o_p == length - 1 - i, rev, 0))
@@ -239,7 +245,7 @@ def _commit_kernel(
     b_h = tl.load(layer + slot * state_stride + in_state, mask=mask_h, other=0).to(tl.float32)
     x_row = scratch + i_l * scratch_layer_stride
     x_row += tl.load(scratch_idx + i_n).to(tl.int64) * scratch_stride
-    x_beta, x_k, x_v = N * HV, 2 * N * HV, 2 * N * HV + N * HV * K
+    x_beta, x_k, x_v = _scratch_offsets(N, HV, K)
     for i in range(MAX_PATH):
         if i < length:
             node = tl.sum(tl.where(o_p == length - 1 - i, rev, 0))
@@ -266,6 +272,11 @@ def _check_state(state: torch.Tensor, inner: tuple[int, int, int]) -> None:
         raise ValueError(f"state pool {tuple(state.shape)} is not [..., {inner}] with K contiguous")
 
 
+def _check_scratch(scratch: torch.Tensor, N: int, HV: int, K: int, V: int) -> None:
+    if scratch.dtype != torch.float32 or scratch.shape[-1] < scratch_floats(N, HV, K, V):
+        raise ValueError(f"scratch rows {tuple(scratch.shape)} {scratch.dtype} are too small")
+
+
 def tree_verify(q, k, v, a, b, A_log, dt_bias, state, state_idx, parents, scratch, scratch_idx,
                 *, max_path: int, scale: float | None = None, block_v: int | None = None,
                 num_warps: int = 1) -> torch.Tensor:  # fmt: skip
@@ -281,10 +292,9 @@ def tree_verify(q, k, v, a, b, A_log, dt_bias, state, state_idx, parents, scratc
     _, HV, V = v.shape
     if T != bs * N or HV % H or k.shape != q.shape:
         raise ValueError(f"q {tuple(q.shape)} / v {tuple(v.shape)} do not fit {bs} x {N} nodes")
-    if scratch.dtype != torch.float32 or scratch.shape[-1] < scratch_floats(N, HV, K, V):
-        raise ValueError(f"scratch rows {tuple(scratch.shape)} {scratch.dtype} are too small")
+    _check_scratch(scratch, N, HV, K, V)
     _check_state(state, (HV, V, K))
-    q, k, v = (x if x.stride(-1) == 1 and x.is_contiguous() else x.contiguous() for x in (q, k, v))
+    q, k, v = (x.contiguous() for x in (q, k, v))
     a, b = (x if x.stride(-1) == 1 else x.contiguous() for x in (a, b))
     o = torch.empty(v.shape, dtype=q.dtype, device=v.device)
     BV = block_v or min(16, triton.next_power_of_2(V))  # 16 x 1 warp: fastest of 16-64 x 1-4
@@ -310,8 +320,7 @@ def commit_paths(state, state_idx, scratch, scratch_idx, parents, last, *, max_p
     bs, N = len(last), parents.shape[1]
     L, _, HV, V, K = state.shape
     _check_state(state, (HV, V, K))
-    if scratch.dtype != torch.float32 or scratch.shape[-1] < scratch_floats(N, HV, K, V):
-        raise ValueError(f"scratch rows {tuple(scratch.shape)} {scratch.dtype} are too small")
+    _check_scratch(scratch, N, HV, K, V)
     if bs == 0:
         return
     track = track_node is not None

@@ -153,21 +153,16 @@ def commit(original, backend, last_correct_step_indices, mamba_track_indices,
 
 def _rows(parents, N: int):
     """parents as request rows of N (a view when SGLang's buffer already is one)."""
-    rows = parents.reshape(-1, N)
-    return rows if rows.stride() == (N, 1) else rows.contiguous()
+    return parents.reshape(-1, N).contiguous()
 
 
-_no_states_cache: dict[int, object] = {}
+_no_states: tuple = (None, None)  # (the pool's caches, the same without states)
 
 
 def _without_states(caches):
     """The pool's caches with an empty `temporal` (SGLang's scatter then moves conv windows only);
     made once per pool."""
-    key = id(caches)
-    if key not in _no_states_cache:
-        _no_states_cache.clear()
-        _no_states_cache[key] = (
-            caches,  # keeps id(caches) from being reused while cached
-            dataclasses.replace(caches, temporal=caches.temporal[:, :0]),
-        )
-    return _no_states_cache[key][1]
+    global _no_states
+    if _no_states[0] is not caches:
+        _no_states = (caches, dataclasses.replace(caches, temporal=caches.temporal[:, :0]))
+    return _no_states[1]

@@ -17,9 +17,9 @@
 | gdn_backend.causal_conv1d_update        | the tree conv1d, every node in parallel (opt-in:      |
 |                                         | SGLANG_DDTREE_CONV=ddtree)                            |
 
-All but the front-end one are installed from the worker factory (scheduler process only, before any graph
-capture), so other processes never import those heavy modules; the front-end one is registered
-at plugin load and applied by SGLang's load_plugins() in the server's main process.
+All but the front-end one are installed from the worker factory (scheduler process only, before
+any graph capture), so other processes never import those heavy modules; the front-end one is
+registered at plugin load and applied by SGLang's load_plugins() in the server's main process.
 """
 
 from __future__ import annotations
