@@ -134,7 +134,8 @@ def run_conv(bs: int, nodes: int, parents: torch.Tensor, iters: int, dim: int = 
     CPU device (Triton's interpreter) only the checks, in float32."""
     from sglang.kernels.ops.mamba.causal_conv1d_triton import causal_conv1d_update
 
-    from sglang_ddtree.gdn.conv_tree import conv_tree, eagle_links
+    from sglang_ddtree.gdn.conv_tree import conv_tree
+    from sglang_ddtree.tree.testing import eagle_links
 
     dev, KW = device, 4
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32

@@ -28,25 +28,6 @@ import triton
 import triton.language as tl
 
 
-def eagle_links(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(retrieve_next_token, retrieve_next_sibling) [bs, N] int64 of parent-first trees (CPU
-    parents [bs, N], root entry ignored): each node's first (lowest-index) child and its next
-    sibling in index order, -1 where none. For tests and benchmarks."""
-    bs, N = parents.shape
-    first = torch.full((bs, N), -1, dtype=torch.int64)
-    sibling = torch.full((bs, N), -1, dtype=torch.int64)
-    for b in range(bs):
-        last_child: dict[int, int] = {}
-        for t in range(1, N):
-            p = int(parents[b, t])
-            if p in last_child:
-                sibling[b, last_child[p]] = t
-            else:
-                first[b, p] = t
-            last_child[p] = t
-    return first, sibling
-
-
 @triton.jit
 def _parents_kernel(next_token, next_sibling, parents, N, stride_nt, stride_ns, stride_p,
                     NP: tl.constexpr, LOG_NP: tl.constexpr):  # fmt: skip

@@ -51,7 +51,9 @@ def _best_first(lp: list[list[np.float32]], budget: int) -> list[tuple[int, int,
     return nodes
 
 
-def _links_and_visibility(parents: list[int]) -> tuple[list[int], list[int], list[list[bool]]]:
+def sibling_links(parents: list[int]) -> tuple[list[int], list[int]]:
+    """(first_child, next_sibling) of a parent-first tree (parents[0], the root's, is ignored):
+    each node's lowest-index child and the next higher-index child of its parent, -1 where none."""
     N = len(parents)
     first_child, next_sibling = [-1] * N, [-1] * N
     for i in range(1, N):
@@ -60,6 +62,12 @@ def _links_and_visibility(parents: list[int]) -> tuple[list[int], list[int], lis
             first_child[p] = i
         later = [j for j in range(i + 1, N) if parents[j] == p]
         next_sibling[i] = later[0] if later else -1
+    return first_child, next_sibling
+
+
+def _links_and_visibility(parents: list[int]) -> tuple[list[int], list[int], list[list[bool]]]:
+    N = len(parents)
+    first_child, next_sibling = sibling_links(parents)
     visibility = [[False] * N for _ in range(N)]
     for i in range(N):
         j = i

@@ -1,5 +1,5 @@
-"""Helpers for tests: random builder inputs, a host-side structural check of a DraftTree, and
-running a test file's CPU tests under Triton's interpreter.
+"""Helpers for tests: random builder inputs, a host-side structural check of a DraftTree, SGLang's
+sibling links of a tree, and running a test file's CPU tests under Triton's interpreter.
 
 Not used on the serving path (they sync with the host freely).
 """
@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from .build_reference import sibling_links
 from .inputs import LOGPROB_FLOOR
 from .types import DraftTree
 
@@ -22,6 +23,14 @@ from .types import DraftTree
 TIE_VALUES = (0.0, -0.5, -0.5, -1.0, -2.0, LOGPROB_FLOOR, 2 * LOGPROB_FLOOR, float("-inf"))
 
 LOGPROB_MODES = ("continuous", "ties", "dirty")
+
+
+def eagle_links(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """SGLang's (retrieve_next_token, retrieve_next_sibling) [bs, N] int64 for parent-first trees
+    [bs, N]: `build_reference.sibling_links` of each row."""
+    rows = [sibling_links(row) for row in parents.tolist()]
+    first, sibling = zip(*rows, strict=True)
+    return torch.tensor(first, dtype=torch.int64), torch.tensor(sibling, dtype=torch.int64)
 
 
 def run_cpu_tests_under_triton_interpreter(test_file: str, expected_passed: int) -> None:

@@ -12,9 +12,10 @@ import os
 import pytest
 import torch
 
-from sglang_ddtree.gdn.conv_tree import conv_tree, eagle_links
+from sglang_ddtree.gdn.conv_tree import conv_tree
 from sglang_ddtree.tree import build_tree_reference
 from sglang_ddtree.tree.testing import (
+    eagle_links,
     random_build_inputs,
     run_cpu_tests_under_triton_interpreter,
 )
