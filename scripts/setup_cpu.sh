@@ -3,6 +3,9 @@
 # code, installed --no-deps so pip never resolves sglang's GPU pins) and this package. Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The CUDA build of torch pulls ~3 GB of nvidia wheels; pip's cache would keep a second copy of
+# them, which a small disk cannot hold (a CI run once died of ENOSPC while installing).
+export PIP_NO_CACHE_DIR=1
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
