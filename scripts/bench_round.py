@@ -69,12 +69,14 @@ MAMBA_SLOTS_PER_REQ = 6  # >= SGLang's mamba slots per running request (3, +2 wi
 # `_torch`: DDTREE with the batched torch tree builder instead of the Triton one (its CUDA default).
 # `_sglanggdn`: DDTREE with SGLang's own GDN tree verify and commit (per-node states) instead of
 # sglang_ddtree.gdn's (one program per root path, commit by replay). `_conv`: DDTREE with the opt-in
-# tree conv1d of gdn/conv_tree.py.
+# tree conv1d of gdn/conv_tree.py. `_compact`: DDTREE with the compact GDN verify scratch
+# (integration/gdn_pool.py), which lets 16 requests run at any N.
 VARIANT_ENV = {
     "_bf16ssm": {"SGLANG_MAMBA_SSM_DTYPE": "bfloat16"},
     "_torch": {"SGLANG_DDTREE_TREE_BUILDER": "torch"},
     "_sglanggdn": {"SGLANG_DDTREE_GDN": "sglang"},
     "_conv": {"SGLANG_DDTREE_CONV": "ddtree"},
+    "_compact": {"SGLANG_DDTREE_GDN_SCRATCH": "compact"},
 }
 
 
@@ -117,6 +119,11 @@ def variants(draft: Path) -> dict[str, list[str]]:
         out[f"{name}_torch"] = out[name]
         out[f"{name}_sglanggdn"] = out[name]
         out[f"{name}_conv"] = out[name]
+    for n in (16, 32, 64, 128):  # the compact scratch: SGLang's default 16 requests at every N
+        out[f"ddtree{n}_compact"] = [*dd, "--speculative-num-draft-tokens", str(n),
+                                     "--max-running-requests", "16",
+                                     "--max-mamba-cache-size", str(MAMBA_SLOTS_PER_REQ * 16)]  # fmt: skip
+        out[f"ddtree{n}_compact_conv"] = out[f"ddtree{n}_compact"]
     return out
 
 

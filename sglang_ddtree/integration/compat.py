@@ -30,6 +30,12 @@ MAMBA_STATE_COMMIT = (
     ".update_mamba_state_after_mtp_verify"
 )
 
+# Compact GDN verify scratch (opt-in): integration/gdn_pool.py.
+MAMBA_POOL_INIT = "sglang.srt.mem_cache.memory_pool.HybridReqToTokenPool._init_mamba_pool"
+MAMBA_POOL_SOLVER = (
+    "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._handle_max_mamba_cache"
+)
+
 
 def scatter_mamba_states_after_mtp_verify():
     """SGLang's per-round Mamba-pool commit (states + conv windows + track slots)."""

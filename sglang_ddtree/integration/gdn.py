@@ -18,6 +18,8 @@ fills `retrieve_parent_token` from the tree), so the committed state is the veri
 SGLANG_DDTREE_GDN=sglang keeps SGLang's own verify and commit (the comparison baseline).
 A third hook, opt-in with SGLANG_DDTREE_CONV=ddtree, runs the tree verify's conv1d through
 `gdn/conv_tree.py` (every node in parallel) instead of SGLang's node-after-node kernel.
+SGLANG_DDTREE_GDN_SCRATCH=compact (opt-in) also shrinks `intermediate_ssm` to the scratch that
+this verify uses, and sizes the Mamba pool for it (integration/gdn_pool.py).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import dataclasses
 import logging
 import os
 
-from sglang_ddtree.integration import compat
+from sglang_ddtree.integration import compat, gdn_pool
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +53,18 @@ def configure(server_args) -> None:
     # Opt-in until the GPU suite and bench_gdn_tree --conv have run it (docs/benchmarks.md).
     conv = _choice("SGLANG_DDTREE_CONV", "sglang")
     _conv_tree = conv == "ddtree"
-    logger.info("sglang_ddtree: GDN tree verify and commit: %s; tree conv1d: %s", choice, conv)
+    # Opt-in until the GPU suite has run it (docs/benchmarks.md).
+    scratch = os.environ.get("SGLANG_DDTREE_GDN_SCRATCH", "full")
+    if scratch not in ("compact", "full"):
+        raise ValueError(f"SGLANG_DDTREE_GDN_SCRATCH must be 'compact' or 'full', got {scratch!r}.")
+    if scratch == "compact" and choice == "sglang":
+        raise ValueError(
+            "SGLANG_DDTREE_GDN_SCRATCH=compact needs DDTREE's GDN verify, which "
+            "SGLANG_DDTREE_GDN=sglang turns off; drop one of the two."
+        )
+    gdn_pool.configure(scratch == "compact")
+    logger.info("sglang_ddtree: GDN tree verify and commit: %s; tree conv1d: %s; scratch: %s",
+                choice, conv, scratch)  # fmt: skip
 
 
 def active() -> bool:
@@ -61,6 +74,7 @@ def active() -> bool:
 def target_verify(original, dispatcher, A_log, dt_bias, q, k, v, a, b, **kwargs):
     parents = kwargs.get("retrieve_parent_token")
     if _max_path is None or parents is None:  # not DDTREE, or a chain / warm-up batch
+        _refuse_compact(kwargs.get("intermediate_states_buffer"))
         return original(dispatcher, A_log, dt_bias, q, k, v, a, b, **kwargs)
     from sglang_ddtree.gdn.tree_verify import as_scratch, tree_verify
 
@@ -121,15 +135,16 @@ def commit(original, backend, last_correct_step_indices, mamba_track_indices,
     linear = backend.linear_attn_backend
     meta = linear.forward_metadata
     parents = getattr(meta, "retrieve_parent_token", None)
+    caches = linear.req_to_token_pool.get_speculative_mamba2_params_all_layers()
     if _max_path is None or parents is None:
+        _refuse_compact(caches.intermediate_ssm)
         return original(backend, last_correct_step_indices, mamba_track_indices,
                         mamba_steps_to_track, model, req_pool_indices)  # fmt: skip
     from sglang_ddtree.gdn.tree_verify import as_scratch, commit_paths
 
     bs = last_correct_step_indices.shape[0]
-    caches = linear.req_to_token_pool.get_speculative_mamba2_params_all_layers()
     state_idx = meta.mamba_cache_indices[:bs]
-    N = caches.intermediate_ssm.shape[2]
+    N = caches.intermediate_conv_window[0].shape[2]  # [layers, rows, N, dim, K - 1], both pools
     commit_paths(
         caches.temporal,
         state_idx,
@@ -149,6 +164,16 @@ def commit(original, backend, last_correct_step_indices, mamba_track_indices,
         mamba_track_indices,
         mamba_steps_to_track,
     )
+
+
+def _refuse_compact(intermediate_ssm) -> None:
+    """SGLang's own verify or commit would overrun a compact scratch: fail instead."""
+    if gdn_pool.is_compact(intermediate_ssm):
+        raise RuntimeError(
+            "A Gated DeltaNet verify without a DDTREE tree reached a Mamba pool sized by "
+            "SGLANG_DDTREE_GDN_SCRATCH=compact, which only DDTREE's verify can use; serve with "
+            "SGLANG_DDTREE_GDN_SCRATCH=full."
+        )
 
 
 def _rows(parents, N: int):

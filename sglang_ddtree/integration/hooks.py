@@ -1,4 +1,4 @@
-"""Runtime hooks: the two places SGLang 0.5.17's plugin API does not reach. One table, applied once.
+"""Runtime hooks: the places SGLang 0.5.17's plugin API does not reach. One table, applied once.
 
 | target                                  | why                                                  |
 |-----------------------------------------|------------------------------------------------------|
@@ -16,6 +16,9 @@
 |   .update_mamba_state_after_mtp_verify  | (integration/gdn.py; SGLANG_DDTREE_GDN=sglang: off)   |
 | gdn_backend.causal_conv1d_update        | the tree conv1d, every node in parallel (opt-in:      |
 |                                         | SGLANG_DDTREE_CONV=ddtree)                            |
+| HybridReqToTokenPool._init_mamba_pool   | the compact GDN verify scratch and the Mamba pool     |
+| KVCacheConfigurator                     | sized for it (integration/gdn_pool.py; opt-in:        |
+|   ._handle_max_mamba_cache              | SGLANG_DDTREE_GDN_SCRATCH=compact)                    |
 
 All but the front-end one are installed from the worker factory (scheduler process only, before
 any graph capture), so other processes never import those heavy modules; the front-end one is
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 import logging
 
-from sglang_ddtree.integration import compat, gdn
+from sglang_ddtree.integration import compat, gdn, gdn_pool
 
 logger = logging.getLogger(__name__)
 
@@ -151,4 +154,6 @@ HOOKS = {
     compat.GDN_TARGET_VERIFY: gdn.target_verify,
     compat.MAMBA_STATE_COMMIT: gdn.commit,
     compat.GDN_CONV_UPDATE: gdn.conv_update,
+    compat.MAMBA_POOL_INIT: gdn_pool.init_mamba_pool,
+    compat.MAMBA_POOL_SOLVER: gdn_pool.size_mamba_pool,
 }

@@ -52,6 +52,7 @@ SPEC_VARIANTS = (
     "ddtree_torch",
     "ddtree_sglanggdn",
     "ddtree_conv",
+    "ddtree_compact",
     "dflash",
 )  # dflash: a control
 SPEC_SERVERS = [

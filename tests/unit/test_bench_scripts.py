@@ -64,12 +64,19 @@ def test_bench_round_server_commands_parse(tmp_path):
             assert ns.speculative_algorithm == "DDTREE"
             assert ns.speculative_num_draft_tokens == nodes
             assert 1 <= ns.max_running_requests <= 16
-            # the verify scratch SGLang reserves fits the budget the script plans for
+            # the verify scratch SGLang reserves fits the budget the script plans for; the
+            # compact one (a few states' worth per request) lets 16 requests run at every N
             state = 2 if "_bf16ssm" in name else 4
             scratch_mib = bench.GDN_STATE_MIB * state / 4 * nodes * (ns.max_running_requests + 1)
-            assert scratch_mib <= bench.SCRATCH_GIB * 1024
+            compact = "_compact" in name
+            assert (
+                (ns.max_running_requests == 16)
+                if compact
+                else scratch_mib <= bench.SCRATCH_GIB * 1024
+            )
             assert ns.max_mamba_cache_size >= 5 * ns.max_running_requests
             env = bench.variant_env(name)
+            assert env.get("SGLANG_DDTREE_GDN_SCRATCH") == ("compact" if compact else None)
             assert env.get("SGLANG_MAMBA_SSM_DTYPE") == ("bfloat16" if state == 2 else None)
             assert env.get("SGLANG_DDTREE_TREE_BUILDER") == ("torch" if "_torch" in name else None)
 

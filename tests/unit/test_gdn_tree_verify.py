@@ -33,7 +33,7 @@ torch.set_num_threads(1)
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interpreter_only = pytest.mark.skipif(not INTERPRETED, reason="runs in the interpreter process")
-INTERPRETER_TESTS = 10  # non-gpu tests the child process runs (all but this one); it must pass all
+INTERPRETER_TESTS = 11  # non-gpu tests the child process runs (all but this one); it must pass all
 
 
 def test_cpu_kernel_tests_under_triton_interpreter():
@@ -249,11 +249,14 @@ def test_hook_targets_exist_with_the_signatures_the_hooks_assume():
 
 
 @interpreter_only
-def test_hooks_commit_the_state_sglangs_own_tree_verify_and_commit_would(monkeypatch):
+@pytest.mark.parametrize("compact", [False, True], ids=["sglangs_buffer", "compact_scratch"])
+def test_hooks_commit_the_state_sglangs_own_tree_verify_and_commit_would(monkeypatch, compact):
     """One GDN layer through both hooks, as SGLang's GDN backend calls them (q [1, T, H, K], the
     pool, the per-layer intermediate buffer, retrieve_parent_token), against SGLang's own
     TritonGDNKernel.target_verify (per-node states) + its commit (the accepted node's state):
-    the same outputs and the same committed states, in the request slot and the track slot."""
+    the same outputs and the same committed states, in the request slot and the track slot.
+    The hooks' scratch: SGLang's per-node state buffer, or the compact one of
+    SGLANG_DDTREE_GDN_SCRATCH=compact (integration/gdn_pool.py)."""
     import dataclasses
     from types import SimpleNamespace
 
@@ -272,9 +275,6 @@ def test_hooks_commit_the_state_sglangs_own_tree_verify_and_commit_would(monkeyp
     L, S = 1, bs + 3
     temporal = case.pool[None].clone()  # [L, S, HV, V, K]
     inter = torch.zeros((L, bs + 1, N, HV, V, K))  # SGLang: one row per request + padding
-    caches = MambaPool.SpeculativeState(conv=[torch.zeros(L, S, 3, 2)], temporal=temporal,
-                                        intermediate_ssm=inter, intermediate_conv_window=[
-                                            torch.zeros(L, bs + 1, N, 3, 2)])  # fmt: skip
     kwargs = dict(
         ssm_states=temporal[0], cache_indices=case.slots,
         query_start_loc=torch.arange(0, T + 1, N, dtype=torch.int32),
@@ -293,6 +293,13 @@ def test_hooks_commit_the_state_sglangs_own_tree_verify_and_commit_would(monkeyp
 
     monkeypatch.setattr(gdn, "_max_path", block)
     inter.fill_(float("nan"))  # the hooks must not read SGLang's per-node states
+    scratch = (
+        torch.full((L, bs + 1, scratch_floats(N, HV, K, V)), float("nan")) if compact else inter
+    )
+    kwargs["intermediate_states_buffer"] = scratch[0]
+    caches = MambaPool.SpeculativeState(conv=[torch.zeros(L, S, 3, 2)], temporal=temporal,
+                                        intermediate_ssm=scratch, intermediate_conv_window=[
+                                            torch.zeros(L, bs + 1, N, 3, 2)])  # fmt: skip
     o_ours = gdn.target_verify(None, None, *args, **kwargs)
     assert o_ours.shape == o_sglang.shape and o_ours.dtype == o_sglang.dtype
     assert (o_ours.float() - o_sglang.float()).abs().max() <= 2**-8
@@ -313,7 +320,7 @@ def test_hooks_commit_the_state_sglangs_own_tree_verify_and_commit_would(monkeyp
     torch.testing.assert_close(temporal[0, free], expected_track, rtol=1e-5, atol=1e-5)
     (conv_call,) = scattered  # the conv windows still go through SGLang's scatter, states not
     assert conv_call[0].temporal.numel() == 0 and conv_call[0].conv is caches.conv
-    assert dataclasses.replace(conv_call[0], temporal=temporal).intermediate_ssm is inter
+    assert dataclasses.replace(conv_call[0], temporal=temporal).intermediate_ssm is scratch
 
 
 def test_gdn_switch_and_an_unsupported_pool_name_the_fix(monkeypatch):

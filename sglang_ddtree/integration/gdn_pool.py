@@ -1,0 +1,120 @@
+"""A compact Gated DeltaNet verify scratch in SGLang's Mamba pool (opt-in: SGLANG_DDTREE_GDN_SCRATCH).
+
+SGLang 0.5.17 gives every running request N full recurrent states per GDN layer for a verify
+(`intermediate_ssm` [layers, requests + 1, N, HV, V, K]: 9.6 GB per request at 27B and N = 64)
+and sizes the Mamba pool for it, which caps DDTREE at 4 running requests at N = 64 on an H200.
+DDTREE's own verify (integration/gdn.py) keeps only each node's inputs, `scratch_floats` words
+per request and layer (1.6 % of that). With SGLANG_DDTREE_GDN_SCRATCH=compact two hooks size
+the pool for what DDTREE uses:
+
+- `init_mamba_pool` (around HybridReqToTokenPool._init_mamba_pool): SGLang builds the pool
+  without speculative buffers; we add `intermediate_ssm` as float32 rows of `scratch_floats`
+  words [layers, requests + 1, words] and the per-node conv windows in SGLang's own dense tree
+  layout [layers, requests + 1, N, dim, K - 1] (SGLang's conv kernel and scatter use them as
+  they are).
+- `size_mamba_pool` (around KVCacheConfigurator._handle_max_mamba_cache): SGLang charges the
+  speculative buffers as N extra states per request; we run its solver with the number of
+  states that covers the compact buffers instead, so the memory goes to more requests.
+
+Only DDTREE's verify and commit can read a compact scratch, so it needs SGLANG_DDTREE_GDN=ddtree
+(checked at startup) and the GDN hooks refuse SGLang's own path on it (integration/gdn.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import math
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_compact = False  # set by configure(); scheduler process only
+
+
+def configure(compact: bool) -> None:
+    global _compact
+    _compact = compact
+
+
+def compact_bytes_per_request(cache_params, num_nodes: int) -> int:
+    """Bytes of the compact speculative buffers per request, all GDN layers: the verify scratch
+    (float32) and the per-node conv windows (the conv dtype)."""
+    from sglang_ddtree.gdn.tree_verify import scratch_floats
+
+    HV, V, K = cache_params.shape.temporal
+    conv = sum(math.prod(shape) for shape in cache_params.shape.conv)
+    per_layer = 4 * scratch_floats(num_nodes, HV, K, V)
+    per_layer += num_nodes * conv * cache_params.dtype.conv.itemsize
+    return per_layer * len(cache_params.layers)
+
+
+def size_mamba_pool(original, configurator, total_rest_memory):
+    """SGLang's solver with its N per-request speculative states replaced by the fewest whole
+    states that hold the compact buffers (the solver charges `mamba_cache_per_req` per state)."""
+    if not _compact or configurator.spec_algorithm.is_none():
+        return original(configurator, total_rest_memory)
+    from sglang.srt.runtime_context import get_spec
+
+    params = configurator.mambaish_config.mamba2_cache_params
+    spec = get_spec()
+    N = int(configurator.server_args.max_speculative_num_draft_tokens
+            or spec.speculative_num_draft_tokens)  # fmt: skip
+    states = math.ceil(compact_bytes_per_request(params, N) / params.mamba_cache_per_req)
+    logger.info(
+        "sglang_ddtree: Mamba pool sized for %d verify state(s) per request instead of %d "
+        "(compact GDN scratch)", states, spec.speculative_num_draft_tokens
+    )  # fmt: skip
+    with spec.override(speculative_num_draft_tokens=states):
+        return original(configurator, total_rest_memory)
+
+
+def init_mamba_pool(original, req_pool, *args, **kwargs):
+    """SGLang's Mamba pool, its speculative buffers replaced by the compact ones."""
+    call = inspect.signature(original).bind(req_pool, *args, **kwargs)
+    call.apply_defaults()
+    params = call.arguments
+    N = params.get("speculative_num_draft_tokens")
+    if not _compact or N is None:
+        return original(*call.args, **call.kwargs)
+    params["speculative_num_draft_tokens"] = None  # SGLang: no speculative buffers
+    original(*call.args, **call.kwargs)
+    attach_compact_scratch(req_pool.mamba_pool, params["mamba_spec_state_size"], N)
+    return None
+
+
+def attach_compact_scratch(pool, spec_state_size: int, num_nodes: int) -> None:
+    """Turn a MambaPool built without speculative buffers into one with DDTREE's compact ones
+    (one row per request plus SGLang's padding row)."""
+    from sglang.srt.mem_cache.memory_pool import MambaPool
+
+    from sglang_ddtree.gdn.tree_verify import scratch_floats
+
+    cache = pool.mamba_cache
+    temporal = cache.temporal  # [layers, slots, HV, V, K]
+    layers, rows = temporal.shape[0], spec_state_size + 1
+    HV, V, K = temporal.shape[2:]
+    scratch = temporal.new_zeros((layers, rows, scratch_floats(num_nodes, HV, K, V)),
+                                 dtype=torch.float32)  # fmt: skip
+    windows = [conv.new_zeros((layers, rows, num_nodes, *conv.shape[2:])) for conv in cache.conv]
+    fields = {f.name: getattr(cache, f.name) for f in dataclasses.fields(cache)}
+    pool.mamba_cache = MambaPool.SpeculativeState(
+        **fields, intermediate_ssm=scratch, intermediate_conv_window=windows
+    )
+    pool._intermediate_conv_window_phys = windows
+    added = sum(t.numel() * t.element_size() for t in (scratch, *windows))
+    pool.mem_usage = getattr(pool, "mem_usage", 0.0) + added / (1 << 30)
+    logger.info(
+        "sglang_ddtree: compact GDN verify scratch for %d requests x %d nodes: %.3f GB "
+        "(SGLang's per-node states would take %.2f GB)",
+        spec_state_size, num_nodes, added / (1 << 30),
+        layers * rows * num_nodes * temporal[0, 0].numel() * temporal.element_size() / (1 << 30),
+    )  # fmt: skip
+
+
+def is_compact(intermediate_ssm) -> bool:
+    """Whether a (per-layer or all-layer) intermediate_ssm is the compact scratch, which only
+    DDTREE's verify and commit can use: SGLang's has N, HV, V, K after its row dimensions."""
+    return intermediate_ssm is not None and intermediate_ssm.dim() <= 3

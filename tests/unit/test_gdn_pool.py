@@ -1,0 +1,208 @@
+"""integration/gdn_pool.py: the compact Gated DeltaNet verify scratch (SGLANG_DDTREE_GDN_SCRATCH=
+compact) in SGLang 0.5.17's own Mamba pool and memory solver, run on the CPU. That DDTREE's verify
+and commit give SGLang's results through this scratch is tested under the Triton interpreter in
+test_gdn_tree_verify.py."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sglang_ddtree.gdn.tree_verify import scratch_floats
+from sglang_ddtree.integration import gdn, gdn_pool
+
+pytest.importorskip("sglang.srt.mem_cache.memory_pool")
+
+LAYERS = [0, 2, 3]
+HV, V, K = 4, 32, 32  # value heads, head dims (the state dwarfs a node's inputs, as at 27B)
+
+
+def cache_params():
+    from sglang.srt.configs.mamba_utils import (
+        Mamba2CacheParams,
+        Mamba2StateDType,
+        Mamba2StateShape,
+    )
+
+    shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=HV * V, n_groups=2,
+                                    num_heads=HV, head_dim=V, state_size=K, conv_kernel=4)  # fmt: skip
+    dtype = Mamba2StateDType(conv=torch.bfloat16, temporal=torch.float32)
+    return Mamba2CacheParams(shape=shape, layers=LAYERS, dtype=dtype)
+
+
+@pytest.fixture
+def compact(monkeypatch):
+    monkeypatch.setattr(gdn_pool, "_compact", True)
+
+
+def hybrid_pool(num_nodes, requests=3, slots=9):
+    """SGLang's HybridReqToTokenPool on the CPU, its Mamba pool built through the hook."""
+    from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
+
+    class Pool(HybridReqToTokenPool):
+        def _init_mamba_pool(self, *args, **kwargs):
+            return gdn_pool.init_mamba_pool(HybridReqToTokenPool._init_mamba_pool, self, *args,
+                                            **kwargs)  # fmt: skip
+
+    return Pool(size=requests, mamba_size=slots, mamba_spec_state_size=requests,
+                max_context_len=64, device="cpu", enable_memory_saver=False,
+                cache_params=cache_params(), mamba_layer_ids=LAYERS,
+                enable_mamba_extra_buffer=False, speculative_num_draft_tokens=num_nodes,
+                speculative_eagle_topk=4)  # fmt: skip
+
+
+def test_compact_pool_holds_the_scratch_and_sglangs_dense_tree_conv_windows(compact):
+    from sglang.srt.mem_cache.memory_pool import MambaPool
+
+    N, requests, slots = 6, 3, 9
+    pool = hybrid_pool(N, requests, slots)
+    caches = pool.get_speculative_mamba2_params_all_layers()
+    assert isinstance(caches, MambaPool.SpeculativeState)
+    rows = requests + 1  # SGLang's padding row
+    assert caches.temporal.shape == (len(LAYERS), slots + 1, HV, V, K)
+    assert caches.intermediate_ssm.shape == (len(LAYERS), rows, scratch_floats(N, HV, K, V))
+    assert caches.intermediate_ssm.dtype == torch.float32
+    (conv,) = caches.conv
+    (windows,) = caches.intermediate_conv_window
+    assert windows.shape == (len(LAYERS), rows, N, *conv.shape[2:]) and windows.dtype == conv.dtype
+    layer = pool.mamba2_layer_cache(LAYERS[1])  # what the GDN backend hands the verify
+    assert layer.intermediate_ssm.shape == (rows, scratch_floats(N, HV, K, V))
+    assert layer.intermediate_conv_window[0].shape == (rows, N, *conv.shape[2:])
+    assert gdn_pool.is_compact(caches.intermediate_ssm)
+    assert gdn_pool.is_compact(layer.intermediate_ssm)
+    added = caches.intermediate_ssm.nbytes + windows.nbytes
+    assert added == rows * gdn_pool.compact_bytes_per_request(cache_params(), N)
+    plain = pool.mamba_pool.mamba_cache.temporal.nbytes + conv.nbytes
+    assert math.isclose(pool.mamba_pool.mem_usage * (1 << 30), plain + added)
+
+
+def test_sglangs_per_node_states_are_not_compact():
+    assert not gdn_pool.is_compact(torch.zeros(2, 5, 6, HV, V, K))  # [layers, rows, N, ...]
+    assert not gdn_pool.is_compact(torch.zeros(5, 6, HV, V, K))  # one layer
+    assert not gdn_pool.is_compact(None)
+
+
+def test_the_pool_hook_passes_sglangs_pool_through_unless_compact(monkeypatch):
+    calls = []
+
+    def original(req_pool, *, mamba_spec_state_size, speculative_num_draft_tokens=None):
+        calls.append(speculative_num_draft_tokens)
+
+    monkeypatch.setattr(gdn_pool, "_compact", False)
+    gdn_pool.init_mamba_pool(original, None, mamba_spec_state_size=3,
+                             speculative_num_draft_tokens=6)  # fmt: skip
+    monkeypatch.setattr(gdn_pool, "_compact", True)
+    gdn_pool.init_mamba_pool(original, None, mamba_spec_state_size=3)  # no verify: no scratch
+    assert calls == [6, None]
+    pool = hybrid_pool(None)  # a pool without speculative buffers stays one
+    assert pool.mamba_pool.mamba_cache.__class__.__name__ == "State"
+
+
+def solve(hook: bool, total_gib: float, num_nodes=64, running=16):
+    """SGLang's `_handle_max_mamba_cache` (through the hook or not) for cache_params() with the
+    radix cache on: (the memory it leaves in GiB, max_mamba_cache_size, the solver's
+    speculative_num_draft_tokens after it returns)."""
+    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
+    from sglang.srt.runtime_context import get_context, get_schedule, get_spec
+
+    with get_context().override_server_args(speculative_algorithm="DFLASH",
+                                            speculative_num_draft_tokens=num_nodes,
+                                            max_running_requests=running):  # fmt: skip
+        cfg = SimpleNamespace(mambaish_config=SimpleNamespace(mamba2_cache_params=cache_params()),
+                              server_args=get_context().server_args,
+                              ps=SimpleNamespace(pp_size=1, attn_dp_size=1),
+                              spec_algorithm=SimpleNamespace(is_none=lambda: False),
+                              hybrid_gdn_config=object(), model_config=None)  # fmt: skip
+        cfg._calculate_mamba_ratio = lambda: KVCacheConfigurator._calculate_mamba_ratio(cfg)
+        solver = KVCacheConfigurator._handle_max_mamba_cache
+        if hook:
+            rest = gdn_pool.size_mamba_pool(solver, cfg, total_gib)
+        else:
+            rest = solver(cfg, total_gib)
+        ratio = cfg._calculate_mamba_ratio()
+        return (
+            rest,
+            get_schedule().max_mamba_cache_size,
+            get_spec().speculative_num_draft_tokens,
+            ratio,
+        )
+
+
+def test_the_solver_reserves_the_compact_scratch_and_gives_the_rest_to_requests(compact):
+    params = cache_params()
+    N, running, total = 64, 16, 0.05  # GiB
+    rest_full, slots_full, _, ratio = solve(False, total, N, running)
+    rest, slots, after, _ = solve(True, total, N, running)
+    assert after == N  # the solver's view of N is restored
+    # SGLang reserves N whole states per running request; the hook far fewer, so that the
+    # same memory holds many more state slots (and so running requests: slots // ratio)
+    assert slots >= 4 * slots_full and slots // ratio >= running > slots_full // ratio
+    # what the compact pool then allocates fits what the solver reserved
+    requests = min(running, slots // ratio)
+    needed = ((slots + 1) * params.mamba_cache_per_req
+              + (requests + 1) * gdn_pool.compact_bytes_per_request(params, N))  # fmt: skip
+    assert needed <= (total - rest) * (1 << 30) <= 1.1 * needed + params.mamba_cache_per_req * 8
+
+
+def test_the_solver_is_sglangs_own_unless_compact(monkeypatch):
+    monkeypatch.setattr(gdn_pool, "_compact", False)
+    assert solve(True, 0.01) == solve(False, 0.01)
+
+
+def test_compact_scratch_is_opt_in_and_needs_ddtrees_gdn_verify(monkeypatch):
+    args = SimpleNamespace(speculative_dflash_block_size=16)
+    monkeypatch.setattr(gdn, "_max_path", gdn._max_path)  # restored after the test
+    monkeypatch.setattr(gdn_pool, "_compact", gdn_pool._compact)
+    monkeypatch.delenv("SGLANG_DDTREE_GDN", raising=False)
+    monkeypatch.delenv("SGLANG_DDTREE_GDN_SCRATCH", raising=False)
+    gdn.configure(args)
+    assert not gdn_pool._compact
+    monkeypatch.setenv("SGLANG_DDTREE_GDN_SCRATCH", "compact")
+    gdn.configure(args)
+    assert gdn_pool._compact and gdn.active()
+    monkeypatch.setenv("SGLANG_DDTREE_GDN", "sglang")
+    with pytest.raises(ValueError, match="SGLANG_DDTREE_GDN=sglang"):
+        gdn.configure(args)
+    monkeypatch.setenv("SGLANG_DDTREE_GDN_SCRATCH", "small")
+    with pytest.raises(ValueError, match="SGLANG_DDTREE_GDN_SCRATCH must be"):
+        gdn.configure(args)
+
+
+def test_sglangs_own_verify_and_commit_refuse_a_compact_scratch(monkeypatch):
+    """Should a verify without a tree reach the compact pool, SGLang's kernel would write N
+    whole states per row past its end: the hooks raise instead of calling it."""
+    N = 4
+    scratch = torch.zeros(2, scratch_floats(N, HV, K, V))
+    monkeypatch.setattr(gdn, "_max_path", None)
+
+    def never(*args, **kwargs):
+        raise AssertionError("SGLang's own path was called on a compact scratch")
+
+    with pytest.raises(RuntimeError, match="SGLANG_DDTREE_GDN_SCRATCH=full"):
+        gdn.target_verify(never, None, None, None, None, None, None, None, None,
+                          intermediate_states_buffer=scratch, retrieve_parent_token=None)  # fmt: skip
+    caches = SimpleNamespace(intermediate_ssm=scratch[None])
+    backend = SimpleNamespace(linear_attn_backend=SimpleNamespace(
+        forward_metadata=SimpleNamespace(retrieve_parent_token=None),
+        req_to_token_pool=SimpleNamespace(get_speculative_mamba2_params_all_layers=lambda: caches)))  # fmt: skip
+    with pytest.raises(RuntimeError, match="SGLANG_DDTREE_GDN_SCRATCH=full"):
+        gdn.commit(never, backend, torch.zeros(1, dtype=torch.int64), None, None, model=None)
+
+
+def test_pool_hook_targets_have_the_parameters_the_hooks_use():
+    import inspect
+
+    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
+    from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
+
+    from sglang_ddtree.integration import compat, hooks
+
+    assert hooks.HOOKS[compat.MAMBA_POOL_INIT] is gdn_pool.init_mamba_pool
+    assert hooks.HOOKS[compat.MAMBA_POOL_SOLVER] is gdn_pool.size_mamba_pool
+    init = inspect.signature(HybridReqToTokenPool._init_mamba_pool).parameters
+    assert {"mamba_spec_state_size", "speculative_num_draft_tokens"} <= set(init)
+    solver = inspect.signature(KVCacheConfigurator._handle_max_mamba_cache).parameters
+    assert list(solver) == ["self", "total_rest_memory"]
