@@ -199,7 +199,11 @@ def measure(server, bs: int, tokens: int) -> dict:
 
 
 def gdn_scratch_gb(log: str) -> float | None:
-    m = re.search(r"intermediate_ssm_state_cache size: ([0-9.]+)GB", log)
+    """The GDN verify scratch the Mamba pool allocated: SGLang's per-node states, or (the
+    `_compact` variants) integration/gdn_pool.py's scratch and conv windows."""
+    m = re.search(r"intermediate_ssm_state_cache size: ([0-9.]+)GB", log) or re.search(
+        r"compact GDN verify scratch for \d+ requests x \d+ nodes: ([0-9.]+) GB", log
+    )
     return float(m.group(1)) if m else None
 
 

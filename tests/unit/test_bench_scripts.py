@@ -102,6 +102,31 @@ def _span(cat: str, name: str, ts: int, dur: int, tid: int = 1) -> dict:
     return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid}
 
 
+def test_bench_round_reads_the_gdn_scratch_from_either_pools_log(caplog):
+    """SGLang's pool logs its per-node state buffer; the compact pool (integration/gdn_pool.py)
+    its own line, read here from the pool the hook really builds on the CPU."""
+    pytest.importorskip("sglang.srt.mem_cache.memory_pool")
+    import logging
+
+    from tests.unit.test_gdn_pool import hybrid_pool
+
+    bench = _script("bench_round")
+    sglang_line = "intermediate_ssm_state_cache size: 45.00GB intermediate_conv_window_cache size"
+    assert bench.gdn_scratch_gb(sglang_line) == 45.0
+    assert bench.gdn_scratch_gb("Mamba Cache is allocated. conv_state size: 1.00GB") is None
+    from sglang_ddtree.integration import gdn_pool
+
+    caplog.set_level(logging.INFO, logger=gdn_pool.__name__)
+    gdn_pool.configure(True)
+    try:
+        pool = hybrid_pool(64, requests=40, slots=120)
+    finally:
+        gdn_pool.configure(False)
+    caches = pool.get_speculative_mamba2_params_all_layers()
+    added = caches.intermediate_ssm.nbytes + caches.intermediate_conv_window[0].nbytes
+    assert bench.gdn_scratch_gb(caplog.text) == round(added / (1 << 30), 3) > 0
+
+
 def test_trace_parser_sums_kernels_inside_each_range(tmp_path):
     bench = _script("bench_round")
     events = [
