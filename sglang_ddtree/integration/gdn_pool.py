@@ -1,7 +1,7 @@
 """A compact Gated DeltaNet verify scratch in SGLang's Mamba pool (opt-in: SGLANG_DDTREE_GDN_SCRATCH).
 
 SGLang 0.5.17 gives every running request N full recurrent states per GDN layer for a verify
-(`intermediate_ssm` [layers, requests + 1, N, HV, V, K]: 9.6 GB per request at 27B and N = 64)
+(`intermediate_ssm` [layers, requests + 1, N, HV, V, K]: 9.7 GB per request at 27B and N = 64)
 and sizes the Mamba pool for it, which caps DDTREE at 4 running requests at N = 64 on an H200.
 DDTREE's own verify (integration/gdn.py) keeps only each node's inputs, `scratch_floats` words
 per request and layer (1.6 % of that). With SGLANG_DDTREE_GDN_SCRATCH=compact two hooks size
@@ -67,6 +67,8 @@ def size_mamba_pool(original, configurator, total_rest_memory):
         "sglang_ddtree: Mamba pool sized for %d verify state(s) per request instead of %d "
         "(compact GDN scratch)", states, spec.speculative_num_draft_tokens
     )  # fmt: skip
+    # The solver reads N from this leaf only; the scoped override restores it on return, before
+    # the pool (which takes N from server_args) and anything else reads it.
     with spec.override(speculative_num_draft_tokens=states):
         return original(configurator, total_rest_memory)
 
