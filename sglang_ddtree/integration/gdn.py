@@ -62,6 +62,13 @@ def configure(server_args) -> None:
             "SGLANG_DDTREE_GDN_SCRATCH=compact needs DDTREE's GDN verify, which "
             "SGLANG_DDTREE_GDN=sglang turns off; drop one of the two."
         )
+    if scratch == "compact" and getattr(compat.resolved(server_args), "enable_unified_memory", 0):
+        # The unified pool allocates SGLang's per-node states itself; the solver would not
+        # have reserved them.
+        raise ValueError(
+            "SGLANG_DDTREE_GDN_SCRATCH=compact does not support --enable-unified-memory; drop "
+            "one of the two."
+        )
     gdn_pool.configure(scratch == "compact")
     logger.info("sglang_ddtree: GDN tree verify and commit: %s; tree conv1d: %s; scratch: %s",
                 choice, conv, scratch)  # fmt: skip

@@ -163,6 +163,9 @@ def test_compact_scratch_is_opt_in_and_needs_ddtrees_gdn_verify(monkeypatch):
     monkeypatch.setenv("SGLANG_DDTREE_GDN_SCRATCH", "compact")
     gdn.configure(args)
     assert gdn_pool._compact and gdn.active()
+    unified = SimpleNamespace(speculative_dflash_block_size=16, enable_unified_memory=True)
+    with pytest.raises(ValueError, match="--enable-unified-memory"):
+        gdn.configure(unified)  # SGLang's unified pool would allocate per-node states anyway
     monkeypatch.setenv("SGLANG_DDTREE_GDN", "sglang")
     with pytest.raises(ValueError, match="SGLANG_DDTREE_GDN=sglang"):
         gdn.configure(args)
