@@ -503,6 +503,29 @@ def test_pools_return_to_idle_and_no_host_sync(servers, model, variant):
     assert all(r["num_used_tokens"] == 0 for r in per_rank), loads
 
 
+# What each opt-in variant's server must have logged, so that a switch that silently did not
+# engage (a hook that missed its target) cannot pass as tested.
+ENGAGED = {
+    "ddtree": ("GDN tree verify and commit: ddtree; tree conv1d: sglang; scratch: full",),
+    "ddtree_sglanggdn": ("GDN tree verify and commit: sglang;",),
+    "ddtree_conv": ("tree conv1d: ddtree;",),
+    "ddtree_compact": (
+        "scratch: compact",
+        "Mamba pool sized for",  # the solver hook
+        "compact GDN verify scratch for",  # the pool hook
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "model,variant", [(m, v) for m, v in SPEC_SERVERS if v in ENGAGED and m != "qwen3"]
+)
+def test_the_variants_switches_engaged(servers, model, variant):
+    log = _up(servers, f"{model}-{variant}").log_text()
+    for line in ENGAGED[variant]:
+        assert line in log, f"{model}-{variant}: {line!r} not in its log"
+
+
 @pytest.mark.parametrize("model", MODELS)
 def test_sglang_and_reference_engine_agree_round_for_round(servers, fp32_pair, model):
     """The transformers reference engine (float32) and SGLang's DDTREE (bf16) on the same
