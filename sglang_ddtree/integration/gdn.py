@@ -85,6 +85,7 @@ def target_verify(original, dispatcher, A_log, dt_bias, q, k, v, a, b, **kwargs)
         return original(dispatcher, A_log, dt_bias, q, k, v, a, b, **kwargs)
     from sglang_ddtree.gdn.tree_verify import as_scratch, tree_verify
 
+    _first_use("GDN tree verify through sglang_ddtree.gdn.tree_verify")
     N = int(kwargs["cache_steps"])
     H, K = q.shape[-2:]
     HV, V = v.shape[-2:]
@@ -124,6 +125,7 @@ def conv_update(original, x, conv_state, weight, bias=None, activation=None, *re
         return original(x, conv_state, weight, bias, activation, *rest, **kwargs)
     from sglang_ddtree.gdn.conv_tree import conv_tree
 
+    _first_use("tree conv1d through sglang_ddtree.gdn.conv_tree")
     return conv_tree(x, conv_state, weight, bias, activation, **kwargs)
 
 
@@ -149,6 +151,7 @@ def commit(original, backend, last_correct_step_indices, mamba_track_indices,
                         mamba_steps_to_track, model, req_pool_indices)  # fmt: skip
     from sglang_ddtree.gdn.tree_verify import as_scratch, commit_paths
 
+    _first_use("GDN state commit through sglang_ddtree.gdn.tree_verify.commit_paths")
     bs = last_correct_step_indices.shape[0]
     state_idx = meta.mamba_cache_indices[:bs]
     N = caches.intermediate_conv_window[0].shape[2]  # [layers, rows, N, dim, K - 1], both pools
@@ -171,6 +174,16 @@ def commit(original, backend, last_correct_step_indices, mamba_track_indices,
         mamba_track_indices,
         mamba_steps_to_track,
     )
+
+
+_used: set[str] = set()
+
+
+def _first_use(what: str) -> None:
+    """Log once per process that a hook took DDTREE's path (the GPU tests look for it)."""
+    if what not in _used:
+        _used.add(what)
+        logger.info("sglang_ddtree: first %s", what)
 
 
 def _refuse_compact(intermediate_ssm) -> None:

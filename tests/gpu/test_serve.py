@@ -505,16 +505,25 @@ def test_pools_return_to_idle_and_no_host_sync(servers, model, variant):
 
 # What each opt-in variant's server must have logged, so that a switch that silently did not
 # engage (a hook that missed its target) cannot pass as tested.
+OUR_GDN = (
+    "first GDN tree verify through sglang_ddtree.gdn.tree_verify",
+    "first GDN state commit through sglang_ddtree.gdn.tree_verify.commit_paths",
+)
 ENGAGED = {
-    "ddtree": ("GDN tree verify and commit: ddtree; tree conv1d: sglang; scratch: full",),
+    "ddtree": ("GDN tree verify and commit: ddtree; tree conv1d: sglang; scratch: full", *OUR_GDN),
     "ddtree_sglanggdn": ("GDN tree verify and commit: sglang;",),
-    "ddtree_conv": ("tree conv1d: ddtree;",),
+    "ddtree_conv": (
+        "tree conv1d: ddtree;",
+        "first tree conv1d through sglang_ddtree.gdn.conv_tree",
+    ),
     "ddtree_compact": (
         "scratch: compact",
         "Mamba pool sized for",  # the solver hook
         "compact GDN verify scratch for",  # the pool hook
+        *OUR_GDN,
     ),
 }
+NOT_ENGAGED = {"ddtree_sglanggdn": OUR_GDN}
 
 
 @pytest.mark.parametrize(
@@ -524,6 +533,8 @@ def test_the_variants_switches_engaged(servers, model, variant):
     log = _up(servers, f"{model}-{variant}").log_text()
     for line in ENGAGED[variant]:
         assert line in log, f"{model}-{variant}: {line!r} not in its log"
+    for line in NOT_ENGAGED.get(variant, ()):
+        assert line not in log, f"{model}-{variant}: {line!r} in its log"
 
 
 @pytest.mark.parametrize("model", MODELS)

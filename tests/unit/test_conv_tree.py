@@ -135,12 +135,14 @@ def test_conv_hook_target_exists_and_the_hook_passes_everything_else_through(mon
 
 
 @interpreter_only
-def test_conv_hook_runs_conv_tree_when_enabled(monkeypatch):
+def test_conv_hook_runs_conv_tree_when_enabled(monkeypatch, caplog):
     mod = pytest.importorskip("sglang.kernels.ops.mamba.causal_conv1d_triton")
     import sglang_ddtree.gdn.conv_tree as conv_module
     from sglang_ddtree.integration import gdn
 
     monkeypatch.setattr(gdn, "_conv_tree", True)
+    monkeypatch.setattr(gdn, "_used", set())
+    caplog.set_level("INFO", logger=gdn.__name__)
     used = []
     plain = conv_module.conv_tree
     monkeypatch.setattr(conv_module, "conv_tree", lambda *a, **k: used.append(1) or plain(*a, **k))
@@ -150,6 +152,7 @@ def test_conv_hook_runs_conv_tree_when_enabled(monkeypatch):
     out = run_both(trees(2, 9, seed=4), dim=24, dtype=torch.float32)
     (o, win, par), (o_h, win_h, par_h) = out["ours"], out["sglang"]
     assert used == [1]  # the hook went to conv_tree, with SGLang's call passed through intact
+    assert "first tree conv1d through sglang_ddtree.gdn.conv_tree" in caplog.text  # GPU tests
     assert torch.equal(o, o_h) and torch.equal(win, win_h) and torch.equal(par, par_h)
 
 

@@ -250,7 +250,9 @@ def test_hook_targets_exist_with_the_signatures_the_hooks_assume():
 
 @interpreter_only
 @pytest.mark.parametrize("compact", [False, True], ids=["sglangs_buffer", "compact_scratch"])
-def test_hooks_commit_the_state_sglangs_own_tree_verify_and_commit_would(monkeypatch, compact):
+def test_hooks_commit_the_state_sglangs_own_tree_verify_and_commit_would(
+    monkeypatch, caplog, compact
+):
     """One GDN layer through both hooks, as SGLang's GDN backend calls them (q [1, T, H, K], the
     pool, the per-layer intermediate buffer, retrieve_parent_token), against SGLang's own
     TritonGDNKernel.target_verify (per-node states) + its commit (the accepted node's state):
@@ -292,6 +294,8 @@ def test_hooks_commit_the_state_sglangs_own_tree_verify_and_commit_would(monkeyp
     expected_track = inter[0, 1, track_node[1]].clone()
 
     monkeypatch.setattr(gdn, "_max_path", block)
+    monkeypatch.setattr(gdn, "_used", set())
+    caplog.set_level("INFO", logger=gdn.__name__)
     inter.fill_(float("nan"))  # the hooks must not read SGLang's per-node states
     scratch = (
         torch.full((L, bs + 1, scratch_floats(N, HV, K, V)), float("nan")) if compact else inter
@@ -318,6 +322,9 @@ def test_hooks_commit_the_state_sglangs_own_tree_verify_and_commit_would(monkeyp
         got = temporal[0, int(case.slots[b])]
         torch.testing.assert_close(got, expected[b], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(temporal[0, free], expected_track, rtol=1e-5, atol=1e-5)
+    # what the GPU tests look for in a server's log (once per process)
+    assert caplog.text.count("first GDN tree verify through sglang_ddtree.gdn") == 1
+    assert caplog.text.count("first GDN state commit through sglang_ddtree.gdn") == 1
     (conv_call,) = scattered  # the conv windows still go through SGLang's scatter, states not
     assert conv_call[0].temporal.numel() == 0 and conv_call[0].conv is caches.conv
     assert dataclasses.replace(conv_call[0], temporal=temporal).intermediate_ssm is scratch
