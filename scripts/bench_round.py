@@ -95,10 +95,12 @@ def variants(draft: Path) -> dict[str, list[str]]:
     (--max-mamba-cache-size) so SGLang's verify scratch is reserved for max_requests() requests
     rather than solved from leftover memory."""
 
-    def running(width: int, state_bytes: int = 4) -> list[str]:
-        n = max_requests(width, state_bytes)
+    def requests(n: int) -> list[str]:
         return ["--max-running-requests", str(n),
                 "--max-mamba-cache-size", str(MAMBA_SLOTS_PER_REQ * n)]  # fmt: skip
+
+    def running(width: int, state_bytes: int = 4) -> list[str]:
+        return requests(max_requests(width, state_bytes))
 
     spec = ["--speculative-draft-model-path", str(draft), "--speculative-draft-load-format",
             "dummy"]  # fmt: skip
@@ -120,9 +122,7 @@ def variants(draft: Path) -> dict[str, list[str]]:
         out[f"{name}_sglanggdn"] = out[name]
         out[f"{name}_conv"] = out[name]
     for n in (16, 32, 64, 128):  # the compact scratch: SGLang's default 16 requests at every N
-        out[f"ddtree{n}_compact"] = [*dd, "--speculative-num-draft-tokens", str(n),
-                                     "--max-running-requests", "16",
-                                     "--max-mamba-cache-size", str(MAMBA_SLOTS_PER_REQ * 16)]  # fmt: skip
+        out[f"ddtree{n}_compact"] = [*dd, "--speculative-num-draft-tokens", str(n), *requests(16)]
         out[f"ddtree{n}_compact_conv"] = out[f"ddtree{n}_compact"]
     return out
 

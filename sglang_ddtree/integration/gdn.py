@@ -36,33 +36,31 @@ _max_path: int | None = None  # set by configure() in the scheduler process; Non
 _conv_tree = False  # SGLANG_DDTREE_CONV=ddtree: the tree conv1d of gdn/conv_tree.py (opt-in)
 
 
-def _choice(name: str, default: str) -> str:
+def _choice(name: str, default: str, options: tuple[str, str] = ("ddtree", "sglang")) -> str:
     choice = os.environ.get(name, default)
-    if choice not in ("ddtree", "sglang"):
-        raise ValueError(f"{name} must be 'ddtree' or 'sglang', got {choice!r}.")
+    if choice not in options:
+        raise ValueError(f"{name} must be {options[0]!r} or {options[1]!r}, got {choice!r}.")
     return choice
 
 
 def configure(server_args) -> None:
     """Enable the hooks' DDTREE paths for this process (the worker factory calls it)."""
     global _max_path, _conv_tree
+    args = compat.resolved(server_args)
     choice = _choice("SGLANG_DDTREE_GDN", "ddtree")
     # a root path holds the bonus token and at most B - 1 drafted tokens
-    block = compat.resolved(server_args).speculative_dflash_block_size
-    _max_path = None if choice == "sglang" else int(block)
+    _max_path = None if choice == "sglang" else int(args.speculative_dflash_block_size)
     # Opt-in until the GPU suite and bench_gdn_tree --conv have run it (docs/benchmarks.md).
     conv = _choice("SGLANG_DDTREE_CONV", "sglang")
     _conv_tree = conv == "ddtree"
     # Opt-in until the GPU suite has run it (docs/benchmarks.md).
-    scratch = os.environ.get("SGLANG_DDTREE_GDN_SCRATCH", "full")
-    if scratch not in ("compact", "full"):
-        raise ValueError(f"SGLANG_DDTREE_GDN_SCRATCH must be 'compact' or 'full', got {scratch!r}.")
+    scratch = _choice("SGLANG_DDTREE_GDN_SCRATCH", "full", ("compact", "full"))
     if scratch == "compact" and choice == "sglang":
         raise ValueError(
             "SGLANG_DDTREE_GDN_SCRATCH=compact needs DDTREE's GDN verify, which "
             "SGLANG_DDTREE_GDN=sglang turns off; drop one of the two."
         )
-    if scratch == "compact" and getattr(compat.resolved(server_args), "enable_unified_memory", 0):
+    if scratch == "compact" and getattr(args, "enable_unified_memory", 0):
         # The unified pool allocates SGLang's per-node states itself; the solver would not
         # have reserved them.
         raise ValueError(
