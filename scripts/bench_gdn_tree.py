@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from sglang_ddtree.gdn.chunk_tree import MAX_NODES, chunk_tree_verify  # noqa: E402
 from sglang_ddtree.gdn.tree_verify import (  # noqa: E402
     commit_paths,
     root_path,
@@ -55,7 +58,8 @@ def deepest(parents: torch.Tensor) -> torch.Tensor:
 
 
 def run_one(bs: int, nodes: int, parents: torch.Tensor, iters: int, device: str = "cuda",
-            heads: tuple[int, int, int, int] = (H, HV, K, V), tiles=()) -> dict:  # fmt: skip
+            heads: tuple[int, int, int, int] = (H, HV, K, V), tiles=(),
+            chunk_tiles=()) -> dict:  # fmt: skip
     """One configuration; on a CPU device (Triton's interpreter) only the equality checks."""
     from sglang.kernels.ops.attention.fla.fused_sigmoid_gating_recurrent import (
         fused_sigmoid_gating_delta_rule_update,
@@ -100,6 +104,34 @@ def run_one(bs: int, nodes: int, parents: torch.Tensor, iters: int, device: str 
     def ours_commit():
         commit_paths(pool, slots, scratch, slots, parents_dev, ends, max_path=BLOCK)
 
+    chunked = nodes <= MAX_NODES
+
+    def chunk_verify(block_v=None, warps=None, precision="tf32"):
+        def fn():
+            out["chunk"] = chunk_tree_verify(
+                q[0], k[0], v[0], a, b, A_log, dt_bias, ssm, slots, parents_dev, scratch[0],
+                slots, max_path=BLOCK, block_v=block_v, num_warps=warps, precision=precision,
+            )  # fmt: skip
+
+        return fn
+
+    # SGLang's chain verify (DFLASH's) over the same number of tokens: T / BLOCK chains of BLOCK
+    # tokens, every token's state stored for the commit
+    chains = T // BLOCK
+    chain_slots = torch.arange(chains, dtype=torch.int32, device=dev) % (bs + 1)
+    chain_inter = torch.empty((chains, BLOCK, HV, V, K), dtype=torch.float32, device=dev)
+    chain_cu = torch.arange(0, T + 1, BLOCK, dtype=torch.int32, device=dev)
+    chain_idx = torch.arange(chains, dtype=torch.int32, device=dev)
+
+    def sglang_chain_verify():
+        fused_sigmoid_gating_delta_rule_update(
+            A_log=A_log, a=a, dt_bias=dt_bias, softplus_beta=1.0, softplus_threshold=20.0,
+            q=q, k=k, v=v, b=b, initial_state_source=ssm, initial_state_indices=chain_slots,
+            cu_seqlens=chain_cu, use_qk_l2norm_in_kernel=True, disable_state_update=True,
+            intermediate_states_buffer=chain_inter, intermediate_state_indices=chain_idx,
+            cache_steps=BLOCK,
+        )  # fmt: skip
+
     def ours_verify_tile(block_v, warps):
         def fn():
             tree_verify(q[0], k[0], v[0], a, b, A_log, dt_bias, ssm, slots, parents_dev,
@@ -109,11 +141,16 @@ def run_one(bs: int, nodes: int, parents: torch.Tensor, iters: int, device: str 
 
     for fn in (sglang_verify, sglang_commit, ours_verify, ours_commit):  # once, for the checks
         fn()
+    if chunked:
+        chunk_verify()()
     row = {"bs": bs, "nodes": nodes}
     # the same numbers either way, up to float32 rounding and the bf16 output
     o_diff = (out["ours"].float() - out["sglang"].reshape(T, HV, V).float()).abs().max()
     row["max_abs_diff_o"] = float(o_diff)
     row["max_abs_diff_state"] = float((pool[0, :bs] - out["committed"]).abs().max())
+    if chunked:
+        diff = out["chunk"].float() - out["sglang"].reshape(T, HV, V).float()
+        row["chunk_max_abs_diff_o"] = float(diff.abs().max())
     if dev == "cuda":
         from bench_tree_build import gpu_ms  # beside this script, so on sys.path when it runs
 
@@ -124,11 +161,18 @@ def run_one(bs: int, nodes: int, parents: torch.Tensor, iters: int, device: str 
             row[f"ours_verify_bv{block_v}_w{warps}_ms"] = gpu_ms(
                 ours_verify_tile(block_v, warps), iters, graph=True
             )
+        if T % BLOCK == 0:
+            row["sglang_chain_same_tokens_ms"] = gpu_ms(sglang_chain_verify, iters, graph=True)
+        if chunked:
+            row["chunk_verify_ms"] = gpu_ms(chunk_verify(), iters, graph=True)
+            for block_v, warps, precision in chunk_tiles:
+                key = f"chunk_verify_bv{block_v}_w{warps}_{precision}_ms"
+                row[key] = gpu_ms(chunk_verify(block_v, warps, precision), iters, graph=True)
     return row
 
 
 def run_conv(bs: int, nodes: int, parents: torch.Tensor, iters: int, dim: int = CONV_DIM,
-             device: str = "cuda") -> dict:  # fmt: skip
+             device: str = "cuda", tilings=()) -> dict:  # fmt: skip
     """One configuration of the tree conv1d: SGLang's causal_conv1d_update (tree path) against
     sglang_ddtree.gdn.conv_tree, bf16 at Qwen3.6-27B's conv width; also checks they agree. On a
     CPU device (Triton's interpreter) only the checks, in float32."""
@@ -168,15 +212,51 @@ def run_conv(bs: int, nodes: int, parents: torch.Tensor, iters: int, dim: int = 
     sglang, ours = call("sglang", causal_conv1d_update), call("ours", conv_tree)
     sglang()
     ours()
+    # SGLang's chain conv (DFLASH's verify) over the same number of tokens: chains of BLOCK
+    whole = bs * nodes % BLOCK == 0  # the timing below needs a whole number of chains
+    chains = max(1, bs * nodes // BLOCK)
+    chain_x = x.transpose(1, 2).reshape(chains, BLOCK, dim).transpose(1, 2) if whole else None
+    chain_state = randn(chains + 1, dim, KW - 1)
+    chain_idx = torch.arange(chains, dtype=torch.int32, device=dev)
+    chain_win = torch.zeros((chains + 1, BLOCK, dim, KW - 1), dtype=dtype, device=dev)
+
+    def sglang_chain():
+        causal_conv1d_update(chain_x, chain_state, weight, bias, "silu",
+                             conv_state_indices=chain_idx, intermediate_conv_window=chain_win,
+                             intermediate_state_indices=chain_idx)  # fmt: skip
+
     row = {"bs": bs, "nodes": nodes, "conv_dim": dim,
            "conv_max_abs_diff_o": float((out["ours"].float() - out["sglang"].float()).abs().max()),
            "conv_windows_equal": bool(torch.equal(out["ours_win"][:bs], out["sglang_win"][:bs])),
            "conv_parents_equal": bool(torch.equal(out["ours_par"], out["sglang_par"]))}  # fmt: skip
+    timed = {}
+    for tiling in tilings:  # "t16n256w4[tile][nosave]": block_t, block_n, warps, windows
+        kw = dict(block_t=int(re.search(r"t(\d+)", tiling)[1]),
+                  block_n=int(re.search(r"n(\d+)", tiling)[1]),
+                  num_warps=int(re.search(r"w(\d+)", tiling)[1]), window_tile="tile" in tiling)  # fmt: skip
+        if "nosave" in tiling:  # the same kernel without the window stores (a bound)
+            timed[tiling] = partial(conv_tree, x, state.clone(), weight, bias, "silu",
+                                    conv_state_indices=idx, intermediate_conv_window=None,
+                                    intermediate_state_indices=idx, retrieve_next_token=nxt,
+                                    retrieve_next_sibling=sib,
+                                    retrieve_parent_token=out["ours_par"].clone(), **kw)  # fmt: skip
+            continue
+        timed[tiling] = call(f"ours_{tiling}", partial(conv_tree, **kw))
+        timed[tiling]()
+        row[f"conv_{tiling}_equal"] = bool(
+            torch.equal(out[f"ours_{tiling}"], out["ours"])
+            and torch.equal(out[f"ours_{tiling}_win"][:bs], out["ours_win"][:bs])
+        )
     if dev == "cuda":
         from bench_tree_build import gpu_ms  # beside this script, so on sys.path when it runs
 
+        for tiling, fn in timed.items():
+            row[f"conv_{tiling}_ms"] = gpu_ms(fn, iters, graph=True)
         row["sglang_conv_ms"] = gpu_ms(sglang, iters, graph=True)
         row["ours_conv_ms"] = gpu_ms(ours, iters, graph=True)
+        if chain_x is not None:
+            row["sglang_chain_conv_same_tokens_ms"] = gpu_ms(sglang_chain, iters, graph=True)
+
     return row
 
 
@@ -188,28 +268,38 @@ def main() -> int:
     p.add_argument("--out", type=Path)
     p.add_argument("--tiles", default="", help="also time our verify at these V tiles x warps, "
                    "e.g. 16x1,32x2,64x4")  # fmt: skip
+    p.add_argument("--chunk-tiles", default="", help="also time the chunked verify at these V "
+                   "tiles x warps x dot precision, e.g. 32x4xtf32,64x8xieee")  # fmt: skip
     p.add_argument("--conv", action="store_true", help="also time the tree conv1d (conv_tree)")
+    p.add_argument("--conv-tilings", default="", help="with --conv, also these conv_tree "
+                   "tilings, e.g. t16n256w4,t8n128w4tile,t16n256w4nosave")  # fmt: skip
     args = p.parse_args()
     tiles = [tuple(int(x) for x in t.split("x")) for t in args.tiles.split(",") if t]
+    chunk_tiles = [(int(bv), int(w), prec) for bv, w, prec in
+                   (t.split("x") for t in args.chunk_tiles.split(",") if t)]  # fmt: skip
     rows = []
     for bs in (int(x) for x in args.bs.split(",")):
         for nodes in (int(x) for x in args.nodes.split(",")):
             parents = trees(bs, nodes, seed=nodes)
-            rows.append(run_one(bs, nodes, parents, args.iters, tiles=tiles))
+            rows.append(run_one(bs, nodes, parents, args.iters, tiles=tiles,
+                                chunk_tiles=chunk_tiles))  # fmt: skip
             if args.conv:
-                rows[-1].update(run_conv(bs, nodes, parents, args.iters))
+                rows[-1].update(run_conv(bs, nodes, parents, args.iters,
+                                         tilings=[t for t in args.conv_tilings.split(",") if t]))  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         with open(args.out / "bench_gdn_tree.jsonl", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
-    print(f"\n{'bs':>3} {'N':>4} {'SGLang verify':>13} {'commit':>7} {'ours verify':>11} "
-          f"{'commit':>7} {'diff o':>7} {'diff state':>10}")  # fmt: skip
+    print(f"\n{'bs':>3} {'N':>4} {'SGLang verify':>13} {'commit':>7} {'chain same T':>12} "
+          f"{'root paths':>10} {'chunk':>7} {'commit':>7} {'diff o':>7} {'chunk':>7} "
+          f"{'diff state':>10}")  # fmt: skip
     for r in rows:
         print(f"{r['bs']:>3} {r['nodes']:>4} {r['sglang_verify_ms']:>13.3f} "
-              f"{r['sglang_commit_ms']:>7.3f} {r['ours_verify_ms']:>11.3f} "
+              f"{r['sglang_commit_ms']:>7.3f} {r.get('sglang_chain_same_tokens_ms', -1):>12.3f} "
+              f"{r['ours_verify_ms']:>10.3f} {r.get('chunk_verify_ms', -1):>7.3f} "
               f"{r['ours_commit_ms']:>7.3f} {r['max_abs_diff_o']:>7.4f} "
-              f"{r['max_abs_diff_state']:>10.2e}")  # fmt: skip
+              f"{r.get('chunk_max_abs_diff_o', -1):>7.4f} {r['max_abs_diff_state']:>10.2e}")  # fmt: skip
     return 0
 
 

@@ -67,16 +67,13 @@ MAMBA_SLOTS_PER_REQ = 6  # >= SGLang's mamba slots per running request (3, +2 wi
 # SGLang's SSM-state dtype (SGLANG_MAMBA_SSM_DTYPE; float32 by default): the `_bf16ssm` variants
 # halve the scratch, which is what lets N = 64 run 8 requests.
 # `_torch`: DDTREE with the batched torch tree builder instead of the Triton one (its CUDA default).
-# `_sglanggdn`: DDTREE with SGLang's own GDN tree verify and commit (per-node states) instead of
-# sglang_ddtree.gdn's (one program per root path, commit by replay). `_conv`: DDTREE with the opt-in
-# tree conv1d of gdn/conv_tree.py. `_compact`: DDTREE with the compact GDN verify scratch
-# (integration/gdn_pool.py), which lets 16 requests run at any N.
+# `_sglanggdn`: DDTREE with SGLang's own GDN tree verify, commit, conv1d and per-node states
+# (SGLANG_DDTREE_GDN=sglang) instead of sglang_ddtree.gdn's chunked verify, replay commit, tree
+# conv1d and compact scratch (integration/gdn_pool.py), which lets 16 requests run at any N.
 VARIANT_ENV = {
     "_bf16ssm": {"SGLANG_MAMBA_SSM_DTYPE": "bfloat16"},
     "_torch": {"SGLANG_DDTREE_TREE_BUILDER": "torch"},
     "_sglanggdn": {"SGLANG_DDTREE_GDN": "sglang"},
-    "_conv": {"SGLANG_DDTREE_CONV": "ddtree"},
-    "_compact": {"SGLANG_DDTREE_GDN_SCRATCH": "compact"},
 }
 
 
@@ -114,16 +111,10 @@ def variants(draft: Path) -> dict[str, list[str]]:
                   "--speculative-num-steps", "3", "--speculative-num-draft-tokens", "8",
                   *running(8)],
     }  # fmt: skip
-    for n in (16, 32, 64, 128):
-        out[f"ddtree{n}"] = [*dd, "--speculative-num-draft-tokens", str(n), *running(n)]
-    out["ddtree64_bf16ssm"] = [*dd, "--speculative-num-draft-tokens", "64", *running(64, 2)]
-    for name in [k for k in out if k.startswith("ddtree")]:
-        out[f"{name}_torch"] = out[name]
-        out[f"{name}_sglanggdn"] = out[name]
-        out[f"{name}_conv"] = out[name]
     for n in (16, 32, 64, 128):  # the compact scratch: SGLang's default 16 requests at every N
-        out[f"ddtree{n}_compact"] = [*dd, "--speculative-num-draft-tokens", str(n), *requests(16)]
-        out[f"ddtree{n}_compact_conv"] = out[f"ddtree{n}_compact"]
+        width = [*dd, "--speculative-num-draft-tokens", str(n)]
+        out[f"ddtree{n}"] = out[f"ddtree{n}_torch"] = [*width, *requests(16)]
+        out[f"ddtree{n}_sglanggdn"] = [*width, *running(n)]  # SGLang's per-node states
     return out
 
 
@@ -200,7 +191,7 @@ def measure(server, bs: int, tokens: int) -> dict:
 
 def gdn_scratch_gb(log: str) -> float | None:
     """The GDN verify scratch the Mamba pool allocated: SGLang's per-node states, or (the
-    `_compact` variants) integration/gdn_pool.py's scratch and conv windows."""
+    DDTREE's default) integration/gdn_pool.py's scratch and conv windows."""
     m = re.search(r"intermediate_ssm_state_cache size: ([0-9.]+)GB", log) or re.search(
         r"compact GDN verify scratch for \d+ requests x \d+ nodes: ([0-9.]+) GB", log
     )

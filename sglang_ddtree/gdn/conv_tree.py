@@ -1,5 +1,5 @@
-"""The Gated DeltaNet layers' causal conv1d over a token tree, every node in parallel (work in
-progress: tested against SGLang's kernel under Triton's interpreter, not yet used by the server).
+"""The Gated DeltaNet layers' causal conv1d over a token tree, every node in parallel (DDTREE's
+tree verify runs it through integration/gdn.py's conv hook).
 
 SGLang 0.5.17's tree path of `causal_conv1d_update` (`_causal_conv1d_update_kernel` with
 retrieve_next_token / retrieve_next_sibling) runs one program per (request, 256 channels) that
@@ -53,7 +53,7 @@ def _conv_tree_kernel(
     stride_cs_seq, stride_cs_dim, stride_cs_tok, stride_in_seq, stride_in_step, stride_in_dim,
     stride_in_win, stride_p, stride_o_seq, stride_o_dim, stride_o_tok,
     KW: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, SAVE: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW_TILE: tl.constexpr, WIN: tl.constexpr,
 ):  # fmt: skip
     b, i_c, i_t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot = tl.load(state_idx + b).to(tl.int64)
@@ -74,6 +74,11 @@ def _conv_tree_kernel(
     if SAVE:
         window = inter + tl.load(inter_idx + b).to(tl.int64) * stride_in_seq
         window += t[:, None] * stride_in_step + c[None, :] * stride_in_dim
+    # WINDOW_TILE: the node's whole window [BLOCK_T, BLOCK_N, WIN] in one store whose lanes run
+    # over (channel, window slot), i.e. along memory (WIN = KW - 1 rounded up to a power of 2);
+    # else one strided store per slot
+    o_w = tl.arange(0, WIN)[None, None, :]
+    tile = tl.zeros([BLOCK_T, BLOCK_N, WIN], dtype=x.dtype.element_ty)
     cur = t  # the j-th ancestor: a node >= 0, or -1, -2, ... for the history above the root
     for j in tl.static_range(KW):
         in_tree = cur >= 0
@@ -86,9 +91,16 @@ def _conv_tree_kernel(
         acc += xv * wv[None, :]
         if SAVE:
             if KW - j - 2 >= 0:  # the node's window: itself last, its ancestors before it
-                tl.store(window + (KW - j - 2) * stride_in_win, xv, mask=m2)
+                if WINDOW_TILE:
+                    tile = tl.where(o_w == KW - j - 2, xv[:, :, None], tile)
+                else:
+                    tl.store(window + (KW - j - 2) * stride_in_win, xv, mask=m2)
         parent = tl.load(parents + b * stride_p + tl.maximum(cur, 0), mask=mt, other=0)
         cur = tl.where(cur > 0, parent.to(tl.int32), cur - 1)
+    if SAVE:
+        if WINDOW_TILE:
+            tl.store(window[:, :, None] + o_w * stride_in_win, tile,
+                     mask=m2[:, :, None] & (o_w < KW - 1))  # fmt: skip
     if SILU:
         acc = acc / (1 + tl.exp(-acc))
     out = o + b * stride_o_seq + c[None, :] * stride_o_dim + t[:, None] * stride_o_tok
@@ -109,7 +121,8 @@ def tree_parents(next_token: torch.Tensor, next_sibling: torch.Tensor, out: torc
 def conv_tree(x, conv_state, weight, bias, activation, *, conv_state_indices,
               intermediate_conv_window, intermediate_state_indices, retrieve_next_token,
               retrieve_next_sibling, retrieve_parent_token, block_t: int = 16,
-              block_n: int = 256) -> torch.Tensor:  # fmt: skip
+              block_n: int = 256, window_tile: bool = False,
+              num_warps: int = 4) -> torch.Tensor:  # fmt: skip
     """SGLang's `causal_conv1d_update` for a tree verify (same arguments and outputs: x and the
     returned o are [bs, dim, N] views, conv_state [slots, dim, K - 1], weight [dim, K],
     intermediate_conv_window [slots', N, dim, K - 1]; retrieve_parent_token is filled), with
@@ -130,6 +143,8 @@ def conv_tree(x, conv_state, weight, bias, activation, *, conv_state_indices,
         retrieve_parent_token, o, N, dim, *x.stride(), *weight.stride(), *conv_state.stride(),
         *in_strides, retrieve_parent_token.stride(0), *o.stride(),
         KW=KW, HAS_BIAS=bias is not None, SILU=activation in ("silu", "swish", True),
-        SAVE=save, BLOCK_T=block_t, BLOCK_N=block_n,
+        SAVE=save, BLOCK_T=block_t, BLOCK_N=block_n, WINDOW_TILE=window_tile,
+        WIN=triton.next_power_of_2(KW - 1),
+        num_warps=num_warps,
     )  # fmt: skip
     return o

@@ -34,9 +34,10 @@ import triton.language as tl
 # --- plain torch definitions -------------------------------------------------------------------
 
 
-def _prepare(q, k, h, l2norm: bool, scale: float):
-    """[H, K] q, k (float32) expanded to the HV value heads, normalised and scaled as SGLang does."""
-    q, k = q.float(), k.float()
+def _prepare(q, k, h, l2norm: bool, scale: float, dtype=torch.float32):
+    """[H, K] q, k (in `dtype`) expanded to the HV value heads, normalised and scaled as SGLang
+    does."""
+    q, k = q.to(dtype), k.to(dtype)
     if l2norm:
         q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
         k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
@@ -47,7 +48,7 @@ def _prepare(q, k, h, l2norm: bool, scale: float):
 def _update(state, k, v, g, beta):
     """One token: state [HV, V, K] float32, k [HV, K], v [HV, V], g / beta [HV]."""
     state = state * torch.exp(g)[:, None, None]
-    v_new = (v.float() - (state * k[:, None, :]).sum(-1)) * beta[:, None]
+    v_new = (v.to(state.dtype) - (state * k[:, None, :]).sum(-1)) * beta[:, None]
     return state + v_new[:, :, None] * k[:, None, :]
 
 
@@ -60,19 +61,21 @@ def gdn_gating(A_log, a, b, dt_bias) -> tuple[torch.Tensor, torch.Tensor]:
     return -torch.exp(A_log.float()) * softplus, 1.0 / (1.0 + torch.exp(-b.float()))
 
 
-def tree_verify_reference(q, k, v, g, beta, h0, parents, *, scale: float, l2norm: bool = True):
-    """(o [T, HV, V] float32, states [bs, N, HV, V, K] float32): node t starts from its parent's
-    state (node 0, the root, from h0 [bs, HV, V, K]); parents [bs, N] with parents[:, 0] ignored."""
+def tree_verify_reference(q, k, v, g, beta, h0, parents, *, scale: float, l2norm: bool = True,
+                          dtype=torch.float32):  # fmt: skip
+    """(o [T, HV, V], states [bs, N, HV, V, K], both in `dtype`): node t starts from its
+    parent's state (node 0, the root, from h0 [bs, HV, V, K]); parents [bs, N] with
+    parents[:, 0] ignored. float64 makes it the referee of the float32 kernels."""
     bs, N = parents.shape
     HV = v.shape[1]
-    o = torch.empty(v.shape, dtype=torch.float32)
-    states = torch.empty((bs, N, *h0.shape[1:]), dtype=torch.float32)
+    o = torch.empty(v.shape, dtype=dtype)
+    states = torch.empty((bs, N, *h0.shape[1:]), dtype=dtype)
     for b in range(bs):
         for t in range(N):
             tok = b * N + t
-            start = h0[b].float() if t == 0 else states[b, int(parents[b, t])]
-            qq, kk = _prepare(q[tok], k[tok], HV, l2norm, scale)
-            states[b, t] = _update(start, kk, v[tok], g[tok], beta[tok])
+            start = h0[b].to(dtype) if t == 0 else states[b, int(parents[b, t])]
+            qq, kk = _prepare(q[tok], k[tok], HV, l2norm, scale, dtype)
+            states[b, t] = _update(start, kk, v[tok], g[tok].to(dtype), beta[tok].to(dtype))
             o[tok] = (states[b, t] * qq[:, None, :]).sum(-1)
     return o, states
 

@@ -1,25 +1,28 @@
-"""DDTREE's Gated DeltaNet tree verify and commit inside SGLang (hybrid models: Qwen3.5 / 3.6).
+"""DDTREE's Gated DeltaNet tree verify, state commit and conv1d inside SGLang (hybrid models:
+Qwen3.5 / 3.6).
 
 SGLang 0.5.17 verifies a tree through a GDN layer node after node and stores every node's state
 in the Mamba pool's `intermediate_ssm` so that the commit can copy the accepted one; at 27B and
-N = 64 that is most of DDTREE's extra round time (docs/benchmarks.md). Two hooks replace it with
-`sglang_ddtree.gdn.tree_verify` while DDTREE serves a tree (topk > 1):
+N = 64 that is most of DDTREE's extra round time (docs/benchmarks.md). Three hooks replace it
+while DDTREE serves a tree (topk > 1):
 
 - `target_verify` (around GDNKernelDispatcher.target_verify, once per GDN layer, inside the
-  verify CUDA graph): `tree_verify`, one program per root path; each node's g, beta, k and v go
-  to the front of the request's row of `intermediate_ssm` (1.6 % of it at 27B), no state does.
+  verify CUDA graph): `gdn.chunk_tree.chunk_tree_verify`, every node at once in the chunked
+  form (N <= 64; wider trees: `gdn.tree_verify.tree_verify`, one program per root path); each
+  node's g, beta, k and v go to the request's scratch row, no state does.
 - `commit` (around HybridLinearAttnBackend.update_mamba_state_after_mtp_verify, once per round):
   `commit_paths` replays the accepted path into the pool for all GDN layers in one launch (and
   into the radix-cache track slot where SGLang would snapshot one); the conv windows are
   committed by SGLang's own scatter, its state part skipped.
+- `conv_update` (around gdn_backend.causal_conv1d_update): the tree verify's conv1d through
+  `gdn/conv_tree.py`, every node in parallel, instead of SGLang's node-after-node kernel.
 
-The accepted path comes from the same parent indices the verify used (SGLang's conv kernel
-fills `retrieve_parent_token` from the tree), so the committed state is the verified one.
-SGLANG_DDTREE_GDN=sglang keeps SGLang's own verify and commit (the comparison baseline).
-A third hook, opt-in with SGLANG_DDTREE_CONV=ddtree, runs the tree verify's conv1d through
-`gdn/conv_tree.py` (every node in parallel) instead of SGLang's node-after-node kernel.
-SGLANG_DDTREE_GDN_SCRATCH=compact (opt-in) also shrinks `intermediate_ssm` to the scratch that
-this verify uses, and sizes the Mamba pool for it (integration/gdn_pool.py).
+The accepted path comes from the same parent indices the verify used (the conv kernel fills
+`retrieve_parent_token` from the tree), so the committed state is the verified one. The Mamba
+pool's `intermediate_ssm` is then only that scratch, and the pool is sized for it
+(integration/gdn_pool.py), except under --enable-unified-memory, whose pool allocates SGLang's
+per-node states itself. SGLANG_DDTREE_GDN=sglang keeps SGLang's own verify, commit, conv1d and
+per-node states (the comparison baseline).
 """
 
 from __future__ import annotations
@@ -33,7 +36,6 @@ from sglang_ddtree.integration import compat, gdn_pool
 logger = logging.getLogger(__name__)
 
 _max_path: int | None = None  # set by configure() in the scheduler process; None: SGLang's path
-_conv_tree = False  # SGLANG_DDTREE_CONV=ddtree: the tree conv1d of gdn/conv_tree.py (opt-in)
 
 
 def _choice(name: str, default: str, options: tuple[str, str] = ("ddtree", "sglang")) -> str:
@@ -45,31 +47,17 @@ def _choice(name: str, default: str, options: tuple[str, str] = ("ddtree", "sgla
 
 def configure(server_args) -> None:
     """Enable the hooks' DDTREE paths for this process (the worker factory calls it)."""
-    global _max_path, _conv_tree
+    global _max_path
     args = compat.resolved(server_args)
     choice = _choice("SGLANG_DDTREE_GDN", "ddtree")
     # a root path holds the bonus token and at most B - 1 drafted tokens
     _max_path = None if choice == "sglang" else int(args.speculative_dflash_block_size)
-    # Opt-in until the GPU suite and bench_gdn_tree --conv have run it (docs/benchmarks.md).
-    conv = _choice("SGLANG_DDTREE_CONV", "sglang")
-    _conv_tree = conv == "ddtree"
-    # Opt-in until the GPU suite has run it (docs/benchmarks.md).
-    scratch = _choice("SGLANG_DDTREE_GDN_SCRATCH", "full", ("compact", "full"))
-    if scratch == "compact" and choice == "sglang":
-        raise ValueError(
-            "SGLANG_DDTREE_GDN_SCRATCH=compact needs DDTREE's GDN verify, which "
-            "SGLANG_DDTREE_GDN=sglang turns off; drop one of the two."
-        )
-    if scratch == "compact" and getattr(args, "enable_unified_memory", 0):
-        # The unified pool allocates SGLang's per-node states itself; the solver would not
-        # have reserved them.
-        raise ValueError(
-            "SGLANG_DDTREE_GDN_SCRATCH=compact does not support --enable-unified-memory; drop "
-            "one of the two."
-        )
-    gdn_pool.configure(scratch == "compact")
-    logger.info("sglang_ddtree: GDN tree verify and commit: %s; tree conv1d: %s; scratch: %s",
-                choice, conv, scratch)  # fmt: skip
+    # SGLang's unified pool allocates the per-node states itself, which the solver hook would
+    # not have reserved: it keeps SGLang's full buffer (which DDTREE's verify also reads).
+    compact = choice == "ddtree" and not getattr(args, "enable_unified_memory", 0)
+    gdn_pool.configure(compact)
+    logger.info("sglang_ddtree: GDN tree verify, commit and conv1d: %s; scratch: %s",
+                choice, "compact" if compact else "full")  # fmt: skip
 
 
 def active() -> bool:
@@ -81,16 +69,20 @@ def target_verify(original, dispatcher, A_log, dt_bias, q, k, v, a, b, **kwargs)
     if _max_path is None or parents is None:  # not DDTREE, or a chain / warm-up batch
         _refuse_compact(kwargs.get("intermediate_states_buffer"))
         return original(dispatcher, A_log, dt_bias, q, k, v, a, b, **kwargs)
+    from sglang_ddtree.gdn.chunk_tree import MAX_NODES, chunk_tree_verify
     from sglang_ddtree.gdn.tree_verify import as_scratch, tree_verify
 
-    _first_use("GDN tree verify through sglang_ddtree.gdn.tree_verify")
     N = int(kwargs["cache_steps"])
+    chunked = N <= MAX_NODES  # wider trees: one program per root path
+    kernel = chunk_tree_verify if chunked else tree_verify
+    _first_use("GDN tree verify through sglang_ddtree.gdn."
+               + ("chunk_tree.chunk_tree_verify" if chunked else "tree_verify"))  # fmt: skip
     H, K = q.shape[-2:]
     HV, V = v.shape[-2:]
     T = v.numel() // (HV * V)
     bs = T // N
     try:
-        o = tree_verify(
+        o = kernel(
             q.reshape(T, H, K),
             k.reshape(T, H, K),
             v.reshape(T, HV, V),
@@ -116,10 +108,10 @@ def target_verify(original, dispatcher, A_log, dt_bias, q, k, v, a, b, **kwargs)
 def conv_update(original, x, conv_state, weight, bias=None, activation=None, *rest, **kwargs):
     """Around gdn_backend.causal_conv1d_update (SGLang's hook registry also rebinds every other
     module's import of that function): a tree verify's conv1d through `gdn.conv_tree.conv_tree`
-    when SGLANG_DDTREE_CONV=ddtree (same outputs, per-node windows and retrieve_parent_token as
-    SGLang's kernel); every other call, as it came, to SGLang's."""
+    (same outputs, per-node windows and retrieve_parent_token as SGLang's kernel); every other
+    call, and every call under SGLANG_DDTREE_GDN=sglang, as it came, to SGLang's."""
     tree = all(kwargs.get(k) is not None for k in _CONV_TREE_ARGS)
-    if not (_conv_tree and tree) or rest or set(kwargs) - set(_CONV_TREE_ARGS):
+    if _max_path is None or not tree or rest or set(kwargs) - set(_CONV_TREE_ARGS):
         return original(x, conv_state, weight, bias, activation, *rest, **kwargs)
     from sglang_ddtree.gdn.conv_tree import conv_tree
 
@@ -188,9 +180,9 @@ def _refuse_compact(intermediate_ssm) -> None:
     """SGLang's own verify or commit would overrun a compact scratch: fail instead."""
     if gdn_pool.is_compact(intermediate_ssm):
         raise RuntimeError(
-            "A Gated DeltaNet verify without a DDTREE tree reached a Mamba pool sized by "
-            "SGLANG_DDTREE_GDN_SCRATCH=compact, which only DDTREE's verify can use; serve with "
-            "SGLANG_DDTREE_GDN_SCRATCH=full."
+            "A Gated DeltaNet verify without a DDTREE tree reached a Mamba pool sized for "
+            "DDTREE's compact GDN scratch, which only DDTREE's verify can use; serve with "
+            "SGLANG_DDTREE_GDN=sglang."
         )
 
 

@@ -79,30 +79,23 @@ VARIANTS = {
     "dflash_det": lambda model, draft: [*dflash_args(draft), *DETERMINISTIC],
     "ddtree64": lambda model, draft: ddtree_args(model, draft, nodes=64),
     "ddtree_torch": ddtree_args,  # with VARIANT_ENV below: the torch tree builder (CUDA default: Triton)
-    "ddtree_sglanggdn": ddtree_args,  # with VARIANT_ENV: SGLang's own GDN tree verify and commit
-    "ddtree_conv": ddtree_args,  # with VARIANT_ENV: the opt-in tree conv1d (gdn/conv_tree.py)
-    # with VARIANT_ENV: the opt-in compact GDN verify scratch (integration/gdn_pool.py)
-    "ddtree_compact": ddtree_args,
+    # with VARIANT_ENV: SGLang's own GDN tree verify, commit, conv1d and per-node states
+    "ddtree_sglanggdn": ddtree_args,
 }
 # Per-variant environment on top of ENV.
 VARIANT_ENV = {
     "ddtree_torch": {"SGLANG_DDTREE_TREE_BUILDER": "torch"},
     "ddtree_sglanggdn": {"SGLANG_DDTREE_GDN": "sglang"},
-    "ddtree_conv": {"SGLANG_DDTREE_CONV": "ddtree"},
-    "ddtree_compact": {"SGLANG_DDTREE_GDN_SCRATCH": "compact"},
 }
-# Which variants each model runs (21 servers in all). Launch order interleaves the models, plain
+# Which variants each model runs (17 servers in all). Launch order interleaves the models, plain
 # servers first, so each model's tests can begin while the others still start. SGLang's own
 # chain DFLASH runs beside DDTREE on every model as the control for numerics.
 MODEL_VARIANTS = {
     "qwen3": ("base", "ddtree", "ddtree_sync", "dflash"),
-    "qwen35": (
-        "base", "ddtree", "ddtree_sync", "dflash", "ddtree_sglanggdn", "ddtree_conv",
-        "ddtree_compact",
-    ),
+    "qwen35": ("base", "ddtree", "ddtree_sync", "dflash", "ddtree_sglanggdn"),
     "pair": (
         "base", "ddtree", "base_det", "ddtree_det", "dflash_det", "dflash", "ddtree64",
-        "ddtree_torch", "ddtree_conv", "ddtree_compact",
+        "ddtree_torch",
     ),
 }  # fmt: skip
 # Started for scripts/bench_e2e.py --attach, not tested by tests/gpu.

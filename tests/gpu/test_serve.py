@@ -51,8 +51,6 @@ SPEC_VARIANTS = (
     "ddtree_det",
     "ddtree_torch",
     "ddtree_sglanggdn",
-    "ddtree_conv",
-    "ddtree_compact",
     "dflash",
 )  # dflash: a control
 SPEC_SERVERS = [
@@ -503,25 +501,22 @@ def test_pools_return_to_idle_and_no_host_sync(servers, model, variant):
     assert all(r["num_used_tokens"] == 0 for r in per_rank), loads
 
 
-# What each opt-in variant's server must have logged, so that a switch that silently did not
-# engage (a hook that missed its target) cannot pass as tested.
+# What each hybrid DDTREE server must have logged, so that a hook that silently missed its
+# target cannot pass as tested: DDTREE's GDN path (the default) or SGLang's (the control).
 OUR_GDN = (
-    "first GDN tree verify through sglang_ddtree.gdn.tree_verify",
+    "first GDN tree verify through sglang_ddtree.gdn.chunk_tree.chunk_tree_verify",
     "first GDN state commit through sglang_ddtree.gdn.tree_verify.commit_paths",
+    "first tree conv1d through sglang_ddtree.gdn.conv_tree",
+    "Mamba pool sized for",  # the solver hook of the compact scratch
+    "compact GDN verify scratch for",  # its pool hook
 )
+DDTREE_GDN = ("GDN tree verify, commit and conv1d: ddtree; scratch: compact", *OUR_GDN)
 ENGAGED = {
-    "ddtree": ("GDN tree verify and commit: ddtree; tree conv1d: sglang; scratch: full", *OUR_GDN),
-    "ddtree_sglanggdn": ("GDN tree verify and commit: sglang;",),
-    "ddtree_conv": (
-        "tree conv1d: ddtree;",
-        "first tree conv1d through sglang_ddtree.gdn.conv_tree",
-    ),
-    "ddtree_compact": (
-        "scratch: compact",
-        "Mamba pool sized for",  # the solver hook
-        "compact GDN verify scratch for",  # the pool hook
-        *OUR_GDN,
-    ),
+    "ddtree": DDTREE_GDN,
+    "ddtree_sync": DDTREE_GDN,
+    "ddtree_det": DDTREE_GDN,
+    "ddtree_torch": DDTREE_GDN,
+    "ddtree_sglanggdn": ("GDN tree verify, commit and conv1d: sglang; scratch: full",),
 }
 NOT_ENGAGED = {"ddtree_sglanggdn": OUR_GDN}
 

@@ -24,7 +24,7 @@ torch.set_num_threads(1)
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interpreter_only = pytest.mark.skipif(not INTERPRETED, reason="runs in the interpreter process")
-INTERPRETER_TESTS = 5  # non-gpu tests the child process runs (all but this one)
+INTERPRETER_TESTS = 7  # non-gpu tests the child process runs (all but this one)
 
 
 def test_cpu_kernel_tests_under_triton_interpreter():
@@ -41,8 +41,11 @@ def trees(bs: int, N: int, seed: int) -> torch.Tensor:
     return parents
 
 
-def run_both(parents, dim, dtype, pad_last=False, device="cpu", seed=0):
-    """Ours and SGLang's on the same inputs: {name: (o, windows, parents)}."""
+def run_both(parents, dim, dtype, pad_last=False, device="cpu", seed=0, **ours):
+    """Ours (with the keyword arguments `ours`) and SGLang's on the same inputs:
+    {name: (o, windows, parents)}."""
+    from functools import partial
+
     from sglang.kernels.ops.mamba.causal_conv1d_triton import causal_conv1d_update
 
     gen = torch.Generator().manual_seed(seed)
@@ -61,7 +64,7 @@ def run_both(parents, dim, dtype, pad_last=False, device="cpu", seed=0):
     inter_idx = torch.arange(bs, dtype=torch.int32, device=device)
     nxt, sib = (t.to(device) for t in eagle_links(parents))
     out = {}
-    for name, fn in (("sglang", causal_conv1d_update), ("ours", conv_tree)):
+    for name, fn in (("sglang", causal_conv1d_update), ("ours", partial(conv_tree, **ours))):
         state = state0.clone()
         windows = torch.zeros((bs + 1, N, dim, KW - 1), dtype=dtype, device=device)
         par = torch.full((bs, N), 99, dtype=torch.int64, device=device)
@@ -72,13 +75,18 @@ def run_both(parents, dim, dtype, pad_last=False, device="cpu", seed=0):
     return out
 
 
+TILINGS = {"per_slot": {}, "window_tile": {"window_tile": True, "block_n": 32, "block_t": 8}}
+
+
 @interpreter_only
-def test_conv_tree_equals_sglangs_tree_conv():
+@pytest.mark.parametrize("tiling", TILINGS)
+def test_conv_tree_equals_sglangs_tree_conv(tiling):
     """float32 (the interpreter's bfloat16 arithmetic is not the GPU's; the GPU test below runs
-    bfloat16, the serving dtype)."""
+    bfloat16, the serving dtype). Both ways of storing the windows."""
     pytest.importorskip("sglang.kernels.ops.mamba.causal_conv1d_triton")
     parents = trees(3, 13, seed=1)
-    out = run_both(parents, dim=40, dtype=torch.float32, pad_last=True)  # 40: a masked block
+    out = run_both(parents, dim=40, dtype=torch.float32, pad_last=True,  # 40: a masked block
+                   **TILINGS[tiling])  # fmt: skip
     (o, win, par), (o_s, win_s, par_s) = out["ours"], out["sglang"]
     live = slice(0, 2)  # request 2 is padding: SGLang writes nothing for it (ours: its parents)
     assert torch.equal(par[live], par_s[live])
@@ -90,20 +98,23 @@ def test_conv_tree_equals_sglangs_tree_conv():
 
 
 @interpreter_only
-def test_conv_tree_on_deep_chains_reads_the_history_above_the_root():
+@pytest.mark.parametrize("tiling", TILINGS)
+def test_conv_tree_on_deep_chains_reads_the_history_above_the_root(tiling):
     pytest.importorskip("sglang.kernels.ops.mamba.causal_conv1d_triton")
     parents = torch.tensor([[-1, 0, 1, 2, 3, 0, 5]])  # depth 4 chain and a side branch
-    out = run_both(parents, dim=8, dtype=torch.float32, seed=3)
+    out = run_both(parents, dim=8, dtype=torch.float32, seed=3, **TILINGS[tiling])
     (o, win, _), (o_s, win_s, _) = out["ours"], out["sglang"]
     assert torch.equal(o, o_s) and torch.equal(win, win_s)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA")
-def test_conv_tree_equals_sglangs_tree_conv_on_gpu_in_bf16_at_qwen36_width():
+@pytest.mark.parametrize("window_tile", [False, True])
+def test_conv_tree_equals_sglangs_tree_conv_on_gpu_in_bf16_at_qwen36_width(window_tile):
     pytest.importorskip("sglang.kernels.ops.mamba.causal_conv1d_triton")
     parents = trees(4, 64, seed=2)
-    out = run_both(parents, dim=10240, dtype=torch.bfloat16, device="cuda")
+    out = run_both(parents, dim=10240, dtype=torch.bfloat16, device="cuda",
+                   window_tile=window_tile, block_n=128 if window_tile else 256)  # fmt: skip
     (o, win, par), (o_s, win_s, par_s) = out["ours"], out["sglang"]
     assert torch.equal(par, par_s) and torch.equal(win, win_s)
     assert (o.float() - o_s.float()).abs().max() == 0
@@ -123,9 +134,9 @@ def test_conv_hook_target_exists_and_the_hook_passes_everything_else_through(mon
         return "sglang"
 
     tree = {k: object() for k in gdn._CONV_TREE_ARGS}
-    monkeypatch.setattr(gdn, "_conv_tree", False)  # the default: SGLang's kernel
+    monkeypatch.setattr(gdn, "_max_path", None)  # SGLANG_DDTREE_GDN=sglang: SGLang's kernel
     assert gdn.conv_update(original, 1, 2, 3, None, "silu", **tree) == "sglang"
-    monkeypatch.setattr(gdn, "_conv_tree", True)
+    monkeypatch.setattr(gdn, "_max_path", 16)  # DDTREE's default
     single = {"conv_state_indices": object()}  # a decode step, not a tree
     assert gdn.conv_update(original, 1, 2, 3, None, "silu", **single) == "sglang"
     extra = {**tree, "num_accept_tokens": object()}  # a call conv_tree does not cover
@@ -135,12 +146,12 @@ def test_conv_hook_target_exists_and_the_hook_passes_everything_else_through(mon
 
 
 @interpreter_only
-def test_conv_hook_runs_conv_tree_when_enabled(monkeypatch, caplog):
+def test_conv_hook_runs_conv_tree_on_ddtrees_path(monkeypatch, caplog):
     mod = pytest.importorskip("sglang.kernels.ops.mamba.causal_conv1d_triton")
     import sglang_ddtree.gdn.conv_tree as conv_module
     from sglang_ddtree.integration import gdn
 
-    monkeypatch.setattr(gdn, "_conv_tree", True)
+    monkeypatch.setattr(gdn, "_max_path", 16)
     monkeypatch.setattr(gdn, "_used", set())
     caplog.set_level("INFO", logger=gdn.__name__)
     used = []
@@ -167,6 +178,8 @@ def test_bench_conv_checks_agree_on_the_cpu():
     spec = importlib.util.spec_from_file_location("bench_gdn_tree", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    row = bench.run_conv(2, 12, bench.trees(2, 12, seed=5), 1, dim=24, device="cpu")
+    row = bench.run_conv(2, 12, bench.trees(2, 12, seed=5), 1, dim=24, device="cpu",
+                         tilings=["t8n16w4tile", "t16n32w4nosave"])  # fmt: skip
     assert row["conv_max_abs_diff_o"] == 0.0, row
+    assert row["conv_t8n16w4tile_equal"] and "conv_t16n32w4nosave_equal" not in row, row
     assert row["conv_windows_equal"] and row["conv_parents_equal"], row

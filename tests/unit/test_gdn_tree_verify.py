@@ -13,6 +13,7 @@ import os
 import pytest
 import torch
 
+from sglang_ddtree.gdn.chunk_tree import MAX_NODES, chunk_tree_verify
 from sglang_ddtree.gdn.tree_verify import (
     as_scratch,
     commit_paths,
@@ -33,7 +34,7 @@ torch.set_num_threads(1)
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interpreter_only = pytest.mark.skipif(not INTERPRETED, reason="runs in the interpreter process")
-INTERPRETER_TESTS = 11  # non-gpu tests the child process runs (all but this one); it must pass all
+INTERPRETER_TESTS = 19  # non-gpu tests the child process runs (all but this one); it must pass all
 
 
 def test_cpu_kernel_tests_under_triton_interpreter():
@@ -61,7 +62,7 @@ class Case:
     shuffled slots, and the plain-torch outputs and per-node states."""
 
     def __init__(self, parents, H, HV, K, V, gen, dtype=torch.float32, pool_dtype=torch.float32,
-                 pad_last=False, device="cpu"):  # fmt: skip
+                 pad_last=False, device="cpu", ref_dtype=torch.float32, k_std=1.0):  # fmt: skip
         bs, N = parents.shape
         T = bs * N
 
@@ -69,7 +70,11 @@ class Case:
             return (std * torch.randn(*shape, generator=gen)).to(device)
 
         self.parents, self.N, self.H, self.K = parents.to(device), N, H, K
-        self.q, self.k, self.v = r(T, H, K).to(dtype), r(T, H, K).to(dtype), r(T, HV, V).to(dtype)
+        self.q, self.v = r(T, H, K).to(dtype), r(T, HV, V).to(dtype)
+        # k_std < 1: every key near one shared direction (the worst case for the chunked form)
+        self.k = (
+            (r(1, H, K) + r(T, H, K, std=k_std)).to(dtype) if k_std < 1 else r(T, H, K).to(dtype)
+        )
         self.a, self.b = r(T, HV).to(dtype), r(T, HV).to(dtype)
         self.A_log, self.dt_bias = r(HV, std=0.5), r(HV)
         self.pool = r(bs + 3, HV, V, K, std=0.1).to(pool_dtype)
@@ -84,12 +89,13 @@ class Case:
         h0 = torch.stack([self.pool[s].float() if s >= 0 else torch.zeros_like(self.pool[0],
                           dtype=torch.float32) for s in slots.tolist()])  # fmt: skip
         cpu = [x.cpu() for x in (self.q, self.k, self.v, g, beta, h0)]
-        self.o_ref, self.states = tree_verify_reference(*cpu, parents.cpu(), scale=K**-0.5)
+        self.o_ref, self.states = tree_verify_reference(*cpu, parents.cpu(), scale=K**-0.5,
+                                                        dtype=ref_dtype)  # fmt: skip
 
-    def verify(self, max_path):
-        return tree_verify(self.q, self.k, self.v, self.a, self.b, self.A_log, self.dt_bias,
-                           self.pool, self.slots, self.parents, self.scratch, self.scratch_slots,
-                           max_path=max_path)  # fmt: skip
+    def verify(self, max_path, kernel=tree_verify):
+        return kernel(self.q, self.k, self.v, self.a, self.b, self.A_log, self.dt_bias,
+                      self.pool, self.slots, self.parents, self.scratch, self.scratch_slots,
+                      max_path=max_path)  # fmt: skip
 
 
 # --- plain torch, no interpreter needed --------------------------------------------------------
@@ -146,8 +152,69 @@ def test_tree_verify_on_builder_trees_with_the_block_as_max_path():
     torch.testing.assert_close(o.float(), case.o_ref, rtol=2e-2, atol=2e-2)  # o is bf16
 
 
+def tree_shapes(name: str, bs: int, N: int, gen: torch.Generator) -> torch.Tensor:
+    """[bs, N] parent-first trees of one shape: a chain, a star, a complete ternary tree, DDTrees
+    from the builder (block 16) or random ones."""
+    t = torch.arange(N)
+    if name == "builder":
+        return builder_parents(bs, N, 16, gen)
+    if name == "random":
+        return random_parents(bs, N, gen)
+    rows = {"chain": t - 1, "star": torch.zeros(N, dtype=torch.int64), "ternary": (t - 1) // 3}
+    return rows[name].clamp(min=0).expand(bs, N).clone()
+
+
 @interpreter_only
-def test_commit_replays_the_accepted_path_into_every_layer_and_the_track_slot():
+@pytest.mark.parametrize("shape", ["chain", "star", "ternary", "builder", "random"])
+def test_chunk_tree_verify_matches_the_float64_recurrence_on_every_tree_shape(shape):
+    """The chunked form against the node-by-node recurrence in float64, with the last request a
+    CUDA-graph padding row (slot -1). float32 tolerance: 2e-5 absolute at |o| < 1 (the chunked
+    products sum in another order than the recurrence)."""
+    gen = torch.Generator().manual_seed(17)
+    bs, N = 3, 16 if shape == "chain" else 24  # the chain: the block's full depth
+    parents = tree_shapes(shape, bs, N, gen)
+    case = Case(parents, 2, 4, 32, 48, gen, pad_last=True, ref_dtype=torch.float64)
+    o = case.verify(max_path=max_path_len(parents), kernel=chunk_tree_verify)
+    assert o.dtype == torch.float32
+    torch.testing.assert_close(o.double(), case.o_ref, rtol=0, atol=2e-5)
+
+
+@interpreter_only
+def test_chunk_tree_verify_stays_exact_when_every_key_points_the_same_way():
+    """The worst conditioning for the triangular solve: keys nearly parallel along a 16-deep
+    chain and a branching tree, so that A's entries approach beta * decay. Same float32
+    tolerance against float64."""
+    gen = torch.Generator().manual_seed(19)
+    for shape in ("chain", "builder"):
+        parents = tree_shapes(shape, 2, 16 if shape == "chain" else 32, gen)
+        case = Case(parents, 1, 2, 32, 32, gen, ref_dtype=torch.float64, k_std=0.05)
+        o = case.verify(max_path=16, kernel=chunk_tree_verify)
+        torch.testing.assert_close(o.double(), case.o_ref, rtol=0, atol=2e-5)
+
+
+@interpreter_only
+def test_chunk_tree_verify_leaves_the_same_scratch_and_output_as_the_root_path_kernel():
+    """Same contract as tree_verify: the commit's scratch words are identical, outputs agree to
+    float32 rounding, bf16 inputs and a bf16 pool included; more than MAX_NODES is refused."""
+    gen = torch.Generator().manual_seed(23)
+    parents = builder_parents(2, 20, 8, gen)
+    case = Case(parents, 2, 6, 16, 40, gen, dtype=torch.bfloat16, pool_dtype=torch.bfloat16)
+    o_root = case.verify(max_path=8)
+    scratch_root = case.scratch.clone()
+    case.scratch.fill_(float("nan"))
+    o_chunk = case.verify(max_path=8, kernel=chunk_tree_verify)
+    assert torch.equal(case.scratch.nan_to_num(7.0), scratch_root.nan_to_num(7.0))
+    assert o_chunk.dtype == torch.bfloat16
+    assert (o_chunk.float() - o_root.float()).abs().max() <= 2**-8  # one bf16 step at |o| < 1
+    wide = builder_parents(1, MAX_NODES + 1, 8, gen)
+    case = Case(wide, 1, 1, 16, 16, gen)
+    with pytest.raises(ValueError, match=f"at most {MAX_NODES} nodes"):
+        case.verify(max_path=8, kernel=chunk_tree_verify)
+
+
+@interpreter_only
+@pytest.mark.parametrize("kernel", [tree_verify, chunk_tree_verify], ids=["root_paths", "chunk"])
+def test_commit_replays_the_accepted_path_into_every_layer_and_the_track_slot(kernel):
     gen = torch.Generator().manual_seed(7)
     bs, N, H, HV, K, V = 3, 10, 2, 4, 16, 40
     parents = random_parents(bs, N, gen)
@@ -157,7 +224,7 @@ def test_commit_replays_the_accepted_path_into_every_layer_and_the_track_slot():
     for li, c in enumerate(layers):
         c.pool, c.scratch, c.slots = pool[li], scratch[li], layers[0].slots
         c.scratch_slots = layers[0].scratch_slots
-        c.verify(max_path=N)
+        c.verify(max_path=N, kernel=kernel)
     # the layers' references start from the same slots: recompute them for the shared pool
     before = pool.clone()
     last = torch.tensor([int(torch.randint(0, N, (1,), generator=gen)) for _ in range(bs)])
@@ -201,6 +268,7 @@ def test_tree_verify_and_commit_equal_sglangs_own_verify_and_commit():
     spec.loader.exec_module(bench)
     row = bench.run_one(2, 12, bench.trees(2, 12, seed=3), 1, device="cpu", heads=(2, 4, 16, 32))
     assert row["max_abs_diff_o"] <= 2**-8, row  # one bf16 step at |o| < 1
+    assert row["chunk_max_abs_diff_o"] <= 2**-8, row  # the chunked form: the same
     assert row["max_abs_diff_state"] < 1e-5, row
 
 
@@ -209,12 +277,17 @@ def test_tree_verify_and_commit_equal_sglangs_own_verify_and_commit():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA")
-def test_tree_verify_and_commit_on_gpu_at_qwen36_head_sizes():
+@pytest.mark.parametrize("kernel,N", [(tree_verify, 32), (chunk_tree_verify, 32),
+                                      (chunk_tree_verify, 64)], ids=["root_paths", "chunk32",
+                                                                     "chunk64"])  # fmt: skip
+def test_tree_verify_and_commit_on_gpu_at_qwen36_head_sizes(kernel, N):
+    """bf16 inputs, tf32 products in the chunked form: o within bf16 tolerance of the float32
+    recurrence; the commit (the exact recurrence from the scratch) within 1e-4."""
     gen = torch.Generator().manual_seed(11)
-    bs, N, H, HV, K, V, block = 2, 32, 16, 48, 128, 128, 16
+    bs, H, HV, K, V, block = 2, 16, 48, 128, 128, 16
     parents = builder_parents(bs, N, block, gen)
     case = Case(parents, H, HV, K, V, gen, dtype=torch.bfloat16, device="cuda")
-    o = case.verify(max_path=block)
+    o = case.verify(max_path=block, kernel=kernel)
     torch.testing.assert_close(o.float().cpu(), case.o_ref, rtol=2e-2, atol=2e-2)
     last = torch.tensor([N - 1, N // 2], device="cuda")
     pool = case.pool[None]

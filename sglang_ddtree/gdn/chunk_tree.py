@@ -1,0 +1,171 @@
+"""Gated DeltaNet over a token tree in the chunked (WY) form: one program per (request, value
+head, V tile), every node at once with tensor-core matmuls.
+
+Along any root path the gated delta rule is a chain, so the chunked form that prefill uses
+(flash-linear-attention's `chunk_gated_delta_rule`) holds for a whole tree once the causal mask
+becomes the ancestor mask. With nodes in parent-before-child order, S0 the pre-verify state
+[K, V] (SGLang stores it transposed, [V, K]), G_i the sum of the gates g over i's root path
+(i included), D[i, j] = exp(G_i - G_j) for j an ancestor-or-self of i (else 0), k and q
+l2-normalised and q scaled:
+
+    A = diag(beta) (K K^T ⊙ D), strictly below the diagonal (j a strict ancestor of i)
+    U = (I + A)^-1 diag(beta) (V - diag(exp G) K S0)        each node's delta-rule update
+    O = diag(exp G) Q S0 + (Q K^T ⊙ D) U
+
+which is the recurrence h <- exp(g) h; h <- h + k (beta (v - h^T k))^T; o = h^T q along every
+root path at once (`tree_verify_reference`, the node-by-node definition, is what the tests
+hold it to). A is nilpotent of the tree's depth (a product of A's walks up ancestor chains), so
+U follows from U <- R - A U repeated depth - 1 times: after d rounds every node at depth <= d is
+exact, which is forward substitution by depth level.
+
+Work per program: two N x N x K products (the Gram matrices), two N x K x BV (the state), and
+depth + 1 of N x N x BV, all on tensor cores; S0 is read once; no state is written. The commit
+is unchanged: the same per-node scratch (g, beta, raw k, v) as `tree_verify.tree_verify`, read
+by `tree_verify.commit_paths`, which replays the accepted path node by node (the exact
+recurrence, so the pool holds the state the chain would have). N <= MAX_NODES.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sglang_ddtree.gdn.tree_verify import (
+    _check_scratch,
+    _check_state,
+    _scratch_offsets,
+)
+
+MAX_NODES = 64  # [N, N] fp32 tiles in registers; wider trees use tree_verify's root paths
+
+
+@triton.jit
+def _ancestors(parents, row, N, NP: tl.constexpr, MAX_PATH: tl.constexpr):
+    """[NP, NP] bool: [i, j] = node j is i or an ancestor of i (row i of node i's root path),
+    from parents[row + .]; entries outside [0, N) are clamped and j > i is never set, so a
+    warm-up or padding row gives a finite answer whatever its parents hold."""
+    o_n = tl.arange(0, NP)
+    live = o_n < N
+    anc = o_n[:, None] == o_n[None, :]
+    cur = o_n
+    for _ in range(MAX_PATH - 1):
+        parent = tl.load(parents + row + tl.maximum(cur, 1), mask=live, other=0).to(tl.int32)
+        cur = tl.where(cur > 0, tl.minimum(tl.maximum(parent, 0), N - 1), 0)
+        anc = anc | (o_n[None, :] == cur[:, None])
+    return anc & (o_n[None, :] <= o_n[:, None]) & live[:, None] & live[None, :]
+
+
+@triton.jit
+def _load_heads(ptr, row, N, i_h, H: tl.constexpr, K: tl.constexpr, NP: tl.constexpr,
+                BK: tl.constexpr):  # fmt: skip
+    """(raw, l2-normalised) float32 [NP, BK] q or k of the request's nodes, key head i_h."""
+    o_n, o_k = tl.arange(0, NP), tl.arange(0, BK)
+    m = (o_n < N)[:, None] & (o_k < K)[None, :]
+    x = tl.load(ptr + ((row + o_n)[:, None] * H + i_h) * K + o_k[None, :], mask=m, other=0)
+    x = x.to(tl.float32)
+    return x, x / tl.sqrt(tl.sum(x * x, 1) + 1e-6)[:, None]
+
+
+@triton.jit
+def _chunk_tree_kernel(
+    q, k, v, a, b, A_log, dt_bias, state, state_idx, state_stride, parents,
+    scratch, scratch_idx, scratch_stride, o, scale, N, stride_a, stride_b,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, NP: tl.constexpr, MAX_PATH: tl.constexpr,
+    DOT: tl.constexpr,
+):  # fmt: skip
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
+    row = i_n * N
+    o_n, o_k = tl.arange(0, NP), tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    live, mask_k, mask_v = o_n < N, o_k < K, o_v < V
+    anc = _ancestors(parents, row, N, NP, MAX_PATH)
+    depth = tl.max(tl.sum(anc.to(tl.int32), 1))  # nodes on the longest root path
+
+    # gates, as SGLang's fused verify kernel forms them (float32, softplus threshold 20)
+    tok = row + o_n
+    x = tl.load(a + tok * stride_a + i_hv, mask=live, other=0).to(tl.float32)
+    x += tl.load(dt_bias + i_hv).to(tl.float32)
+    g = -tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * tl.where(
+        x <= 20.0, tl.log(1.0 + tl.exp(x)), x
+    )
+    g = tl.where(live, g, 0.0)
+    beta = 1.0 / (
+        1.0 + tl.exp(-tl.load(b + tok * stride_b + i_hv, mask=live, other=0).to(tl.float32))
+    )
+    beta = tl.where(live, beta, 0.0)
+    G = tl.sum(tl.where(anc, g[None, :], 0.0), 1)  # [NP] log decay from S0 to after node i
+    decay = tl.exp(tl.where(anc, G[:, None] - G[None, :], float("-inf")))  # D, 0 off the paths
+
+    raw_k, b_k = _load_heads(k, row, N, i_h, H, K, NP, BK)
+    b_q = _load_heads(q, row, N, i_h, H, K, NP, BK)[1] * scale
+    b_kt = tl.trans(b_k)
+    strict = anc & (o_n[None, :] < o_n[:, None])
+    A = tl.where(strict, tl.dot(b_k, b_kt, input_precision=DOT) * decay * beta[:, None], 0.0)
+    P = tl.dot(b_q, b_kt, input_precision=DOT) * decay  # decay is 0 off the paths
+
+    slot = tl.load(state_idx + i_n).to(tl.int64)
+    h0 = tl.zeros([BK, BV], dtype=tl.float32)
+    if slot >= 0:  # SGLang pads a graph batch with slot -1
+        src = state + slot * state_stride + i_hv * V * K + o_v[None, :] * K + o_k[:, None]
+        h0 = tl.load(src, mask=mask_k[:, None] & mask_v[None, :], other=0).to(tl.float32)
+    m_nv = live[:, None] & mask_v[None, :]
+    b_v = tl.load(v + (tok[:, None] * HV + i_hv) * V + o_v[None, :], mask=m_nv, other=0)
+    b_v = b_v.to(tl.float32)
+    gamma = tl.exp(G)[:, None]
+    R = beta[:, None] * (b_v - gamma * tl.dot(b_k, h0, input_precision=DOT))
+    U = R
+    for _ in range(1, depth):  # forward substitution, one depth level per round
+        U = R - tl.dot(A, U, input_precision=DOT)
+    out = gamma * tl.dot(b_q, h0, input_precision=DOT) + tl.dot(P, U, input_precision=DOT)
+    tl.store(o + (tok[:, None] * HV + i_hv) * V + o_v[None, :], out.to(o.dtype.element_ty),
+             mask=m_nv)  # fmt: skip
+
+    # the commit's scratch (tree_verify.scratch_floats): g, beta, raw k per value head, v
+    x_row = scratch + tl.load(scratch_idx + i_n).to(tl.int64) * scratch_stride
+    x_beta, x_k, x_v = _scratch_offsets(N, HV, K)
+    tl.store(x_row + x_v + (o_n[:, None] * HV + i_hv) * V + o_v[None, :], b_v, mask=m_nv)
+    if i_v == 0:
+        tl.store(x_row + o_n * HV + i_hv, g, mask=live)
+        tl.store(x_row + x_beta + o_n * HV + i_hv, beta, mask=live)
+        m_nk = live[:, None] & mask_k[None, :]
+        tl.store(x_row + x_k + (o_n[:, None] * HV + i_hv) * K + o_k[None, :], raw_k, mask=m_nk)
+
+
+def chunk_tree_verify(q, k, v, a, b, A_log, dt_bias, state, state_idx, parents, scratch,
+                      scratch_idx, *, max_path: int, scale: float | None = None,
+                      block_v: int | None = None, num_warps: int | None = None,
+                      precision: str = "tf32") -> torch.Tensor:  # fmt: skip
+    """`tree_verify.tree_verify`'s contract (same arguments, outputs and scratch), computed in
+    the chunked form: o [T, HV, V] (q's dtype) for bs trees of N <= MAX_NODES nodes whose
+    parents come before their children (parents [bs, N]; T = bs * N, request-major; root paths
+    of at most `max_path` nodes), from state[state_idx[b]] ([S, HV, V, K], unchanged; slot -1
+    starts from zeros). precision: tl.dot's input precision for the float32 products ("tf32",
+    "tf32x3" or "ieee"). Sync-free, CUDA-graph safe."""
+    bs, N = parents.shape
+    T, H, K = q.shape
+    _, HV, V = v.shape
+    if T != bs * N or HV % H or k.shape != q.shape:
+        raise ValueError(f"q {tuple(q.shape)} / v {tuple(v.shape)} do not fit {bs} x {N} nodes")
+    if N > MAX_NODES:
+        raise ValueError(f"chunk_tree_verify takes at most {MAX_NODES} nodes, got {N}")
+    _check_scratch(scratch, N, HV, K, V)
+    _check_state(state, (HV, V, K))
+    q, k, v = (x.contiguous() for x in (q, k, v))
+    a, b = (x if x.stride(-1) == 1 else x.contiguous() for x in (a, b))
+    o = torch.empty(v.shape, dtype=q.dtype, device=v.device)
+    NP = max(16, triton.next_power_of_2(N))  # tl.dot's smallest tile
+    BV = block_v or min(32, max(16, triton.next_power_of_2(V)))
+    grid = (triton.cdiv(V, BV), bs * HV)
+    _chunk_tree_kernel[grid](
+        q, k, v, a, b, A_log, dt_bias, state, state_idx, state.stride(0), parents,
+        scratch, scratch_idx, scratch.stride(0), o, float(K**-0.5 if scale is None else scale),
+        N, a.stride(0), b.stride(0),
+        H=H, HV=HV, K=K, V=V, BK=max(16, triton.next_power_of_2(K)), BV=BV, NP=NP,
+        MAX_PATH=triton.next_power_of_2(max_path), DOT=precision,
+        num_warps=num_warps or (4 if NP <= 32 else 8),
+    )  # fmt: skip
+    return o
