@@ -167,8 +167,17 @@ def run_one(bs: int, nodes: int, parents: torch.Tensor, iters: int, device: str 
             row["chunk_verify_ms"] = gpu_ms(chunk_verify(), iters, graph=True)
             for block_v, warps, precision in chunk_tiles:
                 key = f"chunk_verify_bv{block_v}_w{warps}_{precision}_ms"
-                row[key] = gpu_ms(chunk_verify(block_v, warps, precision), iters, graph=True)
+                row[key] = _timed(gpu_ms, chunk_verify(block_v, warps, precision), iters)
     return row
+
+
+def _timed(gpu_ms, fn, iters: int) -> float | str:
+    """GPU ms of one swept configuration, or why it could not run (a tile too large for the
+    chip's shared memory is a result of the sweep, not the end of it)."""
+    try:
+        return gpu_ms(fn, iters, graph=True)
+    except Exception as exc:  # noqa: BLE001 - reported in the row
+        return f"error: {str(exc)[:200]}"
 
 
 def run_conv(bs: int, nodes: int, parents: torch.Tensor, iters: int, dim: int = CONV_DIM,
@@ -251,7 +260,7 @@ def run_conv(bs: int, nodes: int, parents: torch.Tensor, iters: int, dim: int = 
         from bench_tree_build import gpu_ms  # beside this script, so on sys.path when it runs
 
         for tiling, fn in timed.items():
-            row[f"conv_{tiling}_ms"] = gpu_ms(fn, iters, graph=True)
+            row[f"conv_{tiling}_ms"] = _timed(gpu_ms, fn, iters)
         row["sglang_conv_ms"] = gpu_ms(sglang, iters, graph=True)
         row["ours_conv_ms"] = gpu_ms(ours, iters, graph=True)
         if chain_x is not None:
@@ -276,7 +285,7 @@ def main() -> int:
     args = p.parse_args()
     tiles = [tuple(int(x) for x in t.split("x")) for t in args.tiles.split(",") if t]
     chunk_tiles = [(int(bv), int(w), prec) for bv, w, prec in
-                   (t.split("x") for t in args.chunk_tiles.split(",") if t)]  # fmt: skip
+                   (t.split("x", 2) for t in args.chunk_tiles.split(",") if t)]  # fmt: skip
     rows = []
     for bs in (int(x) for x in args.bs.split(",")):
         for nodes in (int(x) for x in args.nodes.split(",")):

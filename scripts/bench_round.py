@@ -67,14 +67,20 @@ MAMBA_SLOTS_PER_REQ = 6  # >= SGLang's mamba slots per running request (3, +2 wi
 # SGLang's SSM-state dtype (SGLANG_MAMBA_SSM_DTYPE; float32 by default): the `_bf16ssm` variants
 # halve the scratch, which is what lets N = 64 run 8 requests.
 # `_torch`: DDTREE with the batched torch tree builder instead of the Triton one (its CUDA default).
-# `_sglanggdn`: DDTREE with SGLang's own GDN tree verify, commit, conv1d and per-node states
-# (SGLANG_DDTREE_GDN=sglang) instead of sglang_ddtree.gdn's chunked verify, replay commit, tree
-# conv1d and compact scratch (integration/gdn_pool.py), which lets 16 requests run at any N.
+# `_sglanggdn`: DDTREE with SGLang's own GDN tree verify and commit (per-node states) instead of
+# sglang_ddtree.gdn's (one program per root path, commit by replay). The opt-ins of
+# integration/gdn.py: `_compact` the compact GDN verify scratch (integration/gdn_pool.py), which
+# lets 16 requests run at any N; `_conv` the tree conv1d of gdn/conv_tree.py; `_chunk` the
+# chunked GDN verify of gdn/chunk_tree.py.
 VARIANT_ENV = {
     "_bf16ssm": {"SGLANG_MAMBA_SSM_DTYPE": "bfloat16"},
     "_torch": {"SGLANG_DDTREE_TREE_BUILDER": "torch"},
     "_sglanggdn": {"SGLANG_DDTREE_GDN": "sglang"},
+    "_compact": {"SGLANG_DDTREE_GDN_SCRATCH": "compact"},
+    "_conv": {"SGLANG_DDTREE_CONV": "ddtree"},
+    "_chunk": {"SGLANG_DDTREE_GDN_VERIFY": "chunk"},
 }
+OPT_INS = ("_compact", "_conv", "_chunk")  # any subset, in this order: ddtree32_compact_chunk
 
 
 def max_requests(width: int, state_bytes: int = 4) -> int:
@@ -111,10 +117,17 @@ def variants(draft: Path) -> dict[str, list[str]]:
                   "--speculative-num-steps", "3", "--speculative-num-draft-tokens", "8",
                   *running(8)],
     }  # fmt: skip
-    for n in (16, 32, 64, 128):  # the compact scratch: SGLang's default 16 requests at every N
+    for n in (16, 32, 64, 128):
         width = [*dd, "--speculative-num-draft-tokens", str(n)]
-        out[f"ddtree{n}"] = out[f"ddtree{n}_torch"] = [*width, *requests(16)]
-        out[f"ddtree{n}_sglanggdn"] = [*width, *running(n)]  # SGLang's per-node states
+        out[f"ddtree{n}"] = out[f"ddtree{n}_torch"] = [*width, *running(n)]
+        out[f"ddtree{n}_sglanggdn"] = out[f"ddtree{n}"]
+        for mask in range(1, 2 ** len(OPT_INS)):
+            chosen = [o for i, o in enumerate(OPT_INS) if mask >> i & 1]
+            # the compact scratch: SGLang's default 16 requests at every N
+            out[f"ddtree{n}{''.join(chosen)}"] = (
+                [*width, *requests(16)] if "_compact" in chosen else out[f"ddtree{n}"]
+            )
+    out["ddtree64_bf16ssm"] = [*dd, "--speculative-num-draft-tokens", "64", *running(64, 2)]
     return out
 
 
@@ -191,7 +204,7 @@ def measure(server, bs: int, tokens: int) -> dict:
 
 def gdn_scratch_gb(log: str) -> float | None:
     """The GDN verify scratch the Mamba pool allocated: SGLang's per-node states, or (the
-    DDTREE's default) integration/gdn_pool.py's scratch and conv windows."""
+    `_compact` variants) integration/gdn_pool.py's scratch and conv windows."""
     m = re.search(r"intermediate_ssm_state_cache size: ([0-9.]+)GB", log) or re.search(
         r"compact GDN verify scratch for \d+ requests x \d+ nodes: ([0-9.]+) GB", log
     )

@@ -23,6 +23,12 @@ depth + 1 of N x N x BV, all on tensor cores; S0 is read once; no state is writt
 is unchanged: the same per-node scratch (g, beta, raw k, v) as `tree_verify.tree_verify`, read
 by `tree_verify.commit_paths`, which replays the accepted path node by node (the exact
 recurrence, so the pool holds the state the chain would have). N <= MAX_NODES.
+
+Precision: the products run on tf32 tensor cores by default. On the H200 the outputs then differ
+from the float64 recurrence by up to 1.5e-3 of their largest entry, against 2e-7 for the
+root-path kernel and 5e-7 for precision="tf32x3" or "ieee" (which cost 3-20x the time); that is
+about one bf16 step of the outputs. The server uses this kernel only with
+SGLANG_DDTREE_GDN_VERIFY=chunk until the GPU suite passes with it (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -158,7 +164,9 @@ def chunk_tree_verify(q, k, v, a, b, A_log, dt_bias, state, state_idx, parents, 
     a, b = (x if x.stride(-1) == 1 else x.contiguous() for x in (a, b))
     o = torch.empty(v.shape, dtype=q.dtype, device=v.device)
     NP = max(16, triton.next_power_of_2(N))  # tl.dot's smallest tile
-    BV = block_v or min(32, max(16, triton.next_power_of_2(V)))
+    # 128 x 8 warps: the fastest V tile at every (bs, N) of bench_gdn_tree's H200 sweep but
+    # two (within 15 % there; docs/benchmarks.md)
+    BV = block_v or min(128, max(16, triton.next_power_of_2(V)))
     grid = (triton.cdiv(V, BV), bs * HV)
     _chunk_tree_kernel[grid](
         q, k, v, a, b, A_log, dt_bias, state, state_idx, state.stride(0), parents,
@@ -166,6 +174,6 @@ def chunk_tree_verify(q, k, v, a, b, A_log, dt_bias, state, state_idx, parents, 
         N, a.stride(0), b.stride(0),
         H=H, HV=HV, K=K, V=V, BK=max(16, triton.next_power_of_2(K)), BV=BV, NP=NP,
         MAX_PATH=triton.next_power_of_2(max_path), DOT=precision,
-        num_warps=num_warps or (4 if NP <= 32 else 8),
+        num_warps=num_warps or 8,
     )  # fmt: skip
     return o

@@ -3,26 +3,28 @@ Qwen3.5 / 3.6).
 
 SGLang 0.5.17 verifies a tree through a GDN layer node after node and stores every node's state
 in the Mamba pool's `intermediate_ssm` so that the commit can copy the accepted one; at 27B and
-N = 64 that is most of DDTREE's extra round time (docs/benchmarks.md). Three hooks replace it
-while DDTREE serves a tree (topk > 1):
+N = 64 that is most of DDTREE's extra round time (docs/benchmarks.md). Hooks replace it while
+DDTREE serves a tree (topk > 1):
 
 - `target_verify` (around GDNKernelDispatcher.target_verify, once per GDN layer, inside the
-  verify CUDA graph): `gdn.chunk_tree.chunk_tree_verify`, every node at once in the chunked
-  form (N <= 64; wider trees: `gdn.tree_verify.tree_verify`, one program per root path); each
-  node's g, beta, k and v go to the request's scratch row, no state does.
+  verify CUDA graph): `gdn.tree_verify.tree_verify`, one program per root path (default), or
+  with SGLANG_DDTREE_GDN_VERIFY=chunk `gdn.chunk_tree.chunk_tree_verify`, every node at once in
+  the chunked form (N <= 64; wider trees keep the root paths). Each node's g, beta, k and v go
+  to the request's scratch row, no state does.
 - `commit` (around HybridLinearAttnBackend.update_mamba_state_after_mtp_verify, once per round):
   `commit_paths` replays the accepted path into the pool for all GDN layers in one launch (and
   into the radix-cache track slot where SGLang would snapshot one); the conv windows are
   committed by SGLang's own scatter, its state part skipped.
-- `conv_update` (around gdn_backend.causal_conv1d_update): the tree verify's conv1d through
-  `gdn/conv_tree.py`, every node in parallel, instead of SGLang's node-after-node kernel.
+- `conv_update` (around gdn_backend.causal_conv1d_update, opt-in: SGLANG_DDTREE_CONV=ddtree):
+  the tree verify's conv1d through `gdn/conv_tree.py`, every node in parallel.
+- SGLANG_DDTREE_GDN_SCRATCH=compact (opt-in) shrinks `intermediate_ssm` to the scratch that
+  DDTREE's verify uses and sizes the Mamba pool for it (integration/gdn_pool.py).
 
 The accepted path comes from the same parent indices the verify used (the conv kernel fills
-`retrieve_parent_token` from the tree), so the committed state is the verified one. The Mamba
-pool's `intermediate_ssm` is then only that scratch, and the pool is sized for it
-(integration/gdn_pool.py), except under --enable-unified-memory, whose pool allocates SGLang's
-per-node states itself. SGLANG_DDTREE_GDN=sglang keeps SGLang's own verify, commit, conv1d and
-per-node states (the comparison baseline).
+`retrieve_parent_token` from the tree), so the committed state is the verified one.
+SGLANG_DDTREE_GDN=sglang keeps SGLang's own verify, commit, conv1d and per-node states (the
+comparison baseline). The three opt-ins stay opt-in until the GPU suite passes with them
+(docs/benchmarks.md, session 7).
 """
 
 from __future__ import annotations
@@ -35,45 +37,95 @@ from sglang_ddtree.integration import compat, gdn_pool
 
 logger = logging.getLogger(__name__)
 
-_max_path: int | None = None  # set by configure() in the scheduler process; None: SGLang's path
+
+@dataclasses.dataclass(frozen=True)
+class GDNPath:
+    """How DDTREE's tree verify runs the Gated DeltaNet layers (parsed once by `configure`)."""
+
+    max_path: int  # nodes on the longest root path: the bonus token + B - 1 drafted tokens
+    verify: str = "paths"  # SGLANG_DDTREE_GDN_VERIFY: "paths" (root paths) or "chunk"
+    conv: bool = False  # SGLANG_DDTREE_CONV=ddtree: gdn/conv_tree.py's tree conv1d
+    compact: bool = False  # SGLANG_DDTREE_GDN_SCRATCH=compact: integration/gdn_pool.py
 
 
-def _choice(name: str, default: str, options: tuple[str, str] = ("ddtree", "sglang")) -> str:
-    choice = os.environ.get(name, default)
+_path: GDNPath | None = None  # set by configure() in the scheduler process; None: SGLang's path
+
+# switch -> (allowed values, the first being the default)
+SWITCHES = {
+    "SGLANG_DDTREE_GDN": ("ddtree", "sglang"),
+    "SGLANG_DDTREE_GDN_VERIFY": ("paths", "chunk"),
+    "SGLANG_DDTREE_CONV": ("sglang", "ddtree"),
+    "SGLANG_DDTREE_GDN_SCRATCH": ("full", "compact"),
+}
+
+
+def _choice(name: str) -> str:
+    options = SWITCHES[name]
+    choice = os.environ.get(name, options[0])
     if choice not in options:
         raise ValueError(f"{name} must be {options[0]!r} or {options[1]!r}, got {choice!r}.")
     return choice
 
 
+def parse(server_args) -> GDNPath | None:
+    """The GDN path the environment asks for, validated (None: SGLang's own)."""
+    args = compat.resolved(server_args)
+    choice = {name: _choice(name) for name in SWITCHES}
+    if choice["SGLANG_DDTREE_GDN"] == "sglang":
+        for name in ("SGLANG_DDTREE_GDN_VERIFY", "SGLANG_DDTREE_CONV", "SGLANG_DDTREE_GDN_SCRATCH"):
+            if choice[name] != SWITCHES[name][0]:
+                raise ValueError(
+                    f"{name}={choice[name]} needs DDTREE's GDN path, which "
+                    "SGLANG_DDTREE_GDN=sglang turns off; drop one of the two."
+                )
+        return None
+    compact = choice["SGLANG_DDTREE_GDN_SCRATCH"] == "compact"
+    if compact and getattr(args, "enable_unified_memory", 0):
+        # The unified pool allocates SGLang's per-node states itself; the solver would not
+        # have reserved them.
+        raise ValueError(
+            "SGLANG_DDTREE_GDN_SCRATCH=compact does not support --enable-unified-memory; drop "
+            "one of the two."
+        )
+    return GDNPath(
+        max_path=int(args.speculative_dflash_block_size),
+        verify=choice["SGLANG_DDTREE_GDN_VERIFY"],
+        conv=choice["SGLANG_DDTREE_CONV"] == "ddtree",
+        compact=compact,
+    )
+
+
 def configure(server_args) -> None:
     """Enable the hooks' DDTREE paths for this process (the worker factory calls it)."""
-    global _max_path
-    args = compat.resolved(server_args)
-    choice = _choice("SGLANG_DDTREE_GDN", "ddtree")
-    # a root path holds the bonus token and at most B - 1 drafted tokens
-    _max_path = None if choice == "sglang" else int(args.speculative_dflash_block_size)
-    # SGLang's unified pool allocates the per-node states itself, which the solver hook would
-    # not have reserved: it keeps SGLang's full buffer (which DDTREE's verify also reads).
-    compact = choice == "ddtree" and not getattr(args, "enable_unified_memory", 0)
-    gdn_pool.configure(compact)
-    logger.info("sglang_ddtree: GDN tree verify, commit and conv1d: %s; scratch: %s",
-                choice, "compact" if compact else "full")  # fmt: skip
+    global _path
+    _path = parse(server_args)
+    gdn_pool.configure(_path is not None and _path.compact)
+    logger.info("sglang_ddtree: GDN path: %s", describe(_path))
+
+
+def describe(path: GDNPath | None) -> str:
+    """The startup log's words for a GDN path (tests/gpu checks them per server)."""
+    if path is None:
+        return "sglang (verify, commit, conv1d, per-node states)"
+    return (f"ddtree (verify: {path.verify}; commit: replay; tree conv1d: "
+            f"{'ddtree' if path.conv else 'sglang'}; scratch: "
+            f"{'compact' if path.compact else 'full'})")  # fmt: skip
 
 
 def active() -> bool:
-    return _max_path is not None
+    return _path is not None
 
 
 def target_verify(original, dispatcher, A_log, dt_bias, q, k, v, a, b, **kwargs):
     parents = kwargs.get("retrieve_parent_token")
-    if _max_path is None or parents is None:  # not DDTREE, or a chain / warm-up batch
+    if _path is None or parents is None:  # not DDTREE, or a chain / warm-up batch
         _refuse_compact(kwargs.get("intermediate_states_buffer"))
         return original(dispatcher, A_log, dt_bias, q, k, v, a, b, **kwargs)
     from sglang_ddtree.gdn.chunk_tree import MAX_NODES, chunk_tree_verify
     from sglang_ddtree.gdn.tree_verify import as_scratch, tree_verify
 
     N = int(kwargs["cache_steps"])
-    chunked = N <= MAX_NODES  # wider trees: one program per root path
+    chunked = _path.verify == "chunk" and N <= MAX_NODES  # wider trees: root paths
     kernel = chunk_tree_verify if chunked else tree_verify
     _first_use("GDN tree verify through sglang_ddtree.gdn."
                + ("chunk_tree.chunk_tree_verify" if chunked else "tree_verify"))  # fmt: skip
@@ -95,7 +147,7 @@ def target_verify(original, dispatcher, A_log, dt_bias, q, k, v, a, b, **kwargs)
             _rows(parents, N),
             as_scratch(kwargs["intermediate_states_buffer"], 1),
             kwargs["intermediate_state_indices"][:bs],
-            max_path=_max_path,
+            max_path=_path.max_path,
         )
     except ValueError as exc:  # a pool layout the kernel does not take: name the way out
         raise RuntimeError(
@@ -108,10 +160,10 @@ def target_verify(original, dispatcher, A_log, dt_bias, q, k, v, a, b, **kwargs)
 def conv_update(original, x, conv_state, weight, bias=None, activation=None, *rest, **kwargs):
     """Around gdn_backend.causal_conv1d_update (SGLang's hook registry also rebinds every other
     module's import of that function): a tree verify's conv1d through `gdn.conv_tree.conv_tree`
-    (same outputs, per-node windows and retrieve_parent_token as SGLang's kernel); every other
-    call, and every call under SGLANG_DDTREE_GDN=sglang, as it came, to SGLang's."""
+    under SGLANG_DDTREE_CONV=ddtree (same outputs, per-node windows and retrieve_parent_token
+    as SGLang's kernel); every other call, as it came, to SGLang's."""
     tree = all(kwargs.get(k) is not None for k in _CONV_TREE_ARGS)
-    if _max_path is None or not tree or rest or set(kwargs) - set(_CONV_TREE_ARGS):
+    if _path is None or not _path.conv or not tree or rest or set(kwargs) - set(_CONV_TREE_ARGS):
         return original(x, conv_state, weight, bias, activation, *rest, **kwargs)
     from sglang_ddtree.gdn.conv_tree import conv_tree
 
@@ -135,7 +187,7 @@ def commit(original, backend, last_correct_step_indices, mamba_track_indices,
     meta = linear.forward_metadata
     parents = getattr(meta, "retrieve_parent_token", None)
     caches = linear.req_to_token_pool.get_speculative_mamba2_params_all_layers()
-    if _max_path is None or parents is None:
+    if _path is None or parents is None:
         _refuse_compact(caches.intermediate_ssm)
         return original(backend, last_correct_step_indices, mamba_track_indices,
                         mamba_steps_to_track, model, req_pool_indices)  # fmt: skip
@@ -152,7 +204,7 @@ def commit(original, backend, last_correct_step_indices, mamba_track_indices,
         linear.verify_intermediate_state_indices[:bs],
         _rows(parents, N),
         last_correct_step_indices,
-        max_path=_max_path,
+        max_path=_path.max_path,
         track_idx=mamba_track_indices,
         track_node=mamba_steps_to_track if mamba_track_indices is not None else None,
     )
@@ -180,9 +232,9 @@ def _refuse_compact(intermediate_ssm) -> None:
     """SGLang's own verify or commit would overrun a compact scratch: fail instead."""
     if gdn_pool.is_compact(intermediate_ssm):
         raise RuntimeError(
-            "A Gated DeltaNet verify without a DDTREE tree reached a Mamba pool sized for "
-            "DDTREE's compact GDN scratch, which only DDTREE's verify can use; serve with "
-            "SGLANG_DDTREE_GDN=sglang."
+            "A Gated DeltaNet verify without a DDTREE tree reached a Mamba pool sized by "
+            "SGLANG_DDTREE_GDN_SCRATCH=compact, which only DDTREE's verify can use; serve with "
+            "SGLANG_DDTREE_GDN_SCRATCH=full."
         )
 
 

@@ -79,23 +79,45 @@ VARIANTS = {
     "dflash_det": lambda model, draft: [*dflash_args(draft), *DETERMINISTIC],
     "ddtree64": lambda model, draft: ddtree_args(model, draft, nodes=64),
     "ddtree_torch": ddtree_args,  # with VARIANT_ENV below: the torch tree builder (CUDA default: Triton)
-    # with VARIANT_ENV: SGLang's own GDN tree verify, commit, conv1d and per-node states
-    "ddtree_sglanggdn": ddtree_args,
+    "ddtree_sglanggdn": ddtree_args,  # with VARIANT_ENV: SGLang's own GDN tree verify and commit
+    # with VARIANT_ENV, the opt-ins of integration/gdn.py one at a time and all together:
+    "ddtree_chunk": ddtree_args,  # the chunked GDN verify (gdn/chunk_tree.py)
+    "ddtree_conv": ddtree_args,  # the tree conv1d (gdn/conv_tree.py)
+    "ddtree_compact": ddtree_args,  # the compact GDN verify scratch (integration/gdn_pool.py)
+    "ddtree_fast": ddtree_args,
+    # the same in deterministic mode (session 7: DDTREE with all three was not batch-invariant)
+    "ddtree_det_chunk": lambda model, draft: [*ddtree_args(model, draft), *DETERMINISTIC],
+    "ddtree_det_conv": lambda model, draft: [*ddtree_args(model, draft), *DETERMINISTIC],
+    "ddtree_det_compact": lambda model, draft: [*ddtree_args(model, draft), *DETERMINISTIC],
 }
+_CHUNK = {"SGLANG_DDTREE_GDN_VERIFY": "chunk"}
+_CONV = {"SGLANG_DDTREE_CONV": "ddtree"}
+_COMPACT = {"SGLANG_DDTREE_GDN_SCRATCH": "compact"}
 # Per-variant environment on top of ENV.
 VARIANT_ENV = {
     "ddtree_torch": {"SGLANG_DDTREE_TREE_BUILDER": "torch"},
     "ddtree_sglanggdn": {"SGLANG_DDTREE_GDN": "sglang"},
+    "ddtree_chunk": _CHUNK,
+    "ddtree_conv": _CONV,
+    "ddtree_compact": _COMPACT,
+    "ddtree_fast": {**_CHUNK, **_CONV, **_COMPACT},
+    "ddtree_det_chunk": _CHUNK,
+    "ddtree_det_conv": _CONV,
+    "ddtree_det_compact": _COMPACT,
 }
-# Which variants each model runs (17 servers in all). Launch order interleaves the models, plain
+# Which variants each model runs (28 servers in all). Launch order interleaves the models, plain
 # servers first, so each model's tests can begin while the others still start. SGLang's own
 # chain DFLASH runs beside DDTREE on every model as the control for numerics.
 MODEL_VARIANTS = {
     "qwen3": ("base", "ddtree", "ddtree_sync", "dflash"),
-    "qwen35": ("base", "ddtree", "ddtree_sync", "dflash", "ddtree_sglanggdn"),
+    "qwen35": (
+        "base", "ddtree", "ddtree_sync", "dflash", "ddtree_sglanggdn", "ddtree_chunk",
+        "ddtree_conv", "ddtree_compact", "ddtree_fast",
+    ),
     "pair": (
         "base", "ddtree", "base_det", "ddtree_det", "dflash_det", "dflash", "ddtree64",
-        "ddtree_torch",
+        "ddtree_torch", "ddtree_chunk", "ddtree_conv", "ddtree_compact", "ddtree_fast",
+        "ddtree_det_chunk", "ddtree_det_conv", "ddtree_det_compact",
     ),
 }  # fmt: skip
 # Started for scripts/bench_e2e.py --attach, not tested by tests/gpu.

@@ -51,8 +51,14 @@ SPEC_VARIANTS = (
     "ddtree_det",
     "ddtree_torch",
     "ddtree_sglanggdn",
+    "ddtree_chunk",
+    "ddtree_conv",
+    "ddtree_compact",
+    "ddtree_fast",
     "dflash",
 )  # dflash: a control
+# DDTREE in deterministic mode: the batch-invariance test (the opt-ins one at a time)
+DET_DDTREE = ("ddtree_det", "ddtree_det_chunk", "ddtree_det_conv", "ddtree_det_compact")
 SPEC_SERVERS = [
     (m, v)
     for m in MODELS
@@ -269,19 +275,20 @@ def test_generate_greedy_is_the_targets_greedy(
 
 def test_deterministic_mode_is_token_identical(servers):
     """SGLang's batch-invariant mode (--enable-deterministic-inference), 32 prompts x 128
-    tokens at temperature 0, batch 1 and 8: the plain server and DDTREE each give exactly the
-    same tokens at both batch sizes; DDTREE equals the plain server token for token except where
-    the two kernels (N-node tree verify vs width-1 decode) flip a bf16 near-tie: at the first
-    differing token, DDTREE's choice is within TIE_TOL of the target's best under teacher
-    forcing. SGLang's DFLASH in the same mode (the control) is reported beside it."""
+    tokens at temperature 0, batch 1 and 8: the plain server and each DDTREE server (DET_DDTREE)
+    give exactly the same tokens at both batch sizes; DDTREE equals the plain server token for
+    token except where the two kernels (N-node tree verify vs width-1 decode) flip a bf16
+    near-tie: at the first differing token, DDTREE's choice is within TIE_TOL of the target's
+    best under teacher forcing. SGLang's DFLASH in the same mode (the control) is reported
+    beside it."""
     if "pair" not in MODELS:
         pytest.skip("the pair's servers are tested by another process (DDTREE_GPU_MODELS)")
     base = _up(servers, "pair-base_det")
-    spec = _up(servers, "pair-ddtree_det")
-    runs = {}
-    named = [("plain", base), ("ddtree", spec)]
+    named = [("plain", base)]
+    named += [(v, _up(servers, f"pair-{v}")) for v in DET_DDTREE if f"pair-{v}" in servers]
     if "pair-dflash_det" in servers:
         named.append(("dflash", _up(servers, "pair-dflash_det")))
+    runs = {}
     for name, server in named:
         for c in (1, 8):
             _flush(server)
@@ -292,18 +299,24 @@ def test_deterministic_mode_is_token_identical(servers):
         k: [harness.first_divergence(a, b) for a, b in zip(v, ref, strict=True)]
         for k, v in runs.items()
     }
-    diverging = [i for i, f in enumerate(firsts["ddtree", 1]) if f is not None]
-    deficits = []
-    for i in diverging:
-        at = firsts["ddtree", 1][i]
-        tokens = runs["ddtree", 1][i][: at + 1]
-        deficits.append(_deficits(base, [tokens], [harness.PROMPTS[i]])[at])
     print("identical to plain at batch 1 (of 32):", same)
     print("first divergences:", {k: [f for f in v if f is not None] for k, v in firsts.items()})
-    print("DDTREE's deficit at its first divergence from plain:", deficits)
     assert runs["plain", 8] == runs["plain", 1], "the plain server is not batch-invariant"
-    assert runs["ddtree", 8] == runs["ddtree", 1], "DDTREE is not batch-invariant"
-    assert all(d <= TIE_TOL for d in deficits), "DDTREE left plain's greedy at a non-tie"
+    failures = []
+    for variant in (name for name, _ in named if name.startswith("ddtree")):
+        deficits = []
+        for i, at in enumerate(firsts[variant, 1]):
+            if at is not None:
+                tokens = runs[variant, 1][i][: at + 1]
+                deficits.append(_deficits(base, [tokens], [harness.PROMPTS[i]])[at])
+        print(f"{variant}: deficit at its first divergence from plain: {deficits}")
+        if runs[variant, 8] != runs[variant, 1]:
+            moved = [i for i, (a, b) in enumerate(zip(runs[variant, 8], runs[variant, 1],
+                                                       strict=True)) if a != b]  # fmt: skip
+            failures.append(f"{variant} is not batch-invariant (prompts {moved})")
+        if not all(d <= TIE_TOL for d in deficits):
+            failures.append(f"{variant} left plain's greedy at a non-tie: {deficits}")
+    assert not failures, failures
 
 
 @pytest.mark.parametrize("model,variant", [(m, v) for m, v in SPEC_SERVERS if v != "ddtree_det"])
@@ -501,29 +514,49 @@ def test_pools_return_to_idle_and_no_host_sync(servers, model, variant):
     assert all(r["num_used_tokens"] == 0 for r in per_rank), loads
 
 
-# What each hybrid DDTREE server must have logged, so that a hook that silently missed its
-# target cannot pass as tested: DDTREE's GDN path (the default) or SGLang's (the control).
-OUR_GDN = (
-    "first GDN tree verify through sglang_ddtree.gdn.chunk_tree.chunk_tree_verify",
-    "first GDN state commit through sglang_ddtree.gdn.tree_verify.commit_paths",
-    "first tree conv1d through sglang_ddtree.gdn.conv_tree",
-    "Mamba pool sized for",  # the solver hook of the compact scratch
-    "compact GDN verify scratch for",  # its pool hook
-)
-DDTREE_GDN = ("GDN tree verify, commit and conv1d: ddtree; scratch: compact", *OUR_GDN)
+# What each hybrid DDTREE server must have logged, so that a switch that silently did not
+# engage (a hook that missed its target) cannot pass as tested: its GDN path (the startup line
+# of integration/gdn.describe) and the first use of each of its hooks.
+COMMIT = "first GDN state commit through sglang_ddtree.gdn.tree_verify.commit_paths"
+PATHS = "first GDN tree verify through sglang_ddtree.gdn.tree_verify"
+CHUNK = "first GDN tree verify through sglang_ddtree.gdn.chunk_tree.chunk_tree_verify"
+CONV = "first tree conv1d through sglang_ddtree.gdn.conv_tree"
+COMPACT = ("Mamba pool sized for", "compact GDN verify scratch for")  # solver and pool hooks
+
+
+def _engaged(verify: str = "paths", conv: bool = False, compact: bool = False) -> tuple:
+    line = (f"GDN path: ddtree (verify: {verify}; commit: replay; tree conv1d: "
+            f"{'ddtree' if conv else 'sglang'}; scratch: {'compact' if compact else 'full'})")  # fmt: skip
+    uses = [CHUNK if verify == "chunk" else PATHS, COMMIT]
+    return (line, *uses, *([CONV] if conv else []), *(COMPACT if compact else ()))
+
+
 ENGAGED = {
-    "ddtree": DDTREE_GDN,
-    "ddtree_sync": DDTREE_GDN,
-    "ddtree_det": DDTREE_GDN,
-    "ddtree_torch": DDTREE_GDN,
-    "ddtree_sglanggdn": ("GDN tree verify, commit and conv1d: sglang; scratch: full",),
+    "ddtree": _engaged(),
+    "ddtree_sync": _engaged(),
+    "ddtree_det": _engaged(),
+    "ddtree_torch": _engaged(),
+    "ddtree_sglanggdn": ("GDN path: sglang (verify, commit, conv1d, per-node states)",),
+    "ddtree_chunk": _engaged(verify="chunk"),
+    "ddtree_det_chunk": _engaged(verify="chunk"),
+    "ddtree_conv": _engaged(conv=True),
+    "ddtree_det_conv": _engaged(conv=True),
+    "ddtree_compact": _engaged(compact=True),
+    "ddtree_det_compact": _engaged(compact=True),
+    "ddtree_fast": _engaged(verify="chunk", conv=True, compact=True),
 }
-NOT_ENGAGED = {"ddtree_sglanggdn": OUR_GDN}
+# what must not be in a log: the other verify kernel, hooks that are off
+NOT_ENGAGED = {
+    "ddtree_sglanggdn": (PATHS, CHUNK, COMMIT, CONV, *COMPACT),
+    **{v: (CHUNK, CONV, *COMPACT) for v in ("ddtree", "ddtree_sync", "ddtree_det", "ddtree_torch")},
+}
 
 
 @pytest.mark.parametrize(  # qwen3 has no GDN layers, so no GDN hook ever runs there
-    "model,variant", [(m, v) for m, v in SPEC_SERVERS if v in ENGAGED and m != "qwen3"]
-)
+    "model,variant",
+    [(m, v) for m in MODELS if m != "qwen3" for v in MODEL_VARIANTS[m]
+     if v in ENGAGED and (m, v) not in BENCH_ONLY],
+)  # fmt: skip
 def test_the_variants_switches_engaged(servers, model, variant):
     log = _up(servers, f"{model}-{variant}").log_text()
     for line in ENGAGED[variant]:

@@ -134,24 +134,26 @@ def test_conv_hook_target_exists_and_the_hook_passes_everything_else_through(mon
         return "sglang"
 
     tree = {k: object() for k in gdn._CONV_TREE_ARGS}
-    monkeypatch.setattr(gdn, "_max_path", None)  # SGLANG_DDTREE_GDN=sglang: SGLang's kernel
+    monkeypatch.setattr(gdn, "_path", gdn.GDNPath(16))  # the default: SGLang's kernel
     assert gdn.conv_update(original, 1, 2, 3, None, "silu", **tree) == "sglang"
-    monkeypatch.setattr(gdn, "_max_path", 16)  # DDTREE's default
+    monkeypatch.setattr(gdn, "_path", None)  # SGLANG_DDTREE_GDN=sglang
+    assert gdn.conv_update(original, 1, 2, 3, None, "silu", **tree) == "sglang"
+    monkeypatch.setattr(gdn, "_path", gdn.GDNPath(16, conv=True))
     single = {"conv_state_indices": object()}  # a decode step, not a tree
     assert gdn.conv_update(original, 1, 2, 3, None, "silu", **single) == "sglang"
     extra = {**tree, "num_accept_tokens": object()}  # a call conv_tree does not cover
     assert gdn.conv_update(original, 1, 2, 3, None, "silu", **extra) == "sglang"
     assert gdn.conv_update(original, 1, 2, 3, None, "silu", None, **tree) == "sglang"  # 6th arg
-    assert len(calls) == 4
+    assert len(calls) == 5
 
 
 @interpreter_only
-def test_conv_hook_runs_conv_tree_on_ddtrees_path(monkeypatch, caplog):
+def test_conv_hook_runs_conv_tree_when_enabled(monkeypatch, caplog):
     mod = pytest.importorskip("sglang.kernels.ops.mamba.causal_conv1d_triton")
     import sglang_ddtree.gdn.conv_tree as conv_module
     from sglang_ddtree.integration import gdn
 
-    monkeypatch.setattr(gdn, "_max_path", 16)
+    monkeypatch.setattr(gdn, "_path", gdn.GDNPath(16, conv=True))
     monkeypatch.setattr(gdn, "_used", set())
     caplog.set_level("INFO", logger=gdn.__name__)
     used = []

@@ -152,22 +152,35 @@ def test_the_solver_is_sglangs_own_unless_compact(monkeypatch):
     assert solve(True, 0.01) == solve(False, 0.01)
 
 
-def test_compact_scratch_is_the_default_of_ddtrees_gdn_path(monkeypatch):
+def test_gdn_switches_are_opt_in_and_refuse_what_cannot_work(monkeypatch):
     args = SimpleNamespace(speculative_dflash_block_size=16)
-    monkeypatch.setattr(gdn, "_max_path", gdn._max_path)  # restored after the test
+    monkeypatch.setattr(gdn, "_path", gdn._path)  # restored after the test
     monkeypatch.setattr(gdn_pool, "_compact", gdn_pool._compact)
-    monkeypatch.delenv("SGLANG_DDTREE_GDN", raising=False)
+    for name in gdn.SWITCHES:
+        monkeypatch.delenv(name, raising=False)
     gdn.configure(args)
+    assert gdn._path == gdn.GDNPath(max_path=16) and not gdn_pool._compact
+    monkeypatch.setenv("SGLANG_DDTREE_GDN_SCRATCH", "compact")
+    monkeypatch.setenv("SGLANG_DDTREE_GDN_VERIFY", "chunk")
+    monkeypatch.setenv("SGLANG_DDTREE_CONV", "ddtree")
+    gdn.configure(args)
+    assert gdn._path == gdn.GDNPath(16, verify="chunk", conv=True, compact=True)
     assert gdn_pool._compact and gdn.active()
-    # SGLang's unified pool allocates the per-node states anyway: its full buffer stays
+    assert gdn.describe(gdn._path) == (
+        "ddtree (verify: chunk; commit: replay; tree conv1d: ddtree; scratch: compact)"
+    )
     unified = SimpleNamespace(speculative_dflash_block_size=16, enable_unified_memory=True)
-    gdn.configure(unified)
-    assert not gdn_pool._compact and gdn.active()
-    monkeypatch.setenv("SGLANG_DDTREE_GDN", "sglang")  # SGLang's kernels need its buffer
+    with pytest.raises(ValueError, match="--enable-unified-memory"):
+        gdn.configure(unified)  # SGLang's unified pool would allocate per-node states anyway
+    monkeypatch.setenv("SGLANG_DDTREE_GDN", "sglang")
+    for name in ("SGLANG_DDTREE_GDN_VERIFY", "SGLANG_DDTREE_CONV", "SGLANG_DDTREE_GDN_SCRATCH"):
+        with pytest.raises(ValueError, match=f"{name}=.*SGLANG_DDTREE_GDN=sglang"):
+            gdn.configure(args)
+        monkeypatch.delenv(name)
     gdn.configure(args)
-    assert not gdn_pool._compact and not gdn.active()
-    monkeypatch.setenv("SGLANG_DDTREE_GDN", "small")
-    with pytest.raises(ValueError, match="SGLANG_DDTREE_GDN must be"):
+    assert gdn._path is None and not gdn_pool._compact and not gdn.active()
+    monkeypatch.setenv("SGLANG_DDTREE_GDN_SCRATCH", "small")
+    with pytest.raises(ValueError, match="SGLANG_DDTREE_GDN_SCRATCH must be"):
         gdn.configure(args)
 
 
@@ -176,19 +189,19 @@ def test_sglangs_own_verify_and_commit_refuse_a_compact_scratch(monkeypatch):
     whole states per row past its end: the hooks raise instead of calling it."""
     N = 4
     scratch = torch.zeros(2, scratch_floats(N, HV, K, V))
-    monkeypatch.setattr(gdn, "_max_path", None)
+    monkeypatch.setattr(gdn, "_path", None)
 
     def never(*args, **kwargs):
         raise AssertionError("SGLang's own path was called on a compact scratch")
 
-    with pytest.raises(RuntimeError, match="SGLANG_DDTREE_GDN=sglang"):
+    with pytest.raises(RuntimeError, match="SGLANG_DDTREE_GDN_SCRATCH=full"):
         gdn.target_verify(never, None, None, None, None, None, None, None, None,
                           intermediate_states_buffer=scratch, retrieve_parent_token=None)  # fmt: skip
     caches = SimpleNamespace(intermediate_ssm=scratch[None])
     backend = SimpleNamespace(linear_attn_backend=SimpleNamespace(
         forward_metadata=SimpleNamespace(retrieve_parent_token=None),
         req_to_token_pool=SimpleNamespace(get_speculative_mamba2_params_all_layers=lambda: caches)))  # fmt: skip
-    with pytest.raises(RuntimeError, match="SGLANG_DDTREE_GDN=sglang"):
+    with pytest.raises(RuntimeError, match="SGLANG_DDTREE_GDN_SCRATCH=full"):
         gdn.commit(never, backend, torch.zeros(1, dtype=torch.int64), None, None, model=None)
 
 

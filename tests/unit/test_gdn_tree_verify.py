@@ -34,7 +34,7 @@ torch.set_num_threads(1)
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interpreter_only = pytest.mark.skipif(not INTERPRETED, reason="runs in the interpreter process")
-INTERPRETER_TESTS = 19  # non-gpu tests the child process runs (all but this one); it must pass all
+INTERPRETER_TESTS = 21  # non-gpu tests the child process runs (all but this one); it must pass all
 
 
 def test_cpu_kernel_tests_under_triton_interpreter():
@@ -322,16 +322,18 @@ def test_hook_targets_exist_with_the_signatures_the_hooks_assume():
 
 
 @interpreter_only
+@pytest.mark.parametrize("verify", ["paths", "chunk"])
 @pytest.mark.parametrize("compact", [False, True], ids=["sglangs_buffer", "compact_scratch"])
 def test_hooks_commit_the_state_sglangs_own_tree_verify_and_commit_would(
-    monkeypatch, caplog, compact
+    monkeypatch, caplog, compact, verify
 ):
     """One GDN layer through both hooks, as SGLang's GDN backend calls them (q [1, T, H, K], the
     pool, the per-layer intermediate buffer, retrieve_parent_token), against SGLang's own
     TritonGDNKernel.target_verify (per-node states) + its commit (the accepted node's state):
     the same outputs and the same committed states, in the request slot and the track slot.
     The hooks' scratch: SGLang's per-node state buffer, or the compact one of
-    SGLANG_DDTREE_GDN_SCRATCH=compact (integration/gdn_pool.py)."""
+    SGLANG_DDTREE_GDN_SCRATCH=compact (integration/gdn_pool.py); the verify: root paths or the
+    chunked form (SGLANG_DDTREE_GDN_VERIFY=chunk)."""
     import dataclasses
     from types import SimpleNamespace
 
@@ -359,14 +361,14 @@ def test_hooks_commit_the_state_sglangs_own_tree_verify_and_commit_would(
     )  # fmt: skip
     args = (case.A_log, case.dt_bias, case.q[None], case.k[None], case.v[None], case.a, case.b)
     kernel = TritonGDNKernel()
-    monkeypatch.setattr(gdn, "_max_path", None)
+    monkeypatch.setattr(gdn, "_path", None)
     o_sglang = gdn.target_verify(type(kernel).target_verify, kernel, *args, **kwargs)
     last = torch.tensor([N - 1, 3])
     expected = inter[0, torch.arange(bs), last].clone()  # what SGLang's commit copies
     track_node = torch.tensor([-1, root_path(parents, 1, 3)[1]])
     expected_track = inter[0, 1, track_node[1]].clone()
 
-    monkeypatch.setattr(gdn, "_max_path", block)
+    monkeypatch.setattr(gdn, "_path", gdn.GDNPath(block, verify=verify, compact=compact))
     monkeypatch.setattr(gdn, "_used", set())
     caplog.set_level("INFO", logger=gdn.__name__)
     inter.fill_(float("nan"))  # the hooks must not read SGLang's per-node states
@@ -396,7 +398,8 @@ def test_hooks_commit_the_state_sglangs_own_tree_verify_and_commit_would(
         torch.testing.assert_close(got, expected[b], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(temporal[0, free], expected_track, rtol=1e-5, atol=1e-5)
     # what the GPU tests look for in a server's log (once per process)
-    assert caplog.text.count("first GDN tree verify through sglang_ddtree.gdn") == 1
+    kernel = "chunk_tree.chunk_tree_verify" if verify == "chunk" else "tree_verify"
+    assert caplog.text.count(f"first GDN tree verify through sglang_ddtree.gdn.{kernel}") == 1
     assert caplog.text.count("first GDN state commit through sglang_ddtree.gdn") == 1
     (conv_call,) = scattered  # the conv windows still go through SGLang's scatter, states not
     assert conv_call[0].temporal.numel() == 0 and conv_call[0].conv is caches.conv
@@ -409,7 +412,7 @@ def test_gdn_switch_and_an_unsupported_pool_name_the_fix(monkeypatch):
     from sglang_ddtree.integration import gdn
 
     args = SimpleNamespace(speculative_dflash_block_size=16)
-    monkeypatch.setattr(gdn, "_max_path", gdn._max_path)  # restored after the test
+    monkeypatch.setattr(gdn, "_path", gdn._path)  # restored after the test
     monkeypatch.setenv("SGLANG_DDTREE_GDN", "sglang")
     gdn.configure(args)
     assert not gdn.active()
@@ -418,7 +421,7 @@ def test_gdn_switch_and_an_unsupported_pool_name_the_fix(monkeypatch):
         gdn.configure(args)
     monkeypatch.setenv("SGLANG_DDTREE_GDN", "ddtree")
     gdn.configure(args)
-    assert gdn.active() and gdn._max_path == 16
+    assert gdn.active() and gdn._path.max_path == 16
     # a pool whose K is not contiguous (a transposed layout): a clear error, not wrong numbers
     bs, N, H, HV, K, V = 1, 4, 1, 2, 8, 8
     pool = torch.zeros(2, HV, K, V).transpose(-1, -2)
