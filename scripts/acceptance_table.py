@@ -47,6 +47,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--temperatures", default="0,1")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--out", type=Path, help="write the markdown table here (and .jsonl beside)")
+    p.add_argument("--plot", type=Path, help="also draw acceptance against budget (.png/.svg)")
+    p.add_argument("--rows", type=Path,
+                   help="table and plot from these rows (a .jsonl this script wrote) instead of "
+                   "decoding")  # fmt: skip
     a = p.parse_args(argv)
     a.budgets = [int(b) for b in a.budgets.split(",")]
     a.temperatures = [float(t) for t in a.temperatures.split(",")]
@@ -59,6 +63,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.rows:
+        rows = [json.loads(line) for line in args.rows.read_text().splitlines() if line.strip()]
+        print(render(rows, args))
+        if args.plot:
+            plot(rows, args.plot)
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     target, drafter, tok = load_pair(args.target, args.draft)
@@ -102,7 +112,41 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.write_text(table)
         args.out.with_suffix(".jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if args.plot:
+        plot(rows, args.plot)
     return 0
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Tokens per round against the DDTree budget, one line per temperature, chain DFlash as a
+    dashed line of the same colour."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for i, temp in enumerate(sorted({r["temperature"] for r in rows})):
+        at = [r for r in rows if r["temperature"] == temp]
+        tree = sorted((int(r["method"].split()[-1]), r["mean_accept_len"]) for r in at
+                      if r["method"].startswith("DDTree"))  # fmt: skip
+        color = f"C{i}"
+        ax.plot(*zip(*tree, strict=True), marker="o", color=color, label=f"DDTree, T={temp:g}")
+        for r in at:
+            if r["method"].startswith("chain"):
+                ax.axhline(r["mean_accept_len"], color=color, ls="--",
+                           label=f"chain DFlash, T={temp:g}")  # fmt: skip
+    budgets = sorted({int(r["method"].split()[-1]) for r in rows if r["method"].startswith("DDTree")})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(budgets, [str(b) for b in budgets])
+    ax.set_xlabel("DDTree budget (nodes below the root)")
+    ax.set_ylabel("tokens per round")
+    ax.set_title("Acceptance on held-out prompts (shipped pair)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def render(rows: list[dict], args: argparse.Namespace) -> str:

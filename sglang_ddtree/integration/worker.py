@@ -43,6 +43,7 @@ from torch.profiler import record_function
 
 from sglang_ddtree.config import DDTreeConfig
 from sglang_ddtree.integration.draft_head import DraftTreeHead
+from sglang_ddtree.integration.round_dump import RoundDump
 from sglang_ddtree.integration.verify_input import make_verify_input
 
 logger = logging.getLogger(__name__)
@@ -98,6 +99,8 @@ class DDTreeWorker(DFlashWorkerV2):
             draft_token_num=self.cfg.block_size, device=self.device
         )
         self._tree_head = self._build_tree_head(server_args)
+        # SGLANG_DDTREE_DUMP_ROUNDS: sampled rounds as JSON lines (off: None, and no cost)
+        self._round_dump = RoundDump.from_env() if self.ps.tp_rank == 0 else None
         if self.ps.tp_rank == 0:
             logger.info(
                 "DDTREE worker ready: B=%d, N=%d (budget %d), K=%d, draft head for bs<=%d",
@@ -158,6 +161,10 @@ class DDTreeWorker(DFlashWorkerV2):
             )
         with record_function("ddtree.verify_accept_commit"):
             result = self._verify_accept_commit(batch, grammar_barrier)
+        if self._round_dump is not None:  # device-to-pinned copies; a thread writes them
+            emitted = result.next_token_ids.view(len(batch.seq_lens), -1)[:, : self.cfg.block_size]
+            self._round_dump.round(tree.tokens, tree.parents, tree.scores, emitted,
+                                   result.accept_lens)  # fmt: skip
         batch.spec_info = draft_input
         if on_publish is not None:
             on_publish(result.new_seq_lens)

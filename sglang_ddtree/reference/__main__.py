@@ -9,8 +9,10 @@ Bad settings print one line to stderr and exit with status 2.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
@@ -30,26 +32,33 @@ class _OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _OneLineParser(prog="python -m sglang_ddtree.reference", description=__doc__.split("\n")[0])
+    p = _OneLineParser(prog="python -m sglang_ddtree.reference", description=__doc__.split("\n")[0],
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
     p.add_argument("--target", help="target checkpoint dir (Qwen3 / Qwen3.5)")
     p.add_argument("--draft", help="DFlash draft checkpoint dir")
-    p.add_argument("--prompt", help=f"prompt text (--demo default: {DEMO_PROMPT!r})")
-    p.add_argument("--budget", type=int, default=32, help="draft tree nodes (root excluded)")
-    p.add_argument("--topk", type=int, default=8, help="candidates per draft position")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0, help="0 = no top-k filter")
+    p.add_argument("--prompt", help=f"prompt text (--demo: {DEMO_PROMPT!r})")
+    p.add_argument("--budget", type=int, default=32,
+                   help="draft tree: nodes to verify per round, the root excluded")  # fmt: skip
+    p.add_argument("--topk", type=int, default=8,
+                   help="draft tree: candidates per draft position, i.e. the most children a "
+                   "node can have (not --top-k)")  # fmt: skip
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
+    p.add_argument("--top-p", type=float, default=1.0, help="sampling: nucleus probability")
+    p.add_argument("--top-k", type=int, default=0,
+                   help="sampling: keep the target's k most likely tokens at temperature > 0; "
+                   "0 = all (not --topk)")  # fmt: skip
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--compare-chain", action="store_true", help="also run chain DFlash")
     p.add_argument(
         "--chat",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="apply the chat template (default: on when the tokenizer has one)",
+        help="apply the chat template (default: on when the tokenizer has one; off for --demo, "
+        "whose code model completes the prompt)",
     )
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the eos token")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda when there is a GPU")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument(
         "--demo",
@@ -57,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="run DDTree and chain DFlash on the shipped demo pair (or a tiny seeded one)",
     )
     p.add_argument("--cache-dir", help="where --demo writes the tiny seeded pair")
+    p.add_argument("--show-tree", metavar="DIR",
+                   help="print each DDTree round's tree and draw it to DIR/round_NNN.svg")  # fmt: skip
     return p
 
 
@@ -97,10 +108,53 @@ def _report(name: str, tokenizer, result) -> None:
     print(f"mean acceptance length: {result.mean_accept_length:.2f}")
 
 
+def _summary(rows: list[tuple[str, object, float]]) -> str:
+    """The side-by-side table: tokens, rounds, mean acceptance and tokens/s per method."""
+    lines = [f"{'':<14} {'tokens':>6} {'rounds':>6} {'mean accept':>11} {'tokens/s':>9}"]
+    for name, result, seconds in rows:
+        lines.append(f"{name:<14} {len(result.tokens):>6} {result.rounds:>6} "
+                     f"{result.mean_accept_length:>11.2f} "
+                     f"{len(result.tokens) / max(seconds, 1e-9):>9.1f}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def check_paths_and_device(args: argparse.Namespace) -> None:
+    """What can be refused before any model loads: checkpoint dirs and the device."""
+    for flag in ("target", "draft"):
+        path = Path(getattr(args, flag))
+        if not path.exists():
+            raise ValueError(f"--{flag} {path} does not exist")
+        if not (path / "config.json").is_file():
+            raise ValueError(f"--{flag} {path} is not a model checkpoint (no config.json in it)")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: this machine has no CUDA device; use --device cpu")
+
+
+def check_budget_fits(args: argparse.Namespace, available: int | None = None) -> None:
+    """--budget against the largest tree that the draft's block and --topk can hold and that
+    this machine's free memory holds (from the two configs, before loading)."""
+    from sglang_ddtree.reference.memory import max_budget
+
+    block = json.loads((Path(args.draft) / "config.json").read_text()).get("block_size", 2)
+    if args.topk < 1 or (block is not None and int(block) < 2):
+        return  # the engine's own checks name these settings
+    largest, why = max_budget(Path(args.target), Path(args.draft), args.topk, args.device,
+                              available)  # fmt: skip
+    if args.budget > largest:
+        raise ValueError(f"--budget {args.budget} is larger than what fits: at most {largest} "
+                         f"nodes ({why})")  # fmt: skip
+
+
 def run(args: argparse.Namespace) -> int:
     from transformers.utils import logging as hf_logging
 
-    from sglang_ddtree.reference.engine import check_counts, generate, generate_chain, load_pair
+    from sglang_ddtree.reference.engine import (
+        check_counts,
+        check_generation_args,
+        generate,
+        generate_chain,
+        load_pair,
+    )
 
     check_counts(args.max_new_tokens, args.budget)
     hf_logging.set_verbosity_error()  # stderr is for our one-line errors
@@ -110,27 +164,56 @@ def run(args: argparse.Namespace) -> int:
         args.target, args.draft = args.target or target_dir, args.draft or draft_dir
         args.prompt = DEMO_PROMPT if args.prompt is None else args.prompt
         args.compare_chain = True  # the demo shows DDTree and chain DFlash side by side
+        args.chat = False if args.chat is None else args.chat  # a code model: completion
     missing = [f"--{k}" for k in ("target", "draft", "prompt") if getattr(args, k) is None]
     if missing:
         raise ValueError(f"missing {', '.join(missing)} (or use --demo)")
+    check_paths_and_device(args)
+    check_budget_fits(args)
     torch.manual_seed(args.seed)
     target, drafter, tokenizer = load_pair(args.target, args.draft, args.dtype, args.device)
     prompt_ids = encode_prompt(tokenizer, args.prompt, args.chat)
+    check_generation_args(target, drafter, len(prompt_ids), args.max_new_tokens,
+                          budget=args.budget, topk=args.topk)  # before anything is printed
+    chat = args.chat if args.chat is not None else bool(getattr(tokenizer, "chat_template", None))
+    print(f"prompt: {args.prompt!r} ({len(prompt_ids)} tokens, "
+          f"{'chat template' if chat else 'plain completion'})")  # fmt: skip
     eos = None if args.ignore_eos else tokenizer.eos_token_id
     sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     sampling.update(seed=args.seed, eos_token_id=eos)
     budget, topk = args.budget, args.topk
-    tree = generate(
-        target, drafter, prompt_ids, args.max_new_tokens, budget=budget, topk=topk, **sampling
-    )
+    on_round = _tree_shower(args.show_tree, tokenizer) if args.show_tree else None
+    t0 = time.perf_counter()
+    tree = generate(target, drafter, prompt_ids, args.max_new_tokens, budget=budget, topk=topk,
+                    on_round=on_round, **sampling)  # fmt: skip
+    rows = [("DDTree", tree, time.perf_counter() - t0)]
     _report(f"DDTree budget={args.budget} topk={args.topk}", tokenizer, tree)
     if args.compare_chain:
+        t0 = time.perf_counter()
         chain = generate_chain(target, drafter, prompt_ids, args.max_new_tokens, **sampling)
+        rows.append(("chain DFlash", chain, time.perf_counter() - t0))
         _report(f"chain DFlash block_size={drafter.block_size}", tokenizer, chain)
-        if args.temperature == 0:
-            same = "identical" if chain.tokens == tree.tokens else "DIFFERENT"
-            print(f"DDTree vs chain at T=0: {same}")
+    print(_summary(rows))
+    if args.compare_chain and args.temperature == 0:
+        same = "identical" if chain.tokens == tree.tokens else "DIFFERENT"
+        print(f"DDTree vs chain DFlash at temperature 0: {same} text")
     return 0
+
+
+def _tree_shower(out_dir: str, tokenizer):
+    """on_round callback of --show-tree: the round's outline on stdout, its picture in out_dir."""
+    from sglang_ddtree.tree.show import from_round, render_picture, render_text, token_decoder
+
+    decode, count = token_decoder(tokenizer), [0]
+
+    def show(trace) -> None:
+        count[0] += 1
+        record = from_round(trace.tree, trace.accept)
+        print(f"--- round {count[0]}\n{render_text(record, decode)}")
+        render_picture(record, Path(out_dir) / f"round_{count[0]:03d}.svg", decode,
+                       title=f"round {count[0]}")  # fmt: skip
+
+    return show
 
 
 def main(argv: Sequence[str] | None = None) -> int:

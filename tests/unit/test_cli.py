@@ -50,7 +50,8 @@ def test_prints_text_and_acceptance_lengths(pair, capsys):
     code, out, err = _run(capsys, *args, "--topk", "2", "--max-new-tokens", "12", "--compare-chain")
     assert code == 0, err
     lines = out.splitlines()
-    assert lines[0].startswith("=== DDTree budget=6 topk=2 (12 tokens,")
+    assert lines[0].startswith("prompt: 'def f(x):' (") and "tokens, chat template)" in lines[0]
+    assert lines[1].startswith("=== DDTree budget=6 topk=2 (12 tokens,")
     lengths = [line for line in lines if line.startswith("acceptance lengths: [")]
     means = [line for line in lines if line.startswith("mean acceptance length: ")]
     assert len(lengths) == len(means) == 2  # DDTree, then chain DFlash
@@ -59,7 +60,11 @@ def test_prints_text_and_acceptance_lengths(pair, capsys):
     assert all(1 <= n <= 8 for n in first)
     assert float(means[0].split(": ")[1]) == pytest.approx(sum(first) / len(first), abs=0.005)
     assert "=== chain DFlash block_size=8" in out
-    assert lines[-1] == "DDTree vs chain at T=0: identical"
+    assert lines[-1] == "DDTree vs chain DFlash at temperature 0: identical text"
+    head, tree_row, chain_row = lines[-4:-1]  # the side-by-side table
+    assert head.split() == ["tokens", "rounds", "mean", "accept", "tokens/s"]
+    assert tree_row.split()[:2] == ["DDTree", "12"] and chain_row.split()[:3] == ["chain", "DFlash", "12"]
+    assert tree_row.split()[2] == str(len(first)) and float(tree_row.split()[4]) > 0
 
 
 def test_demo_runs_from_a_cache_dir(tmp_path, capsys):
@@ -67,7 +72,10 @@ def test_demo_runs_from_a_cache_dir(tmp_path, capsys):
     assert code == 0, err
     assert (tmp_path / "qwen35-binary" / "config.json").exists()
     assert (tmp_path / "qwen35-binary-dflash" / "config.json").exists()
-    assert "acceptance lengths: [" in out and "DDTree vs chain at T=0: identical" in out
+    assert "acceptance lengths: [" in out
+    assert "DDTree vs chain DFlash at temperature 0: identical text" in out
+    # a code model completes the prompt: no chat template unless asked
+    assert out.splitlines()[0].startswith("prompt: 'def fibonacci(n):' (") and "plain completion" in out
     tree_mean, chain_mean = (
         float(line.split(": ")[1]) for line in out.splitlines() if "mean acceptance" in line
     )
@@ -95,7 +103,9 @@ def _drop_mask_token(config: dict) -> None:
     [
         (["--budget", "0"], None, "budget must be >= 1 draft nodes, got 0"),
         (["--topk", "0"], None, "topk must be in [1, vocab_size="),
-        (["--topk", "1", "--budget", "8"], None, "budget=8 exceeds what topk=1 and depth 7"),
+        (["--topk", "1", "--budget", "8"], None, "--budget 8 is larger than what fits: at most 7 "
+         "nodes (what top-k 1 fills in the draft's 7 positions)"),
+        (["--budget", "10000000"], None, "--budget 10000000 is larger than what fits: at most "),
         (["--max-new-tokens", "5000"], None, "+ max_new_tokens (5000) = "),
         (["--prompt", ""], None, "prompt is empty (0 tokens)"),
         ([], lambda c: c.update(block_size=1), "block_size must be >= 2"),
@@ -129,3 +139,49 @@ def test_module_entry_point_exit_status(pair):
     error_lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert error_lines == ["error: budget must be >= 1 draft nodes, got 0"], proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("flag", ["--target", "--draft"])
+def test_a_missing_or_non_model_directory_is_named_before_any_load(pair, tmp_path, capsys, flag):
+    target, draft = pair
+    paths = {"--target": target, "--draft": draft}
+    for bad, message in ((tmp_path / "nope", "does not exist"),
+                         (tmp_path, "is not a model checkpoint (no config.json in it)")):  # fmt: skip
+        args = {**paths, flag: bad}
+        code, out, err = _run(capsys, "--target", args["--target"], "--draft", args["--draft"],
+                              "--prompt", "x")  # fmt: skip
+        assert code == 2 and out == ""
+        assert err == f"error: {flag} {bad} {message}\n", err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_device_cuda_without_a_gpu_is_one_line(pair, capsys):
+    target, draft = pair
+    code, out, err = _run(capsys, "--target", target, "--draft", draft, "--prompt", "x",
+                          "--device", "cuda")  # fmt: skip
+    assert code == 2 and out == ""
+    assert err == "error: --device cuda: this machine has no CUDA device; use --device cpu\n"
+
+
+def test_the_budget_limit_is_the_trees_capacity_or_the_memory(pair):
+    from sglang_ddtree.reference.memory import max_budget, verify_bytes
+
+    target, draft = pair  # draft block 8: depth 7
+    largest, why = max_budget(target, draft, topk=2, available=2**40)
+    assert largest == 2 + 4 + 8 + 16 + 32 + 64 + 128 and "top-k 2" in why
+    lin, quad = verify_bytes(json.loads((target / "config.json").read_text()))
+    room = 2**24
+    largest, why = max_budget(target, draft, topk=8, available=room)
+    n = largest + 1
+    assert lin * n + quad * n * n <= room / 2 < lin * (n + 1) + quad * (n + 1) ** 2
+    assert "free memory" in why
+
+
+def test_help_shows_every_default_and_tells_topk_from_top_k(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["--help"])
+    assert stop.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: 32)" in text and "(default: 8)" in text and "(default: cpu)" in text
+    assert "draft tree: candidates per draft position" in text and "(not --top-k)" in text
+    assert "sampling: keep the target's k most likely tokens" in text and "(not --topk)" in text

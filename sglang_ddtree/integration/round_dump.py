@@ -1,0 +1,92 @@
+"""Opt-in dump of sampled DDTREE rounds as JSON lines, for `python -m sglang_ddtree.tree.show`.
+
+    SGLANG_DDTREE_DUMP_ROUNDS=/path/rounds.jsonl   [SGLANG_DDTREE_DUMP_EVERY=100]
+
+Every EVERY-th decode round (counted on the host, so choosing costs nothing) the worker hands
+its tree and its result to `RoundDump.round`: the tensors are copied into pinned host memory
+with non_blocking copies on the current stream and a CUDA event is recorded after them; a
+background thread waits for the event and writes one line per request. The decode round never
+waits on the host: no .item(), .tolist() or synchronize on its thread. Unset (the default),
+the worker holds no RoundDump and does nothing.
+
+A line: {"round", "request", "width", "tokens" [N], "parents" [N], "q" [N] (path
+probabilities), "emitted" [a+1] (the accepted drafts, then the bonus)}; tree/show.py recovers
+the accepted path from "emitted".
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import queue
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+class RoundDump:
+    def __init__(self, path: str | Path, every: int = 100, max_pending: int = 8) -> None:
+        if every < 1:
+            raise ValueError(f"SGLANG_DDTREE_DUMP_EVERY must be >= 1, got {every}")
+        self.path, self.every = Path(path), every
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._rounds = 0
+        self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
+        self._thread = threading.Thread(target=self._write, name="ddtree-round-dump", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_env(cls) -> RoundDump | None:
+        path = os.environ.get("SGLANG_DDTREE_DUMP_ROUNDS")
+        if not path:
+            return None
+        every = os.environ.get("SGLANG_DDTREE_DUMP_EVERY", "100")
+        if not every.isdigit():
+            raise ValueError(f"SGLANG_DDTREE_DUMP_EVERY must be a whole number, got {every!r}")
+        return cls(path, int(every))
+
+    def round(self, tokens, parents, scores, emitted, accept_lens) -> None:
+        """Record this round if it is a sampled one. tokens / parents [bs, N] int64, scores
+        [bs, N] float32 log path probabilities, emitted [bs, B] int (the first accept_lens[b]
+        are the round's tokens), accept_lens [bs]; any device."""
+        self._rounds += 1
+        if self._rounds % self.every or self._queue.full():  # a slow disk skips rounds
+            return
+        host = [_to_pinned(t) for t in (tokens, parents, scores, emitted, accept_lens)]
+        event = None
+        if tokens.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        self._queue.put_nowait((self._rounds, event, host))
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+
+    def _write(self) -> None:
+        with open(self.path, "a") as f:
+            while (item := self._queue.get()) is not None:
+                number, event, (tokens, parents, scores, emitted, lens) = item
+                if event is not None:
+                    event.synchronize()  # this thread waits, the decode loop does not
+                for b in range(tokens.shape[0]):
+                    n = int(lens[b])
+                    line = {"round": number, "request": b, "width": int(tokens.shape[1]),
+                            "tokens": tokens[b].tolist(), "parents": parents[b].tolist(),
+                            "q": [math.exp(s) for s in scores[b].tolist()],
+                            "emitted": emitted[b, :n].tolist()}  # fmt: skip
+                    f.write(json.dumps(line) + "\n")
+                f.flush()
+
+
+def _to_pinned(t: torch.Tensor) -> torch.Tensor:
+    if not t.is_cuda:
+        return t.detach().clone()
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    return out

@@ -1,0 +1,195 @@
+"""Pictures of DDTree rounds: one round as a record, a compact text rendering, and an SVG/PNG.
+
+A round record (a dict, one JSON line in a dump) holds what a round looked like:
+
+    tokens   [N] int   node 0 = the root (the last committed token), 1.. = drafted tokens
+    parents  [N] int   -1 at the root, else the parent's index (< own index)
+    q        [N] float the drafter's probability of the root->node path (1 at the root)
+    accepted [a+1] int node indices of the accepted path, root first
+    bonus    int       the target's token after the deepest accepted node
+    width    int       N, the nodes verified that round
+
+The reference engine's rounds (`from_round`) and the server's dumped rounds
+(integration/round_dump.py, which stores the emitted tokens instead of the path:
+`accepted_path` recovers it) render the same way. Pictures use matplotlib, imported only when a
+picture is drawn: a maintained library that writes SVG and PNG from pip wheels alone (graphviz
+would need its `dot` program installed beside it).
+
+    python -m sglang_ddtree.tree.show DUMP.jsonl --out DIR [--tokenizer DIR] [--format svg|png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+Decode = Callable[[int], str]
+
+
+def from_round(tree, accept, b: int = 0) -> dict:
+    """The record of request b of a round (`DraftTree`, `AcceptResult`; host tensors)."""
+    num_accepted = int(accept.num_accepted[b])
+    return {
+        "tokens": [int(t) for t in tree.tokens[b]],
+        "parents": [int(p) for p in tree.parents[b]],
+        "q": [math.exp(float(s)) for s in tree.scores[b]],
+        "accepted": [int(i) for i in accept.path[b, : num_accepted + 1]],
+        "bonus": int(accept.bonus[b]),
+        "width": int(tree.tokens.shape[1]),
+    }
+
+
+def accepted_path(tokens: Sequence[int], parents: Sequence[int], emitted: Sequence[int]) -> list:
+    """Node indices root-first that the emitted tokens (accepted drafts, then the bonus) took
+    down the tree: at each depth the child carrying the next emitted token."""
+    path = [0]
+    for token in emitted[:-1]:
+        child = next((i for i, p in enumerate(parents) if p == path[-1] and tokens[i] == token),
+                     None)  # fmt: skip
+        if child is None:
+            raise ValueError(f"emitted token {token} is no child of node {path[-1]}")
+        path.append(child)
+    return path
+
+
+def children(parents: Sequence[int]) -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {i: [] for i in range(len(parents))}
+    for i, p in enumerate(parents):
+        if i and p >= 0:
+            kids[p].append(i)
+    return kids
+
+
+def render_text(record: dict, decode: Decode = str, max_nodes: int = 64) -> str:
+    """An indented outline of the tree, best-first among siblings: `*` marks the accepted path,
+    the bonus token follows the deepest accepted node. At most max_nodes lines of nodes."""
+    tokens, q, on_path = record["tokens"], record["q"], set(record["accepted"])
+    kids, lines = children(record["parents"]), []
+    n_acc = len(record["accepted"]) - 1
+    head = f"{record['width']} nodes, {n_acc} accepted + bonus {decode(record['bonus'])!r}"
+
+    def walk(node: int, depth: int) -> None:
+        if len(lines) >= max_nodes:
+            return
+        mark = "*" if node in on_path else " "
+        label = "root" if node == 0 else f"q={q[node]:.3f}"
+        lines.append(f"{mark} {'  ' * depth}{decode(tokens[node])!r} ({label})")
+        if node == record["accepted"][-1]:
+            lines.append(f"+ {'  ' * (depth + 1)}{decode(record['bonus'])!r} (bonus)")
+        for child in kids[node]:
+            walk(child, depth + 1)
+
+    walk(0, 0)
+    more = record["width"] - sum(1 for line in lines if not line.startswith("+"))
+    return "\n".join([head, *lines, *([f"  ... {more} more nodes"] if more > 0 else [])])
+
+
+def layout(parents: Sequence[int]) -> dict[int, tuple[float, float]]:
+    """(x = depth, y = row) per node: leaves on consecutive rows in depth-first order, each
+    inner node centred on its children."""
+    kids, pos, next_row = children(parents), {}, [0.0]
+
+    def place(node: int, depth: int) -> float:
+        if not kids[node]:
+            y = next_row[0]
+            next_row[0] += 1.0
+        else:
+            ys = [place(c, depth + 1) for c in kids[node]]
+            y = (ys[0] + ys[-1]) / 2
+        pos[node] = (float(depth), y)
+        return y
+
+    place(0, 0)
+    return pos
+
+
+def render_picture(record: dict, path: str | Path, decode: Decode = str, title: str = "") -> Path:
+    """Draw the round to `path` (.svg or .png): nodes by depth with their token and q, edges
+    to the parent, the accepted path in orange, the bonus token as a green node after it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pos = layout(record["parents"])
+    rows = max(y for _, y in pos.values()) + 1
+    depth = max(x for x, _ in pos.values()) + 2
+    fig, ax = plt.subplots(figsize=(2.0 + 1.9 * depth, 1.0 + 0.32 * rows))
+    on_path, last = set(record["accepted"]), record["accepted"][-1]
+    for node, parent in enumerate(record["parents"]):
+        if node and parent >= 0:
+            hot = node in on_path
+            (x0, y0), (x1, y1) = pos[parent], pos[node]
+            ax.plot([x0, x1], [y0, y1], color="#e8590c" if hot else "#adb5bd",
+                    lw=2.2 if hot else 0.8, zorder=1)  # fmt: skip
+    bx, by = pos[last][0] + 1, pos[last][1]
+    ax.plot([pos[last][0], bx], [by, by], color="#2f9e44", lw=2.2, ls="--", zorder=1)
+    for node, (x, y) in pos.items():
+        text = decode(record["tokens"][node])
+        label = f"{text!r}" if node == 0 else f"{text!r}\n{record['q'][node]:.2f}"
+        face = "#ffd8a8" if node in on_path else "#f1f3f5"
+        ax.text(x, y, label, ha="center", va="center", fontsize=7, zorder=2,
+                bbox=dict(boxstyle="round,pad=0.25", fc=face, ec="#495057", lw=0.6))  # fmt: skip
+    ax.text(bx, by, f"{decode(record['bonus'])!r}\nbonus", ha="center", va="center", fontsize=7,
+            zorder=2, bbox=dict(boxstyle="round,pad=0.25", fc="#b2f2bb", ec="#2f9e44", lw=0.8))  # fmt: skip
+    ax.set_xlim(-0.6, depth - 0.4)
+    ax.set_ylim(rows - 0.5, -0.8)
+    ax.axis("off")
+    n_acc = len(record["accepted"]) - 1
+    ax.set_title(title or f"{record['width']} nodes, {n_acc} accepted + bonus", fontsize=9)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def token_decoder(tokenizer) -> Decode:
+    """Token id -> its text (special tokens shown as themselves); plain ids without one."""
+    if tokenizer is None:
+        return str
+    return lambda t: tokenizer.decode([t], skip_special_tokens=False)
+
+
+def read_dump(path: str | Path) -> list[dict]:
+    """A server dump's rounds (integration/round_dump.py) as round records."""
+    records = []
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            row.setdefault("accepted", accepted_path(row["tokens"], row["parents"], row["emitted"]))
+            row.setdefault("bonus", row["emitted"][-1])
+            records.append(row)
+    return records
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m sglang_ddtree.tree.show",
+                                description="render a server's dumped DDTree rounds",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    p.add_argument("dump", help="JSON lines written with SGLANG_DDTREE_DUMP_ROUNDS")
+    p.add_argument("--out", required=True, help="folder for the pictures")
+    p.add_argument("--tokenizer", help="tokenizer folder to print tokens as text")
+    p.add_argument("--format", choices=["svg", "png"], default="svg")
+    args = p.parse_args(argv)
+    tokenizer = None
+    if args.tokenizer:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    decode = token_decoder(tokenizer)
+    for i, record in enumerate(read_dump(args.dump)):
+        where = f"round {record.get('round', i)}, request {record.get('request', 0)}"
+        print(f"== {where}\n{render_text(record, decode)}")
+        name = f"round_{record.get('round', i):06d}_req{record.get('request', 0)}.{args.format}"
+        render_picture(record, Path(args.out) / name, decode, title=where)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""tree/show.py and integration/round_dump.py: a real reference-engine round and a dumped
+server round become the same record, a text outline and a picture."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from sglang_ddtree.integration.round_dump import RoundDump
+from sglang_ddtree.tree import build_tree_reference
+from sglang_ddtree.tree.show import (
+    accepted_path,
+    from_round,
+    layout,
+    main,
+    read_dump,
+    render_picture,
+    render_text,
+)
+from sglang_ddtree.tree.testing import random_build_inputs
+
+
+@pytest.fixture(scope="module")
+def engine_round(tmp_path_factory):
+    """(record, tokenizer) of the second round of the shipped pair on a code prompt."""
+    from sglang_ddtree import DEMO_PAIR_DIR
+    from sglang_ddtree.reference.engine import generate, load_pair
+
+    target, drafter, tok = load_pair(DEMO_PAIR_DIR / "target", DEMO_PAIR_DIR / "draft")
+    rounds = []
+    ids = tok("def fibonacci(n):", add_special_tokens=False)["input_ids"]
+    generate(target, drafter, ids, 12, budget=15, topk=4,
+             on_round=lambda r: rounds.append(from_round(r.tree, r.accept)))  # fmt: skip
+    return rounds[1], tok
+
+
+def test_an_engine_round_renders_as_text_and_svg(engine_round, tmp_path):
+    record, tok = engine_round
+    assert record["width"] == 16 and len(record["tokens"]) == 16
+    assert record["q"][0] == 1.0 and all(0 < q <= 1 for q in record["q"])
+    assert record["accepted"][0] == 0
+    for parent, child in zip(record["accepted"], record["accepted"][1:], strict=False):
+        assert record["parents"][child] == parent  # the accepted path is a root path
+    decode = lambda t: tok.decode([t])  # noqa: E731
+    text = render_text(record, decode)
+    assert text.splitlines()[0].startswith("16 nodes, ")
+    assert sum(line.startswith("*") for line in text.splitlines()) == len(record["accepted"])
+    assert f"{decode(record['bonus'])!r} (bonus)" in text
+    out = render_picture(record, tmp_path / "round.svg", decode)
+    svg = out.read_text()
+    assert svg.startswith("<?xml") and "<svg" in svg and "bonus" in svg
+    assert render_picture(record, tmp_path / "round.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_layout_puts_nodes_by_depth_and_parents_between_their_children():
+    parents = [-1, 0, 0, 1, 1, 2]
+    pos = layout(parents)
+    assert [pos[i][0] for i in range(6)] == [0, 1, 1, 2, 2, 2]
+    assert pos[1][1] == (pos[3][1] + pos[4][1]) / 2 and pos[2][1] == pos[5][1]
+    assert sorted(pos[i][1] for i in (3, 4, 5)) == [0, 1, 2]  # leaves on their own rows
+
+
+def test_a_dumped_server_round_renders_like_an_engine_round(tmp_path):
+    """RoundDump on host tensors (the worker's call, minus CUDA): the JSON lines carry the tree
+    and the emitted tokens; read_dump recovers the accepted path the accept walk took."""
+    gen = torch.Generator().manual_seed(3)
+    root, ids, lps = random_build_inputs(gen, 2, 5, 3, 50, "continuous")
+    tree = build_tree_reference(root, ids, lps, 11)  # [2, 12]
+    def root_path(b: int, node: int) -> list[int]:
+        path = [node]
+        while path[-1]:
+            path.append(int(tree.parents[b, path[-1]]))
+        return path[::-1]
+
+    paths = [root_path(0, 9), root_path(1, 2)]  # what two accept walks could have taken
+    assert len(paths[0]) >= 3
+    B = 6
+    emitted = torch.full((2, B), -1, dtype=torch.int64)
+    lens = torch.tensor([len(p) for p in paths])
+    for b, path in enumerate(paths):  # accepted drafts, then a bonus token
+        emitted[b, : len(path)] = torch.tensor([*tree.tokens[b, path[1:]].tolist(), 7])
+    dump = RoundDump(tmp_path / "rounds.jsonl", every=2)
+    for _ in range(4):  # rounds 2 and 4 are sampled
+        dump.round(tree.tokens, tree.parents, tree.scores, emitted, lens)
+    dump.close()
+    rows = [json.loads(line) for line in (tmp_path / "rounds.jsonl").read_text().splitlines()]
+    assert [(r["round"], r["request"]) for r in rows] == [(2, 0), (2, 1), (4, 0), (4, 1)]
+    records = read_dump(tmp_path / "rounds.jsonl")
+    assert [r["accepted"] for r in records[:2]] == paths and records[0]["bonus"] == 7
+    assert records[0]["q"] == pytest.approx(tree.scores[0].exp().tolist())
+    assert main([str(tmp_path / "rounds.jsonl"), "--out", str(tmp_path / "pics")]) == 0
+    assert len(list((tmp_path / "pics").glob("round_*.svg"))) == 4
+
+
+def test_the_dump_is_off_unless_asked_and_refuses_a_bad_interval(monkeypatch, tmp_path):
+    monkeypatch.delenv("SGLANG_DDTREE_DUMP_ROUNDS", raising=False)
+    assert RoundDump.from_env() is None
+    monkeypatch.setenv("SGLANG_DDTREE_DUMP_ROUNDS", str(tmp_path / "d.jsonl"))
+    monkeypatch.setenv("SGLANG_DDTREE_DUMP_EVERY", "often")
+    with pytest.raises(ValueError, match="SGLANG_DDTREE_DUMP_EVERY must be a whole number"):
+        RoundDump.from_env()
+    monkeypatch.setenv("SGLANG_DDTREE_DUMP_EVERY", "0")
+    with pytest.raises(ValueError, match=">= 1"):
+        RoundDump.from_env()
+
+
+def test_an_emitted_token_off_the_tree_is_an_error():
+    with pytest.raises(ValueError, match="no child of node 0"):
+        accepted_path([5, 6, 7], [-1, 0, 0], [9, 1])
