@@ -136,7 +136,9 @@ def plot(rows: list[dict], path: Path) -> None:
             if r["method"].startswith("chain"):
                 ax.axhline(r["mean_accept_len"], color=color, ls="--",
                            label=f"chain DFlash, T={temp:g}")  # fmt: skip
-    budgets = sorted({int(r["method"].split()[-1]) for r in rows if r["method"].startswith("DDTree")})
+    budgets = sorted(
+        {int(r["method"].split()[-1]) for r in rows if r["method"].startswith("DDTree")}
+    )
     ax.set_xscale("log", base=2)
     ax.set_xticks(budgets, [str(b) for b in budgets])
     ax.set_xlabel("DDTree budget (nodes below the root)")

@@ -138,7 +138,7 @@ def effective_max_running(log: str) -> int | None:
 
 
 def write_configs(root: Path) -> tuple[Path, Path]:
-    from sglang_ddtree.testing.tiny import PREPROCESSOR_CONFIG, write_tokenizer
+    from sglang_ddtree.checkpoints.tiny import PREPROCESSOR_CONFIG, write_tokenizer
 
     target, draft = root / "qwen36-27b-dummy", root / "qwen36-27b-dflash-dummy"
     ids = write_tokenizer(target, 1024)

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# On the GPU device (see ../shared/gpu/README.md): after the bundle parts are stashed,
-#   bash scripts/gpu_session.sh start [WAIT_S [PYTEST ARGS]]  unpack sglang, install this package, launch the
+# The GPU suite and benchmarks on a CUDA machine, detached so that they outlive the calling shell.
+# Needs SGLang 0.5.17 importable (as `python3 -m sglang.launch_server` would find it); installs
+# this checkout into that Python with --no-deps. Results are copied to $OUT (default /tmp/out).
+#   bash scripts/gpu_session.sh start [WAIT_S [PYTEST ARGS]]  install this package, launch the
 #                                                GPU test servers detached, start the tests in
 #                                                the background (one pytest per model, each
 #                                                beginning as its servers come up), then
@@ -11,7 +13,6 @@
 #   bash scripts/gpu_session.sh stop
 #   bash scripts/gpu_session.sh train [MINUTES [TOTAL]]  start scripts/train_pair.py detached (it shares
 #                                                the GPU with the test servers), log in ROOT
-#   bash scripts/gpu_session.sh fetch-pair       copy the trained pair to $OUT in <16 MiB parts
 #   bash scripts/gpu_session.sh bench-e2e [ARGS]    scripts/bench_e2e.py on the shipped pair
 #   bash scripts/gpu_session.sh bench-round [ARGS]  scripts/bench_round.py (27B-shaped, dummy)
 #   [ROUND=name] bash scripts/gpu_session.sh bench-round-bg [ARGS] / collect-round [WAIT_S]  the same,
@@ -20,17 +21,10 @@
 #                                                tests, then) bench_round.py into ROOT/NAME
 #   bash scripts/gpu_session.sh bench-tree [ARGS]   scripts/bench_tree_build.py (no server)
 #   bash scripts/gpu_session.sh bench-gdn [ARGS]    scripts/bench_gdn_tree.py (no server)
-#   bash scripts/gpu_session.sh save-cache       the FlashInfer + Triton JIT caches to $OUT in <16 MiB
-#                                                parts; here: cat them into .gpu/jitcache.tar.xz
-# Logs and results are copied to $OUT.
-# The working tree carries the ~24 MiB shipped pair, so run `bash scripts/gpu_resplit.sh 38` once
-# after ../shared/gpu/build_bundle.sh and stash the 4 smaller parts in 4 calls (the last one with
-# .gpu/jitcache.tar.xz) to stay under the device tool's 64 MiB per call.
-# Background processes (servers, tests) outlive a call while the machine stays warm (30 s), so
-# issue the next call (`collect`) at once; results come back as $OUT/results.tgz + summary.txt.
+# Background processes (servers, tests) run in their own sessions; `collect` gathers their
+# results as $OUT/results.tgz + summary.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-eval "$(bash .gpu/device.sh env)" || exit 1
 ROOT=${DDTREE_GPU_ROOT:-/root/ddtree-gpu}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/pip.log" 2>&1 \
@@ -91,11 +85,6 @@ case "${1:-}" in
     setsid nohup python3 scripts/train_pair.py --out "$ROOT/pair" --device cuda \
       --minutes "${2:-10}" --total-minutes "${3:-${2:-10}}" > "$ROOT/train.log" 2>&1 < /dev/null &
     sleep 20; tail -n 5 "$ROOT/train.log" ;;
-  fetch-pair)
-    tail -n 20 "$ROOT/train.log" > "$OUT/train_tail.txt"
-    cp "$ROOT/pair/report.json" "$OUT/" 2>/dev/null
-    tar -C "$ROOT" -cf - pair | xz -1 -T0 | split -b 15M -d -a 1 - "$OUT/pair.tar.xz.part-"
-    ls -la "$OUT" ;;
   bench-e2e)  # on the pair servers of the test set (plain, DFLASH, DDTREE N=32 and 64)
     shift
     python3 -m tests.gpu.servers stop "$ROOT" qwen3 qwen35  # the GPU and CPUs to the pair
@@ -152,10 +141,6 @@ case "${1:-}" in
     python3 scripts/bench_round.py --out "$OUT/round" "$@"
     rc=$?; tar czf "$OUT/round_logs.tgz" -C "$OUT/round" --remove-files \
       $(cd "$OUT/round" && ls server_*.log 2>/dev/null); exit $rc ;;
-  save-cache)  # .gpu/device.sh save-cache writes one file, which outgrew the 16 MiB per file
-    tar -C /root -cf - $(cd /root && ls -d .cache/flashinfer .triton/cache 2>/dev/null) \
-      | xz -6 -T0 | split -b 15M -d -a 1 - "$OUT/jitcache.tar.xz.part-"
-    ls -la "$OUT"/jitcache.tar.xz.part-* ;;
-  *) echo "usage: gpu_session.sh start|collect|test-bg|wait|test|stop|train|fetch-pair|bench-e2e|bench-tree|bench-gdn|bench-round[-bg]|chain|collect-round|save-cache" >&2
+  *) echo "usage: gpu_session.sh start|collect|test-bg|wait|test|stop|train|bench-e2e|bench-tree|bench-gdn|bench-round[-bg]|chain|collect-round" >&2
      exit 2 ;;
 esac

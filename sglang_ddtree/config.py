@@ -16,11 +16,14 @@ The tree has N - 1 draft nodes and depth at most B - 1.
 from __future__ import annotations
 
 import dataclasses
+import os
+from pathlib import Path
+
+from sglang_ddtree.tree.inputs import MAX_TOPK, tree_capacity
 
 DEFAULT_TOPK = 8
 DEFAULT_BUDGET_PER_BLOCK = 2  # N = 2 * B unless given
 MAX_NUM_NODES = 1024  # SGLang's tree kernels index nodes with small ints
-MAX_TOPK = 64  # the Triton tree builder's packed keys hold candidate ranks < 2**8
 DEFAULT_MAX_RUNNING_REQUESTS = 16  # GDN scratch grows with N x running requests
 
 
@@ -54,68 +57,71 @@ class DDTreeConfig:
         vocab_size: int | None = None,
     ) -> DDTreeConfig:
         """Fill defaults and validate. `draft_block_size` is what the draft config says."""
-        B = _positive_int(block_size, "--speculative-dflash-block-size")
-        if B is None:
-            B = draft_block_size if draft_block_size is not None else 16
-        if B < 2:
-            raise DDTreeConfigError(
-                f"DDTREE needs a DFlash block size >= 2 (the draft proposes B - 1 tokens), got "
-                f"B={B}; pass --speculative-dflash-block-size 16 or fix the draft config."
-            )
-        if draft_block_size is not None and B != draft_block_size:
-            raise DDTreeConfigError(
-                f"--speculative-dflash-block-size {B} differs from the draft checkpoint's "
-                f"block_size {draft_block_size}; a DFlash draft is trained for one block size. "
-                f"Drop the flag or pass {draft_block_size}."
-            )
-        K = _positive_int(topk, "--speculative-eagle-topk")
-        K = DEFAULT_TOPK if K is None else K
-        if K < 2:
-            raise DDTreeConfigError(
-                f"DDTREE needs --speculative-eagle-topk >= 2, got {K}. SGLang verifies trees "
-                f"through Gated DeltaNet layers only when topk > 1; for a chain use "
-                f"--speculative-algorithm DFLASH."
-            )
-        if K > MAX_TOPK:
-            raise DDTreeConfigError(
-                f"--speculative-eagle-topk {K} exceeds the largest supported ({MAX_TOPK}); "
-                f"trees gain little past K = 8. Use --speculative-eagle-topk 8."
-            )
-        if vocab_size is not None and K > vocab_size:
-            raise DDTreeConfigError(
-                f"--speculative-eagle-topk {K} exceeds the vocabulary size {vocab_size}."
-            )
-        N = _positive_int(num_draft_tokens, "--speculative-num-draft-tokens")
-        N = DEFAULT_BUDGET_PER_BLOCK * B if N is None else N
-        if N < B:
-            raise DDTreeConfigError(
-                f"DDTREE needs --speculative-num-draft-tokens (tree nodes incl. the root) >= the "
-                f"DFlash block size: got N={N} < B={B}. Use N >= {B}, e.g. {2 * B}."
-            )
-        if N > MAX_NUM_NODES:
-            raise DDTreeConfigError(
-                f"--speculative-num-draft-tokens {N} exceeds the largest supported tree "
-                f"({MAX_NUM_NODES} nodes)."
-            )
-        capacity = _tree_capacity(K, B - 1, cap=N)
-        if N - 1 > capacity:
-            raise DDTreeConfigError(
-                f"A tree of depth <= {B - 1} with {K} candidates per position holds at most "
-                f"{capacity} draft nodes, but --speculative-num-draft-tokens {N} asks for {N - 1}. "
-                f"Raise --speculative-eagle-topk or lower --speculative-num-draft-tokens."
-            )
-        return cls(block_size=B, num_nodes=N, topk=K)
+        B = _resolve_block(block_size, draft_block_size)
+        K = _resolve_topk(topk, vocab_size)
+        return cls(block_size=B, num_nodes=_resolve_nodes(num_draft_tokens, B, K), topk=K)
 
 
-def _tree_capacity(topk: int, max_depth: int, cap: int) -> int:
-    """Number of distinct rank prefixes of length 1..max_depth, saturated at `cap`."""
-    total, level = 0, 1
-    for _ in range(max_depth):
-        level *= topk
-        total += level
-        if total >= cap:
-            return cap
-    return total
+def _resolve_block(block_size: int | None, draft_block_size: int | None) -> int:
+    B = _positive_int(block_size, "--speculative-dflash-block-size")
+    if B is None:
+        B = draft_block_size if draft_block_size is not None else 16
+    if B < 2:
+        raise DDTreeConfigError(
+            f"DDTREE needs a DFlash block size >= 2 (the draft proposes B - 1 tokens), got "
+            f"B={B}; pass --speculative-dflash-block-size 16 or fix the draft config."
+        )
+    if draft_block_size is not None and B != draft_block_size:
+        raise DDTreeConfigError(
+            f"--speculative-dflash-block-size {B} differs from the draft checkpoint's "
+            f"block_size {draft_block_size}; a DFlash draft is trained for one block size. "
+            f"Drop the flag or pass {draft_block_size}."
+        )
+    return B
+
+
+def _resolve_topk(topk: int | None, vocab_size: int | None) -> int:
+    K = _positive_int(topk, "--speculative-eagle-topk")
+    K = DEFAULT_TOPK if K is None else K
+    if K < 2:
+        raise DDTreeConfigError(
+            f"DDTREE needs --speculative-eagle-topk >= 2, got {K}. SGLang verifies trees "
+            f"through Gated DeltaNet layers only when topk > 1; for a chain use "
+            f"--speculative-algorithm DFLASH."
+        )
+    if K > MAX_TOPK:
+        raise DDTreeConfigError(
+            f"--speculative-eagle-topk {K} exceeds the largest supported ({MAX_TOPK}); "
+            f"trees gain little past K = 8. Use --speculative-eagle-topk 8."
+        )
+    if vocab_size is not None and K > vocab_size:
+        raise DDTreeConfigError(
+            f"--speculative-eagle-topk {K} exceeds the vocabulary size {vocab_size}."
+        )
+    return K
+
+
+def _resolve_nodes(num_draft_tokens: int | None, B: int, K: int) -> int:
+    N = _positive_int(num_draft_tokens, "--speculative-num-draft-tokens")
+    N = DEFAULT_BUDGET_PER_BLOCK * B if N is None else N
+    if N < B:
+        raise DDTreeConfigError(
+            f"DDTREE needs --speculative-num-draft-tokens (tree nodes incl. the root) >= the "
+            f"DFlash block size: got N={N} < B={B}. Use N >= {B}, e.g. {2 * B}."
+        )
+    if N > MAX_NUM_NODES:
+        raise DDTreeConfigError(
+            f"--speculative-num-draft-tokens {N} exceeds the largest supported tree "
+            f"({MAX_NUM_NODES} nodes)."
+        )
+    capacity = min(tree_capacity(K, B - 1), N)
+    if N - 1 > capacity:
+        raise DDTreeConfigError(
+            f"A tree of depth <= {B - 1} with {K} candidates per position holds at most "
+            f"{capacity} draft nodes, but --speculative-num-draft-tokens {N} asks for {N - 1}. "
+            f"Raise --speculative-eagle-topk or lower --speculative-num-draft-tokens."
+        )
+    return N
 
 
 def _positive_int(value: object, flag: str) -> int | None:
@@ -130,3 +136,29 @@ def _positive_int(value: object, flag: str) -> int | None:
     if as_int < 1:
         raise DDTreeConfigError(f"{flag} must be >= 1, got {as_int}.")
     return as_int
+
+
+# --- the environment: the package reads os.environ here and nowhere else ---------------------
+
+
+def env_choice(name: str, options: tuple[str, ...], default: str | None = None) -> str:
+    """The value of switch `name`, one of `options` (default: the first), or an error naming it."""
+    choice = os.environ.get(name, options[0] if default is None else default)
+    if choice not in options:
+        listed = " or ".join(repr(o) for o in options)
+        raise ValueError(f"{name} must be {listed}, got {choice!r}.")
+    return choice
+
+
+def env_value(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(name, default)
+
+
+def cache_home() -> Path:
+    """Where the package writes what it can rebuild (the demo's seeded pair)."""
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "sglang_ddtree"
+
+
+def deterministic_cublas() -> None:
+    """cuBLAS's deterministic workspace (training), unless the caller set one."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

@@ -74,6 +74,18 @@ def _load_heads(ptr, row, N, i_h, H: tl.constexpr, K: tl.constexpr, NP: tl.const
 
 
 @triton.jit
+def _gates(a, b, A_log, dt_bias, tok, live, i_hv, stride_a, stride_b):
+    """(g, beta) [NP] of the nodes, as SGLang's fused verify kernel forms them (float32,
+    softplus threshold 20); 0 for the padding nodes."""
+    x = tl.load(a + tok * stride_a + i_hv, mask=live, other=0).to(tl.float32)
+    x += tl.load(dt_bias + i_hv).to(tl.float32)
+    softplus = tl.where(x <= 20.0, tl.log(1.0 + tl.exp(x)), x)
+    g = -tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * softplus
+    b_b = tl.load(b + tok * stride_b + i_hv, mask=live, other=0).to(tl.float32)
+    return tl.where(live, g, 0.0), tl.where(live, 1.0 / (1.0 + tl.exp(-b_b)), 0.0)
+
+
+@triton.jit
 def _chunk_tree_kernel(
     q, k, v, a, b, A_log, dt_bias, state, state_idx, state_stride, parents,
     scratch, scratch_idx, scratch_stride, o, scale, N, stride_a, stride_b,
@@ -91,18 +103,8 @@ def _chunk_tree_kernel(
     anc = _ancestors(parents, row, N, NP, MAX_PATH)
     depth = tl.max(tl.sum(anc.to(tl.int32), 1))  # nodes on the longest root path
 
-    # gates, as SGLang's fused verify kernel forms them (float32, softplus threshold 20)
     tok = row + o_n
-    x = tl.load(a + tok * stride_a + i_hv, mask=live, other=0).to(tl.float32)
-    x += tl.load(dt_bias + i_hv).to(tl.float32)
-    g = -tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * tl.where(
-        x <= 20.0, tl.log(1.0 + tl.exp(x)), x
-    )
-    g = tl.where(live, g, 0.0)
-    beta = 1.0 / (
-        1.0 + tl.exp(-tl.load(b + tok * stride_b + i_hv, mask=live, other=0).to(tl.float32))
-    )
-    beta = tl.where(live, beta, 0.0)
+    g, beta = _gates(a, b, A_log, dt_bias, tok, live, i_hv, stride_a, stride_b)
     G = tl.sum(tl.where(anc, g[None, :], 0.0), 1)  # [NP] log decay from S0 to after node i
     decay = tl.exp(tl.where(anc, G[:, None] - G[None, :], float("-inf")))  # D, 0 off the paths
 

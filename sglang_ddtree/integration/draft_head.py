@@ -8,12 +8,10 @@ When the draft ran eagerly the worker calls the head itself on the same inputs.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
-from sglang_ddtree.config import DDTreeConfig
+from sglang_ddtree.config import DDTreeConfig, env_choice
 from sglang_ddtree.tree import DraftTree, build_tree, topk_logprobs_from_logits
 
 
@@ -22,9 +20,9 @@ def tree_builder(name: str | None = None, device: torch.device | None = None):
     the default on CUDA, 0.01-0.08 ms per round on the H200 against 0.35-0.8 ms for the batched
     torch builder, docs/benchmarks.md) or "torch" (`tree.build_tree`, the default elsewhere).
     SGLANG_DDTREE_TREE_BUILDER picks one explicitly."""
-    name = name or os.environ.get("SGLANG_DDTREE_TREE_BUILDER")
     if name is None:
-        name = "triton" if device is not None and device.type == "cuda" else "torch"
+        default = "triton" if device is not None and device.type == "cuda" else "torch"
+        name = env_choice("SGLANG_DDTREE_TREE_BUILDER", ("torch", "triton"), default)
     if name == "torch":
         return build_tree
     if name == "triton":

@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 
+from sglang_ddtree.config import env_choice
 from sglang_ddtree.integration import compat, gdn_pool
 
 logger = logging.getLogger(__name__)
@@ -59,18 +59,10 @@ SWITCHES = {
 }
 
 
-def _choice(name: str) -> str:
-    options = SWITCHES[name]
-    choice = os.environ.get(name, options[0])
-    if choice not in options:
-        raise ValueError(f"{name} must be {options[0]!r} or {options[1]!r}, got {choice!r}.")
-    return choice
-
-
 def parse(server_args) -> GDNPath | None:
     """The GDN path the environment asks for, validated (None: SGLang's own)."""
     args = compat.resolved(server_args)
-    choice = {name: _choice(name) for name in SWITCHES}
+    choice = {name: env_choice(name, options) for name, options in SWITCHES.items()}
     if choice["SGLANG_DDTREE_GDN"] == "sglang":
         for name in ("SGLANG_DDTREE_GDN_VERIFY", "SGLANG_DDTREE_CONV", "SGLANG_DDTREE_GDN_SCRATCH"):
             if choice[name] != SWITCHES[name][0]:

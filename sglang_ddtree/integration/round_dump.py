@@ -19,12 +19,13 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import queue
 import threading
 from pathlib import Path
 
 import torch
+
+from sglang_ddtree.config import env_value
 
 logger = logging.getLogger(__name__)
 
@@ -42,10 +43,10 @@ class RoundDump:
 
     @classmethod
     def from_env(cls) -> RoundDump | None:
-        path = os.environ.get("SGLANG_DDTREE_DUMP_ROUNDS")
+        path = env_value("SGLANG_DDTREE_DUMP_ROUNDS")
         if not path:
             return None
-        every = os.environ.get("SGLANG_DDTREE_DUMP_EVERY", "100")
+        every = env_value("SGLANG_DDTREE_DUMP_EVERY", "100")
         if not every.isdigit():
             raise ValueError(f"SGLANG_DDTREE_DUMP_EVERY must be a whole number, got {every!r}")
         return cls(path, int(every))

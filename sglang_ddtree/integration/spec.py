@@ -81,6 +81,11 @@ def validate_server_args(server_args: Any) -> None:
         f"flashinfer (got prefill={prefill!r}, decode={decode!r}).",
     )
     _require(view.page_size in (None, 1), f"DDTREE needs --page-size 1, got {view.page_size}.")
+    _validate_sampling_and_parallelism(view)
+    resolve_config(server_args)  # flag ranges (N, B, K) fail here, before any model loads
+
+
+def _validate_sampling_and_parallelism(view: Any) -> None:
     _require(
         not view.speculative_use_rejection_sampling,
         "DDTREE verifies with target-only tree sampling; drop "
@@ -127,7 +132,6 @@ def validate_server_args(server_args: Any) -> None:
         f"DDTREE does not support PD disaggregation (--disaggregation-mode "
         f"{view.disaggregation_mode}).",
     )
-    resolve_config(server_args)  # flag ranges (N, B, K) fail here, before any model loads
 
 
 def resolve_config(server_args: Any, draft_block_size: int | None = -1) -> DDTreeConfig:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 
 import torch
 from sglang.kernels.ops.speculative.dflash import _prepare_dflash_draft_block_unchecked
@@ -41,7 +40,7 @@ from sglang.srt.speculative.eagle_worker_common import run_eagle_verify
 from sglang.srt.utils import get_available_gpu_memory
 from torch.profiler import record_function
 
-from sglang_ddtree.config import DDTreeConfig
+from sglang_ddtree.config import DDTreeConfig, env_choice
 from sglang_ddtree.integration.draft_head import DraftTreeHead
 from sglang_ddtree.integration.round_dump import RoundDump
 from sglang_ddtree.integration.verify_input import make_verify_input
@@ -50,7 +49,7 @@ logger = logging.getLogger(__name__)
 
 # SGLANG_DDTREE_SYNC_CHECK=1: run DDTREE's own per-round code under torch's sync debug mode
 # ("warn"; the GPU tests fail on any such warning). SGLang's own calls are left out.
-_SYNC_CHECK = os.environ.get("SGLANG_DDTREE_SYNC_CHECK", "0") == "1"
+_SYNC_CHECK = env_choice("SGLANG_DDTREE_SYNC_CHECK", ("0", "1")) == "1"
 
 
 @contextlib.contextmanager

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -20,6 +19,7 @@ from typing import NoReturn
 import torch
 
 from sglang_ddtree import DEMO_PAIR_DIR
+from sglang_ddtree.config import cache_home
 
 DEMO_PROMPT = "def fibonacci(n):"
 EXIT_USAGE = 2
@@ -77,13 +77,12 @@ def _demo_dirs(cache_dir: str | None) -> tuple[Path, Path]:
     (testing/binary_pair.py: random Gated DeltaNet + attention layers, a two-token language,
     a draft that ties its two tokens) written once to the cache dir: a tree covers both
     continuations at every depth, a chain only one."""
-    from sglang_ddtree.testing.binary_pair import write_binary_pair
+    from sglang_ddtree.checkpoints.binary_pair import write_binary_pair
 
     shipped = DEMO_PAIR_DIR / "target", DEMO_PAIR_DIR / "draft"
     if cache_dir is None and all((d / "config.json").exists() for d in shipped):
         return shipped
-    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "sglang_ddtree"
-    root = Path(cache_dir) if cache_dir else default / "demo"
+    root = Path(cache_dir) if cache_dir else cache_home() / "demo"
     target, draft = root / "qwen35-binary", root / "qwen35-binary-dflash"
     if not (draft / "config.json").exists():
         write_binary_pair(root, "qwen35", seed=0)
@@ -127,7 +126,9 @@ def check_paths_and_device(args: argparse.Namespace) -> None:
         if not (path / "config.json").is_file():
             raise ValueError(f"--{flag} {path} is not a model checkpoint (no config.json in it)")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {args.device}: this machine has no CUDA device; use --device cpu")
+        raise ValueError(
+            f"--device {args.device}: this machine has no CUDA device; use --device cpu"
+        )
 
 
 def check_budget_fits(args: argparse.Namespace, available: int | None = None) -> None:
@@ -173,8 +174,9 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     target, drafter, tokenizer = load_pair(args.target, args.draft, args.dtype, args.device)
     prompt_ids = encode_prompt(tokenizer, args.prompt, args.chat)
-    check_generation_args(target, drafter, len(prompt_ids), args.max_new_tokens,
-                          budget=args.budget, topk=args.topk)  # before anything is printed
+    check_generation_args(
+        target, drafter, len(prompt_ids), args.max_new_tokens, budget=args.budget, topk=args.topk
+    )  # before anything is printed
     chat = args.chat if args.chat is not None else bool(getattr(tokenizer, "chat_template", None))
     print(f"prompt: {args.prompt!r} ({len(prompt_ids)} tokens, "
           f"{'chat template' if chat else 'plain completion'})")  # fmt: skip

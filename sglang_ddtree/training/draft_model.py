@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
+from sglang_ddtree.checkpoints.tiny import dflash_config
 from sglang_ddtree.reference.dflash import (
     DFlashConfig,
     apply_rope,
@@ -36,7 +37,6 @@ from sglang_ddtree.reference.dflash import (
     rms_norm,
     rope_cos_sin,
 )
-from sglang_ddtree.testing.tiny import dflash_config
 from sglang_ddtree.training.config import DraftShape
 from sglang_ddtree.training.tokenizer import MASK_TOKEN
 

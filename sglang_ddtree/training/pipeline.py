@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import platform
 import random
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from sglang_ddtree.config import deterministic_cublas
 from sglang_ddtree.training.config import Recipe, h200_recipe, toy_recipe, with_steps
 from sglang_ddtree.training.corpus import Corpus, build_corpus
 from sglang_ddtree.training.data import encode_documents, eval_windows, fixed_anchors
@@ -293,4 +293,4 @@ def _run(args: RunArgs, recipe: Recipe, device: torch.device) -> dict:
 
 def configure_cuda_determinism() -> None:
     """Must run before CUDA initialises: cuBLAS needs a fixed workspace for deterministic GEMMs."""
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    deterministic_cublas()

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sglang_ddtree.testing.tiny import PREPROCESSOR_CONFIG, qwen35_config
+from sglang_ddtree.checkpoints.tiny import PREPROCESSOR_CONFIG, qwen35_config
 from sglang_ddtree.training.config import StageHParams, TargetShape
 from sglang_ddtree.training.data import sample_windows
 from sglang_ddtree.training.loops import StageResult, autocast, train_loop

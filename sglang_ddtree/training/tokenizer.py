@@ -1,6 +1,6 @@
 """Byte-level BPE tokenizer trained on the training corpus, with ChatML and the DFlash mask token.
 
-Special tokens and the chat template are those of `sglang_ddtree.testing.tiny` (ids 0..7:
+Special tokens and the chat template are those of `sglang_ddtree.checkpoints.tiny` (ids 0..7:
 <|endoftext|> <|im_start|> <|im_end|> <|MASK|> and the four vision specials that
 Qwen3_5ForConditionalGeneration's config refers to); eos is <|im_end|>, pad <|endoftext|>.
 """
@@ -11,7 +11,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from sglang_ddtree.testing.tiny import SPECIAL_TOKENS, build_bpe_tokenizer
+from sglang_ddtree.checkpoints.tiny import SPECIAL_TOKENS, build_bpe_tokenizer
 
 MASK_TOKEN = "<|MASK|>"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")

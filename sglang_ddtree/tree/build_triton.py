@@ -35,11 +35,10 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from .inputs import LOGPROB_FLOOR, check_build_inputs
+from .inputs import LOGPROB_FLOOR, MAX_TOPK, check_build_inputs
 from .types import DraftTree
 
 MAX_BUDGET = 1024  # depth and parent fields of the packed key hold values < 2**12
-MAX_TOPK = 64  # rank field holds values < 2**8; K <= 64 bounds the preprocessing tile
 
 _FLOOR: tl.constexpr = tl.constexpr(LOGPROB_FLOOR)
 _EMPTY: tl.constexpr = tl.constexpr(2**63 - 1)  # key of an empty frontier slot

@@ -18,6 +18,9 @@ LOGPROB_FLOOR = -1.0e4
 CAPACITY_CAP = 1 << 62
 
 
+MAX_TOPK = 64  # the Triton tree builder's packed keys hold candidate ranks < 2**8
+
+
 def tree_capacity(K: int, L: int) -> int:
     """Number of non-root prefixes sum_{d=1..L} K**d, saturating at CAPACITY_CAP."""
     total, level = 0, 1

@@ -1,5 +1,6 @@
-"""Helpers for tests: random builder inputs, a host-side structural check of a DraftTree, SGLang's
-sibling links of a tree, and running a test file's CPU tests under Triton's interpreter.
+"""Helpers for tests and benchmarks: random builder inputs, a host-side structural check of a
+DraftTree, SGLang's sibling links of a tree (tests/fixtures.py runs a test file's CPU tests under
+Triton's interpreter).
 
 Not used on the serving path (they sync with the host freely).
 """
@@ -7,10 +8,6 @@ Not used on the serving path (they sync with the host freely).
 from __future__ import annotations
 
 import contextlib
-import os
-import re
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 
 import torch
@@ -31,28 +28,6 @@ def eagle_links(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows = [sibling_links(row) for row in parents.tolist()]
     first, sibling = zip(*rows, strict=True)
     return torch.tensor(first, dtype=torch.int64), torch.tensor(sibling, dtype=torch.int64)
-
-
-def run_cpu_tests_under_triton_interpreter(test_file: str, expected_passed: int) -> None:
-    """Run `test_file`'s non-GPU tests in a child pytest with TRITON_INTERPRET=1 (Triton picks its
-    interpreter when imported, so the parent process cannot switch) and require exactly
-    `expected_passed` passes and no failure."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [
-        sys.executable,
-        "-m",
-        "pytest",
-        test_file,
-        "-m",
-        "not gpu",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    tail = (proc.stdout + proc.stderr)[-6000:]
-    assert proc.returncode == 0, tail
-    assert re.search(rf"\b{expected_passed} passed", tail) and "failed" not in tail, tail
 
 
 @contextlib.contextmanager

@@ -137,7 +137,7 @@ def write_pair(root: Path, model: str) -> tuple[Path, Path]:
     natural logit margins)."""
     if model == "pair":
         return DEMO / "target", DEMO / "draft"
-    from sglang_ddtree.testing.binary_pair import write_binary_pair
+    from sglang_ddtree.checkpoints.binary_pair import write_binary_pair
 
     target, draft = root / f"{model}-binary", root / f"{model}-binary-dflash"
     if not (draft / "config.json").exists():

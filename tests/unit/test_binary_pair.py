@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sglang_ddtree.checkpoints.binary_pair import binary_fraction, write_binary_pair
 from sglang_ddtree.reference.engine import generate, generate_chain, generate_plain, load_pair
-from sglang_ddtree.testing.binary_pair import binary_fraction, write_binary_pair
 
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "import os\n"]
 

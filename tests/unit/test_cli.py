@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from sglang_ddtree.checkpoints.tiny import write_tiny_dflash, write_tiny_qwen3
 from sglang_ddtree.reference.__main__ import encode_prompt, main
-from sglang_ddtree.testing.tiny import write_tiny_dflash, write_tiny_qwen3
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -63,7 +63,11 @@ def test_prints_text_and_acceptance_lengths(pair, capsys):
     assert lines[-1] == "DDTree vs chain DFlash at temperature 0: identical text"
     head, tree_row, chain_row = lines[-4:-1]  # the side-by-side table
     assert head.split() == ["tokens", "rounds", "mean", "accept", "tokens/s"]
-    assert tree_row.split()[:2] == ["DDTree", "12"] and chain_row.split()[:3] == ["chain", "DFlash", "12"]
+    assert tree_row.split()[:2] == ["DDTree", "12"] and chain_row.split()[:3] == [
+        "chain",
+        "DFlash",
+        "12",
+    ]
     assert tree_row.split()[2] == str(len(first)) and float(tree_row.split()[4]) > 0
 
 
@@ -75,7 +79,10 @@ def test_demo_runs_from_a_cache_dir(tmp_path, capsys):
     assert "acceptance lengths: [" in out
     assert "DDTree vs chain DFlash at temperature 0: identical text" in out
     # a code model completes the prompt: no chat template unless asked
-    assert out.splitlines()[0].startswith("prompt: 'def fibonacci(n):' (") and "plain completion" in out
+    assert (
+        out.splitlines()[0].startswith("prompt: 'def fibonacci(n):' (")
+        and "plain completion" in out
+    )
     tree_mean, chain_mean = (
         float(line.split(": ")[1]) for line in out.splitlines() if "mean acceptance" in line
     )
@@ -103,8 +110,12 @@ def _drop_mask_token(config: dict) -> None:
     [
         (["--budget", "0"], None, "budget must be >= 1 draft nodes, got 0"),
         (["--topk", "0"], None, "topk must be in [1, vocab_size="),
-        (["--topk", "1", "--budget", "8"], None, "--budget 8 is larger than what fits: at most 7 "
-         "nodes (what top-k 1 fills in the draft's 7 positions)"),
+        (
+            ["--topk", "1", "--budget", "8"],
+            None,
+            "--budget 8 is larger than what fits: at most 7 "
+            "nodes (what top-k 1 fills in the draft's 7 positions)",
+        ),
         (["--budget", "10000000"], None, "--budget 10000000 is larger than what fits: at most "),
         (["--max-new-tokens", "5000"], None, "+ max_new_tokens (5000) = "),
         (["--prompt", ""], None, "prompt is empty (0 tokens)"),

@@ -17,8 +17,8 @@ from sglang_ddtree.tree import build_tree_reference
 from sglang_ddtree.tree.testing import (
     eagle_links,
     random_build_inputs,
-    run_cpu_tests_under_triton_interpreter,
 )
+from tests.fixtures import run_cpu_tests_under_triton_interpreter
 
 torch.set_num_threads(1)
 

@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from sglang_ddtree.checkpoints.tiny import write_tiny_dflash, write_tiny_qwen3
 from sglang_ddtree.reference.dflash import DFlashDraftRunner
-from sglang_ddtree.testing.tiny import write_tiny_dflash, write_tiny_qwen3
 
 LOGIT_ATOL = 5e-5
 N_CTX = 11
@@ -392,7 +392,7 @@ def test_sglang_dflash_model_loads_checkpoint_and_matches(draft_dir, target, tap
     from sglang.srt.models.dflash import DFlashDraftModel
     from sglang.srt.utils.hf_transformers.config import get_config
 
-    from sglang_ddtree.testing.tiny import sglang_cpu_model_context, use_native_forward
+    from tests.fixtures import sglang_cpu_model_context, use_native_forward
 
     runner = _runner(draft_dir, target)
     taps = taps_of(_prompt(N_CTX, seed=4), runner.target_layer_ids)

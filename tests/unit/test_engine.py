@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from sglang_ddtree.checkpoints.tiny import write_tiny_dflash, write_tiny_qwen3, write_tiny_qwen35
 from sglang_ddtree.reference.engine import (
     RoundTrace,
     generate,
@@ -22,7 +23,6 @@ from sglang_ddtree.reference.engine import (
 )
 from sglang_ddtree.reference.naive import NaiveTargetRunner
 from sglang_ddtree.reference.oracle import OracleDrafter
-from sglang_ddtree.testing.tiny import write_tiny_dflash, write_tiny_qwen3, write_tiny_qwen35
 
 ARCHS = ("qwen3", "qwen35")
 PROMPTS = (

@@ -21,11 +21,11 @@ import torch
 from scipy.stats import chisquare
 from transformers import Qwen3ForCausalLM
 
+from sglang_ddtree.checkpoints.tiny import write_tiny_qwen3
 from sglang_ddtree.reference import engine
 from sglang_ddtree.reference.engine import RoundTrace, generate
 from sglang_ddtree.reference.oracle import OracleDrafter
 from sglang_ddtree.reference.target import HFTargetRunner
-from sglang_ddtree.testing.tiny import write_tiny_qwen3
 
 PROMPT = [100, 200, 300, 400]
 TEMPERATURE = 1.5

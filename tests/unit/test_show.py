@@ -68,6 +68,7 @@ def test_a_dumped_server_round_renders_like_an_engine_round(tmp_path):
     gen = torch.Generator().manual_seed(3)
     root, ids, lps = random_build_inputs(gen, 2, 5, 3, 50, "continuous")
     tree = build_tree_reference(root, ids, lps, 11)  # [2, 12]
+
     def root_path(b: int, node: int) -> list[int]:
         path = [node]
         while path[-1]:

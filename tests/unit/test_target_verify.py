@@ -23,6 +23,7 @@ import random
 import pytest
 import torch
 
+from sglang_ddtree.checkpoints.tiny import write_tiny_qwen3, write_tiny_qwen35
 from sglang_ddtree.reference.gdn_tree import conv_window_index, depth_levels
 from sglang_ddtree.reference.target import (
     GDN,
@@ -31,7 +32,6 @@ from sglang_ddtree.reference.target import (
     plain_greedy_generate,
     tree_attention_mask,
 )
-from sglang_ddtree.testing.tiny import write_tiny_qwen3, write_tiny_qwen35
 
 TOL = {torch.float32: 1e-4, torch.float64: 1e-6}
 TAPS = [0, 2, 3]  # 3 = last layer: HF's hidden_states[-1] is the final-normed output

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from sglang_ddtree.testing.tiny import (
+from sglang_ddtree.checkpoints.tiny import (
     SPECIAL_TOKENS,
     write_tiny_dflash,
     write_tiny_qwen3,
@@ -179,7 +179,7 @@ def test_dflash_writer_is_deterministic(tmp_path, qwen3_dir):
 def _sglang_load_fills_every_param(model_cls, model_dir: Path) -> dict[str, torch.Tensor]:
     from sglang.srt.utils.hf_transformers.config import get_config
 
-    from sglang_ddtree.testing.tiny import sglang_cpu_model_context
+    from tests.fixtures import sglang_cpu_model_context
 
     ckpt = load_file(str(model_dir / "model.safetensors"))
     with sglang_cpu_model_context(model_dir), torch.no_grad():

@@ -245,7 +245,7 @@ def test_configs_parse_in_sglang(toy):
 
 def test_h200_recipe_fits_size_budget():
     """Parameter counts of the H200 sizes (meta device) + 1 MiB for the tokenizer <= 24 MiB."""
-    from sglang_ddtree.testing.tiny import SPECIAL_TOKENS
+    from sglang_ddtree.checkpoints.tiny import SPECIAL_TOKENS
     from sglang_ddtree.training.draft_model import build_draft, draft_config
     from sglang_ddtree.training.target import build_target, param_count, target_config
 

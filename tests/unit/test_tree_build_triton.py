@@ -25,8 +25,8 @@ from sglang_ddtree.tree.testing import (
     check_tree_invariants,
     no_host_sync,
     random_build_inputs,
-    run_cpu_tests_under_triton_interpreter,
 )
+from tests.fixtures import run_cpu_tests_under_triton_interpreter
 
 torch.set_num_threads(1)
 

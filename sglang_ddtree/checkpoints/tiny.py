@@ -19,11 +19,10 @@ The tokenizer's stdlib corpus depends on the Python version: checkpoints written
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -227,26 +226,11 @@ def qwen35_config(vocab_size: int, ids: dict[str, int], init_std: float) -> dict
         mtp_use_dedicated_embeddings=False,
         dtype="float32",
     )
-    vision = dict(
-        model_type="qwen3_5",
-        depth=1,
-        hidden_size=64,
-        intermediate_size=128,
-        num_heads=2,
-        out_hidden_size=text["hidden_size"],
-        patch_size=16,
-        spatial_merge_size=2,
-        temporal_patch_size=2,
-        num_position_embeddings=64,
-        deepstack_visual_indexes=[],
-        in_channels=3,
-        initializer_range=init_std,
-    )
     return dict(
         architectures=["Qwen3_5ForConditionalGeneration"],
         model_type="qwen3_5",
         text_config=text,
-        vision_config=vision,
+        vision_config=_tiny_vision_config(text["hidden_size"], init_std),
         tie_word_embeddings=False,
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
@@ -254,6 +238,25 @@ def qwen35_config(vocab_size: int, ids: dict[str, int], init_std: float) -> dict
         vision_end_token_id=ids["<|vision_end|>"],
         eos_token_id=ids["<|im_end|>"],
         dtype="float32",
+    )
+
+
+def _tiny_vision_config(out_hidden_size: int, init_std: float) -> dict[str, Any]:
+    """The smallest vision tower Qwen3_5ForConditionalGeneration loads (never run here)."""
+    return dict(
+        model_type="qwen3_5",
+        depth=1,
+        hidden_size=64,
+        intermediate_size=128,
+        num_heads=2,
+        out_hidden_size=out_hidden_size,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        num_position_embeddings=64,
+        deepstack_visual_indexes=[],
+        in_channels=3,
+        initializer_range=init_std,
     )
 
 
@@ -418,69 +421,3 @@ def write_tiny_dflash(
 
 
 # ----------------------------------------------------------------------------- SGLang on CPU
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextlib.contextmanager
-def sglang_cpu_model_context(model_path: str | os.PathLike) -> Iterator[None]:
-    """Let SGLang 0.5.17 model classes be *constructed* (and load weights) on a CPU-only box.
-
-    Test-only: checks that SGLang's own `load_weights` accepts our checkpoints. It publishes a
-    one-rank gloo process group and ServerArgs for `model_path` (radix cache off: SGLang's hybrid
-    cache checks want CUDA), and patches, for the duration of the block only: RoPE's platform
-    flag (CPU path instead of vllm/sgl-kernel), the row-parallel linear's symmetric-memory
-    context (needs a TP group object) and `torch.get_device_module` (GDN layers ask the
-    accelerator for its current device). Everything is undone on exit.
-    Modules built here run their `forward_native` paths only after `use_native_forward`.
-    """
-    import sglang.srt.layers.linear as sgl_linear
-    import sglang.srt.layers.rotary_embedding.base as rope_base
-    from sglang.srt.distributed import parallel_state as ps
-    from sglang.srt.runtime_context import _CONTEXT, get_parallel, reset_context
-    from sglang.srt.server_args import ServerArgs
-
-    server_args = ServerArgs(model_path=str(model_path), device="cpu", disable_radix_cache=True)
-    patches = [
-        (rope_base, "_is_cpu", True),
-        (sgl_linear, "get_tp_group", lambda: None),
-        (sgl_linear, "use_symmetric_memory", lambda *a, **k: contextlib.nullcontext()),
-        (torch, "get_device_module", lambda *a: torch.cpu),
-    ]
-    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
-    for obj, name, value in patches:
-        setattr(obj, name, value)
-    _CONTEXT.set_server_args(server_args)
-    ps.init_distributed_environment(
-        backend="gloo",
-        world_size=1,
-        rank=0,
-        local_rank=0,
-        distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
-    )
-    ps.initialize_model_parallel(1, 1)
-    ones = dict(tp_size=1, pp_size=1, attn_tp_size=1, attn_dp_size=1, world_size=1)
-    zeros = dict(tp_rank=0, pp_rank=0, attn_tp_rank=0, attn_dp_rank=0, world_rank=0)
-    try:
-        with get_parallel().override(**ones, **zeros):
-            yield
-    finally:
-        ps.destroy_model_parallel()
-        ps.destroy_distributed_environment()
-        for obj, name, value in saved:
-            setattr(obj, name, value)
-        reset_context()
-
-
-def use_native_forward(module: torch.nn.Module) -> torch.nn.Module:
-    """Route SGLang MultiPlatformOps (RMSNorm, RoPE, SiluAndMul) to their torch-native paths."""
-    for sub in module.modules():
-        if hasattr(sub, "forward_native") and hasattr(sub, "_forward_method"):
-            sub._forward_method = sub.forward_native
-    return module

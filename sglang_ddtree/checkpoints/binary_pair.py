@@ -22,7 +22,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
-from sglang_ddtree.testing import tiny
+from sglang_ddtree.checkpoints import tiny
 
 BIAS_DIM, DECISION_DIM = 0, 1
 BINARY_TOKENS = (100, 101)  # ordinary BPE ids in every tiny tokenizer (specials are 0..7)

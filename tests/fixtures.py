@@ -1,0 +1,100 @@
+"""Test-only helpers shared by tests/unit and tests/gpu (not shipped in the package)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import torch
+
+
+def run_cpu_tests_under_triton_interpreter(test_file: str, expected_passed: int) -> None:
+    """Run `test_file`'s non-GPU tests in a child pytest with TRITON_INTERPRET=1 (Triton picks its
+    interpreter when imported, so the parent process cannot switch) and require exactly
+    `expected_passed` passes and no failure."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        test_file,
+        "-m",
+        "not gpu",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    tail = (proc.stdout + proc.stderr)[-6000:]
+    assert proc.returncode == 0, tail
+    assert re.search(rf"\b{expected_passed} passed", tail) and "failed" not in tail, tail
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def sglang_cpu_model_context(model_path: str | os.PathLike) -> Iterator[None]:
+    """Let SGLang 0.5.17 model classes be *constructed* (and load weights) on a CPU-only box.
+
+    Test-only: checks that SGLang's own `load_weights` accepts our checkpoints. It publishes a
+    one-rank gloo process group and ServerArgs for `model_path` (radix cache off: SGLang's hybrid
+    cache checks want CUDA), and patches, for the duration of the block only: RoPE's platform
+    flag (CPU path instead of vllm/sgl-kernel), the row-parallel linear's symmetric-memory
+    context (needs a TP group object) and `torch.get_device_module` (GDN layers ask the
+    accelerator for its current device). Everything is undone on exit.
+    Modules built here run their `forward_native` paths only after `use_native_forward`.
+    """
+    import sglang.srt.layers.linear as sgl_linear
+    import sglang.srt.layers.rotary_embedding.base as rope_base
+    from sglang.srt.distributed import parallel_state as ps
+    from sglang.srt.runtime_context import _CONTEXT, get_parallel, reset_context
+    from sglang.srt.server_args import ServerArgs
+
+    server_args = ServerArgs(model_path=str(model_path), device="cpu", disable_radix_cache=True)
+    patches = [
+        (rope_base, "_is_cpu", True),
+        (sgl_linear, "get_tp_group", lambda: None),
+        (sgl_linear, "use_symmetric_memory", lambda *a, **k: contextlib.nullcontext()),
+        (torch, "get_device_module", lambda *a: torch.cpu),
+    ]
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    for obj, name, value in patches:
+        setattr(obj, name, value)
+    _CONTEXT.set_server_args(server_args)
+    ps.init_distributed_environment(
+        backend="gloo",
+        world_size=1,
+        rank=0,
+        local_rank=0,
+        distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
+    )
+    ps.initialize_model_parallel(1, 1)
+    ones = dict(tp_size=1, pp_size=1, attn_tp_size=1, attn_dp_size=1, world_size=1)
+    zeros = dict(tp_rank=0, pp_rank=0, attn_tp_rank=0, attn_dp_rank=0, world_rank=0)
+    try:
+        with get_parallel().override(**ones, **zeros):
+            yield
+    finally:
+        ps.destroy_model_parallel()
+        ps.destroy_distributed_environment()
+        for obj, name, value in saved:
+            setattr(obj, name, value)
+        reset_context()
+
+
+def use_native_forward(module: torch.nn.Module) -> torch.nn.Module:
+    """Route SGLang MultiPlatformOps (RMSNorm, RoPE, SiluAndMul) to their torch-native paths."""
+    for sub in module.modules():
+        if hasattr(sub, "forward_native") and hasattr(sub, "_forward_method"):
+            sub._forward_method = sub.forward_native
+    return module
