@@ -278,3 +278,19 @@ def test_tree_build_bench_runs_the_server_head_on_cpu():
     assert row == {"shape": "pair", "builder": "torch", "bs": 2, "nodes": 16}
     assert tree.tokens.shape == (2, 16)
     check_tree_invariants(tree)
+
+
+def test_project_budget_multiplies_the_measured_rows(capsys):
+    """scripts/project_budget.py on the committed rows: the policy's choice per batch size and
+    the projection (tokens per round / ms per round against DFLASH's), recomputed here."""
+    bench = _script("project_budget")
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    cost, tokens = bench.load(docs / "bench_round_s7.jsonl", docs / "acceptance.jsonl", 0.0)
+    rows = bench.project(cost, tokens, cost.batch_sizes)
+    chain_rate = {bs: tokens[0] / cost.cost(bs, 0) for bs in cost.batch_sizes}
+    for row in rows:
+        width = 0 if row["choice"] == "chain" else int(row["choice"][2:])
+        best = max(tokens[w] / cost.cost(row["bs"], w) for w in tokens)
+        assert tokens[width] / cost.cost(row["bs"], width) == best
+        assert row["projected_vs_dflash"] == best / chain_rate[row["bs"]]
+    assert [r["choice"] for r in rows] == ["N=32", "N=32", "chain"]

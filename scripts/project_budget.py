@@ -1,0 +1,76 @@
+#!/usr/bin/env python
+"""Projected DDTREE / DFLASH decode speed when tree/budget.py's policy picks the width per batch
+size: measured round costs (bench_round.py rows) x measured acceptance (acceptance_table.py rows).
+
+    python scripts/project_budget.py --rounds docs/bench_round_s7.jsonl \
+        --acceptance docs/acceptance.jsonl [--temperature 0]
+
+Both inputs are measured; the product (tokens per ms, as if the 27B pair accepted like the
+shipped one) is a projection. An acceptance budget b (nodes below the root) stands for the
+verify width b + 1; a measured width N is matched to the acceptance row of the nearest budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from sglang_ddtree.tree.budget import CHAIN, CostTable, choose_width
+
+
+def load(rounds: Path, acceptance: Path, temperature: float):
+    """(CostTable, {width or CHAIN: tokens per round})."""
+    rows = [json.loads(line) for line in rounds.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if "round_ms" in r]
+    width_of = {}
+    for r in rows:
+        name = r["variant"]
+        width_of[name] = CHAIN if name.startswith("dflash") else int(name[6:].split("_")[0])
+    batch = sorted({r["bs"] for r in rows})
+    ms = {}
+    for name, width in width_of.items():
+        by_bs = {r["bs"]: r["round_ms"] for r in rows if r["variant"] == name}
+        if all(b in by_bs for b in batch):
+            ms[width] = tuple(by_bs[b] for b in batch)
+    acc_rows = [json.loads(line) for line in acceptance.read_text().splitlines() if line.strip()]
+    acc = {r["method"]: r["mean_accept_len"] for r in acc_rows if r["temperature"] == temperature}
+    budgets = {int(m.split()[-1]): v for m, v in acc.items() if m.startswith("DDTree")}
+    tokens = {CHAIN: next(v for m, v in acc.items() if m.startswith("chain"))}
+    for width in ms:
+        if width != CHAIN:
+            tokens[width] = budgets[min(budgets, key=lambda b: abs(b + 1 - width))]
+    return CostTable(tuple(batch), ms), tokens
+
+
+def project(cost: CostTable, tokens: dict[int, float], batch_sizes) -> list[dict]:
+    widths = sorted(w for w in tokens if w != CHAIN)
+    out = []
+    for bs in batch_sizes:
+        expected = torch.tensor([[tokens[w] for w in widths]] * bs)
+        chain = torch.full((bs,), tokens[CHAIN])
+        pick = choose_width(cost, expected, widths, chain)
+        rate = tokens[pick] / cost.cost(bs, pick)
+        out.append({"bs": bs, "choice": "chain" if pick == CHAIN else f"N={pick}",
+                    "projected_vs_dflash": rate / (tokens[CHAIN] / cost.cost(bs, CHAIN))})  # fmt: skip
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rounds", type=Path, required=True)
+    p.add_argument("--acceptance", type=Path, required=True)
+    p.add_argument("--temperature", type=float, default=0.0)
+    args = p.parse_args(argv)
+    cost, tokens = load(args.rounds, args.acceptance, args.temperature)
+    print(f"{'bs':>3} {'choice':>7} {'DDTREE/DFLASH':>14}")
+    for row in project(cost, tokens, cost.batch_sizes):
+        print(f"{row['bs']:>3} {row['choice']:>7} {row['projected_vs_dflash']:>14.2f}")
+        print(json.dumps(row))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
