@@ -27,12 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sglang_ddtree.gdn.chunk_tree import MAX_NODES, chunk_tree_verify  # noqa: E402
-from sglang_ddtree.gdn.tree_verify import (  # noqa: E402
-    commit_paths,
-    root_path,
-    scratch_floats,
-    tree_verify,
-)
+from sglang_ddtree.gdn.reference import root_path  # noqa: E402
+from sglang_ddtree.gdn.tree_verify import commit_paths, scratch_floats, tree_verify  # noqa: E402
 from sglang_ddtree.tree import build_tree_reference  # noqa: E402
 from sglang_ddtree.tree.testing import random_build_inputs  # noqa: E402
 

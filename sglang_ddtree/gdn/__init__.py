@@ -1,4 +1,9 @@
-"""Gated DeltaNet tree verify by root paths, and the commit by replay (`tree_verify.py`).
+"""Gated DeltaNet over a token tree: each kernel beside its plain-torch definition.
+
+- `reference.py`: the node-by-node definitions (the tests' referee) and root-path helpers;
+- `tree_verify.py`: the tree verify by root paths (the default) and the commit by replay;
+- `chunk_tree.py`: the tree verify in the chunked form (opt-in);
+- `conv_tree.py`: the tree's causal conv1d with every node in parallel (opt-in).
 
 Wired into SGLang by `sglang_ddtree.integration.gdn`; docs/design.md and docs/benchmarks.md.
 """

@@ -14,16 +14,8 @@ import pytest
 import torch
 
 from sglang_ddtree.gdn.chunk_tree import MAX_NODES, chunk_tree_verify
-from sglang_ddtree.gdn.tree_verify import (
-    as_scratch,
-    commit_paths,
-    gdn_gating,
-    max_path_len,
-    root_path,
-    scratch_floats,
-    tree_verify,
-    tree_verify_reference,
-)
+from sglang_ddtree.gdn.reference import gdn_gating, max_path_len, root_path, tree_verify_reference
+from sglang_ddtree.gdn.tree_verify import as_scratch, commit_paths, scratch_floats, tree_verify
 from sglang_ddtree.tree import build_tree_reference
 from sglang_ddtree.tree.testing import (
     random_build_inputs,
