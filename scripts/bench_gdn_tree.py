@@ -167,6 +167,35 @@ def run_one(bs: int, nodes: int, parents: torch.Tensor, iters: int, device: str 
     return row
 
 
+def parse_tiles(text: str) -> list[tuple[int, int]]:
+    """--tiles "16x1,32x2": (V tile, warps) of the root-path verify."""
+    return [(int(bv), int(w)) for bv, w in (t.split("x") for t in text.split(",") if t)]
+
+
+def parse_chunk_tiles(text: str) -> list[tuple[int, int, str]]:
+    """--chunk-tiles "32x4xtf32,64x8xtf32x3": (V tile, warps, tl.dot precision)."""
+    out = []
+    for t in (t for t in text.split(",") if t):
+        bv, warps, precision = t.split("x", 2)
+        if precision not in ("tf32", "tf32x3", "ieee"):
+            raise ValueError(f"--chunk-tiles {t}: precision must be tf32, tf32x3 or ieee")
+        out.append((int(bv), int(warps), precision))
+    return out
+
+
+def conv_tilings(text: str) -> dict[str, dict]:
+    """--conv-tilings "t16n256w4,t8n128w4tile,t16n256w4nosave": name -> conv_tree keywords
+    (block_t, block_n, num_warps, window_tile; "nosave" drops the window stores)."""
+    out = {}
+    for name in (t for t in text.split(",") if t):
+        m = re.fullmatch(r"t(\d+)n(\d+)w(\d+)(tile)?(nosave)?", name)
+        if m is None:
+            raise ValueError(f"--conv-tilings {name}: expected tNnNwN[tile][nosave]")
+        out[name] = dict(block_t=int(m[1]), block_n=int(m[2]), num_warps=int(m[3]),
+                         window_tile=m[4] is not None)  # fmt: skip
+    return out
+
+
 def _timed(gpu_ms, fn, iters: int) -> float | str:
     """GPU ms of one swept configuration, or why it could not run (a tile too large for the
     chip's shared memory is a result of the sweep, not the end of it)."""
@@ -235,10 +264,7 @@ def run_conv(bs: int, nodes: int, parents: torch.Tensor, iters: int, dim: int = 
            "conv_windows_equal": bool(torch.equal(out["ours_win"][:bs], out["sglang_win"][:bs])),
            "conv_parents_equal": bool(torch.equal(out["ours_par"], out["sglang_par"]))}  # fmt: skip
     timed = {}
-    for tiling in tilings:  # "t16n256w4[tile][nosave]": block_t, block_n, warps, windows
-        kw = dict(block_t=int(re.search(r"t(\d+)", tiling)[1]),
-                  block_n=int(re.search(r"n(\d+)", tiling)[1]),
-                  num_warps=int(re.search(r"w(\d+)", tiling)[1]), window_tile="tile" in tiling)  # fmt: skip
+    for tiling, kw in conv_tilings(",".join(tilings)).items():
         if "nosave" in tiling:  # the same kernel without the window stores (a bound)
             timed[tiling] = partial(conv_tree, x, state.clone(), weight, bias, "silu",
                                     conv_state_indices=idx, intermediate_conv_window=None,
@@ -279,9 +305,8 @@ def main() -> int:
     p.add_argument("--conv-tilings", default="", help="with --conv, also these conv_tree "
                    "tilings, e.g. t16n256w4,t8n128w4tile,t16n256w4nosave")  # fmt: skip
     args = p.parse_args()
-    tiles = [tuple(int(x) for x in t.split("x")) for t in args.tiles.split(",") if t]
-    chunk_tiles = [(int(bv), int(w), prec) for bv, w, prec in
-                   (t.split("x", 2) for t in args.chunk_tiles.split(",") if t)]  # fmt: skip
+    tiles, chunk_tiles = parse_tiles(args.tiles), parse_chunk_tiles(args.chunk_tiles)
+    conv_tilings(args.conv_tilings)  # a typo fails here, before any GPU work
     rows = []
     for bs in (int(x) for x in args.bs.split(",")):
         for nodes in (int(x) for x in args.nodes.split(",")):

@@ -19,6 +19,9 @@
 #                                                detached (several at once under distinct ROUNDs)
 #   bash scripts/gpu_session.sh chain GPU NAME [--after-tests] [ARGS]  on one GPU, detached: (the
 #                                                tests, then) bench_round.py into ROOT/NAME
+#   [GDN_ARGS=...] bash scripts/gpu_session.sh all NAME [ARGS]  detached, into ROOT/NAME: the GPU
+#                                                unit tests, bench_gdn_tree.py, the suite, then
+#                                                bench_round.py ARGS; collect-all NAME [WAIT_S]
 #   bash scripts/gpu_session.sh bench-tree [ARGS]   scripts/bench_tree_build.py (no server)
 #   bash scripts/gpu_session.sh bench-gdn [ARGS]    scripts/bench_gdn_tree.py (no server)
 # Background processes (servers, tests) run in their own sessions; `collect` gathers their
@@ -135,12 +138,33 @@ case "${1:-}" in
       python3 scripts/bench_round.py --out "$ROOT/$NAME" --work "/root/bench_$NAME" "$@" \
         > "$ROOT/$NAME/run.log" 2>&1' chain "$@" < /dev/null > /dev/null 2>&1 &
     sleep 2; echo "chain $name on GPU $gpu started" ;;
+  all)  # all NAME [BENCH_ROUND ARGS]: detached, into ROOT/NAME: the GPU unit tests,
+    # bench_gdn_tree.py with $GDN_ARGS, the GPU suite, then bench_round.py with ARGS
+    name=$2; shift 2; dir="$ROOT/$name"; mkdir -p "$dir"
+    ROOT=$ROOT NAME=$name DIR=$dir GDN_ARGS="${GDN_ARGS:---bs 1,8,16 --nodes 16,32,64 --conv}" \
+      setsid nohup bash -c '
+        python3 -m pytest tests/unit -m gpu -q -rA > "$DIR/unit_gpu.log" 2>&1
+        python3 scripts/bench_gdn_tree.py --out "$DIR/gdn" $GDN_ARGS > "$DIR/gdn.log" 2>&1
+        OUT="$DIR/suite" bash scripts/gpu_session.sh start 1500 > "$DIR/suite.log" 2>&1
+        python3 -m tests.gpu.servers stop "$ROOT"
+        python3 scripts/bench_round.py --out "$DIR/round" --work "/root/bench_$NAME" "$@" \
+          > "$DIR/round.log" 2>&1
+        touch "$DIR/done"' all "$@" < /dev/null > /dev/null 2>&1 &
+    sleep 2; echo "all $name started in $dir" ;;
+  collect-all)  # collect-all NAME [WAIT_S]: wait for `all NAME` (up to WAIT_S), results to $OUT
+    dir="$ROOT/$2"; t0=$SECONDS
+    while [ ! -e "$dir/done" ] && [ $((SECONDS - t0)) -lt "${3:-540}" ]; do sleep 5; done
+    for f in unit_gpu.log gdn.log suite/summary.txt round.log; do
+      [ -f "$dir/$f" ] && { echo "== $f"; tail -n 40 "$dir/$f" | cut -c1-400; }
+    done
+    tar czf "$OUT/$2.tgz" -C "$dir" --exclude='trace_*' . 2>/dev/null
+    [ -e "$dir/done" ] && echo "all $2: done" || echo "all $2: still running" ;;
   bench-round)
     shift
     python3 -m tests.gpu.servers stop "$ROOT"
     python3 scripts/bench_round.py --out "$OUT/round" "$@"
     rc=$?; tar czf "$OUT/round_logs.tgz" -C "$OUT/round" --remove-files \
       $(cd "$OUT/round" && ls server_*.log 2>/dev/null); exit $rc ;;
-  *) echo "usage: gpu_session.sh start|collect|test-bg|wait|test|stop|train|bench-e2e|bench-tree|bench-gdn|bench-round[-bg]|chain|collect-round" >&2
+  *) echo "usage: gpu_session.sh start|collect|test-bg|wait|test|stop|train|bench-e2e|bench-tree|bench-gdn|bench-round[-bg]|chain|collect-round|all|collect-all" >&2
      exit 2 ;;
 esac

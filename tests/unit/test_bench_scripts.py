@@ -294,3 +294,21 @@ def test_project_budget_multiplies_the_measured_rows(capsys):
         assert tokens[width] / cost.cost(row["bs"], width) == best
         assert row["projected_vs_dflash"] == best / chain_rate[row["bs"]]
     assert [r["choice"] for r in rows] == ["N=32", "N=32", "chain"]
+
+
+def test_bench_gdn_tree_parses_its_sweeps_before_any_gpu_work():
+    """The sweep flags fail on a typo at once, and tf32x3 is a precision, not a fourth field
+    (session 7 lost a GPU call to that split)."""
+    bench = _script("bench_gdn_tree")
+    assert bench.parse_chunk_tiles("32x4xtf32,64x8xtf32x3,16x4xieee") == [
+        (32, 4, "tf32"), (64, 8, "tf32x3"), (16, 4, "ieee")]  # fmt: skip
+    assert bench.parse_tiles("16x1,32x2") == [(16, 1), (32, 2)]
+    assert bench.conv_tilings("t4n256w4,t8n128w4tile,t16n256w4nosave") == {
+        "t4n256w4": dict(block_t=4, block_n=256, num_warps=4, window_tile=False),
+        "t8n128w4tile": dict(block_t=8, block_n=128, num_warps=4, window_tile=True),
+        "t16n256w4nosave": dict(block_t=16, block_n=256, num_warps=4, window_tile=False),
+    }
+    with pytest.raises(ValueError, match="precision must be"):
+        bench.parse_chunk_tiles("32x4xfp8")
+    with pytest.raises(ValueError, match="expected tNnNwN"):
+        bench.conv_tilings("t4w4")
