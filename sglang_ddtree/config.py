@@ -141,6 +141,85 @@ def _positive_int(value: object, flag: str) -> int | None:
 # --- the environment: the package reads os.environ here and nowhere else ---------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """Every DDTREE environment switch, typed, validated together (README, "Tune it").
+
+    tree_builder  SGLANG_DDTREE_TREE_BUILDER  torch | triton; None: triton on CUDA, else torch
+    sync_check    SGLANG_DDTREE_SYNC_CHECK    1: DDTREE's per-round code under torch's sync
+                                              debug mode
+    gdn           SGLANG_DDTREE_GDN           ddtree | sglang (SGLang's own GDN tree verify)
+    gdn_verify    SGLANG_DDTREE_GDN_VERIFY    paths | chunk (opt-in)
+    conv          SGLANG_DDTREE_CONV          sglang | ddtree (opt-in)
+    gdn_scratch   SGLANG_DDTREE_GDN_SCRATCH   full | compact (opt-in)
+    dump_rounds   SGLANG_DDTREE_DUMP_ROUNDS   a JSON-lines file for sampled rounds; None: off
+    dump_every    SGLANG_DDTREE_DUMP_EVERY    every how many rounds (100)
+    """
+
+    tree_builder: str | None = None
+    sync_check: bool = False
+    gdn: str = "ddtree"
+    gdn_verify: str = "paths"
+    conv: str = "sglang"
+    gdn_scratch: str = "full"
+    dump_rounds: str | None = None
+    dump_every: int = 100
+
+    @classmethod
+    def from_env(cls, unified_memory: bool = False) -> Options:
+        """Parse and check every switch; an error names the switch and the fix."""
+        builder = env_value("SGLANG_DDTREE_TREE_BUILDER")
+        if builder is not None:
+            builder = env_choice("SGLANG_DDTREE_TREE_BUILDER", ("torch", "triton"))
+        every = env_value("SGLANG_DDTREE_DUMP_EVERY", "100")
+        if not every.isdigit() or int(every) < 1:
+            raise ValueError(f"SGLANG_DDTREE_DUMP_EVERY must be a whole number >= 1, got {every!r}")
+        opts = cls(
+            tree_builder=builder,
+            sync_check=env_choice("SGLANG_DDTREE_SYNC_CHECK", ("0", "1")) == "1",
+            gdn=env_choice("SGLANG_DDTREE_GDN", ("ddtree", "sglang")),
+            gdn_verify=env_choice("SGLANG_DDTREE_GDN_VERIFY", ("paths", "chunk")),
+            conv=env_choice("SGLANG_DDTREE_CONV", ("sglang", "ddtree")),
+            gdn_scratch=env_choice("SGLANG_DDTREE_GDN_SCRATCH", ("full", "compact")),
+            dump_rounds=env_value("SGLANG_DDTREE_DUMP_ROUNDS") or None,
+            dump_every=int(every),
+        )
+        opts._check(unified_memory)
+        return opts
+
+    def _check(self, unified_memory: bool) -> None:
+        if self.gdn == "sglang":
+            for name, value, default in (("SGLANG_DDTREE_GDN_VERIFY", self.gdn_verify, "paths"),
+                                         ("SGLANG_DDTREE_CONV", self.conv, "sglang"),
+                                         ("SGLANG_DDTREE_GDN_SCRATCH", self.gdn_scratch, "full")):  # fmt: skip
+                if value != default:
+                    raise ValueError(f"{name}={value} needs DDTREE's GDN path, which "
+                                     "SGLANG_DDTREE_GDN=sglang turns off; drop one of the two.")  # fmt: skip
+        if self.gdn_scratch == "compact" and unified_memory:
+            # The unified pool allocates SGLang's per-node states itself; the solver would not
+            # have reserved them.
+            raise ValueError("SGLANG_DDTREE_GDN_SCRATCH=compact does not support "
+                             "--enable-unified-memory; drop one of the two.")  # fmt: skip
+
+    def describe(self) -> str:
+        """One line of every resolved switch (the server logs it at startup)."""
+        return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
+
+
+_active: Options | None = None  # what the worker factory parsed in this process
+
+
+def activate(options: Options | None) -> None:
+    """Make `options` this process's (the worker factory, before any hook runs); None resets."""
+    global _active
+    _active = options
+
+
+def options() -> Options:
+    """This process's options: the activated ones, else parsed from the environment now."""
+    return _active if _active is not None else Options.from_env()
+
+
 def env_choice(name: str, options: tuple[str, ...], default: str | None = None) -> str:
     """The value of switch `name`, one of `options` (default: the first), or an error naming it."""
     choice = os.environ.get(name, options[0] if default is None else default)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from sglang_ddtree.config import DDTreeConfig, env_choice
+from sglang_ddtree.config import DDTreeConfig, options
 from sglang_ddtree.tree import DraftTree, build_tree, topk_logprobs_from_logits
 
 
@@ -20,9 +20,9 @@ def tree_builder(name: str | None = None, device: torch.device | None = None):
     the default on CUDA, 0.01-0.08 ms per round on the H200 against 0.35-0.8 ms for the batched
     torch builder, docs/benchmarks.md) or "torch" (`tree.build_tree`, the default elsewhere).
     SGLANG_DDTREE_TREE_BUILDER picks one explicitly."""
+    name = name or options().tree_builder
     if name is None:
-        default = "triton" if device is not None and device.type == "cuda" else "torch"
-        name = env_choice("SGLANG_DDTREE_TREE_BUILDER", ("torch", "triton"), default)
+        name = "triton" if device is not None and device.type == "cuda" else "torch"
     if name == "torch":
         return build_tree
     if name == "triton":

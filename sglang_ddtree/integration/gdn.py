@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from sglang_ddtree.config import env_choice
+from sglang_ddtree.config import Options
 from sglang_ddtree.integration import compat, gdn_pool
 
 logger = logging.getLogger(__name__)
@@ -50,47 +50,27 @@ class GDNPath:
 
 _path: GDNPath | None = None  # set by configure() in the scheduler process; None: SGLang's path
 
-# switch -> (allowed values, the first being the default)
-SWITCHES = {
-    "SGLANG_DDTREE_GDN": ("ddtree", "sglang"),
-    "SGLANG_DDTREE_GDN_VERIFY": ("paths", "chunk"),
-    "SGLANG_DDTREE_CONV": ("sglang", "ddtree"),
-    "SGLANG_DDTREE_GDN_SCRATCH": ("full", "compact"),
-}
 
-
-def parse(server_args) -> GDNPath | None:
-    """The GDN path the environment asks for, validated (None: SGLang's own)."""
-    args = compat.resolved(server_args)
-    choice = {name: env_choice(name, options) for name, options in SWITCHES.items()}
-    if choice["SGLANG_DDTREE_GDN"] == "sglang":
-        for name in ("SGLANG_DDTREE_GDN_VERIFY", "SGLANG_DDTREE_CONV", "SGLANG_DDTREE_GDN_SCRATCH"):
-            if choice[name] != SWITCHES[name][0]:
-                raise ValueError(
-                    f"{name}={choice[name]} needs DDTREE's GDN path, which "
-                    "SGLANG_DDTREE_GDN=sglang turns off; drop one of the two."
-                )
+def path_of(options: Options, block_size: int) -> GDNPath | None:
+    """The GDN path `options` ask for (None: SGLang's own); block_size: the DFlash block B."""
+    if options.gdn == "sglang":
         return None
-    compact = choice["SGLANG_DDTREE_GDN_SCRATCH"] == "compact"
-    if compact and getattr(args, "enable_unified_memory", 0):
-        # The unified pool allocates SGLang's per-node states itself; the solver would not
-        # have reserved them.
-        raise ValueError(
-            "SGLANG_DDTREE_GDN_SCRATCH=compact does not support --enable-unified-memory; drop "
-            "one of the two."
-        )
     return GDNPath(
-        max_path=int(args.speculative_dflash_block_size),
-        verify=choice["SGLANG_DDTREE_GDN_VERIFY"],
-        conv=choice["SGLANG_DDTREE_CONV"] == "ddtree",
-        compact=compact,
+        max_path=block_size,
+        verify=options.gdn_verify,
+        conv=options.conv == "ddtree",
+        compact=options.gdn_scratch == "compact",
     )
 
 
-def configure(server_args) -> None:
-    """Enable the hooks' DDTREE paths for this process (the worker factory calls it)."""
+def configure(server_args, options: Options | None = None) -> None:
+    """Enable the hooks' DDTREE paths for this process (the worker factory calls it with the
+    options it parsed; without them, they are parsed from the environment here)."""
     global _path
-    _path = parse(server_args)
+    args = compat.resolved(server_args)
+    if options is None:
+        options = Options.from_env(unified_memory=bool(getattr(args, "enable_unified_memory", 0)))
+    _path = path_of(options, int(args.speculative_dflash_block_size))
     gdn_pool.configure(_path is not None and _path.compact)
     logger.info("sglang_ddtree: GDN path: %s", describe(_path))
 

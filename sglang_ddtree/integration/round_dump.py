@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from sglang_ddtree.config import env_value
+from sglang_ddtree.config import Options
 
 logger = logging.getLogger(__name__)
 
@@ -42,14 +42,9 @@ class RoundDump:
         self._thread.start()
 
     @classmethod
-    def from_env(cls) -> RoundDump | None:
-        path = env_value("SGLANG_DDTREE_DUMP_ROUNDS")
-        if not path:
-            return None
-        every = env_value("SGLANG_DDTREE_DUMP_EVERY", "100")
-        if not every.isdigit():
-            raise ValueError(f"SGLANG_DDTREE_DUMP_EVERY must be a whole number, got {every!r}")
-        return cls(path, int(every))
+    def from_options(cls, options: Options) -> RoundDump | None:
+        """The dump `options` ask for (SGLANG_DDTREE_DUMP_ROUNDS / _EVERY), None when off."""
+        return cls(options.dump_rounds, options.dump_every) if options.dump_rounds else None
 
     def round(self, tokens, parents, scores, emitted, accept_lens) -> None:
         """Record this round if it is a sampled one. tokens / parents [bs, N] int64, scores

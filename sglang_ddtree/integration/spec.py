@@ -12,7 +12,12 @@ from typing import Any
 
 from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
-from sglang_ddtree.config import DEFAULT_MAX_RUNNING_REQUESTS, DDTreeConfig, DDTreeConfigError
+from sglang_ddtree.config import (
+    DEFAULT_MAX_RUNNING_REQUESTS,
+    DDTreeConfig,
+    DDTreeConfigError,
+    Options,
+)
 from sglang_ddtree.integration import compat
 
 logger = logging.getLogger(__name__)
@@ -83,6 +88,8 @@ def validate_server_args(server_args: Any) -> None:
     _require(view.page_size in (None, 1), f"DDTREE needs --page-size 1, got {view.page_size}.")
     _validate_sampling_and_parallelism(view)
     resolve_config(server_args)  # flag ranges (N, B, K) fail here, before any model loads
+    # and the environment switches, in the main process before any scheduler starts
+    Options.from_env(unified_memory=bool(getattr(view, "enable_unified_memory", False)))
 
 
 def _validate_sampling_and_parallelism(view: Any) -> None:

@@ -40,21 +40,19 @@ from sglang.srt.speculative.eagle_worker_common import run_eagle_verify
 from sglang.srt.utils import get_available_gpu_memory
 from torch.profiler import record_function
 
-from sglang_ddtree.config import DDTreeConfig, env_choice
+from sglang_ddtree.config import DDTreeConfig, options
 from sglang_ddtree.integration.draft_head import DraftTreeHead
 from sglang_ddtree.integration.round_dump import RoundDump
 from sglang_ddtree.integration.verify_input import make_verify_input
 
 logger = logging.getLogger(__name__)
 
-# SGLANG_DDTREE_SYNC_CHECK=1: run DDTREE's own per-round code under torch's sync debug mode
-# ("warn"; the GPU tests fail on any such warning). SGLang's own calls are left out.
-_SYNC_CHECK = env_choice("SGLANG_DDTREE_SYNC_CHECK", ("0", "1")) == "1"
-
 
 @contextlib.contextmanager
 def own_code():
-    if not _SYNC_CHECK:
+    """SGLANG_DDTREE_SYNC_CHECK=1: DDTREE's own per-round code under torch's sync debug mode
+    ("warn"; the GPU tests fail on any such warning). SGLang's own calls are left out."""
+    if not options().sync_check:
         yield
         return
     previous = torch.cuda.get_sync_debug_mode()
@@ -99,7 +97,7 @@ class DDTreeWorker(DFlashWorkerV2):
         )
         self._tree_head = self._build_tree_head(server_args)
         # SGLANG_DDTREE_DUMP_ROUNDS: sampled rounds as JSON lines (off: None, and no cost)
-        self._round_dump = RoundDump.from_env() if self.ps.tp_rank == 0 else None
+        self._round_dump = RoundDump.from_options(options()) if self.ps.tp_rank == 0 else None
         if self.ps.tp_rank == 0:
             logger.info(
                 "DDTREE worker ready: B=%d, N=%d (budget %d), K=%d, draft head for bs<=%d",

@@ -30,8 +30,10 @@ pytestmark = pytest.mark.gpu
 
 from tests.gpu.servers import (  # noqa: E402
     BENCH_ONLY,
+    ENV,
     MODEL_VARIANTS,
     NEW_TOKENS,
+    VARIANT_ENV,
     read_status,
     run_launcher,
     server_set,
@@ -558,7 +560,15 @@ NOT_ENGAGED = {
      if v in ENGAGED and (m, v) not in BENCH_ONLY],
 )  # fmt: skip
 def test_the_variants_switches_engaged(servers, model, variant):
+    from unittest import mock
+
+    from sglang_ddtree.config import Options
+
     log = _up(servers, f"{model}-{variant}").log_text()
+    # the resolved options, as a value: what this server's environment parses to
+    with mock.patch.dict(os.environ, {**ENV, **VARIANT_ENV.get(variant, {})}):
+        expected = Options.from_env().describe()
+    assert f"sglang_ddtree: options: {expected}" in log, f"{model}-{variant}: options differ"
     for line in ENGAGED[variant]:
         assert line in log, f"{model}-{variant}: {line!r} not in its log"
     for line in NOT_ENGAGED.get(variant, ()):

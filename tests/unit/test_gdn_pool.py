@@ -156,7 +156,8 @@ def test_gdn_switches_are_opt_in_and_refuse_what_cannot_work(monkeypatch):
     args = SimpleNamespace(speculative_dflash_block_size=16)
     monkeypatch.setattr(gdn, "_path", gdn._path)  # restored after the test
     monkeypatch.setattr(gdn_pool, "_compact", gdn_pool._compact)
-    for name in gdn.SWITCHES:
+    for name in ("SGLANG_DDTREE_GDN", "SGLANG_DDTREE_GDN_VERIFY", "SGLANG_DDTREE_CONV",
+                 "SGLANG_DDTREE_GDN_SCRATCH"):  # fmt: skip
         monkeypatch.delenv(name, raising=False)
     gdn.configure(args)
     assert gdn._path == gdn.GDNPath(max_path=16) and not gdn_pool._compact
@@ -219,3 +220,24 @@ def test_pool_hook_targets_have_the_parameters_the_hooks_use():
     assert {"mamba_spec_state_size", "speculative_num_draft_tokens"} <= set(init)
     solver = inspect.signature(KVCacheConfigurator._handle_max_mamba_cache).parameters
     assert list(solver) == ["self", "total_rest_memory"]
+
+
+def test_options_are_parsed_once_and_the_activated_ones_win(monkeypatch):
+    """config.Options: every switch typed in one object; the worker factory activates what it
+    parsed, and later environment changes do not reach the hooks."""
+    from sglang_ddtree import config
+
+    monkeypatch.setattr(config, "_active", None)
+    monkeypatch.setenv("SGLANG_DDTREE_TREE_BUILDER", "torch")
+    monkeypatch.setenv("SGLANG_DDTREE_SYNC_CHECK", "1")
+    parsed = config.Options.from_env()
+    assert parsed == config.Options(tree_builder="torch", sync_check=True)
+    assert parsed.describe().startswith("tree_builder=torch, sync_check=True, gdn=ddtree")
+    config.activate(parsed)
+    monkeypatch.setenv("SGLANG_DDTREE_TREE_BUILDER", "triton")
+    assert config.options() is parsed
+    config.activate(None)
+    assert config.options().tree_builder == "triton"  # not activated: the environment now
+    monkeypatch.setenv("SGLANG_DDTREE_SYNC_CHECK", "yes")
+    with pytest.raises(ValueError, match="SGLANG_DDTREE_SYNC_CHECK must be '0' or '1'"):
+        config.Options.from_env()

@@ -96,15 +96,20 @@ def test_a_dumped_server_round_renders_like_an_engine_round(tmp_path):
 
 
 def test_the_dump_is_off_unless_asked_and_refuses_a_bad_interval(monkeypatch, tmp_path):
+    from sglang_ddtree.config import Options
+
     monkeypatch.delenv("SGLANG_DDTREE_DUMP_ROUNDS", raising=False)
-    assert RoundDump.from_env() is None
+    assert RoundDump.from_options(Options.from_env()) is None
     monkeypatch.setenv("SGLANG_DDTREE_DUMP_ROUNDS", str(tmp_path / "d.jsonl"))
+    dump = RoundDump.from_options(Options.from_env())
+    assert dump is not None and dump.every == 100
+    dump.close()
     monkeypatch.setenv("SGLANG_DDTREE_DUMP_EVERY", "often")
     with pytest.raises(ValueError, match="SGLANG_DDTREE_DUMP_EVERY must be a whole number"):
-        RoundDump.from_env()
+        Options.from_env()
     monkeypatch.setenv("SGLANG_DDTREE_DUMP_EVERY", "0")
     with pytest.raises(ValueError, match=">= 1"):
-        RoundDump.from_env()
+        Options.from_env()
 
 
 def test_an_emitted_token_off_the_tree_is_an_error():
