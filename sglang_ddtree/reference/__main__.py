@@ -89,11 +89,14 @@ def _demo_dirs(cache_dir: str | None) -> tuple[Path, Path]:
     return target, draft
 
 
+def uses_chat(tokenizer, chat: bool | None) -> bool:
+    """--chat / --no-chat, or by default whether the tokenizer has a chat template."""
+    return bool(getattr(tokenizer, "chat_template", None)) if chat is None else chat
+
+
 def encode_prompt(tokenizer, prompt: str, chat: bool | None) -> list[int]:
     """Token ids of the prompt, through the chat template when asked (or when there is one)."""
-    if chat is None:
-        chat = bool(getattr(tokenizer, "chat_template", None))
-    if chat:
+    if uses_chat(tokenizer, chat):
         messages = [{"role": "user", "content": prompt}]
         prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
@@ -136,7 +139,7 @@ def check_budget_fits(args: argparse.Namespace, available: int | None = None) ->
     this machine's free memory holds (from the two configs, before loading)."""
     from sglang_ddtree.reference.memory import max_budget
 
-    block = json.loads((Path(args.draft) / "config.json").read_text()).get("block_size", 2)
+    block = json.loads((Path(args.draft) / "config.json").read_text()).get("block_size")
     if args.topk < 1 or (block is not None and int(block) < 2):
         return  # the engine's own checks name these settings
     largest, why = max_budget(Path(args.target), Path(args.draft), args.topk, args.device,
@@ -177,9 +180,8 @@ def run(args: argparse.Namespace) -> int:
     check_generation_args(
         target, drafter, len(prompt_ids), args.max_new_tokens, budget=args.budget, topk=args.topk
     )  # before anything is printed
-    chat = args.chat if args.chat is not None else bool(getattr(tokenizer, "chat_template", None))
-    print(f"prompt: {args.prompt!r} ({len(prompt_ids)} tokens, "
-          f"{'chat template' if chat else 'plain completion'})")  # fmt: skip
+    chat = "chat template" if uses_chat(tokenizer, args.chat) else "plain completion"
+    print(f"prompt: {args.prompt!r} ({len(prompt_ids)} tokens, {chat})")
     eos = None if args.ignore_eos else tokenizer.eos_token_id
     sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     sampling.update(seed=args.seed, eos_token_id=eos)
