@@ -18,22 +18,19 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+import torch
 
-import torch  # noqa: E402
-
-from sglang_ddtree import DEMO_PAIR_DIR as DEMO  # noqa: E402
-from sglang_ddtree.reference.engine import (  # noqa: E402
+from sglang_ddtree import DEMO_PAIR_DIR as DEMO
+from sglang_ddtree.reference.engine import (
     generate,
     generate_chain,
     generate_plain,
     load_pair,
 )
-from sglang_ddtree.training.corpus import heldout_prompts  # noqa: E402
+from sglang_ddtree.training.corpus import heldout_prompts
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -19,18 +19,16 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
 from functools import partial
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from sglang_ddtree.gdn.chunk_tree import MAX_NODES, chunk_tree_verify  # noqa: E402
-from sglang_ddtree.gdn.reference import root_path  # noqa: E402
-from sglang_ddtree.gdn.tree_verify import commit_paths, scratch_floats, tree_verify  # noqa: E402
-from sglang_ddtree.tree import build_tree_reference  # noqa: E402
-from sglang_ddtree.tree.testing import random_build_inputs  # noqa: E402
+from sglang_ddtree.gdn.chunk_tree import MAX_NODES, chunk_tree_verify
+from sglang_ddtree.gdn.reference import root_path
+from sglang_ddtree.gdn.tree_verify import commit_paths, scratch_floats, tree_verify
+from sglang_ddtree.tree import build_tree_reference
+from sglang_ddtree.tree.testing import random_build_inputs
 
 H, HV, K, V = 16, 48, 128, 128  # Qwen3.6-27B: GDN key / value heads x head dim
 CONV_DIM = 2 * H * K + HV * V  # the conv1d runs over q, k and v: 10,240 channels

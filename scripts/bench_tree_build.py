@@ -18,16 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from sglang_ddtree.config import DDTreeConfig  # noqa: E402
-from sglang_ddtree.integration.draft_head import DraftTreeHead, tree_builder  # noqa: E402
-from sglang_ddtree.tree import topk_logprobs_from_logits  # noqa: E402
-from sglang_ddtree.tree.testing import assert_trees_equal  # noqa: E402
+from sglang_ddtree.config import DDTreeConfig
+from sglang_ddtree.integration.draft_head import DraftTreeHead, tree_builder
+from sglang_ddtree.tree import topk_logprobs_from_logits
+from sglang_ddtree.tree.testing import assert_trees_equal
 
 SHAPES = {"pair": (256, 8192), "27b": (5120, 248320)}  # hidden, vocab
 BLOCK, TOPK = 16, 8

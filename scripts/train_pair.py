@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-
-from sglang_ddtree.training.pipeline import RunArgs, configure_cuda_determinism, run  # noqa: E402
+from sglang_ddtree.training.pipeline import RunArgs, configure_cuda_determinism, run
 
 
 def parse_args(argv: list[str] | None = None) -> RunArgs:
