@@ -182,15 +182,16 @@ def parse_chunk_tiles(text: str) -> list[tuple[int, int, str]]:
 
 
 def conv_tilings(text: str) -> dict[str, dict]:
-    """--conv-tilings "t16n256w4,t8n128w4tile,t16n256w4nosave": name -> conv_tree keywords
-    (block_t, block_n, num_warps, window_tile; "nosave" drops the window stores)."""
+    """--conv-tilings "t16n256w4,t8n128w4tile,t4n256w4anc,t16n256w4nosave": name -> conv_tree
+    keywords (block_t, block_n, num_warps, window_tile, ancestor_table; "nosave" drops the
+    window stores)."""
     out = {}
     for name in (t for t in text.split(",") if t):
-        m = re.fullmatch(r"t(\d+)n(\d+)w(\d+)(tile)?(nosave)?", name)
+        m = re.fullmatch(r"t(\d+)n(\d+)w(\d+)(tile)?(anc)?(nosave)?", name)
         if m is None:
-            raise ValueError(f"--conv-tilings {name}: expected tNnNwN[tile][nosave]")
+            raise ValueError(f"--conv-tilings {name}: expected tNnNwN[tile][anc][nosave]")
         out[name] = dict(block_t=int(m[1]), block_n=int(m[2]), num_warps=int(m[3]),
-                         window_tile=m[4] is not None)  # fmt: skip
+                         window_tile=m[4] is not None, ancestor_table=m[5] is not None)  # fmt: skip
     return out
 
 

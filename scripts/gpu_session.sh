@@ -141,7 +141,7 @@ case "${1:-}" in
   all)  # all NAME [BENCH_ROUND ARGS]: detached, into ROOT/NAME: the GPU unit tests,
     # bench_gdn_tree.py with $GDN_ARGS, the GPU suite, then bench_round.py with ARGS
     name=$2; shift 2; dir="$ROOT/$name"; mkdir -p "$dir"
-    ROOT=$ROOT NAME=$name DIR=$dir GDN_ARGS="${GDN_ARGS:---bs 1,8,16 --nodes 16,32,64 --conv}" \
+    ROOT=$ROOT NAME=$name DIR=$dir GDN_ARGS="${GDN_ARGS:---bs 1,8,16 --nodes 16,32,64 --conv --conv-tilings t4n256w4anc,t8n256w4anc,t16n256w4nosave --chunk-tiles 128x8xtf32x3,64x8xtf32}" \
       setsid nohup bash -c '
         python3 -m pytest tests/unit -m gpu -q -rA > "$DIR/unit_gpu.log" 2>&1
         python3 scripts/bench_gdn_tree.py --out "$DIR/gdn" $GDN_ARGS > "$DIR/gdn.log" 2>&1

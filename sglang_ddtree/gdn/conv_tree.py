@@ -29,8 +29,8 @@ import triton.language as tl
 
 
 @triton.jit
-def _parents_kernel(next_token, next_sibling, parents, N, stride_nt, stride_ns, stride_p,
-                    NP: tl.constexpr, LOG_NP: tl.constexpr):  # fmt: skip
+def _parents_kernel(next_token, next_sibling, parents, ancestors, N, stride_nt, stride_ns,
+                    stride_p, NP: tl.constexpr, LOG_NP: tl.constexpr, HOPS: tl.constexpr):  # fmt: skip
     b = tl.program_id(0)
     o = tl.arange(0, NP)
     m = o < N
@@ -42,8 +42,16 @@ def _parents_kernel(next_token, next_sibling, parents, N, stride_nt, stride_ns, 
     first = tl.where(prev >= 0, prev, o)
     for _ in range(LOG_NP):  # pointer jumping: first[s] <- first[first[s]]
         first = tl.max(tl.where(o[None, :] == first[:, None], first[None, :], -1), axis=1)
-    parent = tl.max(tl.where(o[None, :] == first[:, None], fc_parent[None, :], -1), axis=1)
-    tl.store(parents + b * stride_p + o, tl.maximum(parent, 0), mask=m)
+    parent = tl.maximum(tl.max(tl.where(o[None, :] == first[:, None], fc_parent[None, :], -1),
+                               axis=1), 0)  # fmt: skip
+    tl.store(parents + b * stride_p + o, parent, mask=m)
+    # HOPS > 0: ancestors[b, i, h] = the node h + 1 steps above i, or -1, -2, ... for the conv
+    # history above the root (the conv kernel's encoding), so that its loads are independent
+    cur = o
+    for h in tl.static_range(HOPS):
+        up = tl.max(tl.where(o[None, :] == cur[:, None], parent[None, :], -1), axis=1)
+        cur = tl.where(cur > 0, up, cur - 1)
+        tl.store(ancestors + (b * N + o) * HOPS + h, cur, mask=m)
 
 
 @triton.jit
@@ -54,6 +62,7 @@ def _conv_tree_kernel(
     stride_in_win, stride_p, stride_o_seq, stride_o_dim, stride_o_tok,
     KW: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, SAVE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW_TILE: tl.constexpr, WIN: tl.constexpr,
+    ANCESTORS: tl.constexpr, ancestors,
 ):  # fmt: skip
     b, i_c, i_t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot = tl.load(state_idx + b).to(tl.int64)
@@ -81,6 +90,9 @@ def _conv_tree_kernel(
     tile = tl.zeros([BLOCK_T, BLOCK_N, WIN], dtype=x.dtype.element_ty)
     cur = t  # the j-th ancestor: a node >= 0, or -1, -2, ... for the history above the root
     for j in tl.static_range(KW):
+        if ANCESTORS:  # the j-th ancestor from tree_parents' table: no chain of loads
+            if j > 0:
+                cur = tl.load(ancestors + (b * N + t) * (KW - 1) + j - 1, mask=mt, other=-1)
         in_tree = cur >= 0
         from_x = tl.load(x_row + tl.maximum(cur, 0)[:, None] * stride_x_tok,
                          mask=m2 & in_tree[:, None], other=0.0)  # fmt: skip
@@ -95,8 +107,9 @@ def _conv_tree_kernel(
                     tile = tl.where(o_w == KW - j - 2, xv[:, :, None], tile)
                 else:
                     tl.store(window + (KW - j - 2) * stride_in_win, xv, mask=m2)
-        parent = tl.load(parents + b * stride_p + tl.maximum(cur, 0), mask=mt, other=0)
-        cur = tl.where(cur > 0, parent.to(tl.int32), cur - 1)
+        if not ANCESTORS:
+            parent = tl.load(parents + b * stride_p + tl.maximum(cur, 0), mask=mt, other=0)
+            cur = tl.where(cur > 0, parent.to(tl.int32), cur - 1)
     if SAVE:
         if WINDOW_TILE:
             tl.store(window[:, :, None] + o_w * stride_in_win, tile,
@@ -107,34 +120,43 @@ def _conv_tree_kernel(
     tl.store(out, acc, mask=m2)
 
 
-def tree_parents(next_token: torch.Tensor, next_sibling: torch.Tensor, out: torch.Tensor) -> None:
+def tree_parents(next_token: torch.Tensor, next_sibling: torch.Tensor, out: torch.Tensor,
+                 ancestors: torch.Tensor | None = None) -> None:  # fmt: skip
     """out [bs, N] <- every node's parent from SGLang's first-child / next-sibling links (root and
-    unreachable entries 0, as SGLang's conv kernel leaves them). Sync-free."""
+    unreachable entries 0, as SGLang's conv kernel leaves them); ancestors [bs, N, H] int32
+    (optional) <- the nodes 1..H steps above each node, -1, -2, ... above the root. Sync-free."""
     bs, N = next_token.shape
     NP = triton.next_power_of_2(N)
+    hops = 0 if ancestors is None else ancestors.shape[-1]
     _parents_kernel[(bs,)](
-        next_token, next_sibling, out, N, next_token.stride(0), next_sibling.stride(0),
-        out.stride(0), NP=NP, LOG_NP=max(1, NP.bit_length() - 1),
+        next_token, next_sibling, out, out if ancestors is None else ancestors, N,
+        next_token.stride(0), next_sibling.stride(0), out.stride(0), NP=NP,
+        LOG_NP=max(1, NP.bit_length() - 1), HOPS=hops,
     )  # fmt: skip
 
 
 def conv_tree(x, conv_state, weight, bias, activation, *, conv_state_indices,
               intermediate_conv_window, intermediate_state_indices, retrieve_next_token,
               retrieve_next_sibling, retrieve_parent_token, block_t: int = 4,
-              block_n: int = 256, window_tile: bool = False,
-              num_warps: int = 4) -> torch.Tensor:  # fmt: skip
+              block_n: int = 256, window_tile: bool = False, num_warps: int = 4,
+              ancestor_table: bool = False) -> torch.Tensor:  # fmt: skip
     """SGLang's `causal_conv1d_update` for a tree verify (same arguments and outputs: x and the
     returned o are [bs, dim, N] views, conv_state [slots, dim, K - 1], weight [dim, K],
     intermediate_conv_window [slots', N, dim, K - 1]; retrieve_parent_token is filled), with
     every node computed in parallel. The conv state is read, not rolled (module docstring).
     block_t = 4 nodes x 256 channels per program was the fastest tiling of bench_gdn_tree's H200
     sweep (0.027 ms per layer at bs 8 / N = 32 against 0.087 for 16 x 256: the program's chain of
-    dependent parent loads is its latency, so more programs hide more of it)."""
+    dependent parent loads is its latency, so more programs hide more of it). ancestor_table:
+    the parents kernel also writes each node's K - 1 ancestors, and this kernel reads them
+    instead of walking the parent links (the same values; not yet timed on a GPU)."""
     bs, dim, N = x.shape
     KW = weight.shape[1]
     if conv_state.shape[-1] != KW - 1:
         raise ValueError(f"conv_state {tuple(conv_state.shape)} is not [.., dim, {KW - 1}]")
-    tree_parents(retrieve_next_token, retrieve_next_sibling, retrieve_parent_token)
+    table = None
+    if ancestor_table:
+        table = torch.empty((bs, N, KW - 1), dtype=torch.int32, device=x.device)
+    tree_parents(retrieve_next_token, retrieve_next_sibling, retrieve_parent_token, table)
     o = torch.empty_like(x)
     save = intermediate_conv_window is not None
     inter = intermediate_conv_window if save else x
@@ -147,7 +169,7 @@ def conv_tree(x, conv_state, weight, bias, activation, *, conv_state_indices,
         *in_strides, retrieve_parent_token.stride(0), *o.stride(),
         KW=KW, HAS_BIAS=bias is not None, SILU=activation in ("silu", "swish", True),
         SAVE=save, BLOCK_T=block_t, BLOCK_N=block_n, WINDOW_TILE=window_tile,
-        WIN=triton.next_power_of_2(KW - 1),
-        num_warps=num_warps,
+        WIN=triton.next_power_of_2(KW - 1), ANCESTORS=ancestor_table,
+        ancestors=retrieve_parent_token if table is None else table, num_warps=num_warps,
     )  # fmt: skip
     return o

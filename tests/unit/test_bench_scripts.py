@@ -303,10 +303,12 @@ def test_bench_gdn_tree_parses_its_sweeps_before_any_gpu_work():
     assert bench.parse_chunk_tiles("32x4xtf32,64x8xtf32x3,16x4xieee") == [
         (32, 4, "tf32"), (64, 8, "tf32x3"), (16, 4, "ieee")]  # fmt: skip
     assert bench.parse_tiles("16x1,32x2") == [(16, 1), (32, 2)]
-    assert bench.conv_tilings("t4n256w4,t8n128w4tile,t16n256w4nosave") == {
-        "t4n256w4": dict(block_t=4, block_n=256, num_warps=4, window_tile=False),
-        "t8n128w4tile": dict(block_t=8, block_n=128, num_warps=4, window_tile=True),
-        "t16n256w4nosave": dict(block_t=16, block_n=256, num_warps=4, window_tile=False),
+    off = dict(window_tile=False, ancestor_table=False)
+    assert bench.conv_tilings("t4n256w4,t8n128w4tile,t4n256w4anc,t16n256w4nosave") == {
+        "t4n256w4": dict(block_t=4, block_n=256, num_warps=4, **off),
+        "t8n128w4tile": dict(block_t=8, block_n=128, num_warps=4, **{**off, "window_tile": True}),
+        "t4n256w4anc": dict(block_t=4, block_n=256, num_warps=4, **{**off, "ancestor_table": True}),
+        "t16n256w4nosave": dict(block_t=16, block_n=256, num_warps=4, **off),
     }
     with pytest.raises(ValueError, match="precision must be"):
         bench.parse_chunk_tiles("32x4xfp8")

@@ -24,7 +24,7 @@ torch.set_num_threads(1)
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interpreter_only = pytest.mark.skipif(not INTERPRETED, reason="runs in the interpreter process")
-INTERPRETER_TESTS = 7  # non-gpu tests the child process runs (all but this one)
+INTERPRETER_TESTS = 9  # non-gpu tests the child process runs (all but this one)
 
 
 def test_cpu_kernel_tests_under_triton_interpreter():
@@ -75,7 +75,11 @@ def run_both(parents, dim, dtype, pad_last=False, device="cpu", seed=0, **ours):
     return out
 
 
-TILINGS = {"per_slot": {}, "window_tile": {"window_tile": True, "block_n": 32, "block_t": 8}}
+TILINGS = {
+    "per_slot": {},
+    "window_tile": {"window_tile": True, "block_n": 32, "block_t": 8},
+    "ancestor_table": {"ancestor_table": True},
+}
 
 
 @interpreter_only
@@ -109,12 +113,13 @@ def test_conv_tree_on_deep_chains_reads_the_history_above_the_root(tiling):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA")
-@pytest.mark.parametrize("window_tile", [False, True])
-def test_conv_tree_equals_sglangs_tree_conv_on_gpu_in_bf16_at_qwen36_width(window_tile):
+@pytest.mark.parametrize("tiling", ["default", "window_tile", "ancestor_table"])
+def test_conv_tree_equals_sglangs_tree_conv_on_gpu_in_bf16_at_qwen36_width(tiling):
     pytest.importorskip("sglang.kernels.ops.mamba.causal_conv1d_triton")
     parents = trees(4, 64, seed=2)
-    out = run_both(parents, dim=10240, dtype=torch.bfloat16, device="cuda",
-                   window_tile=window_tile, block_n=128 if window_tile else 256)  # fmt: skip
+    kw = {"default": {}, "window_tile": {"window_tile": True, "block_n": 128},
+          "ancestor_table": {"ancestor_table": True}}[tiling]  # fmt: skip
+    out = run_both(parents, dim=10240, dtype=torch.bfloat16, device="cuda", **kw)
     (o, win, par), (o_s, win_s, par_s) = out["ours"], out["sglang"]
     assert torch.equal(par, par_s) and torch.equal(win, win_s)
     assert (o.float() - o_s.float()).abs().max() == 0
