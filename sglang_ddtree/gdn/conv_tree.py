@@ -72,12 +72,9 @@ def _conv_tree_kernel(
     c = i_c * BLOCK_N + tl.arange(0, BLOCK_N)
     mt, mc = t < N, c < dim
     m2 = mt[:, None] & mc[None, :]
+    acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
     if HAS_BIAS:
-        acc = tl.load(bias + c, mask=mc, other=0.0).to(tl.float32)[None, :] + tl.zeros(
-            [BLOCK_T, BLOCK_N], dtype=tl.float32
-        )
-    else:
-        acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+        acc += tl.load(bias + c, mask=mc, other=0.0).to(tl.float32)[None, :]
     x_row = x + b * stride_x_seq + c[None, :] * stride_x_dim
     history = conv_state + slot * stride_cs_seq + c[None, :] * stride_cs_dim
     if SAVE:
