@@ -9,7 +9,6 @@ Bad settings print one line to stderr and exit with status 2.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Sequence
@@ -139,11 +138,10 @@ def check_budget_fits(args: argparse.Namespace, available: int | None = None) ->
     this machine's free memory holds (from the two configs, before loading)."""
     from sglang_ddtree.reference.memory import max_budget
 
-    block = json.loads((Path(args.draft) / "config.json").read_text()).get("block_size")
-    if args.topk < 1 or (block is not None and int(block) < 2):
+    limit = max_budget(Path(args.target), Path(args.draft), args.topk, args.device, available)
+    if limit is None:
         return  # the engine's own checks name these settings
-    largest, why = max_budget(Path(args.target), Path(args.draft), args.topk, args.device,
-                              available)  # fmt: skip
+    largest, why = limit
     if args.budget > largest:
         raise ValueError(f"--budget {args.budget} is larger than what fits: at most {largest} "
                          f"nodes ({why})")  # fmt: skip
