@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from sglang_ddtree.gdn.chunk_tree import MAX_NODES, chunk_tree_verify
+from sglang_ddtree.gdn.chunk_tree import MAX_NODES, PRECISIONS, chunk_tree_verify
 from sglang_ddtree.gdn.reference import root_path
 from sglang_ddtree.gdn.tree_verify import commit_paths, scratch_floats, tree_verify
 from sglang_ddtree.tree import build_tree_reference
@@ -100,7 +100,7 @@ def run_one(bs: int, nodes: int, parents: torch.Tensor, iters: int, device: str 
 
     chunked = nodes <= MAX_NODES
 
-    def chunk_verify(block_v=None, warps=None, precision="tf32"):
+    def chunk_verify(block_v=None, warps=None, precision="split"):
         def fn():
             out["chunk"] = chunk_tree_verify(
                 q[0], k[0], v[0], a, b, A_log, dt_bias, ssm, slots, parents_dev, scratch[0],
@@ -171,12 +171,12 @@ def parse_tiles(text: str) -> list[tuple[int, int]]:
 
 
 def parse_chunk_tiles(text: str) -> list[tuple[int, int, str]]:
-    """--chunk-tiles "32x4xtf32,64x8xtf32x3": (V tile, warps, tl.dot precision)."""
+    """--chunk-tiles "32x4xsplit,64x8xtf32x3": (V tile, warps, chunk_tree_verify precision)."""
     out = []
     for t in (t for t in text.split(",") if t):
         bv, warps, precision = t.split("x", 2)
-        if precision not in ("tf32", "tf32x3", "ieee"):
-            raise ValueError(f"--chunk-tiles {t}: precision must be tf32, tf32x3 or ieee")
+        if precision not in PRECISIONS:
+            raise ValueError(f"--chunk-tiles {t}: precision must be one of {PRECISIONS}")
         out.append((int(bv), int(warps), precision))
     return out
 
@@ -299,7 +299,7 @@ def main() -> int:
     p.add_argument("--tiles", default="", help="also time our verify at these V tiles x warps, "
                    "e.g. 16x1,32x2,64x4")  # fmt: skip
     p.add_argument("--chunk-tiles", default="", help="also time the chunked verify at these V "
-                   "tiles x warps x dot precision, e.g. 32x4xtf32,64x8xieee")  # fmt: skip
+                   "tiles x warps x precision, e.g. 64x8xsplit,128x8xtf32")  # fmt: skip
     p.add_argument("--conv", action="store_true", help="also time the tree conv1d (conv_tree)")
     p.add_argument("--conv-tilings", default="", help="with --conv, also these conv_tree "
                    "tilings, e.g. t16n256w4,t8n128w4tile,t16n256w4nosave")  # fmt: skip

@@ -14,21 +14,24 @@ l2-normalised and q scaled:
 
 which is the recurrence h <- exp(g) h; h <- h + k (beta (v - h^T k))^T; o = h^T q along every
 root path at once (`tree_verify_reference`, the node-by-node definition, is what the tests
-hold it to). A is nilpotent of the tree's depth (a product of A's walks up ancestor chains), so
-U follows from U <- R - A U repeated depth - 1 times: after d rounds every node at depth <= d is
-exact, which is forward substitution by depth level.
+hold it to). A is nilpotent of the tree's depth d (a product of A's walks up ancestor chains),
+so (I + A)^-1 = I - A + A^2 - ... = (I - A)(I + A^2)(I + A^4)..., log2(d) doublings of N x N x N
+products (`_unit_inverse`), and O = diag(exp G) Q S0 + W R with W = (Q K^T ⊙ D) (I + A)^-1 and
+R = diag(beta) (V - diag(exp G) K S0).
 
-Work per program: two N x N x K products (the Gram matrices), two N x K x BV (the state), and
-depth + 1 of N x N x BV, all on tensor cores; S0 is read once; no state is written. The commit
-is unchanged: the same per-node scratch (g, beta, raw k, v) as `tree_verify.tree_verify`, read
-by `tree_verify.commit_paths`, which replays the accepted path node by node (the exact
-recurrence, so the pool holds the state the chain would have). N <= MAX_NODES.
+Work per program: the Gram matrices and the inverse (N x N x K and N x N x N), two N x K x BV
+products with the state and one N x N x BV, all on tensor cores; S0 is read once; no state is
+written. The commit is unchanged: the same per-node scratch (g, beta, raw k, v) as
+`tree_verify.tree_verify`, read by `tree_verify.commit_paths`, which replays the accepted path
+node by node (the exact recurrence, so the pool holds the state the chain would have).
+N <= MAX_NODES.
 
-Precision: the products run on tf32 tensor cores by default. On the H200 the outputs then differ
-from the float64 recurrence by up to 1.5e-3 of their largest entry, against 2e-7 for the
-root-path kernel and 5e-7 for precision="tf32x3" or "ieee" (which cost 3-20x the time); that is
-about one bf16 step of the outputs. The server uses this kernel only with
-SGLANG_DDTREE_GDN_VERIFY=chunk until the GPU suite passes with it (docs/benchmarks.md).
+Precision: one tf32 pass per product left the outputs 1.5e-3 of their largest entry from the
+float64 recurrence on the H200 (session 7), against 2e-7 for the root-path kernel; the GPU
+suite's greedy test on a hybrid model failed with it. So by default ("split") every float32
+operand is split into a tf32-exact high part and a remainder and each product takes the three
+tf32 passes that matter (`_mm`); the model's bf16 q and k are exact in tf32 and keep one part.
+q and k enter the products raw: their l2 norms scale the products' rows and columns.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from sglang_ddtree.gdn.tree_verify import (
 )
 
 MAX_NODES = 64  # [N, N] fp32 tiles in registers; wider trees use tree_verify's root paths
+PRECISIONS = ("split", "tf32", "tf32x3", "ieee")
 
 
 @triton.jit
@@ -65,12 +69,38 @@ def _ancestors(parents, row, N, NP: tl.constexpr, MAX_PATH: tl.constexpr):
 @triton.jit
 def _load_heads(ptr, row, N, i_h, H: tl.constexpr, K: tl.constexpr, NP: tl.constexpr,
                 BK: tl.constexpr):  # fmt: skip
-    """(raw, l2-normalised) float32 [NP, BK] q or k of the request's nodes, key head i_h."""
+    """(raw float32 [NP, BK], 1 / l2 norm [NP]) of the request's nodes' q or k, key head i_h."""
     o_n, o_k = tl.arange(0, NP), tl.arange(0, BK)
     m = (o_n < N)[:, None] & (o_k < K)[None, :]
     x = tl.load(ptr + ((row + o_n)[:, None] * H + i_h) * K + o_k[None, :], mask=m, other=0)
     x = x.to(tl.float32)
-    return x, x / tl.sqrt(tl.sum(x * x, 1) + 1e-6)[:, None]
+    return x, 1.0 / tl.sqrt(tl.sum(x * x, 1) + 1e-6)
+
+
+@triton.jit
+def _tf32_part(x):
+    """x with its low 13 mantissa bits cleared: exactly representable in tf32."""
+    return (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mm(a, b, A_EXACT: tl.constexpr, B_EXACT: tl.constexpr, DOT: tl.constexpr):
+    """a @ b of float32 tiles. DOT="split": each operand as hi + lo with hi exact in tf32, and
+    the three tf32 tensor-core products that matter (hi hi + hi lo + lo hi; the dropped lo x lo
+    term is below 2^-20 of |a| |b|); an operand known to be exact in tf32 (A_EXACT, B_EXACT:
+    the model's own bf16 q and k) keeps one part. Else one tl.dot at that input precision
+    ("tf32", "tf32x3", "ieee")."""
+    if DOT == "split":
+        a1 = a if A_EXACT else _tf32_part(a)
+        b1 = b if B_EXACT else _tf32_part(b)
+        out = tl.dot(a1, b1, input_precision="tf32")
+        if not B_EXACT:
+            out += tl.dot(a1, b - b1, input_precision="tf32")
+        if not A_EXACT:
+            out += tl.dot(a - a1, b1, input_precision="tf32")
+        return out
+    else:
+        return tl.dot(a, b, input_precision=DOT)
 
 
 @triton.jit
@@ -86,12 +116,26 @@ def _gates(a, b, A_log, dt_bias, tok, live, i_hv, stride_a, stride_b):
 
 
 @triton.jit
+def _unit_inverse(A, NP: tl.constexpr, LOG: tl.constexpr, DOT: tl.constexpr):
+    """(I + A)^-1 for A strictly lower-triangular with A^(2^LOG) = 0: the product
+    (I - A)(I + A^2)(I + A^4)...(I + A^(2^(LOG-1))), i.e. 1 - A + A^2 - ... by doubling
+    (2 (LOG - 1) NP x NP x NP products instead of a solve step per depth level)."""
+    o_n = tl.arange(0, NP)
+    T = tl.where(o_n[:, None] == o_n[None, :], 1.0, 0.0) - A
+    X = A
+    for _ in tl.static_range(1, LOG):
+        X = _mm(X, X, False, False, DOT)
+        T += _mm(X, T, False, False, DOT)
+    return T
+
+
+@triton.jit
 def _chunk_tree_kernel(
     q, k, v, a, b, A_log, dt_bias, state, state_idx, state_stride, parents,
     scratch, scratch_idx, scratch_stride, o, scale, N, stride_a, stride_b,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, NP: tl.constexpr, MAX_PATH: tl.constexpr,
-    DOT: tl.constexpr,
+    LOG: tl.constexpr, QK_BF16: tl.constexpr, DOT: tl.constexpr,
 ):  # fmt: skip
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
@@ -101,19 +145,23 @@ def _chunk_tree_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     live, mask_k, mask_v = o_n < N, o_k < K, o_v < V
     anc = _ancestors(parents, row, N, NP, MAX_PATH)
-    depth = tl.max(tl.sum(anc.to(tl.int32), 1))  # nodes on the longest root path
 
     tok = row + o_n
     g, beta = _gates(a, b, A_log, dt_bias, tok, live, i_hv, stride_a, stride_b)
     G = tl.sum(tl.where(anc, g[None, :], 0.0), 1)  # [NP] log decay from S0 to after node i
     decay = tl.exp(tl.where(anc, G[:, None] - G[None, :], float("-inf")))  # D, 0 off the paths
 
-    raw_k, b_k = _load_heads(k, row, N, i_h, H, K, NP, BK)
-    b_q = _load_heads(q, row, N, i_h, H, K, NP, BK)[1] * scale
-    b_kt = tl.trans(b_k)
+    # raw q and k (exact in tf32 when the model's are bf16: QK_BF16); their l2 norms and the
+    # scale scale the products' rows and columns
+    raw_k, rk = _load_heads(k, row, N, i_h, H, K, NP, BK)
+    raw_q, rq = _load_heads(q, row, N, i_h, H, K, NP, BK)
+    rq = rq * scale
+    kt = tl.trans(raw_k)
     strict = anc & (o_n[None, :] < o_n[:, None])
-    A = tl.where(strict, tl.dot(b_k, b_kt, input_precision=DOT) * decay * beta[:, None], 0.0)
-    P = tl.dot(b_q, b_kt, input_precision=DOT) * decay  # decay is 0 off the paths
+    gram = _mm(raw_k, kt, QK_BF16, QK_BF16, DOT) * rk[:, None] * rk[None, :]
+    A = tl.where(strict, gram * decay * beta[:, None], 0.0)
+    P = _mm(raw_q, kt, QK_BF16, QK_BF16, DOT) * rq[:, None] * rk[None, :] * decay
+    W = _mm(P, _unit_inverse(A, NP, LOG, DOT), False, False, DOT)  # (Q K^T o D) (I + A)^-1
 
     slot = tl.load(state_idx + i_n).to(tl.int64)
     h0 = tl.zeros([BK, BV], dtype=tl.float32)
@@ -124,11 +172,8 @@ def _chunk_tree_kernel(
     b_v = tl.load(v + (tok[:, None] * HV + i_hv) * V + o_v[None, :], mask=m_nv, other=0)
     b_v = b_v.to(tl.float32)
     gamma = tl.exp(G)[:, None]
-    R = beta[:, None] * (b_v - gamma * tl.dot(b_k, h0, input_precision=DOT))
-    U = R
-    for _ in range(1, depth):  # forward substitution, one depth level per round
-        U = R - tl.dot(A, U, input_precision=DOT)
-    out = gamma * tl.dot(b_q, h0, input_precision=DOT) + tl.dot(P, U, input_precision=DOT)
+    R = beta[:, None] * (b_v - gamma * rk[:, None] * _mm(raw_k, h0, QK_BF16, False, DOT))
+    out = gamma * rq[:, None] * _mm(raw_q, h0, QK_BF16, False, DOT) + _mm(W, R, False, False, DOT)
     tl.store(o + (tok[:, None] * HV + i_hv) * V + o_v[None, :], out.to(o.dtype.element_ty),
              mask=m_nv)  # fmt: skip
 
@@ -146,18 +191,21 @@ def _chunk_tree_kernel(
 def chunk_tree_verify(q, k, v, a, b, A_log, dt_bias, state, state_idx, parents, scratch,
                       scratch_idx, *, max_path: int, scale: float | None = None,
                       block_v: int | None = None, num_warps: int | None = None,
-                      precision: str = "tf32") -> torch.Tensor:  # fmt: skip
+                      precision: str = "split") -> torch.Tensor:  # fmt: skip
     """`tree_verify.tree_verify`'s contract (same arguments, outputs and scratch), computed in
     the chunked form: o [T, HV, V] (q's dtype) for bs trees of N <= MAX_NODES nodes whose
     parents come before their children (parents [bs, N]; T = bs * N, request-major; root paths
     of at most `max_path` nodes), from state[state_idx[b]] ([S, HV, V, K], unchanged; slot -1
-    starts from zeros). precision: tl.dot's input precision for the float32 products ("tf32",
-    "tf32x3" or "ieee"). Sync-free, CUDA-graph safe."""
+    starts from zeros). precision: how the float32 products run on tensor cores, "split" (hi +
+    lo tf32 parts, `_mm`) or one tl.dot at "tf32", "tf32x3" or "ieee". Sync-free, CUDA-graph
+    safe."""
     bs, N = parents.shape
     T, H, K = q.shape
     _, HV, V = v.shape
     if T != bs * N or HV % H or k.shape != q.shape:
         raise ValueError(f"q {tuple(q.shape)} / v {tuple(v.shape)} do not fit {bs} x {N} nodes")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if N > MAX_NODES:
         raise ValueError(f"chunk_tree_verify takes at most {MAX_NODES} nodes, got {N}")
     _check_scratch(scratch, N, HV, K, V)
@@ -170,12 +218,14 @@ def chunk_tree_verify(q, k, v, a, b, A_log, dt_bias, state, state_idx, parents, 
     # two (within 15 % there; docs/benchmarks.md)
     BV = block_v or min(128, max(16, triton.next_power_of_2(V)))
     grid = (triton.cdiv(V, BV), bs * HV)
+    max_path2 = triton.next_power_of_2(max_path)  # one compiled kernel per power of two
     _chunk_tree_kernel[grid](
         q, k, v, a, b, A_log, dt_bias, state, state_idx, state.stride(0), parents,
         scratch, scratch_idx, scratch.stride(0), o, float(K**-0.5 if scale is None else scale),
         N, a.stride(0), b.stride(0),
         H=H, HV=HV, K=K, V=V, BK=max(16, triton.next_power_of_2(K)), BV=BV, NP=NP,
-        MAX_PATH=triton.next_power_of_2(max_path), DOT=precision,
+        MAX_PATH=max_path2, LOG=max(1, (max_path2 - 1).bit_length()),
+        QK_BF16=q.dtype == torch.bfloat16, DOT=precision,
         num_warps=num_warps or 8,
     )  # fmt: skip
     return o

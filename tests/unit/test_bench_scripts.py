@@ -300,8 +300,8 @@ def test_bench_gdn_tree_parses_its_sweeps_before_any_gpu_work():
     """The sweep flags fail on a typo at once, and tf32x3 is a precision, not a fourth field
     (session 7 lost a GPU call to that split)."""
     bench = _script("bench_gdn_tree")
-    assert bench.parse_chunk_tiles("32x4xtf32,64x8xtf32x3,16x4xieee") == [
-        (32, 4, "tf32"), (64, 8, "tf32x3"), (16, 4, "ieee")]  # fmt: skip
+    assert bench.parse_chunk_tiles("32x4xtf32,64x8xtf32x3,16x4xieee,64x4xsplit") == [
+        (32, 4, "tf32"), (64, 8, "tf32x3"), (16, 4, "ieee"), (64, 4, "split")]  # fmt: skip
     assert bench.parse_tiles("16x1,32x2") == [(16, 1), (32, 2)]
     off = dict(window_tile=False, ancestor_table=False)
     assert bench.conv_tilings("t4n256w4,t8n128w4tile,t4n256w4anc,t16n256w4nosave") == {

@@ -9,6 +9,7 @@ Directly: TRITON_INTERPRET=1 python -m pytest tests/unit/test_gdn_tree_verify.py
 from __future__ import annotations
 
 import os
+from functools import partial
 
 import pytest
 import torch
@@ -288,6 +289,60 @@ def test_tree_verify_and_commit_on_gpu_at_qwen36_head_sizes(kernel, N):
     for b in range(bs):
         got = pool[0, int(case.slots[b])].cpu()
         torch.testing.assert_close(got, case.states[b, int(last[b])], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA")
+@pytest.mark.parametrize("N", [32, 64])
+def test_chunk_tree_verify_precision_on_gpu(N):
+    """The chunked form's products on the H200 against the float64 recurrence, float32 inputs
+    (the output is not rounded to bf16): "split" (the default, hi + lo tf32 parts) within 2e-5
+    of max |o|, as close as the root-path kernel's float32 FMAs; one tf32 pass for comparison
+    (session 7 measured 1.5e-3 there). Printed per precision."""
+    gen = torch.Generator().manual_seed(29)
+    parents = builder_parents(2, N, 16, gen)
+    case = Case(parents, 16, 48, 128, 128, gen, device="cuda", ref_dtype=torch.float64)
+    scale = float(case.o_ref.abs().max())
+    errors = {}
+    for precision in ("split", "tf32", "ieee"):
+        o = chunk_tree_verify(case.q, case.k, case.v, case.a, case.b, case.A_log, case.dt_bias,
+                              case.pool, case.slots, case.parents, case.scratch,
+                              case.scratch_slots, max_path=16, precision=precision)  # fmt: skip
+        errors[precision] = float((o.double().cpu() - case.o_ref).abs().max()) / scale
+    errors["root_paths"] = (
+        float((case.verify(max_path=16).double().cpu() - case.o_ref).abs().max()) / scale
+    )
+    print(f"N={N}: error / max|o| against float64: {errors}")
+    assert errors["split"] <= 2e-5, errors
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA")
+@pytest.mark.parametrize("kernel", ["root_paths", "chunk", "chunk_tf32"])
+def test_tree_verify_is_batch_invariant_on_gpu(kernel):
+    """A request's outputs and scratch words are bit-identical alone (bs 1) and as request 3 of
+    a batch of 8 (SGLang's deterministic mode asks this of every kernel in the round)."""
+    fn = {"root_paths": tree_verify, "chunk": chunk_tree_verify,
+          "chunk_tf32": partial(chunk_tree_verify, precision="tf32")}[kernel]  # fmt: skip
+    gen = torch.Generator().manual_seed(31)
+    bs, N, r = 8, 32, 3
+    parents = builder_parents(bs, N, 16, gen)
+    case = Case(parents, 16, 48, 128, 128, gen, dtype=torch.bfloat16, device="cuda")
+
+    def run(rows, slots, scratch_slots, par):
+        scratch = torch.zeros_like(case.scratch)
+        o = fn(case.q[rows], case.k[rows], case.v[rows], case.a[rows], case.b[rows],
+               case.A_log, case.dt_bias, case.pool, slots, par, scratch, scratch_slots,
+               max_path=16)  # fmt: skip
+        return o, scratch
+
+    o_all, scratch_all = run(slice(None), case.slots, case.scratch_slots, case.parents)
+    rows = slice(r * N, (r + 1) * N)
+    o_one, scratch_one = run(rows, case.slots[r : r + 1], case.scratch_slots[r : r + 1],
+                             case.parents[r : r + 1])  # fmt: skip
+    assert torch.equal(o_one, o_all[rows])
+    row = int(case.scratch_slots[r])
+    assert torch.equal(scratch_one[row], scratch_all[row])
 
 
 # --- the SGLang hooks (integration/gdn.py), under the interpreter ------------------------------
