@@ -67,20 +67,20 @@ MAMBA_SLOTS_PER_REQ = 6  # >= SGLang's mamba slots per running request (3, +2 wi
 # SGLang's SSM-state dtype (SGLANG_MAMBA_SSM_DTYPE; float32 by default): the `_bf16ssm` variants
 # halve the scratch, which is what lets N = 64 run 8 requests.
 # `_torch`: DDTREE with the batched torch tree builder instead of the Triton one (its CUDA default).
-# `_sglanggdn`: DDTREE with SGLang's own GDN tree verify and commit (per-node states) instead of
-# sglang_ddtree.gdn's (one program per root path, commit by replay). The opt-ins of
-# integration/gdn.py: `_compact` the compact GDN verify scratch (integration/gdn_pool.py), which
-# lets 16 requests run at any N; `_conv` the tree conv1d of gdn/conv_tree.py; `_chunk` the
-# chunked GDN verify of gdn/chunk_tree.py.
+# `_sglanggdn`: DDTREE with SGLang's own GDN tree verify, conv1d and commit (per-node states)
+# instead of sglang_ddtree.gdn's. integration/gdn.py's defaults turned off: `_full` SGLang's
+# per-node verify states instead of the compact scratch (integration/gdn_pool.py, which lets 16
+# requests run at any N); `_sglangconv` SGLang's tree conv1d instead of gdn/conv_tree.py;
+# `_paths` the root-path GDN verify instead of gdn/chunk_tree.py.
 VARIANT_ENV = {
     "_bf16ssm": {"SGLANG_MAMBA_SSM_DTYPE": "bfloat16"},
     "_torch": {"SGLANG_DDTREE_TREE_BUILDER": "torch"},
     "_sglanggdn": {"SGLANG_DDTREE_GDN": "sglang"},
-    "_compact": {"SGLANG_DDTREE_GDN_SCRATCH": "compact"},
-    "_conv": {"SGLANG_DDTREE_CONV": "ddtree"},
-    "_chunk": {"SGLANG_DDTREE_GDN_VERIFY": "chunk"},
+    "_full": {"SGLANG_DDTREE_GDN_SCRATCH": "full"},
+    "_sglangconv": {"SGLANG_DDTREE_CONV": "sglang"},
+    "_paths": {"SGLANG_DDTREE_GDN_VERIFY": "paths"},
 }
-OPT_INS = ("_compact", "_conv", "_chunk")  # any subset, in this order: ddtree32_compact_chunk
+OPT_OUTS = ("_full", "_sglangconv", "_paths")  # any subset, in this order: ddtree32_full_paths
 
 
 def max_requests(width: int, state_bytes: int = 4) -> int:
@@ -119,15 +119,14 @@ def variants(draft: Path) -> dict[str, list[str]]:
     }  # fmt: skip
     for n in (16, 32, 64, 128):
         width = [*dd, "--speculative-num-draft-tokens", str(n)]
-        out[f"ddtree{n}"] = out[f"ddtree{n}_torch"] = [*width, *running(n)]
-        out[f"ddtree{n}_sglanggdn"] = out[f"ddtree{n}"]
-        for mask in range(1, 2 ** len(OPT_INS)):
-            chosen = [o for i, o in enumerate(OPT_INS) if mask >> i & 1]
-            # the compact scratch: SGLang's default 16 requests at every N
-            out[f"ddtree{n}{''.join(chosen)}"] = (
-                [*width, *requests(16)] if "_compact" in chosen else out[f"ddtree{n}"]
-            )
-    out["ddtree64_bf16ssm"] = [*dd, "--speculative-num-draft-tokens", "64", *running(64, 2)]
+        # the compact scratch (the default): SGLang's default 16 requests at every N
+        out[f"ddtree{n}"] = out[f"ddtree{n}_torch"] = [*width, *requests(16)]
+        out[f"ddtree{n}_sglanggdn"] = [*width, *running(n)]  # N states per request
+        for mask in range(1, 2 ** len(OPT_OUTS)):
+            chosen = [o for i, o in enumerate(OPT_OUTS) if mask >> i & 1]
+            full = "_full" in chosen
+            out[f"ddtree{n}{''.join(chosen)}"] = [*width, *(running(n) if full else requests(16))]
+    out["ddtree64_full_bf16ssm"] = [*dd, "--speculative-num-draft-tokens", "64", *running(64, 2)]
     return out
 
 

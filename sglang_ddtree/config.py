@@ -149,9 +149,11 @@ class Options:
     sync_check    SGLANG_DDTREE_SYNC_CHECK    1: DDTREE's per-round code under torch's sync
                                               debug mode
     gdn           SGLANG_DDTREE_GDN           ddtree | sglang (SGLang's own GDN tree verify)
-    gdn_verify    SGLANG_DDTREE_GDN_VERIFY    paths | chunk (opt-in)
-    conv          SGLANG_DDTREE_CONV          sglang | ddtree (opt-in)
-    gdn_scratch   SGLANG_DDTREE_GDN_SCRATCH   full | compact (opt-in)
+    gdn_verify    SGLANG_DDTREE_GDN_VERIFY    chunk (N <= 64; root paths beyond) | paths
+    conv          SGLANG_DDTREE_CONV          ddtree | sglang
+    gdn_scratch   SGLANG_DDTREE_GDN_SCRATCH   compact | full; compact unless
+                                              --enable-unified-memory
+    (with gdn=sglang the three do not apply: SGLang's verify, conv1d and per-node states)
     dump_rounds   SGLANG_DDTREE_DUMP_ROUNDS   a JSON-lines file for sampled rounds; None: off
     dump_every    SGLANG_DDTREE_DUMP_EVERY    every how many rounds (100)
     """
@@ -159,9 +161,9 @@ class Options:
     tree_builder: str | None = None
     sync_check: bool = False
     gdn: str = "ddtree"
-    gdn_verify: str = "paths"
-    conv: str = "sglang"
-    gdn_scratch: str = "full"
+    gdn_verify: str = "chunk"
+    conv: str = "ddtree"
+    gdn_scratch: str = "compact"
     dump_rounds: str | None = None
     dump_every: int = 100
 
@@ -174,13 +176,26 @@ class Options:
         every = env_value("SGLANG_DDTREE_DUMP_EVERY", "100")
         if not every.isdigit() or int(every) < 1:
             raise ValueError(f"SGLANG_DDTREE_DUMP_EVERY must be a whole number >= 1, got {every!r}")
+        gdn = env_choice("SGLANG_DDTREE_GDN", ("ddtree", "sglang"))
+        if gdn == "sglang":  # SGLang's own verify, conv1d and per-node states
+            for name in _GDN_SWITCHES:
+                if env_value(name) is not None:
+                    raise ValueError(f"{name}={env_value(name)} needs DDTREE's GDN path, which "
+                                     "SGLANG_DDTREE_GDN=sglang turns off; drop one of the two.")  # fmt: skip
+            verify, conv, scratch = "paths", "sglang", "full"
+        else:
+            verify = env_choice("SGLANG_DDTREE_GDN_VERIFY", ("chunk", "paths"))
+            conv = env_choice("SGLANG_DDTREE_CONV", ("ddtree", "sglang"))
+            # SGLang's unified pool allocates the per-node states itself: full there
+            scratch = env_choice("SGLANG_DDTREE_GDN_SCRATCH", ("compact", "full"),
+                                 default="full" if unified_memory else "compact")  # fmt: skip
         opts = cls(
             tree_builder=builder,
             sync_check=env_choice("SGLANG_DDTREE_SYNC_CHECK", ("0", "1")) == "1",
-            gdn=env_choice("SGLANG_DDTREE_GDN", ("ddtree", "sglang")),
-            gdn_verify=env_choice("SGLANG_DDTREE_GDN_VERIFY", ("paths", "chunk")),
-            conv=env_choice("SGLANG_DDTREE_CONV", ("sglang", "ddtree")),
-            gdn_scratch=env_choice("SGLANG_DDTREE_GDN_SCRATCH", ("full", "compact")),
+            gdn=gdn,
+            gdn_verify=verify,
+            conv=conv,
+            gdn_scratch=scratch,
             dump_rounds=env_value("SGLANG_DDTREE_DUMP_ROUNDS") or None,
             dump_every=int(every),
         )
@@ -188,13 +203,11 @@ class Options:
         return opts
 
     def _check(self, unified_memory: bool) -> None:
-        if self.gdn == "sglang":
-            for name, value, default in (("SGLANG_DDTREE_GDN_VERIFY", self.gdn_verify, "paths"),
-                                         ("SGLANG_DDTREE_CONV", self.conv, "sglang"),
-                                         ("SGLANG_DDTREE_GDN_SCRATCH", self.gdn_scratch, "full")):  # fmt: skip
-                if value != default:
-                    raise ValueError(f"{name}={value} needs DDTREE's GDN path, which "
-                                     "SGLANG_DDTREE_GDN=sglang turns off; drop one of the two.")  # fmt: skip
+        if self.gdn == "sglang" and (self.gdn_verify, self.conv, self.gdn_scratch) != (
+            "paths", "sglang", "full"
+        ):  # fmt: skip
+            raise ValueError("SGLANG_DDTREE_GDN=sglang runs SGLang's own verify, conv1d and "
+                             "scratch; it takes none of DDTREE's GDN switches.")  # fmt: skip
         if self.gdn_scratch == "compact" and unified_memory:
             # The unified pool allocates SGLang's per-node states itself; the solver would not
             # have reserved them.
@@ -206,6 +219,7 @@ class Options:
         return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
 
 
+_GDN_SWITCHES = ("SGLANG_DDTREE_GDN_VERIFY", "SGLANG_DDTREE_CONV", "SGLANG_DDTREE_GDN_SCRATCH")
 _active: Options | None = None  # what the worker factory parsed in this process
 
 

@@ -30,7 +30,7 @@ MAMBA_STATE_COMMIT = (
     ".update_mamba_state_after_mtp_verify"
 )
 
-# Compact GDN verify scratch (opt-in): integration/gdn_pool.py.
+# Compact GDN verify scratch (the default): integration/gdn_pool.py.
 MAMBA_POOL_INIT = "sglang.srt.mem_cache.memory_pool.HybridReqToTokenPool._init_mamba_pool"
 MAMBA_POOL_SOLVER = (
     "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._handle_max_mamba_cache"

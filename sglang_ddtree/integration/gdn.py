@@ -7,24 +7,24 @@ N = 64 that is most of DDTREE's extra round time (docs/benchmarks.md). Hooks rep
 DDTREE serves a tree (topk > 1):
 
 - `target_verify` (around GDNKernelDispatcher.target_verify, once per GDN layer, inside the
-  verify CUDA graph): `gdn.tree_verify.tree_verify`, one program per root path (default), or
-  with SGLANG_DDTREE_GDN_VERIFY=chunk `gdn.chunk_tree.chunk_tree_verify`, every node at once in
-  the chunked form (N <= 64; wider trees keep the root paths). Each node's g, beta, k and v go
-  to the request's scratch row, no state does.
+  verify CUDA graph): `gdn.chunk_tree.chunk_tree_verify`, every node at once in the chunked
+  form (N <= 64), or `gdn.tree_verify.tree_verify`, one program per root path (wider trees, or
+  SGLANG_DDTREE_GDN_VERIFY=paths). Each node's g, beta, k and v go to the request's scratch
+  row, no state does.
 - `commit` (around HybridLinearAttnBackend.update_mamba_state_after_mtp_verify, once per round):
   `commit_paths` replays the accepted path into the pool for all GDN layers in one launch (and
   into the radix-cache track slot where SGLang would snapshot one); the conv windows are
   committed by SGLang's own scatter, its state part skipped.
-- `conv_update` (around gdn_backend.causal_conv1d_update, opt-in: SGLANG_DDTREE_CONV=ddtree):
-  the tree verify's conv1d through `gdn/conv_tree.py`, every node in parallel.
-- SGLANG_DDTREE_GDN_SCRATCH=compact (opt-in) shrinks `intermediate_ssm` to the scratch that
-  DDTREE's verify uses and sizes the Mamba pool for it (integration/gdn_pool.py).
+- `conv_update` (around gdn_backend.causal_conv1d_update): the tree verify's conv1d through
+  `gdn/conv_tree.py`, every node in parallel (SGLANG_DDTREE_CONV=sglang: SGLang's kernel).
+- The compact scratch (integration/gdn_pool.py) shrinks `intermediate_ssm` to the scratch that
+  DDTREE's verify uses and sizes the Mamba pool for it (SGLANG_DDTREE_GDN_SCRATCH=full: SGLang's
+  N states per request; the default under --enable-unified-memory).
 
 The accepted path comes from the same parent indices the verify used (the conv kernel fills
 `retrieve_parent_token` from the tree), so the committed state is the verified one.
 SGLANG_DDTREE_GDN=sglang keeps SGLang's own verify, commit, conv1d and per-node states (the
-comparison baseline). The three opt-ins stay opt-in until the GPU suite passes with them
-(docs/benchmarks.md, session 7).
+comparison baseline).
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ class GDNPath:
     """How DDTREE's tree verify runs the Gated DeltaNet layers (parsed once by `configure`)."""
 
     max_path: int  # nodes on the longest root path: the bonus token + B - 1 drafted tokens
-    verify: str = "paths"  # SGLANG_DDTREE_GDN_VERIFY: "paths" (root paths) or "chunk"
-    conv: bool = False  # SGLANG_DDTREE_CONV=ddtree: gdn/conv_tree.py's tree conv1d
-    compact: bool = False  # SGLANG_DDTREE_GDN_SCRATCH=compact: integration/gdn_pool.py
+    verify: str = "chunk"  # SGLANG_DDTREE_GDN_VERIFY: "chunk" (N <= 64) or "paths" (root paths)
+    conv: bool = True  # SGLANG_DDTREE_CONV=ddtree: gdn/conv_tree.py's tree conv1d
+    compact: bool = True  # SGLANG_DDTREE_GDN_SCRATCH=compact: integration/gdn_pool.py
 
 
 _path: GDNPath | None = None  # set by configure() in the scheduler process; None: SGLang's path
@@ -132,7 +132,7 @@ def target_verify(original, dispatcher, A_log, dt_bias, q, k, v, a, b, **kwargs)
 def conv_update(original, x, conv_state, weight, bias=None, activation=None, *rest, **kwargs):
     """Around gdn_backend.causal_conv1d_update (SGLang's hook registry also rebinds every other
     module's import of that function): a tree verify's conv1d through `gdn.conv_tree.conv_tree`
-    under SGLANG_DDTREE_CONV=ddtree (same outputs, per-node windows and retrieve_parent_token
+    (SGLANG_DDTREE_CONV=ddtree, the default; same outputs, per-node windows and retrieve_parent_token
     as SGLang's kernel); every other call, as it came, to SGLang's."""
     tree = all(kwargs.get(k) is not None for k in _CONV_TREE_ARGS)
     if _path is None or not _path.conv or not tree or rest or set(kwargs) - set(_CONV_TREE_ARGS):

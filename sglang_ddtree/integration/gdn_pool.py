@@ -1,11 +1,11 @@
-"""A compact Gated DeltaNet verify scratch in SGLang's Mamba pool (opt-in: SGLANG_DDTREE_GDN_SCRATCH).
+"""A compact Gated DeltaNet verify scratch in SGLang's Mamba pool (the default; SGLANG_DDTREE_GDN_SCRATCH).
 
 SGLang 0.5.17 gives every running request N full recurrent states per GDN layer for a verify
 (`intermediate_ssm` [layers, requests + 1, N, HV, V, K]: 9.7 GB per request at 27B and N = 64)
 and sizes the Mamba pool for it, which caps DDTREE at 4 running requests at N = 64 on an H200.
 DDTREE's own verify (integration/gdn.py) keeps only each node's inputs, `scratch_floats` words
-per request and layer (1.6 % of that). With SGLANG_DDTREE_GDN_SCRATCH=compact two hooks size
-the pool for what DDTREE uses:
+per request and layer (1.6 % of that). With SGLANG_DDTREE_GDN_SCRATCH=compact (the default
+but under --enable-unified-memory) two hooks size the pool for what DDTREE uses:
 
 - `init_mamba_pool` (around HybridReqToTokenPool._init_mamba_pool): SGLang builds the pool
   without speculative buffers; we add `intermediate_ssm` as float32 rows of `scratch_floats`

@@ -14,11 +14,11 @@
 | GDNKernelDispatcher.target_verify       | Gated DeltaNet tree verify without per-node states    |
 | HybridLinearAttnBackend                 | and the commit by replaying the accepted path         |
 |   .update_mamba_state_after_mtp_verify  | (integration/gdn.py; SGLANG_DDTREE_GDN=sglang: off)   |
-| gdn_backend.causal_conv1d_update        | the tree conv1d, every node in parallel (opt-in:      |
-|                                         | SGLANG_DDTREE_CONV=ddtree)                            |
+| gdn_backend.causal_conv1d_update        | the tree conv1d, every node in parallel (off:         |
+|                                         | SGLANG_DDTREE_CONV=sglang)                            |
 | HybridReqToTokenPool._init_mamba_pool   | the compact GDN verify scratch and the Mamba pool     |
-| KVCacheConfigurator                     | sized for it (integration/gdn_pool.py; opt-in:        |
-|   ._handle_max_mamba_cache              | SGLANG_DDTREE_GDN_SCRATCH=compact)                    |
+| KVCacheConfigurator                     | sized for it (integration/gdn_pool.py; off:           |
+|   ._handle_max_mamba_cache              | SGLANG_DDTREE_GDN_SCRATCH=full)                       |
 
 All but the front-end one are installed from the worker factory (scheduler process only, before
 any graph capture), so other processes never import those heavy modules; the front-end one is

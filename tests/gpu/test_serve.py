@@ -53,14 +53,13 @@ SPEC_VARIANTS = (
     "ddtree_det",
     "ddtree_torch",
     "ddtree_sglanggdn",
-    "ddtree_chunk",
-    "ddtree_conv",
-    "ddtree_compact",
-    "ddtree_fast",
+    "ddtree_paths",
+    "ddtree_sglangconv",
+    "ddtree_full",
     "dflash",
 )  # dflash: a control
-# DDTREE in deterministic mode: the batch-invariance test (the opt-ins one at a time)
-DET_DDTREE = ("ddtree_det", "ddtree_det_chunk", "ddtree_det_conv", "ddtree_det_compact")
+# DDTREE in deterministic mode: the batch-invariance test (the defaults, and each turned off)
+DET_DDTREE = ("ddtree_det", "ddtree_det_paths", "ddtree_det_sglangconv", "ddtree_det_full")
 SPEC_SERVERS = [
     (m, v)
     for m in MODELS
@@ -526,31 +525,33 @@ CONV = "first tree conv1d through sglang_ddtree.gdn.conv_tree"
 COMPACT = ("Mamba pool sized for", "compact GDN verify scratch for")  # solver and pool hooks
 
 
-def _engaged(verify: str = "paths", conv: bool = False, compact: bool = False) -> tuple:
+def _engaged(verify: str = "chunk", conv: bool = True, compact: bool = True) -> tuple:
+    """The startup line and first-use lines of a GDN path (the defaults: chunked verify, tree
+    conv1d, compact scratch)."""
     line = (f"GDN path: ddtree (verify: {verify}; commit: replay; tree conv1d: "
             f"{'ddtree' if conv else 'sglang'}; scratch: {'compact' if compact else 'full'})")  # fmt: skip
     uses = [CHUNK if verify == "chunk" else PATHS, COMMIT]
     return (line, *uses, *([CONV] if conv else []), *(COMPACT if compact else ()))
 
 
+DEFAULT_DDTREE = ("ddtree", "ddtree_sync", "ddtree_det", "ddtree_torch")
 ENGAGED = {
-    "ddtree": _engaged(),
-    "ddtree_sync": _engaged(),
-    "ddtree_det": _engaged(),
-    "ddtree_torch": _engaged(),
+    **{v: _engaged() for v in DEFAULT_DDTREE},
     "ddtree_sglanggdn": ("GDN path: sglang (verify, commit, conv1d, per-node states)",),
-    "ddtree_chunk": _engaged(verify="chunk"),
-    "ddtree_det_chunk": _engaged(verify="chunk"),
-    "ddtree_conv": _engaged(conv=True),
-    "ddtree_det_conv": _engaged(conv=True),
-    "ddtree_compact": _engaged(compact=True),
-    "ddtree_det_compact": _engaged(compact=True),
-    "ddtree_fast": _engaged(verify="chunk", conv=True, compact=True),
+    "ddtree_paths": _engaged(verify="paths"),
+    "ddtree_det_paths": _engaged(verify="paths"),
+    "ddtree_sglangconv": _engaged(conv=False),
+    "ddtree_det_sglangconv": _engaged(conv=False),
+    "ddtree_full": _engaged(compact=False),
+    "ddtree_det_full": _engaged(compact=False),
 }
 # what must not be in a log: the other verify kernel, hooks that are off
 NOT_ENGAGED = {
     "ddtree_sglanggdn": (PATHS, CHUNK, COMMIT, CONV, *COMPACT),
-    **{v: (CHUNK, CONV, *COMPACT) for v in ("ddtree", "ddtree_sync", "ddtree_det", "ddtree_torch")},
+    **{v: (PATHS,) for v in DEFAULT_DDTREE},
+    **{v: (CHUNK,) for v in ("ddtree_paths", "ddtree_det_paths")},
+    **{v: (CONV,) for v in ("ddtree_sglangconv", "ddtree_det_sglangconv")},
+    **{v: COMPACT for v in ("ddtree_full", "ddtree_det_full")},
 }
 
 

@@ -68,7 +68,7 @@ def test_bench_round_server_commands_parse(tmp_path):
             # compact one (a few states' worth per request) lets 16 requests run at every N
             state = 2 if "_bf16ssm" in name else 4
             scratch_mib = bench.GDN_STATE_MIB * state / 4 * nodes * (ns.max_running_requests + 1)
-            compact = "_compact" in name
+            compact = "_full" not in name and "_sglanggdn" not in name
             assert (
                 (ns.max_running_requests == 16)
                 if compact
@@ -76,9 +76,10 @@ def test_bench_round_server_commands_parse(tmp_path):
             )
             assert ns.max_mamba_cache_size >= 5 * ns.max_running_requests
             env = bench.variant_env(name)
-            assert env.get("SGLANG_DDTREE_GDN_SCRATCH") == ("compact" if compact else None)
+            assert env.get("SGLANG_DDTREE_GDN_SCRATCH") == ("full" if "_full" in name else None)
             assert env.get("SGLANG_DDTREE_GDN") == ("sglang" if "_sglanggdn" in name else None)
-            assert env.get("SGLANG_DDTREE_GDN_VERIFY") == ("chunk" if "_chunk" in name else None)
+            assert env.get("SGLANG_DDTREE_GDN_VERIFY") == ("paths" if "_paths" in name else None)
+            assert env.get("SGLANG_DDTREE_CONV") == ("sglang" if "_sglangconv" in name else None)
             assert env.get("SGLANG_MAMBA_SSM_DTYPE") == ("bfloat16" if state == 2 else None)
             assert env.get("SGLANG_DDTREE_TREE_BUILDER") == ("torch" if "_torch" in name else None)
 

@@ -139,7 +139,7 @@ def test_conv_hook_target_exists_and_the_hook_passes_everything_else_through(mon
         return "sglang"
 
     tree = {k: object() for k in gdn._CONV_TREE_ARGS}
-    monkeypatch.setattr(gdn, "_path", gdn.GDNPath(16))  # the default: SGLang's kernel
+    monkeypatch.setattr(gdn, "_path", gdn.GDNPath(16, conv=False))  # SGLANG_DDTREE_CONV=sglang
     assert gdn.conv_update(original, 1, 2, 3, None, "silu", **tree) == "sglang"
     monkeypatch.setattr(gdn, "_path", None)  # SGLANG_DDTREE_GDN=sglang
     assert gdn.conv_update(original, 1, 2, 3, None, "silu", **tree) == "sglang"

@@ -152,7 +152,10 @@ def test_the_solver_is_sglangs_own_unless_compact(monkeypatch):
     assert solve(True, 0.01) == solve(False, 0.01)
 
 
-def test_gdn_switches_are_opt_in_and_refuse_what_cannot_work(monkeypatch):
+def test_gdn_defaults_each_switch_off_and_what_cannot_work_refused(monkeypatch):
+    """Default: the chunked verify, the tree conv1d and the compact scratch; each switch turns
+    one off; --enable-unified-memory keeps the full scratch (and refuses compact, asked for);
+    SGLANG_DDTREE_GDN=sglang takes none of the three."""
     args = SimpleNamespace(speculative_dflash_block_size=16)
     monkeypatch.setattr(gdn, "_path", gdn._path)  # restored after the test
     monkeypatch.setattr(gdn_pool, "_compact", gdn_pool._compact)
@@ -160,26 +163,35 @@ def test_gdn_switches_are_opt_in_and_refuse_what_cannot_work(monkeypatch):
                  "SGLANG_DDTREE_GDN_SCRATCH"):  # fmt: skip
         monkeypatch.delenv(name, raising=False)
     gdn.configure(args)
-    assert gdn._path == gdn.GDNPath(max_path=16) and not gdn_pool._compact
-    monkeypatch.setenv("SGLANG_DDTREE_GDN_SCRATCH", "compact")
-    monkeypatch.setenv("SGLANG_DDTREE_GDN_VERIFY", "chunk")
-    monkeypatch.setenv("SGLANG_DDTREE_CONV", "ddtree")
-    gdn.configure(args)
     assert gdn._path == gdn.GDNPath(16, verify="chunk", conv=True, compact=True)
     assert gdn_pool._compact and gdn.active()
     assert gdn.describe(gdn._path) == (
         "ddtree (verify: chunk; commit: replay; tree conv1d: ddtree; scratch: compact)"
     )
     unified = SimpleNamespace(speculative_dflash_block_size=16, enable_unified_memory=True)
+    gdn.configure(unified)  # SGLang's unified pool allocates per-node states itself
+    assert gdn._path == gdn.GDNPath(16, compact=False) and not gdn_pool._compact
+    for name, value, path in (("SGLANG_DDTREE_GDN_SCRATCH", "full", gdn.GDNPath(16, compact=False)),
+                              ("SGLANG_DDTREE_GDN_VERIFY", "paths", gdn.GDNPath(16, verify="paths")),
+                              ("SGLANG_DDTREE_CONV", "sglang", gdn.GDNPath(16, conv=False))):  # fmt: skip
+        monkeypatch.setenv(name, value)
+        gdn.configure(args)
+        assert gdn._path == path, name
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("SGLANG_DDTREE_GDN_SCRATCH", "compact")
     with pytest.raises(ValueError, match="--enable-unified-memory"):
-        gdn.configure(unified)  # SGLang's unified pool would allocate per-node states anyway
+        gdn.configure(unified)
+    monkeypatch.delenv("SGLANG_DDTREE_GDN_SCRATCH")
     monkeypatch.setenv("SGLANG_DDTREE_GDN", "sglang")
-    for name in ("SGLANG_DDTREE_GDN_VERIFY", "SGLANG_DDTREE_CONV", "SGLANG_DDTREE_GDN_SCRATCH"):
-        with pytest.raises(ValueError, match=f"{name}=.*SGLANG_DDTREE_GDN=sglang"):
+    for name, value in (("SGLANG_DDTREE_GDN_VERIFY", "chunk"), ("SGLANG_DDTREE_CONV", "ddtree"),
+                        ("SGLANG_DDTREE_GDN_SCRATCH", "full")):  # fmt: skip
+        monkeypatch.setenv(name, value)
+        with pytest.raises(ValueError, match=f"{name}={value} needs.*SGLANG_DDTREE_GDN=sglang"):
             gdn.configure(args)
         monkeypatch.delenv(name)
     gdn.configure(args)
     assert gdn._path is None and not gdn_pool._compact and not gdn.active()
+    monkeypatch.delenv("SGLANG_DDTREE_GDN")
     monkeypatch.setenv("SGLANG_DDTREE_GDN_SCRATCH", "small")
     with pytest.raises(ValueError, match="SGLANG_DDTREE_GDN_SCRATCH must be"):
         gdn.configure(args)
