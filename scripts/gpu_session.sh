@@ -20,8 +20,9 @@
 #   bash scripts/gpu_session.sh chain GPU NAME [--after-tests] [ARGS]  on one GPU, detached: (the
 #                                                tests, then) bench_round.py into ROOT/NAME
 #   [GDN_ARGS=...] bash scripts/gpu_session.sh all NAME [ARGS]  detached, into ROOT/NAME: the GPU
-#                                                unit tests, bench_gdn_tree.py, the suite, then
-#                                                bench_round.py ARGS; collect-all NAME [WAIT_S]
+#                                                unit tests, the suite, bench_gdn_tree.py, then
+#                                                (given ARGS) bench_round.py ARGS;
+#                                                collect-all NAME [WAIT_S]
 #   bash scripts/gpu_session.sh bench-tree [ARGS]   scripts/bench_tree_build.py (no server)
 #   bash scripts/gpu_session.sh bench-gdn [ARGS]    scripts/bench_gdn_tree.py (no server)
 # Background processes (servers, tests) run in their own sessions; `collect` gathers their
@@ -138,17 +139,18 @@ case "${1:-}" in
       python3 scripts/bench_round.py --out "$ROOT/$NAME" --work "/root/bench_$NAME" "$@" \
         > "$ROOT/$NAME/run.log" 2>&1' chain "$@" < /dev/null > /dev/null 2>&1 &
     sleep 2; echo "chain $name on GPU $gpu started" ;;
-  all)  # all NAME [BENCH_ROUND ARGS]: detached, into ROOT/NAME: the GPU unit tests,
-    # bench_gdn_tree.py with $GDN_ARGS, the GPU suite, then bench_round.py with ARGS
+  all)  # all NAME [BENCH_ROUND ARGS]: detached, into ROOT/NAME: the GPU unit tests, the GPU
+    # suite (DDTREE_GPU_SERVERS narrows it), bench_gdn_tree.py with $GDN_ARGS on the quiet GPU,
+    # then, given ARGS, bench_round.py with them
     name=$2; shift 2; dir="$ROOT/$name"; mkdir -p "$dir"
-    ROOT=$ROOT NAME=$name DIR=$dir GDN_ARGS="${GDN_ARGS:---bs 1,8,16 --nodes 16,32,64 --conv --conv-tilings t4n256w4anc,t8n256w4anc,t16n256w4nosave --chunk-tiles 128x8xtf32x3,64x8xtf32}" \
+    ROOT=$ROOT NAME=$name DIR=$dir GDN_ARGS="${GDN_ARGS:---bs 1,8,16 --nodes 16,32,64 --conv --conv-tilings t4n256w4anc --chunk-tiles 128x8xtf32,64x8xsplit,64x4xsplit}" \
       setsid nohup bash -c '
         python3 -m pytest tests/unit -m gpu -q -rA > "$DIR/unit_gpu.log" 2>&1
-        python3 scripts/bench_gdn_tree.py --out "$DIR/gdn" $GDN_ARGS > "$DIR/gdn.log" 2>&1
         OUT="$DIR/suite" bash scripts/gpu_session.sh start 1500 > "$DIR/suite.log" 2>&1
         python3 -m tests.gpu.servers stop "$ROOT"
-        python3 scripts/bench_round.py --out "$DIR/round" --work "/root/bench_$NAME" "$@" \
-          > "$DIR/round.log" 2>&1
+        python3 scripts/bench_gdn_tree.py --out "$DIR/gdn" $GDN_ARGS > "$DIR/gdn.log" 2>&1
+        [ $# -gt 0 ] && python3 scripts/bench_round.py --out "$DIR/round" \
+          --work "/root/bench_$NAME" "$@" > "$DIR/round.log" 2>&1
         touch "$DIR/done"' all "$@" < /dev/null > /dev/null 2>&1 &
     sleep 2; echo "all $name started in $dir" ;;
   collect-all)  # collect-all NAME [WAIT_S]: wait for `all NAME` (up to WAIT_S), results to $OUT
