@@ -156,6 +156,9 @@ class Options:
     (with gdn=sglang the three do not apply: SGLang's verify, conv1d and per-node states)
     dump_rounds   SGLANG_DDTREE_DUMP_ROUNDS   a JSON-lines file for sampled rounds; None: off
     dump_every    SGLANG_DDTREE_DUMP_EVERY    every how many rounds (100)
+    gdn_check     SGLANG_DDTREE_GDN_CHECK     a directory: without CUDA graphs, every chunked GDN
+                                              verify is checked against the root-path kernel and
+                                              the inputs of one that differs are saved there
     """
 
     tree_builder: str | None = None
@@ -166,6 +169,7 @@ class Options:
     gdn_scratch: str = "compact"
     dump_rounds: str | None = None
     dump_every: int = 100
+    gdn_check: str | None = None
 
     @classmethod
     def from_env(cls, unified_memory: bool = False) -> Options:
@@ -198,6 +202,7 @@ class Options:
             gdn_scratch=scratch,
             dump_rounds=env_value("SGLANG_DDTREE_DUMP_ROUNDS") or None,
             dump_every=int(every),
+            gdn_check=env_value("SGLANG_DDTREE_GDN_CHECK") or None,
         )
         opts._check(unified_memory)
         return opts

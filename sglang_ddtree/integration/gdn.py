@@ -46,6 +46,7 @@ class GDNPath:
     verify: str = "chunk"  # SGLANG_DDTREE_GDN_VERIFY: "chunk" (N <= 64) or "paths" (root paths)
     conv: bool = True  # SGLANG_DDTREE_CONV=ddtree: gdn/conv_tree.py's tree conv1d
     compact: bool = True  # SGLANG_DDTREE_GDN_SCRATCH=compact: integration/gdn_pool.py
+    check: str | None = None  # SGLANG_DDTREE_GDN_CHECK: where `_check_chunk` saves what differs
 
 
 _path: GDNPath | None = None  # set by configure() in the scheduler process; None: SGLang's path
@@ -60,6 +61,7 @@ def path_of(options: Options, block_size: int) -> GDNPath | None:
         verify=options.gdn_verify,
         conv=options.conv == "ddtree",
         compact=options.gdn_scratch == "compact",
+        check=options.gdn_check,
     )
 
 
@@ -105,22 +107,14 @@ def target_verify(original, dispatcher, A_log, dt_bias, q, k, v, a, b, **kwargs)
     HV, V = v.shape[-2:]
     T = v.numel() // (HV * V)
     bs = T // N
+    args = (q.reshape(T, H, K), k.reshape(T, H, K), v.reshape(T, HV, V), a.reshape(T, HV),
+            b.reshape(T, HV), A_log, dt_bias, kwargs["ssm_states"], kwargs["cache_indices"][:bs],
+            _rows(parents, N), as_scratch(kwargs["intermediate_states_buffer"], 1),
+            kwargs["intermediate_state_indices"][:bs])  # fmt: skip
     try:
-        o = kernel(
-            q.reshape(T, H, K),
-            k.reshape(T, H, K),
-            v.reshape(T, HV, V),
-            a.reshape(T, HV),
-            b.reshape(T, HV),
-            A_log,
-            dt_bias,
-            kwargs["ssm_states"],
-            kwargs["cache_indices"][:bs],
-            _rows(parents, N),
-            as_scratch(kwargs["intermediate_states_buffer"], 1),
-            kwargs["intermediate_state_indices"][:bs],
-            max_path=_path.max_path,
-        )
+        o = kernel(*args, max_path=_path.max_path)
+        if chunked and _path.check:
+            _check_chunk(o, args)
     except ValueError as exc:  # a pool layout the kernel does not take: name the way out
         raise RuntimeError(
             f"DDTREE's Gated DeltaNet tree verify cannot run on this Mamba pool ({exc}); serve "
@@ -191,6 +185,38 @@ def commit(original, backend, last_correct_step_indices, mamba_track_indices,
 
 
 _used: set[str] = set()
+_checks = [0, 0]  # SGLANG_DDTREE_GDN_CHECK: verifies checked, inputs saved
+
+
+def _check_chunk(o, args, tol: float = 1e-2, keep: int = 4) -> None:
+    """SGLANG_DDTREE_GDN_CHECK (eager mode only: it reads results back): the root-path kernel
+    on the same inputs (its scratch in a copy); where the two outputs differ by more than `tol`
+    of the largest, the inputs, the slots' states and both outputs go to CHECK/verify_<n>.pt
+    (the first `keep` such calls) and a warning is logged."""
+    import os
+
+    import torch
+
+    from sglang_ddtree.gdn.tree_verify import tree_verify
+
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return  # a CUDA graph capture: nothing can be read back
+    *inputs, state, slots, parents, scratch, scratch_idx = args
+    ref = tree_verify(*inputs, state, slots, parents, scratch.clone(), scratch_idx,
+                      max_path=_path.max_path)  # fmt: skip
+    diff = float((o.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-30))
+    _checks[0] += 1
+    if diff > tol and _checks[1] < keep:
+        os.makedirs(_path.check, exist_ok=True)
+        where = os.path.join(_path.check, f"verify_{_checks[1]}.pt")
+        saved = {"inputs": [x.cpu() if torch.is_tensor(x) else x for x in inputs],
+                 "states": state[slots.long().clamp(min=0)].cpu(), "slots": slots.cpu(),
+                 "parents": parents.cpu(), "max_path": _path.max_path, "chunk": o.cpu(),
+                 "paths": ref.cpu(), "call": _checks[0]}  # fmt: skip
+        torch.save(saved, where)
+        _checks[1] += 1
+        logger.warning("sglang_ddtree: GDN check: verify %d differs from the root paths by "
+                       "%.3g of max |o|; inputs in %s", _checks[0], diff, where)  # fmt: skip
 
 
 def _first_use(what: str) -> None:

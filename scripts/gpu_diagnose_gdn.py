@@ -1,0 +1,51 @@
+"""Where DDTREE's chunked Gated DeltaNet verify and the root-path kernel part ways in a served
+run: one DDTREE server on the GPU suite's binary Qwen3.5 pair without CUDA graphs and with
+SGLANG_DDTREE_GDN_CHECK=OUT/check (integration/gdn.py: every chunked verify checked against the
+root-path kernel, the inputs of one that differs saved), the suite's greedy prompts at c=1.
+
+    python scripts/gpu_diagnose_gdn.py OUT [--prompts 0,15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+from tests.gpu import harness
+from tests.gpu.servers import COMMON, ENV, NEW_TOKENS, ddtree_args, write_pair
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("out", type=Path)
+    p.add_argument("--prompts", default="", help="indices into harness.PROMPTS (default: all)")
+    p.add_argument("--port", type=int, default=33000)
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    target, draft = write_pair(args.out, "qwen35")
+    env = {**ENV, "SGLANG_DDTREE_GDN_CHECK": str(args.out / "check")}
+    flags = [*COMMON, *ddtree_args("qwen35", draft), "--disable-cuda-graph"]
+    server = harness.Server("qwen35-ddtree_check", str(target), args.port, flags, env,
+                            log_dir=args.out)  # fmt: skip
+    server.start()
+    try:
+        server.wait_healthy(600)
+        picked = [int(i) for i in args.prompts.split(",") if i] or range(len(harness.PROMPTS))
+        rows = []
+        for i in picked:
+            out = harness.generate(server, harness.PROMPTS[i], max_new_tokens=NEW_TOKENS,
+                                   temperature=0, ignore_eos=True)  # fmt: skip
+            rows.append({"prompt": i, "output_ids": out["output_ids"]})
+        (args.out / "outputs.json").write_text(json.dumps(rows))
+    finally:
+        server.stop()
+    found = re.findall(r"GDN check: .*", server.log_text())
+    print(f"{len(found)} chunked verifies differed from the root paths")
+    print("\n".join(found[:8]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
