@@ -70,17 +70,17 @@ MAMBA_SLOTS_PER_REQ = 6  # >= SGLang's mamba slots per running request (3, +2 wi
 # `_sglanggdn`: DDTREE with SGLang's own GDN tree verify, conv1d and commit (per-node states)
 # instead of sglang_ddtree.gdn's. integration/gdn.py's defaults turned off: `_full` SGLang's
 # per-node verify states instead of the compact scratch (integration/gdn_pool.py, which lets 16
-# requests run at any N); `_sglangconv` SGLang's tree conv1d instead of gdn/conv_tree.py;
-# `_paths` the root-path GDN verify instead of gdn/chunk_tree.py.
+# requests run at any N); `_sglangconv` SGLang's tree conv1d instead of gdn/conv_tree.py; and the
+# opt-in `_chunk`: gdn/chunk_tree.py's chunked GDN verify instead of the root paths.
 VARIANT_ENV = {
     "_bf16ssm": {"SGLANG_MAMBA_SSM_DTYPE": "bfloat16"},
     "_torch": {"SGLANG_DDTREE_TREE_BUILDER": "torch"},
     "_sglanggdn": {"SGLANG_DDTREE_GDN": "sglang"},
     "_full": {"SGLANG_DDTREE_GDN_SCRATCH": "full"},
     "_sglangconv": {"SGLANG_DDTREE_CONV": "sglang"},
-    "_paths": {"SGLANG_DDTREE_GDN_VERIFY": "paths"},
+    "_chunk": {"SGLANG_DDTREE_GDN_VERIFY": "chunk"},
 }
-OPT_OUTS = ("_full", "_sglangconv", "_paths")  # any subset, in this order: ddtree32_full_paths
+OPT_OUTS = ("_full", "_sglangconv", "_chunk")  # any subset, in this order: ddtree32_full_chunk
 
 
 def max_requests(width: int, state_bytes: int = 4) -> int:

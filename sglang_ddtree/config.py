@@ -149,7 +149,7 @@ class Options:
     sync_check    SGLANG_DDTREE_SYNC_CHECK    1: DDTREE's per-round code under torch's sync
                                               debug mode
     gdn           SGLANG_DDTREE_GDN           ddtree | sglang (SGLang's own GDN tree verify)
-    gdn_verify    SGLANG_DDTREE_GDN_VERIFY    chunk (N <= 64; root paths beyond) | paths
+    gdn_verify    SGLANG_DDTREE_GDN_VERIFY    paths | chunk (opt-in; N <= 64, root paths beyond)
     conv          SGLANG_DDTREE_CONV          ddtree | sglang
     gdn_scratch   SGLANG_DDTREE_GDN_SCRATCH   compact | full; compact unless
                                               --enable-unified-memory
@@ -164,7 +164,7 @@ class Options:
     tree_builder: str | None = None
     sync_check: bool = False
     gdn: str = "ddtree"
-    gdn_verify: str = "chunk"
+    gdn_verify: str = "paths"
     conv: str = "ddtree"
     gdn_scratch: str = "compact"
     dump_rounds: str | None = None
@@ -188,7 +188,7 @@ class Options:
                                      "SGLANG_DDTREE_GDN=sglang turns off; drop one of the two.")  # fmt: skip
             verify, conv, scratch = "paths", "sglang", "full"
         else:
-            verify = env_choice("SGLANG_DDTREE_GDN_VERIFY", ("chunk", "paths"))
+            verify = env_choice("SGLANG_DDTREE_GDN_VERIFY", ("paths", "chunk"))
             conv = env_choice("SGLANG_DDTREE_CONV", ("ddtree", "sglang"))
             # SGLang's unified pool allocates the per-node states itself: full there
             scratch = env_choice("SGLANG_DDTREE_GDN_SCRATCH", ("compact", "full"),

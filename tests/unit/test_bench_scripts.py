@@ -78,7 +78,7 @@ def test_bench_round_server_commands_parse(tmp_path):
             env = bench.variant_env(name)
             assert env.get("SGLANG_DDTREE_GDN_SCRATCH") == ("full" if "_full" in name else None)
             assert env.get("SGLANG_DDTREE_GDN") == ("sglang" if "_sglanggdn" in name else None)
-            assert env.get("SGLANG_DDTREE_GDN_VERIFY") == ("paths" if "_paths" in name else None)
+            assert env.get("SGLANG_DDTREE_GDN_VERIFY") == ("chunk" if "_chunk" in name else None)
             assert env.get("SGLANG_DDTREE_CONV") == ("sglang" if "_sglangconv" in name else None)
             assert env.get("SGLANG_MAMBA_SSM_DTYPE") == ("bfloat16" if state == 2 else None)
             assert env.get("SGLANG_DDTREE_TREE_BUILDER") == ("torch" if "_torch" in name else None)

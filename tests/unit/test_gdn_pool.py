@@ -153,8 +153,8 @@ def test_the_solver_is_sglangs_own_unless_compact(monkeypatch):
 
 
 def test_gdn_defaults_each_switch_off_and_what_cannot_work_refused(monkeypatch):
-    """Default: the chunked verify, the tree conv1d and the compact scratch; each switch turns
-    one off; --enable-unified-memory keeps the full scratch (and refuses compact, asked for);
+    """Default: the root-path verify, the tree conv1d and the compact scratch; the chunked verify
+    is opt-in and each other switch turns one off; --enable-unified-memory keeps the full scratch (and refuses compact, asked for);
     SGLANG_DDTREE_GDN=sglang takes none of the three."""
     args = SimpleNamespace(speculative_dflash_block_size=16)
     monkeypatch.setattr(gdn, "_path", gdn._path)  # restored after the test
@@ -163,16 +163,16 @@ def test_gdn_defaults_each_switch_off_and_what_cannot_work_refused(monkeypatch):
                  "SGLANG_DDTREE_GDN_SCRATCH"):  # fmt: skip
         monkeypatch.delenv(name, raising=False)
     gdn.configure(args)
-    assert gdn._path == gdn.GDNPath(16, verify="chunk", conv=True, compact=True)
+    assert gdn._path == gdn.GDNPath(16, verify="paths", conv=True, compact=True)
     assert gdn_pool._compact and gdn.active()
     assert gdn.describe(gdn._path) == (
-        "ddtree (verify: chunk; commit: replay; tree conv1d: ddtree; scratch: compact)"
+        "ddtree (verify: paths; commit: replay; tree conv1d: ddtree; scratch: compact)"
     )
     unified = SimpleNamespace(speculative_dflash_block_size=16, enable_unified_memory=True)
     gdn.configure(unified)  # SGLang's unified pool allocates per-node states itself
     assert gdn._path == gdn.GDNPath(16, compact=False) and not gdn_pool._compact
     for name, value, path in (("SGLANG_DDTREE_GDN_SCRATCH", "full", gdn.GDNPath(16, compact=False)),
-                              ("SGLANG_DDTREE_GDN_VERIFY", "paths", gdn.GDNPath(16, verify="paths")),
+                              ("SGLANG_DDTREE_GDN_VERIFY", "chunk", gdn.GDNPath(16, verify="chunk")),
                               ("SGLANG_DDTREE_CONV", "sglang", gdn.GDNPath(16, conv=False))):  # fmt: skip
         monkeypatch.setenv(name, value)
         gdn.configure(args)
@@ -183,7 +183,7 @@ def test_gdn_defaults_each_switch_off_and_what_cannot_work_refused(monkeypatch):
         gdn.configure(unified)
     monkeypatch.delenv("SGLANG_DDTREE_GDN_SCRATCH")
     monkeypatch.setenv("SGLANG_DDTREE_GDN", "sglang")
-    for name, value in (("SGLANG_DDTREE_GDN_VERIFY", "chunk"), ("SGLANG_DDTREE_CONV", "ddtree"),
+    for name, value in (("SGLANG_DDTREE_GDN_VERIFY", "paths"), ("SGLANG_DDTREE_CONV", "ddtree"),
                         ("SGLANG_DDTREE_GDN_SCRATCH", "full")):  # fmt: skip
         monkeypatch.setenv(name, value)
         with pytest.raises(ValueError, match=f"{name}={value} needs.*SGLANG_DDTREE_GDN=sglang"):
@@ -253,3 +253,38 @@ def test_options_are_parsed_once_and_the_activated_ones_win(monkeypatch):
     monkeypatch.setenv("SGLANG_DDTREE_SYNC_CHECK", "yes")
     with pytest.raises(ValueError, match="SGLANG_DDTREE_SYNC_CHECK must be '0' or '1'"):
         config.Options.from_env()
+
+
+def test_gdn_check_saves_the_inputs_of_a_verify_that_differs(monkeypatch, tmp_path, caplog):
+    """SGLANG_DDTREE_GDN_CHECK: the root-path kernel runs beside the chunked one (on a copy of
+    the scratch); a verify whose outputs differ by more than the tolerance is saved and logged,
+    one that agrees is not."""
+    import sglang_ddtree.gdn.tree_verify as tv
+    from sglang_ddtree import config
+
+    monkeypatch.setenv("SGLANG_DDTREE_GDN_CHECK", str(tmp_path))
+    assert config.Options.from_env().gdn_check == str(tmp_path)
+    monkeypatch.setattr(gdn, "_path", gdn.GDNPath(16, verify="chunk", check=str(tmp_path)))
+    monkeypatch.setattr(gdn, "_checks", [0, 0])
+    o = torch.ones(4, 2, 3)
+    state, slots = torch.zeros(3, 2, 3, 5), torch.tensor([1], dtype=torch.int32)
+    scratch = torch.zeros(2, 8)
+    args = (*[torch.zeros(1)] * 7, state, slots, torch.zeros(1, 4, dtype=torch.int64), scratch,
+            torch.zeros(1, dtype=torch.int32))  # fmt: skip
+    seen = []
+
+    def root_paths(*a, **kw):
+        seen.append(a[10] is not scratch)  # a copy of the scratch
+        return ref
+
+    monkeypatch.setattr(tv, "tree_verify", root_paths)
+    ref = o.clone()
+    gdn._check_chunk(o, args)
+    assert list(tmp_path.iterdir()) == [] and gdn._checks == [1, 0]
+    ref = o * 1.5
+    with caplog.at_level("WARNING"):
+        gdn._check_chunk(o, args)
+    saved = torch.load(tmp_path / "verify_0.pt")
+    assert torch.equal(saved["paths"], ref) and torch.equal(saved["chunk"], o)
+    assert saved["states"].shape == (1, 2, 3, 5) and saved["call"] == 2
+    assert "differs from the root paths by 0.333" in caplog.text and all(seen)
