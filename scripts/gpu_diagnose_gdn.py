@@ -1,7 +1,9 @@
 """Where DDTREE's chunked Gated DeltaNet verify and the root-path kernel part ways in a served
 run: one DDTREE server on the GPU suite's binary Qwen3.5 pair without CUDA graphs and with
 SGLANG_DDTREE_GDN_CHECK=OUT/check (integration/gdn.py: every chunked verify checked against the
-root-path kernel, the inputs of one that differs saved), the suite's greedy prompts at c=1.
+root-path kernel, the inputs of one that differs saved), the suite's greedy prompts at c=1, then
+each output's largest float32 deficit under the reference engine (did this run serve a wrong
+token?).
 
     python scripts/gpu_diagnose_gdn.py OUT [--prompts 0,15]
 """
@@ -41,9 +43,19 @@ def main() -> int:
         (args.out / "outputs.json").write_text(json.dumps(rows))
     finally:
         server.stop()
-    found = re.findall(r"GDN check: .*", server.log_text())
+    found = re.findall(r"GDN check: verify .*", server.log_text())
     print(f"{len(found)} chunked verifies differed from the root paths")
     print("\n".join(found[:8]))
+    # did this run serve a wrong token? the float32 referee of the GPU suite, on this machine's
+    # checkpoint (seeded weights written here, not bit-equal to another machine's)
+    from sglang_ddtree.reference.engine import load_pair
+
+    ref_target = load_pair(str(target), str(draft))[0]
+    for row in rows:
+        ids = server.tokenize(harness.PROMPTS[row["prompt"]])
+        deficits = harness.fp32_deficits(ref_target, ids, row["output_ids"])
+        worst = max(range(len(deficits)), key=deficits.__getitem__)
+        print(f"prompt {row['prompt']}: largest float32 deficit {deficits[worst]:.3f} at {worst}")
     return 0
 
 
