@@ -107,3 +107,43 @@ def draft_block_size_from_checkpoint(server_args: Any) -> int | None:
         model_override_args=json.loads(server_args.json_model_override_args or "{}"),
     )
     return parse_dflash_draft_config(draft_hf_config=cfg).resolve_block_size(default=None)
+
+
+# --- DFlashWorkerV2 internals that DDTREE's worker (a subclass) uses -----------------------------
+# SGLang 0.5.17 keeps these private; an upgrade that renames them changes only this block.
+
+
+def draft_block_buffers(worker: Any, bs: int) -> tuple[Any, Any, Any, Any]:
+    """DFlashWorkerV2's per-round draft-block buffers for bs requests: (block ids [bs, B],
+    positions [bs, B], KV cache locations [bs, B], host sequence lengths [bs])."""
+    worker._ensure_draft_block_buffers(bs)
+    return (
+        worker._draft_block_ids_buf[:bs],
+        worker._draft_block_positions_buf[:bs],
+        worker._draft_verify_out_cache_loc_buf[:bs],
+        worker._draft_seq_lens_cpu_buf[:bs],
+    )
+
+
+def prepare_draft_block(worker: Any, **kwargs: Any) -> None:
+    """SGLang's draft-block preparation kernel (bonus + MASK ids, positions, cache locations)
+    with DFlashWorkerV2's mask token; kwargs as `_prepare_dflash_draft_block_unchecked` takes."""
+    from sglang.kernels.ops.speculative.dflash import _prepare_dflash_draft_block_unchecked
+
+    _prepare_dflash_draft_block_unchecked(mask_token_id=int(worker._mask_token_id), **kwargs)
+
+
+def append_draft_kv(worker: Any, **kwargs: Any) -> None:
+    """DFlashWorkerV2's draft-KV append from target hidden states, by cache location."""
+    worker._append_target_hidden_to_draft_kv_by_loc(**kwargs)
+
+
+def init_draft_cuda_graphs(worker: Any, capture: bool) -> None:
+    """Capture (or not) the draft model's decode CUDA graphs through DFlashWorkerV2's draft worker."""
+    worker._draft_worker.init_cuda_graphs(capture_decode_cuda_graph=capture)
+
+
+def set_dense_conv_windows(pool: Any, windows: list) -> None:
+    """Point HybridReqToTokenPool's physical conv-window buffers at `windows` (the compact
+    pool's dense per-node layout)."""
+    pool._intermediate_conv_window_phys = windows

@@ -29,6 +29,8 @@ import math
 
 import torch
 
+from sglang_ddtree.integration import compat
+
 logger = logging.getLogger(__name__)
 
 _compact = False  # set by configure(); scheduler process only
@@ -105,7 +107,7 @@ def attach_compact_scratch(pool, spec_state_size: int, num_nodes: int) -> None:
     pool.mamba_cache = MambaPool.SpeculativeState(
         **fields, intermediate_ssm=scratch, intermediate_conv_window=windows
     )
-    pool._intermediate_conv_window_phys = windows
+    compat.set_dense_conv_windows(pool, windows)
     added = sum(t.numel() * t.element_size() for t in (scratch, *windows))
     pool.mem_usage = getattr(pool, "mem_usage", 0.0) + added / (1 << 30)
     logger.info(

@@ -20,7 +20,6 @@ import contextlib
 import logging
 
 import torch
-from sglang.kernels.ops.speculative.dflash import _prepare_dflash_draft_block_unchecked
 from sglang.srt.model_executor.cuda_graph_config import Backend
 from sglang.srt.model_executor.forward_batch_info import (
     CaptureHiddenMode,
@@ -41,6 +40,7 @@ from sglang.srt.utils import get_available_gpu_memory
 from torch.profiler import record_function
 
 from sglang_ddtree.config import DDTreeConfig, options
+from sglang_ddtree.integration import compat
 from sglang_ddtree.integration.draft_head import DraftTreeHead
 from sglang_ddtree.integration.round_dump import RoundDump
 from sglang_ddtree.integration.verify_input import make_verify_input
@@ -130,7 +130,7 @@ class DDTreeWorker(DFlashWorkerV2):
             self.draft_model_runner.capture_tail_hooks.append(
                 make_draft_sampler_capture_hook(self._tree_head)
             )
-        self._draft_worker.init_cuda_graphs(capture_decode_cuda_graph=capture)
+        compat.init_draft_cuda_graphs(self, capture)
 
     def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None):
         if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
@@ -177,15 +177,13 @@ class DDTreeWorker(DFlashWorkerV2):
     def _draft(self, batch, draft_input) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the DFlash block; returns (positions [bs, B], cache_loc [bs, B]) of the block."""
         bs, B = len(batch.seq_lens), self.cfg.block_size
-        self._ensure_draft_block_buffers(bs)
-        block_ids = self._draft_block_ids_buf[:bs]  # [bs, B]: bonus, MASK x (B-1)
-        positions = self._draft_block_positions_buf[:bs]  # [bs, B]: seq_len + 0..B-1
-        cache_loc = self._draft_verify_out_cache_loc_buf[:bs]  # [bs, B]: req_to_token slots
+        # [bs, B] each: bonus + MASK x (B - 1); seq_len + 0..B-1; req_to_token slots; and the
+        # host-bound lengths [bs]
+        block_ids, positions, cache_loc, seq_lens_cpu = compat.draft_block_buffers(self, bs)
         with own_code():
             self._prepare_block(batch, draft_input, block_ids, positions, cache_loc)
             embed = self.target_worker.model_runner.model.get_input_embeddings()
             input_embeds = embed(block_ids).view(bs * B, -1)
-        seq_lens_cpu = self._draft_seq_lens_cpu_buf[:bs]  # host bound: committed + one block
         seq_lens_cpu.copy_(self._host_seq_lens(batch, draft_input))
         seq_lens_cpu.add_(B)
         forward_batch = ForwardBatch(
@@ -212,7 +210,8 @@ class DDTreeWorker(DFlashWorkerV2):
 
     def _prepare_block(self, batch, draft_input, block_ids, positions, cache_loc) -> None:
         """block_ids = [bonus, MASK...], positions = seq_len + 0..B-1, cache_loc from req_to_token."""
-        _prepare_dflash_draft_block_unchecked(
+        compat.prepare_draft_block(
+            self,
             bonus_tokens=draft_input.bonus_tokens.view(-1),
             prefix_lens=batch.seq_lens.view(-1),
             req_pool_indices=batch.req_pool_indices.view(-1),
@@ -220,7 +219,6 @@ class DDTreeWorker(DFlashWorkerV2):
             block_ids_out=block_ids,
             positions_out=positions,
             cache_loc_out=cache_loc,
-            mask_token_id=int(self._mask_token_id),
         )
 
     # -- step 3 + 4 + 5a: verify, accept, commit target state --------------------------------
@@ -249,7 +247,8 @@ class DDTreeWorker(DFlashWorkerV2):
         if hidden is None:
             raise RuntimeError("DDTREE verify returned no target hidden states.")
         accepted = hidden.view(bs, N, -1)[:, :B, :].reshape(bs * B, -1)
-        self._append_target_hidden_to_draft_kv_by_loc(
+        compat.append_draft_kv(
+            self,
             target_hidden=accepted,
             cache_loc=cache_loc.reshape(-1),
             cache_loc_2d=cache_loc,

@@ -57,6 +57,44 @@ def test_no_product_code_imports_test_code():
     assert not (PACKAGE / "testing").exists()  # test helpers live in tests/
 
 
+def _own_private_names() -> set[str]:
+    """Private names the package defines itself: functions, classes, module globals, and
+    attributes it assigns (self._x = ...)."""
+    names = set()
+    for _, tree in _modules():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                names.add(node.name)
+            elif isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for t in targets:
+                    for sub in ast.walk(t):
+                        if isinstance(sub, ast.Attribute):
+                            names.add(sub.attr)
+                        elif isinstance(sub, ast.Name):
+                            names.add(sub.id)
+    return {n for n in names if n.startswith("_")}
+
+
+def test_sglang_private_names_are_used_only_in_compat():
+    """An SGLang upgrade that renames a private attribute or function changes compat.py alone:
+    nowhere else does the integration touch a `_name` that the package does not define."""
+    own = _own_private_names() | {"_asdict", "_fields", "_replace", "_make"}  # namedtuple API
+    found = []
+    for name, tree in _modules():
+        if name == "integration/compat.py":
+            continue
+        for node in ast.walk(tree):
+            used = []
+            if isinstance(node, ast.Attribute):
+                used = [node.attr]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sglang"):
+                used = [alias.name for alias in node.names]
+            found += [(name, node.lineno, u) for u in used
+                      if u.startswith("_") and not u.startswith("__") and u not in own]  # fmt: skip
+    assert found == []
+
+
 def test_files_and_functions_stay_short():
     long_files, long_functions = [], []
     for name, tree in _modules():
