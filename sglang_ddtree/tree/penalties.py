@@ -1,0 +1,71 @@
+"""Sampling penalties per tree node, exactly (issue 14, part 2; not yet wired into the server).
+
+A node's distribution must be the request's distribution given the path to that node. The
+frequency, presence and repetition penalties depend on which tokens the context holds, and in a
+tree that context is the request's output so far plus the node's own path. SGLang's penalizers
+apply one count vector to every draft position, which is exact for a chain's first position
+only. Here the shared counts are applied to every node as SGLang would, and then each token
+that occurs on a node's path gets its value recomputed from the raw logit with the count that
+path gives it. No host sync, static shapes (CUDA-graph safe).
+
+Conventions (SGLang's penalizers): `counts` [bs, V] are the output tokens so far, including the
+root (the last committed token); `seen` [bs, V] is what the repetition penalty looks at (SGLang:
+the prompt and the output); the root's own token is therefore already counted and a node's path
+adds nodes 1..i. Order: the repetition penalty first (x / r for x > 0, x * r otherwise), then
+x -= frequency * count + presence * (count > 0).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def penalize(x: torch.Tensor, count: torch.Tensor, seen: torch.Tensor, frequency: torch.Tensor,
+             presence: torch.Tensor, repetition: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """The penalties on logits x given each token's count and seen flag (broadcasting; the
+    penalty tensors broadcast against x)."""
+    x = torch.where(seen, torch.where(x > 0, x / repetition, x * repetition), x)
+    return x - frequency * count - presence * (count > 0).to(x.dtype)
+
+
+def penalize_tree(logits: torch.Tensor, tokens: torch.Tensor, visibility: torch.Tensor,
+                  counts: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor,
+                  repetition: torch.Tensor, seen: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """[bs, N, V] logits of every node's next token with the penalties its own path gives.
+
+    logits [bs, N, V] raw; tokens [bs, N] the nodes' tokens (node 0 the root); visibility
+    [bs, N, N] bool, [b, i, j] = j is i or an ancestor of i (DraftTree.visibility); counts
+    [bs, V] output-token counts so far (root included); frequency / presence / repetition [bs]
+    (0, 0, 1: off); seen [bs, V] bool (default counts > 0)."""
+    bs, N, _ = logits.shape
+    counts = counts.to(logits.dtype)
+    seen = counts > 0 if seen is None else seen
+    f, p, r = (t.to(logits.dtype)[:, None, None] for t in (frequency, presence, repetition))
+    shared = penalize(logits, counts[:, None, :], seen[:, None, :], f, p, r)
+    on_path = visibility.clone()
+    on_path[:, :, 0] = False  # the root's token is in `counts` already
+    same = tokens[:, :, None] == tokens[:, None, :]  # [bs, N, N]
+    # m[b, i, j]: how often node j's token occurs on node i's path (nodes 1..i)
+    m = torch.bmm(on_path.to(logits.dtype), same.to(logits.dtype))
+    idx = tokens[:, None, :].expand(bs, N, N)  # [b, i, j] -> node j's token
+    raw = logits.gather(2, idx)
+    path_value = penalize(
+        raw, counts.gather(1, tokens)[:, None, :] + m, torch.ones_like(m, dtype=torch.bool), f, p, r
+    )
+    # every j with the same token writes the same value at (i, token), so the scatter is exact
+    value = torch.where(m > 0, path_value, shared.gather(2, idx))
+    return shared.scatter(2, idx, value)
+
+
+def suppress_eos_before_min_tokens(logits: torch.Tensor, depth: torch.Tensor,
+                                   output_len: torch.Tensor, min_tokens: torch.Tensor,
+                                   eos_ids: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """min_tokens per node: a node at depth d follows output_len + d generated tokens (the root
+    at depth 0 is the last of output_len), so its next token may be an EOS only once
+    output_len + d >= min_tokens. logits [bs, N, V]; depth [bs, N]; output_len, min_tokens [bs];
+    eos_ids [E] (padded with any EOS id)."""
+    early = (output_len[:, None] + depth) < min_tokens[:, None]  # [bs, N]
+    out = logits.clone()
+    eos = eos_ids[None, None, :].expand(*depth.shape, eos_ids.numel())
+    blocked = torch.where(early[:, :, None], float("-inf"), out.gather(2, eos))
+    return out.scatter(2, eos, blocked)

@@ -1,0 +1,72 @@
+"""tree/penalties.py: each node's penalties exactly as its own path gives them, against a plain
+per-node loop that builds the node's context and counts it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_ddtree.tree import build_tree_reference
+from sglang_ddtree.tree.penalties import penalize, penalize_tree, suppress_eos_before_min_tokens
+from sglang_ddtree.tree.testing import random_build_inputs
+
+
+def _trees(bs, N, vocab, gen):
+    root, ids, lps = random_build_inputs(gen, bs, 7, 4, vocab, mode="continuous")
+    return build_tree_reference(root, ids, lps, N - 1)
+
+
+def _per_node(logits, tree, counts, seen, f, p, r):
+    out = torch.empty_like(logits)
+    bs, N, V = logits.shape
+    for b in range(bs):
+        for i in range(N):
+            path = [j for j in range(1, N) if tree.visibility[b, i, j]]  # nodes 1..i on i's path
+            c = counts[b].clone().to(logits.dtype)
+            s = seen[b].clone()
+            for j in path:
+                c[tree.tokens[b, j]] += 1
+                s[tree.tokens[b, j]] = True
+            out[b, i] = penalize(logits[b, i], c, s, f[b], p[b], r[b])
+    return out
+
+
+@pytest.mark.parametrize("repeats", [False, True])
+def test_every_node_gets_the_penalties_of_its_own_path(repeats):
+    """Random DDTrees (repeats: a tiny vocabulary, so tokens recur along paths and between
+    siblings), counts and seen sets from a made-up history, all three penalties at once."""
+    gen = torch.Generator().manual_seed(3)
+    bs, N, V = 3, 20, 6 if repeats else 100
+    tree = _trees(bs, N, V, gen)
+    logits = torch.randn(bs, N, V, generator=gen) * 3
+    counts = torch.randint(0, 3, (bs, V), generator=gen) * (torch.rand(bs, V, generator=gen) < 0.3)
+    seen = (counts > 0) | (torch.rand(bs, V, generator=gen) < 0.2)  # the prompt's tokens too
+    f, p = torch.tensor([0.5, 0.0, 1.2]), torch.tensor([0.3, 0.7, 0.0])
+    r = torch.tensor([1.3, 1.0, 0.8])
+    got = penalize_tree(logits, tree.tokens, tree.visibility, counts, f, p, r, seen=seen)
+    torch.testing.assert_close(got, _per_node(logits, tree, counts, seen, f, p, r), rtol=0,
+                               atol=1e-6)  # fmt: skip
+    # the root's row sees the shared counts only: SGLang's own penalty for the chain's first step
+    shared = penalize(logits[:, 0], counts.float(), seen, f[:, None], p[:, None], r[:, None])
+    torch.testing.assert_close(got[:, 0], shared, rtol=0, atol=1e-6)
+
+
+def test_no_penalty_leaves_the_logits_alone():
+    gen = torch.Generator().manual_seed(5)
+    tree = _trees(2, 12, 50, gen)
+    logits = torch.randn(2, 12, 50, generator=gen)
+    counts = torch.randint(0, 4, (2, 50), generator=gen)
+    off = penalize_tree(logits, tree.tokens, tree.visibility, counts, torch.zeros(2),
+                        torch.zeros(2), torch.ones(2))  # fmt: skip
+    assert torch.equal(off, logits)
+
+
+def test_eos_is_blocked_per_node_until_min_tokens():
+    """A node at depth d follows output_len + d tokens: EOS is blocked below min_tokens."""
+    logits = torch.zeros(2, 4, 10)
+    depth = torch.tensor([[0, 1, 2, 3], [0, 1, 1, 2]])
+    out = suppress_eos_before_min_tokens(logits, depth, torch.tensor([5, 1]), torch.tensor([7, 1]),
+                                         torch.tensor([9, 2]))  # fmt: skip
+    blocked = torch.isinf(out[..., 9])
+    assert blocked.tolist() == [[True, True, False, False], [False, False, False, False]]
+    assert torch.equal(torch.isinf(out[..., 2]), blocked) and not torch.isinf(out[..., :2]).any()
