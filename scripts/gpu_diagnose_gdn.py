@@ -1,11 +1,12 @@
 """Where DDTREE's chunked Gated DeltaNet verify and the root-path kernel part ways in a served
-run: one DDTREE server on the GPU suite's binary Qwen3.5 pair without CUDA graphs and with
-SGLANG_DDTREE_GDN_CHECK=OUT/check (integration/gdn.py: every chunked verify checked against the
-root-path kernel, the inputs of one that differs saved), the suite's greedy prompts at c=1, then
+run: one DDTREE server (chunked verify) on the GPU suite's binary Qwen3.5 pair with
+SGLANG_DDTREE_GDN_CHECK=OUT/check (integration/gdn_check.py: every chunked verify checked
+against the root-path kernel; in CUDA graphs per round, with --eager per call with the inputs of
+one that differs saved), the suite's greedy prompts at c=1, then
 each output's largest float32 deficit under the reference engine (did this run serve a wrong
 token?).
 
-    python scripts/gpu_diagnose_gdn.py OUT [--prompts 0,15]
+    python scripts/gpu_diagnose_gdn.py OUT [--prompts 0,15] [--eager]
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ def main() -> int:
     p.add_argument("out", type=Path)
     p.add_argument("--prompts", default="", help="indices into harness.PROMPTS (default: all)")
     p.add_argument("--port", type=int, default=33000)
+    p.add_argument("--eager", action="store_true", help="no CUDA graphs: save differing inputs")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     target, draft = write_pair(args.out, "qwen35")
-    env = {**ENV, "SGLANG_DDTREE_GDN_CHECK": str(args.out / "check")}
-    flags = [*COMMON, *ddtree_args("qwen35", draft), "--disable-cuda-graph"]
+    env = {**ENV, "SGLANG_DDTREE_GDN_CHECK": str(args.out / "check"),
+           "SGLANG_DDTREE_GDN_VERIFY": "chunk"}  # fmt: skip
+    flags = [*COMMON, *ddtree_args("qwen35", draft), *(["--disable-cuda-graph"] * args.eager)]
     server = harness.Server("qwen35-ddtree_check", str(target), args.port, flags, env,
                             log_dir=args.out)  # fmt: skip
     server.start()
@@ -43,8 +46,8 @@ def main() -> int:
         (args.out / "outputs.json").write_text(json.dumps(rows))
     finally:
         server.stop()
-    found = re.findall(r"GDN check: verify .*", server.log_text())
-    print(f"{len(found)} chunked verifies differed from the root paths")
+    found = re.findall(r"GDN check: (?:verify|round) .*", server.log_text())
+    print(f"{len(found)} chunked verifies (or graph rounds) differed from the root paths")
     print("\n".join(found[:8]))
     # did this run serve a wrong token? the float32 referee of the GPU suite, on this machine's
     # checkpoint (seeded weights written here, not bit-equal to another machine's)

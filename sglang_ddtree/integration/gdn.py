@@ -34,7 +34,7 @@ import dataclasses
 import logging
 
 from sglang_ddtree.config import Options
-from sglang_ddtree.integration import compat, gdn_pool
+from sglang_ddtree.integration import compat, gdn_check, gdn_pool
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class GDNPath:
     verify: str = "paths"  # SGLANG_DDTREE_GDN_VERIFY: "paths" (root paths) or "chunk" (N <= 64)
     conv: bool = True  # SGLANG_DDTREE_CONV=ddtree: gdn/conv_tree.py's tree conv1d
     compact: bool = True  # SGLANG_DDTREE_GDN_SCRATCH=compact: integration/gdn_pool.py
-    check: str | None = None  # SGLANG_DDTREE_GDN_CHECK: where `_check_chunk` saves what differs
+    check: str | None = None  # SGLANG_DDTREE_GDN_CHECK: where integration/gdn_check.py saves
 
 
 _path: GDNPath | None = None  # set by configure() in the scheduler process; None: SGLang's path
@@ -115,7 +115,7 @@ def target_verify(original, dispatcher, A_log, dt_bias, q, k, v, a, b, **kwargs)
     try:
         o = kernel(*args, max_path=_path.max_path)
         if chunked and _path.check:
-            _check_chunk(o, args)
+            gdn_check.compare(o, args, _path)
     except ValueError as exc:  # a pool layout the kernel does not take: name the way out
         raise RuntimeError(
             f"DDTREE's Gated DeltaNet tree verify cannot run on this Mamba pool ({exc}); serve "
@@ -160,6 +160,8 @@ def commit(original, backend, last_correct_step_indices, mamba_track_indices,
                         mamba_steps_to_track, model, req_pool_indices)  # fmt: skip
     from sglang_ddtree.gdn.tree_verify import as_scratch, commit_paths
 
+    if _path.check:
+        gdn_check.after_round()
     _first_use("GDN state commit through sglang_ddtree.gdn.tree_verify.commit_paths")
     bs = last_correct_step_indices.shape[0]
     state_idx = meta.mamba_cache_indices[:bs]
@@ -186,49 +188,6 @@ def commit(original, backend, last_correct_step_indices, mamba_track_indices,
 
 
 _used: set[str] = set()
-_checks = [0, 0]  # SGLANG_DDTREE_GDN_CHECK: verifies checked, inputs saved
-
-
-def _check_chunk(o, args, tol: float = 1e-2, keep: int = 4) -> None:
-    """SGLANG_DDTREE_GDN_CHECK (eager mode only: it reads results back): the root-path kernel
-    on the same inputs (its scratch in a copy). Per node and value head, the largest difference
-    over V as a fraction of that row's largest root-path output (rows below 1e-6 of the call's
-    largest are skipped); where one exceeds `tol`, the inputs, the slots' states and both outputs
-    go to CHECK/verify_<n>.pt (the first `keep` such calls) and a warning names the worst node.
-    Every 1000 checks a line says how many were checked and how many differed."""
-    import os
-
-    import torch
-
-    from sglang_ddtree.gdn.tree_verify import tree_verify
-
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        return  # a CUDA graph capture: nothing can be read back
-    *inputs, state, slots, parents, scratch, scratch_idx = args
-    ref = tree_verify(*inputs, state, slots, parents, scratch.clone(), scratch_idx,
-                      max_path=_path.max_path).float()  # fmt: skip
-    diff = (o.float() - ref).abs().amax(-1)  # [T, HV]
-    size = ref.abs().amax(-1)
-    rel = torch.where(size > 1e-6 * size.max(), diff / size.clamp(min=1e-30), 0.0)
-    worst = float(rel.max())
-    _checks[0] += 1
-    if worst > tol:
-        _checks[1] += 1
-        token, head = divmod(int(rel.argmax()), rel.shape[1])
-        where = os.path.join(_path.check, f"verify_{_checks[1] - 1}.pt")
-        if _checks[1] <= keep:
-            os.makedirs(_path.check, exist_ok=True)
-            saved = {"inputs": [x.cpu() if torch.is_tensor(x) else x for x in inputs],
-                     "states": state[slots.long().clamp(min=0)].cpu(), "slots": slots.cpu(),
-                     "parents": parents.cpu(), "max_path": _path.max_path, "chunk": o.cpu(),
-                     "paths": ref.cpu(), "call": _checks[0]}  # fmt: skip
-            torch.save(saved, where)
-        logger.warning("sglang_ddtree: GDN check: verify %d differs from the root paths by "
-                       "%.3g of the row's max |o| at node %d (request %d), value head %d%s",
-                       _checks[0], worst, token % parents.shape[1], token // parents.shape[1],
-                       head, f"; inputs in {where}" if _checks[1] <= keep else "")  # fmt: skip
-    if _checks[0] % 1000 == 0:
-        logger.info("sglang_ddtree: GDN check: %d verifies checked, %d differed", *_checks)
 
 
 def _first_use(what: str) -> None:

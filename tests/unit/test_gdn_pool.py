@@ -257,15 +257,18 @@ def test_options_are_parsed_once_and_the_activated_ones_win(monkeypatch):
 
 def test_gdn_check_saves_the_inputs_of_a_verify_that_differs(monkeypatch, tmp_path, caplog):
     """SGLANG_DDTREE_GDN_CHECK: the root-path kernel runs beside the chunked one (on a copy of
-    the scratch); a verify whose outputs differ by more than the tolerance is saved and logged,
-    one that agrees is not."""
+    the scratch); a verify with a row that differs by more than the tolerance of its own size
+    is saved and logged, one that agrees is not; inside a CUDA graph the round's worst row
+    accumulates on the device and the commit hook reports it."""
     import sglang_ddtree.gdn.tree_verify as tv
     from sglang_ddtree import config
+    from sglang_ddtree.integration import gdn_check
 
     monkeypatch.setenv("SGLANG_DDTREE_GDN_CHECK", str(tmp_path))
     assert config.Options.from_env().gdn_check == str(tmp_path)
-    monkeypatch.setattr(gdn, "_path", gdn.GDNPath(16, verify="chunk", check=str(tmp_path)))
-    monkeypatch.setattr(gdn, "_checks", [0, 0])
+    path = gdn.GDNPath(16, verify="chunk", check=str(tmp_path))
+    monkeypatch.setattr(gdn_check, "_counts", dict.fromkeys(gdn_check._counts, 0))
+    monkeypatch.setattr(gdn_check, "_worst", [])
     o = torch.ones(4, 2, 3)
     state, slots = torch.zeros(3, 2, 3, 5), torch.tensor([1], dtype=torch.int32)
     scratch = torch.zeros(2, 8)
@@ -279,15 +282,25 @@ def test_gdn_check_saves_the_inputs_of_a_verify_that_differs(monkeypatch, tmp_pa
 
     monkeypatch.setattr(tv, "tree_verify", root_paths)
     ref = o.clone()
-    gdn._check_chunk(o, args)
-    assert list(tmp_path.iterdir()) == [] and gdn._checks == [1, 0]
+    gdn_check.compare(o, args, path)
+    assert list(tmp_path.iterdir()) == [] and gdn_check._counts["differed"] == 0
     ref = o.clone()
     ref[2, 1] = 10.0  # one small row off: judged against its own size, not the largest row's
     ref[0] = o[0] = 100.0
     with caplog.at_level("WARNING"):
-        gdn._check_chunk(o, args)
+        gdn_check.compare(o, args, path)
     saved = torch.load(tmp_path / "verify_0.pt")
     assert torch.equal(saved["paths"], ref) and torch.equal(saved["chunk"], o)
     assert saved["states"].shape == (1, 2, 3, 5) and saved["call"] == 2
     assert "by 0.9 of the row's max |o| at node 2 (request 0), value head 1" in caplog.text
     assert all(seen)
+    # as if captured: the worst row accumulates, after_round reads and resets it
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    gdn_check.compare(o, args, path)
+    ref = o.clone()
+    gdn_check.compare(o, args, path)
+    assert float(gdn_check._worst[0]) == pytest.approx(0.9)
+    with caplog.at_level("WARNING"):
+        gdn_check.after_round()
+    assert "round 1 (CUDA graph)" in caplog.text and float(gdn_check._worst[0]) == 0.0

@@ -1,0 +1,91 @@
+"""SGLANG_DDTREE_GDN_CHECK=DIR: the chunked Gated DeltaNet tree verify checked against the
+root-path kernel inside a served run (a debugging aid: it runs both kernels and reads results
+back, so it costs a verify and a host sync per round).
+
+Per node and value head, the largest difference over V as a fraction of that row's largest
+root-path output (rows below 1e-6 of the call's largest are skipped).
+- Without CUDA graphs (`compare` reads each call back): a call beyond TOL is logged with its
+  worst node, and the first KEEP such calls' inputs, slot states and both outputs are saved to
+  DIR/verify_<n>.pt.
+- Inside a CUDA graph: the worst fraction of the round's calls accumulates on the device, and
+  `after_round` (the commit hook, outside the graph) reads it back and logs a round beyond TOL.
+Every 1000 checks (calls, or rounds in a graph) a line says how many differed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+TOL, KEEP = 1e-2, 4
+_counts = {"calls": 0, "differed": 0, "rounds": 0, "rounds_differed": 0}
+_worst: list[torch.Tensor] = []  # the device accumulator of graph-captured calls
+
+
+def row_error(o: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """[T, HV] largest |o - ref| over V per row, as a fraction of the row's largest |ref|."""
+    ref = ref.float()
+    diff = (o.float() - ref).abs().amax(-1)
+    size = ref.abs().amax(-1)
+    return torch.where(size > 1e-6 * size.max(), diff / size.clamp(min=1e-30), 0.0)
+
+
+def compare(o: torch.Tensor, args: tuple, path) -> None:
+    """The root-path kernel on the verify's inputs (its scratch in a copy) against `o`."""
+    from sglang_ddtree.gdn.tree_verify import tree_verify
+
+    *inputs, state, slots, parents, scratch, scratch_idx = args
+    ref = tree_verify(*inputs, state, slots, parents, scratch.clone(), scratch_idx,
+                      max_path=path.max_path)  # fmt: skip
+    rel = row_error(o, ref)
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if not _worst:
+            _worst.append(torch.zeros((), device=rel.device))
+        torch.maximum(_worst[0], rel.max(), out=_worst[0])
+        return
+    _counts["calls"] += 1
+    worst = float(rel.max())
+    if worst > TOL:
+        _counts["differed"] += 1
+        _report(o, ref, rel, worst, inputs, state, slots, parents, path)
+    if _counts["calls"] % 1000 == 0:
+        logger.info("sglang_ddtree: GDN check: %d verifies checked, %d differed",
+                    _counts["calls"], _counts["differed"])  # fmt: skip
+
+
+def after_round() -> None:
+    """Read back (and reset) the worst fraction of this round's graph-captured verifies."""
+    if not _worst:
+        return
+    worst = float(_worst[0])
+    _worst[0].zero_()
+    _counts["rounds"] += 1
+    if worst > TOL:
+        _counts["rounds_differed"] += 1
+        logger.warning("sglang_ddtree: GDN check: round %d (CUDA graph): a chunked verify "
+                       "differs from the root paths by %.3g of the row's max |o|",
+                       _counts["rounds"], worst)  # fmt: skip
+    if _counts["rounds"] % 1000 == 0:
+        logger.info("sglang_ddtree: GDN check: %d rounds checked, %d differed",
+                    _counts["rounds"], _counts["rounds_differed"])  # fmt: skip
+
+
+def _report(o, ref, rel, worst, inputs, state, slots, parents, path) -> None:
+    token, head = divmod(int(rel.argmax()), rel.shape[1])
+    N = parents.shape[1]
+    where = os.path.join(path.check, f"verify_{_counts['differed'] - 1}.pt")
+    saved = _counts["differed"] <= KEEP
+    if saved:
+        os.makedirs(path.check, exist_ok=True)
+        torch.save({"inputs": [x.cpu() if torch.is_tensor(x) else x for x in inputs],
+                    "states": state[slots.long().clamp(min=0)].cpu(), "slots": slots.cpu(),
+                    "parents": parents.cpu(), "max_path": path.max_path, "chunk": o.cpu(),
+                    "paths": ref.cpu(), "call": _counts["calls"]}, where)  # fmt: skip
+    logger.warning("sglang_ddtree: GDN check: verify %d differs from the root paths by %.3g of "
+                   "the row's max |o| at node %d (request %d), value head %d%s",
+                   _counts["calls"], worst, token % N, token // N, head,
+                   f"; inputs in {where}" if saved else "")  # fmt: skip
