@@ -1,0 +1,238 @@
+"""A bounded mixed soak of running servers (issue 15, part 1): seeded requests through the OpenAI
+chat API (streaming and not) and /generate, prompt lengths from one token to near the context,
+max_tokens 1-512, temperature 0 / 0.7 / 1.0 with top-p / top-k, n 1 and 2, stop strings, about
+30 % cancelled at a random moment, more requests in flight than the server runs at once. The
+same request list goes to every server, one server after another.
+
+    python scripts/soak.py --server ddtree=http://127.0.0.1:31010 \
+        --server dflash=http://127.0.0.1:31050 [--requests 1000] [--seconds 300] \
+        [--concurrency 32] [--context 2048] [--log ddtree=PATH] [--out soak.json]
+
+Before and after each server's soak: a fixed greedy probe (its text must not change), /health,
+and /v1/loads (the KV pool back to idle); with --log NAME=PATH, the server log's new lines are
+searched for a Traceback or a leak report. Only 127.0.0.1 / localhost servers are accepted.
+Report per server: completed, cancelled, refused (4xx) and failed requests, p50 / p99 latency,
+generated tokens per second; exit 1 when a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import random
+import statistics
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+WORDS = ("def return self value list data item index result config print while import "
+         "class yield lambda None True False for in if else try except with open read").split()  # fmt: skip
+PROBE = {"text": "def fibonacci(n):", "sampling_params": {"max_new_tokens": 64, "temperature": 0}}
+
+
+@dataclass
+class Request:
+    api: str  # "chat" | "chat_stream" | "generate"
+    prompt: str
+    max_tokens: int
+    temperature: float
+    top_p: float = 1.0
+    top_k: int = -1
+    n: int = 1
+    stop: list[str] = field(default_factory=list)
+    cancel_after_s: float | None = None  # abort the HTTP request after this long
+
+
+def request_mix(count: int, context: int, seed: int = 0) -> list[Request]:
+    """`count` seeded requests; prompt lengths up to about context - 520 tokens (a word and a
+    space are about 1.5 tokens for these tokenizers, so the words are capped by that)."""
+    rng = random.Random(seed)
+    out = []
+    max_words = max(1, int((context - 520) / 1.5))
+    for _ in range(count):
+        words = rng.choice([1, rng.randint(2, 64), rng.randint(64, max_words), max_words])
+        temperature = rng.choice([0.0, 0.7, 1.0])
+        out.append(Request(
+            api=rng.choice(["chat", "chat_stream", "generate"]),
+            prompt=" ".join(rng.choice(WORDS) for _ in range(words)),
+            max_tokens=rng.choice([1, rng.randint(2, 64), rng.randint(64, 512)]),
+            temperature=temperature,
+            top_p=rng.choice([1.0, 0.9]) if temperature else 1.0,
+            top_k=rng.choice([-1, 20]) if temperature else -1,
+            n=rng.choice([1, 1, 1, 2]),
+            stop=rng.choice([[], [], ["\n\n"], ["return", "yield"]]),
+            cancel_after_s=rng.uniform(0.05, 3.0) if rng.random() < 0.3 else None,
+        ))  # fmt: skip
+    return out
+
+
+def payload(req: Request) -> tuple[str, dict]:
+    """(path, JSON body) of one request."""
+    if req.api == "generate":
+        sp = {"max_new_tokens": req.max_tokens, "temperature": req.temperature,
+              "top_p": req.top_p, "top_k": req.top_k, "n": req.n, "stop": req.stop}  # fmt: skip
+        return "/generate", {"text": req.prompt, "sampling_params": sp}
+    body = {"model": "default", "messages": [{"role": "user", "content": req.prompt}],
+            "max_tokens": req.max_tokens, "temperature": req.temperature, "top_p": req.top_p,
+            "n": req.n, "stream": req.api == "chat_stream"}  # fmt: skip
+    if req.top_k > 0:
+        body["top_k"] = req.top_k
+    if req.stop:
+        body["stop"] = req.stop
+    return "/v1/chat/completions", body
+
+
+def send(url: str, req: Request, timeout: float = 600) -> dict:
+    """One request: {"outcome": completed | cancelled | refused | failed, "status", "latency_s",
+    "tokens"}. A cancel closes the connection mid-request (the server must abort it)."""
+    path, body = payload(req)
+    http = urllib.request.Request(url + path, data=json.dumps(body).encode(),
+                                  headers={"Content-Type": "application/json"})  # fmt: skip
+    t0 = time.time()
+    limit = req.cancel_after_s or timeout
+    try:
+        with urllib.request.urlopen(http, timeout=limit) as r:
+            tokens = 0
+            if body.get("stream"):
+                for line in r:  # server-sent events; each data line is one chunk
+                    if time.time() - t0 > limit:
+                        return _row("cancelled", r.status, t0, tokens)
+                    tokens += line.startswith(b"data: {")
+            else:
+                out = json.loads(r.read())
+                tokens = _tokens(out)
+        return _row("completed", 200, t0, tokens)
+    except urllib.error.HTTPError as e:
+        return _row("refused" if 400 <= e.code < 500 else "failed", e.code, t0, 0,
+                    e.read().decode(errors="replace")[:300])  # fmt: skip
+    except (OSError, urllib.error.URLError) as e:  # timeouts and resets included
+        if req.cancel_after_s is not None:
+            return _row("cancelled", None, t0, 0)
+        return _row("failed", None, t0, 0, repr(e)[:300])
+
+
+def _tokens(out) -> int:
+    if isinstance(out, list):  # /generate with n > 1
+        return sum(_tokens(o) for o in out)
+    if "usage" in out and out["usage"]:
+        return int(out["usage"].get("completion_tokens", 0))
+    return int(out.get("meta_info", {}).get("completion_tokens", 0))
+
+
+def _row(outcome, status, t0, tokens, error=None) -> dict:
+    row = {"outcome": outcome, "status": status, "latency_s": time.time() - t0, "tokens": tokens}
+    return {**row, "error": error} if error else row
+
+
+def summarize(rows: list[dict], wall_s: float) -> dict:
+    """Counts per outcome, latency percentiles of completed requests, generated tokens / s."""
+    done = sorted(r["latency_s"] for r in rows if r["outcome"] == "completed")
+
+    def pct(q):
+        return round(done[min(len(done) - 1, int(q * len(done)))], 3) if done else None
+
+    counts = {k: sum(r["outcome"] == k for r in rows)
+              for k in ("completed", "cancelled", "refused", "failed")}  # fmt: skip
+    errors = sorted({str(r.get("error") or r["status"]) for r in rows if r["outcome"] in
+                     ("refused", "failed")})[:10]  # fmt: skip
+    return {**counts, "p50_s": pct(0.5), "p99_s": pct(0.99),
+            "mean_s": round(statistics.mean(done), 3) if done else None,
+            "tokens_per_s": round(sum(r["tokens"] for r in rows) / max(wall_s, 1e-9), 1),
+            "wall_s": round(wall_s, 1), "errors": errors}  # fmt: skip
+
+
+def check_local(url: str) -> str:
+    host = urllib.parse.urlparse(url).hostname
+    if host not in ("127.0.0.1", "localhost"):
+        raise SystemExit(f"soak.py sends traffic to 127.0.0.1 / localhost only, not {host}")
+    return url.rstrip("/")
+
+
+def health(url: str) -> dict:
+    """Probe text, /health status and the KV tokens in use (None where the server has no
+    /v1/loads)."""
+    status, probe = _post(url + "/generate", PROBE)
+    ok = _get(url + "/health")[0] == 200
+    loads = _get(url + "/v1/loads")[1]
+    per_rank = loads.get("loads", []) if isinstance(loads, dict) else loads
+    used = sum(r.get("num_used_tokens", 0) for r in per_rank) if per_rank else None
+    return {"probe": probe.get("text") if status == 200 else None, "healthy": ok,
+            "kv_tokens_in_use": used}  # fmt: skip
+
+
+def _post(url, body):
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=600) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, {}
+
+
+def _get(url):
+    try:
+        with urllib.request.urlopen(url, timeout=60) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except (urllib.error.HTTPError, urllib.error.URLError, json.JSONDecodeError):
+        return None, {}
+
+
+def soak(url: str, reqs: list[Request], seconds: float, concurrency: int) -> dict:
+    deadline = time.time() + seconds
+    t0 = time.time()
+
+    def one(req):
+        return send(url, req) if time.time() < deadline else None
+
+    with cf.ThreadPoolExecutor(max_workers=concurrency) as pool:
+        rows = [r for r in pool.map(one, reqs) if r is not None]
+    return {**summarize(rows, time.time() - t0), "sent": len(rows)}
+
+
+def log_problems(path: Path, start: int) -> list[str]:
+    text = path.read_text(errors="replace")[start:]
+    return [w for w in ("Traceback", "leak") if w.lower() in text.lower()]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--server", action="append", required=True, help="NAME=URL")
+    p.add_argument("--log", action="append", default=[], help="NAME=PATH of its log")
+    p.add_argument("--requests", type=int, default=1000)
+    p.add_argument("--seconds", type=float, default=300, help="per server")
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--context", type=int, default=2048)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path)
+    args = p.parse_args()
+    servers = {n: check_local(u) for n, u in (s.split("=", 1) for s in args.server)}
+    logs = {n: Path(v) for n, v in (s.split("=", 1) for s in args.log)}
+    reqs = request_mix(args.requests, args.context, args.seed)
+    report, ok = {}, True
+    for name, url in servers.items():
+        start = logs[name].stat().st_size if name in logs else 0
+        before = health(url)
+        result = soak(url, reqs, args.seconds, args.concurrency)
+        time.sleep(2)  # let aborted requests drain
+        after = health(url)
+        problems = log_problems(logs[name], start) if name in logs else []
+        checks = {"probe_unchanged": before["probe"] is not None and after["probe"] == before["probe"],
+                  "healthy": after["healthy"], "kv_idle": after["kv_tokens_in_use"] in (0, None),
+                  "log_clean": not problems}  # fmt: skip
+        ok &= all(checks.values()) and result["failed"] == 0
+        report[name] = {**result, "checks": checks, "log_problems": problems,
+                        "kv_tokens_in_use_after": after["kv_tokens_in_use"]}  # fmt: skip
+        print(name, json.dumps(report[name]), flush=True)
+    report["mix"] = [asdict(r) for r in reqs[:3]]
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

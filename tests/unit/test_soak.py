@@ -1,0 +1,116 @@
+"""scripts/soak.py's client logic against a stand-in HTTP server on 127.0.0.1: the request mix,
+each outcome (completed, streamed, refused, cancelled), the summary, and the localhost guard."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def soak():
+    spec = importlib.util.spec_from_file_location("soak", ROOT / "scripts" / "soak.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["soak"] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop("soak", None)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+    def _json(self, code, body):
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        try:
+            self.wfile.write(data)
+        except BrokenPipeError:  # the client cancelled
+            pass
+
+    def do_GET(self):
+        if self.path == "/health":
+            self._json(200, {})
+        else:
+            self._json(200, {"loads": [{"num_used_tokens": 0}]})
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path == "/generate":
+            sp = body["sampling_params"]
+            if sp.get("n", 1) > 1:
+                return self._json(400, {"error": "n > 1 is not supported"})
+            if sp["max_new_tokens"] > 100:
+                time.sleep(1.0)  # slow: a cancel lands first
+            return self._json(200, {"text": "x", "meta_info": {"completion_tokens": 3}})
+        if body.get("stream"):
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for _ in range(4):
+                self.wfile.write(b'data: {"choices": []}\n\n')
+                self.wfile.flush()
+            self.wfile.write(b"data: [DONE]\n\n")
+            return None
+        return self._json(200, {"choices": [], "usage": {"completion_tokens": 5}})
+
+
+@pytest.fixture(scope="module")
+def url():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_the_mix_is_seeded_and_covers_every_kind_of_request(soak):
+    a, b = soak.request_mix(400, 2048, seed=1), soak.request_mix(400, 2048, seed=1)
+    assert a == b and a != soak.request_mix(400, 2048, seed=2)
+    assert {r.api for r in a} == {"chat", "chat_stream", "generate"}
+    assert {r.temperature for r in a} == {0.0, 0.7, 1.0} and {r.n for r in a} == {1, 2}
+    assert min(r.max_tokens for r in a) == 1 and max(r.max_tokens for r in a) <= 512
+    words = [len(r.prompt.split()) for r in a]
+    assert min(words) == 1 and max(words) == int((2048 - 520) / 1.5)
+    cancelled = sum(r.cancel_after_s is not None for r in a) / len(a)
+    assert 0.2 < cancelled < 0.4 and any(r.stop for r in a)
+    assert all(r.top_p == 1.0 and r.top_k == -1 for r in a if r.temperature == 0)
+
+
+def test_each_outcome_and_the_summary(soak, url):
+    R = soak.Request
+    rows = [
+        soak.send(url, R("generate", "a", 5, 0.0)),
+        soak.send(url, R("chat", "a", 5, 0.7, top_k=20, stop=["x"])),
+        soak.send(url, R("chat_stream", "a", 5, 1.0)),
+        soak.send(url, R("generate", "a", 5, 0.0, n=2)),
+        soak.send(url, R("generate", "a", 200, 0.0, cancel_after_s=0.2)),
+    ]
+    assert [r["outcome"] for r in rows] == ["completed", "completed", "completed", "refused",
+                                            "cancelled"]  # fmt: skip
+    assert [r["tokens"] for r in rows[:3]] == [3, 5, 4]
+    assert rows[4]["latency_s"] < 0.9  # the cancel did not wait for the response
+    summary = soak.summarize(rows, wall_s=2.0)
+    assert (summary["completed"], summary["refused"], summary["cancelled"]) == (3, 1, 1)
+    assert summary["failed"] == 0 and summary["tokens_per_s"] == 6.0
+    assert "n > 1" in summary["errors"][0]
+    assert soak.health(url) == {"probe": "x", "healthy": True, "kv_tokens_in_use": 0}
+
+
+def test_only_local_servers(soak):
+    assert soak.check_local("http://127.0.0.1:30000/") == "http://127.0.0.1:30000"
+    with pytest.raises(SystemExit, match="127.0.0.1 / localhost only"):
+        soak.check_local("http://10.0.0.5:30000")
