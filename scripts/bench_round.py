@@ -71,7 +71,8 @@ MAMBA_SLOTS_PER_REQ = 6  # >= SGLang's mamba slots per running request (3, +2 wi
 # instead of sglang_ddtree.gdn's. integration/gdn.py's defaults turned off: `_full` SGLang's
 # per-node verify states instead of the compact scratch (integration/gdn_pool.py, which lets 16
 # requests run at any N); `_sglangconv` SGLang's tree conv1d instead of gdn/conv_tree.py; and the
-# opt-in `_chunk`: gdn/chunk_tree.py's chunked GDN verify instead of the root paths.
+# opt-ins `_chunk` (gdn/chunk_tree.py's chunked GDN verify instead of the root paths) and
+# `_hostplan` (the verify's FlashInfer plan from host lengths, integration/verify_plan.py).
 VARIANT_ENV = {
     "_bf16ssm": {"SGLANG_MAMBA_SSM_DTYPE": "bfloat16"},
     "_torch": {"SGLANG_DDTREE_TREE_BUILDER": "torch"},
@@ -79,8 +80,10 @@ VARIANT_ENV = {
     "_full": {"SGLANG_DDTREE_GDN_SCRATCH": "full"},
     "_sglangconv": {"SGLANG_DDTREE_CONV": "sglang"},
     "_chunk": {"SGLANG_DDTREE_GDN_VERIFY": "chunk"},
+    "_hostplan": {"SGLANG_DDTREE_VERIFY_PLAN": "host"},
 }
-OPT_OUTS = ("_full", "_sglangconv", "_chunk")  # any subset, in this order: ddtree32_full_chunk
+# any subset, in this order: ddtree32_full_chunk
+OPT_OUTS = ("_full", "_sglangconv", "_chunk", "_hostplan")
 
 
 def max_requests(width: int, state_bytes: int = 4) -> int:

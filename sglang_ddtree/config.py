@@ -156,6 +156,8 @@ class Options:
     (with gdn=sglang the three do not apply: SGLang's verify, conv1d and per-node states)
     dump_rounds   SGLANG_DDTREE_DUMP_ROUNDS   a JSON-lines file for sampled rounds; None: off
     dump_every    SGLANG_DDTREE_DUMP_EVERY    every how many rounds (100)
+    verify_plan   SGLANG_DDTREE_VERIFY_PLAN   sglang | host (opt-in): FlashInfer's verify plan from
+                                              host lengths, no read-back (integration/verify_plan.py)
     gdn_check     SGLANG_DDTREE_GDN_CHECK     a directory: without CUDA graphs, every chunked GDN
                                               verify is checked against the root-path kernel and
                                               the inputs of one that differs are saved there
@@ -169,6 +171,7 @@ class Options:
     gdn_scratch: str = "compact"
     dump_rounds: str | None = None
     dump_every: int = 100
+    verify_plan: str = "sglang"
     gdn_check: str | None = None
 
     @classmethod
@@ -202,6 +205,7 @@ class Options:
             gdn_scratch=scratch,
             dump_rounds=env_value("SGLANG_DDTREE_DUMP_ROUNDS") or None,
             dump_every=int(every),
+            verify_plan=env_choice("SGLANG_DDTREE_VERIFY_PLAN", ("sglang", "host")),
             gdn_check=env_value("SGLANG_DDTREE_GDN_CHECK") or None,
         )
         opts._check(unified_memory)

@@ -30,6 +30,12 @@ MAMBA_STATE_COMMIT = (
     ".update_mamba_state_after_mtp_verify"
 )
 
+# FlashInfer's masked prefill plan for the tree verify (opt-in host plan): integration/verify_plan.py.
+FLASHINFER_PREFILL_PLAN = (
+    "sglang.srt.layers.attention.flashinfer_backend.FlashInferIndicesUpdaterPrefill"
+    ".call_begin_forward"
+)
+
 # Compact GDN verify scratch (the default): integration/gdn_pool.py.
 MAMBA_POOL_INIT = "sglang.srt.mem_cache.memory_pool.HybridReqToTokenPool._init_mamba_pool"
 MAMBA_POOL_SOLVER = (

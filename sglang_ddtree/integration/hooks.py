@@ -19,6 +19,9 @@
 | HybridReqToTokenPool._init_mamba_pool   | the compact GDN verify scratch and the Mamba pool     |
 | KVCacheConfigurator                     | sized for it (integration/gdn_pool.py; off:           |
 |   ._handle_max_mamba_cache              | SGLANG_DDTREE_GDN_SCRATCH=full)                       |
+| FlashInferIndicesUpdaterPrefill         | the verify's masked plan from host lengths and a      |
+|   .call_begin_forward                   | device-packed mask, no read-back (opt-in:             |
+|                                         | SGLANG_DDTREE_VERIFY_PLAN=host; verify_plan.py)       |
 
 All but the front-end one are installed from the worker factory (scheduler process only, before
 any graph capture), so other processes never import those heavy modules; the front-end one is
@@ -29,7 +32,7 @@ from __future__ import annotations
 
 import logging
 
-from sglang_ddtree.integration import compat, gdn, gdn_pool
+from sglang_ddtree.integration import compat, gdn, gdn_pool, verify_plan
 
 logger = logging.getLogger(__name__)
 
@@ -156,4 +159,5 @@ HOOKS = {
     compat.GDN_CONV_UPDATE: gdn.conv_update,
     compat.MAMBA_POOL_INIT: gdn_pool.init_mamba_pool,
     compat.MAMBA_POOL_SOLVER: gdn_pool.size_mamba_pool,
+    compat.FLASHINFER_PREFILL_PLAN: verify_plan.call_begin_forward,
 }

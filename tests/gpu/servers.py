@@ -85,6 +85,7 @@ VARIANTS = {
     "ddtree_chunk": ddtree_args,  # the chunked GDN verify (opt-in) instead of the root paths
     "ddtree_sglangconv": ddtree_args,  # SGLang's tree conv1d instead of gdn/conv_tree.py
     "ddtree_full": ddtree_args,  # SGLang's per-node verify states instead of the compact scratch
+    "ddtree_hostplan": ddtree_args,  # the verify's FlashInfer plan from host lengths (opt-in)
     # the same in deterministic mode (session 7: DDTREE with all three was not batch-invariant)
     "ddtree_det_chunk": lambda model, draft: [*ddtree_args(model, draft), *DETERMINISTIC],
     "ddtree_det_sglangconv": lambda model, draft: [*ddtree_args(model, draft), *DETERMINISTIC],
@@ -100,22 +101,23 @@ VARIANT_ENV = {
     "ddtree_chunk": _CHUNK,
     "ddtree_sglangconv": _SGLANGCONV,
     "ddtree_full": _FULL,
+    "ddtree_hostplan": {"SGLANG_DDTREE_VERIFY_PLAN": "host"},
     "ddtree_det_chunk": _CHUNK,
     "ddtree_det_sglangconv": _SGLANGCONV,
     "ddtree_det_full": _FULL,
 }
-# Which variants each model runs (25 servers in all). Launch order interleaves the models, plain
+# Which variants each model runs (27 servers in all). Launch order interleaves the models, plain
 # servers first, so each model's tests can begin while the others still start. SGLang's own
 # chain DFLASH runs beside DDTREE on every model as the control for numerics.
 MODEL_VARIANTS = {
     "qwen3": ("base", "ddtree", "ddtree_sync", "dflash"),
     "qwen35": (
         "base", "ddtree", "ddtree_sync", "dflash", "ddtree_sglanggdn", "ddtree_chunk",
-        "ddtree_sglangconv", "ddtree_full",
+        "ddtree_sglangconv", "ddtree_full", "ddtree_hostplan",
     ),
     "pair": (
         "base", "ddtree", "base_det", "ddtree_det", "dflash_det", "dflash", "ddtree64",
-        "ddtree_torch", "ddtree_chunk", "ddtree_sglangconv", "ddtree_full",
+        "ddtree_torch", "ddtree_chunk", "ddtree_sglangconv", "ddtree_full", "ddtree_hostplan",
         "ddtree_det_chunk", "ddtree_det_sglangconv", "ddtree_det_full",
     ),
 }  # fmt: skip

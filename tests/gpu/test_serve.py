@@ -56,6 +56,7 @@ SPEC_VARIANTS = (
     "ddtree_chunk",
     "ddtree_sglangconv",
     "ddtree_full",
+    "ddtree_hostplan",
     "dflash",
 )  # dflash: a control
 # DDTREE in deterministic mode: the batch-invariance test (the defaults, and each turned off)
@@ -529,6 +530,7 @@ PATHS = "first GDN tree verify through sglang_ddtree.gdn.tree_verify"
 CHUNK = "first GDN tree verify through sglang_ddtree.gdn.chunk_tree.chunk_tree_verify"
 CONV = "first tree conv1d through sglang_ddtree.gdn.conv_tree"
 COMPACT = ("Mamba pool sized for", "compact GDN verify scratch for")  # solver and pool hooks
+HOSTPLAN = "first verify plan from host lengths"
 
 
 def _engaged(verify: str = "paths", conv: bool = True, compact: bool = True) -> tuple:
@@ -550,11 +552,12 @@ ENGAGED = {
     "ddtree_det_sglangconv": _engaged(conv=False),
     "ddtree_full": _engaged(compact=False),
     "ddtree_det_full": _engaged(compact=False),
+    "ddtree_hostplan": (*_engaged(), HOSTPLAN),
 }
 # what must not be in a log: the other verify kernel, hooks that are off
 NOT_ENGAGED = {
     "ddtree_sglanggdn": (PATHS, CHUNK, COMMIT, CONV, *COMPACT),
-    **{v: (CHUNK,) for v in DEFAULT_DDTREE},
+    **{v: (CHUNK, HOSTPLAN) for v in DEFAULT_DDTREE},
     **{v: (PATHS,) for v in ("ddtree_chunk", "ddtree_det_chunk")},
     **{v: (CONV,) for v in ("ddtree_sglangconv", "ddtree_det_sglangconv")},
     **{v: COMPACT for v in ("ddtree_full", "ddtree_det_full")},

@@ -1,0 +1,129 @@
+"""A host-sync-free FlashInfer plan for DDTREE's tree verify (opt-in: SGLANG_DDTREE_VERIFY_PLAN=host;
+issue 12, part 4; not yet run on a GPU).
+
+SGLang 0.5.17 plans the verify's masked prefill (`FlashInferIndicesUpdaterPrefill.call_begin_forward`
+-> `BatchPrefillWithPagedKVCacheWrapper.plan`) with device indptrs and an unpacked bool mask,
+and FlashInfer 0.6.15's plan() then reads four things back to the host: the packed length in
+`segment_packbits` (`.item()`), and `qo_indptr`, `paged_kv_indptr`, `paged_kv_last_page_len`
+(`.to("cpu")`). DDTREE knows all of them on the host: qo_indptr from (bs, N), the KV lengths
+from the host copy of the committed lengths plus N, last-page lengths of one (page size 1).
+Around call_begin_forward, for a DDTREE verify with host lengths, the wrapper's plan is called
+with those host tensors and a mask packed on the device, so none of the four reads happens.
+
+The packed layout: plan() derives the mask offsets itself from the indptrs, in bits
+(`_compute_page_mask_indptr`: qo_len x kv_len per request), and the kernel adds them to its
+byte pointer (`maybe_custom_mask + maybe_mask_indptr[b]`, attention/variants.cuh). So request
+b's bits are packed little-endian from byte offset = the number of mask bits before it: the
+buffer is as long in bytes as the unpacked mask is in bools (SGLang's graph buffer is sized for
+that), and each request reads its own bytes (`pack_at_bit_offsets`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+_logged: list[bool] = []  # the first host plan is logged once (tests/gpu checks for it)
+
+
+@dataclasses.dataclass(frozen=True)
+class HostPlan:
+    qo_indptr: torch.Tensor  # [bs + 1] int32, host
+    kv_indptr: torch.Tensor  # [bs + 1] int32, host
+    last_page_len: torch.Tensor  # [bs] int32, host
+    mask_starts: torch.Tensor  # [bs + 1] int64, host: mask bits before each request
+    total_bits: int
+
+
+def host_plan(seq_lens_cpu: torch.Tensor, num_nodes: int) -> HostPlan:
+    """The verify's FlashInfer layout from the committed lengths on the host: N query rows per
+    request; S + N keys (EagleVerifyInput.generate_attn_arg_prefill's); page size 1."""
+    seq = seq_lens_cpu.to(torch.int64)
+    bs, N = len(seq), num_nodes
+    kv = seq + N
+    zero = torch.zeros(1, dtype=torch.int64)
+    starts = torch.cat([zero, torch.cumsum(N * kv, 0)])
+    return HostPlan(
+        qo_indptr=torch.arange(0, (bs + 1) * N, N, dtype=torch.int32),
+        kv_indptr=torch.cat([zero, torch.cumsum(kv, 0)]).to(torch.int32),
+        last_page_len=torch.ones(bs, dtype=torch.int32),
+        mask_starts=starts,
+        total_bits=int(starts[-1]),
+    )
+
+
+def pack_at_bit_offsets(mask: torch.Tensor, starts: torch.Tensor, total_bits: int) -> torch.Tensor:
+    """uint8 [total_bits]: request b's bits mask[starts[b]:starts[b+1]] packed little-endian
+    from byte starts[b] (the rest zero). mask: the flat unpacked bool mask (at least total_bits
+    long); starts [bs + 1] on mask's device. Sync-free: total_bits comes from the host."""
+    p = torch.arange(total_bits, device=mask.device)
+    seg = torch.searchsorted(starts[1:], p, right=True)
+    local = p - starts[seg]
+    bits = mask[:total_bits].to(torch.int32) << (local % 8).to(torch.int32)
+    out = torch.zeros(total_bits, dtype=torch.int32, device=mask.device)
+    out.index_add_(0, starts[seg] + local // 8, bits)  # distinct bits per byte: the sum is the OR
+    return out.to(torch.uint8)
+
+
+def call_begin_forward(original, updater, wrapper_ragged, wrapper_paged, req_pool_indices,
+                       paged_kernel_lens, paged_kernel_lens_sum, seq_lens, prefix_lens,
+                       kv_start_idx, kv_indptr, qo_indptr, use_ragged, spec_info, *args,
+                       **kwargs):  # fmt: skip
+    """AROUND FlashInferIndicesUpdaterPrefill.call_begin_forward: a DDTREE verify with host
+    lengths plans with host indptrs and a device-packed mask (SGLANG_DDTREE_VERIFY_PLAN=host);
+    every other call as it came."""
+    from sglang_ddtree.config import options
+
+    call = (updater, wrapper_ragged, wrapper_paged, req_pool_indices, paged_kernel_lens,
+            paged_kernel_lens_sum, seq_lens, prefix_lens, kv_start_idx, kv_indptr, qo_indptr,
+            use_ragged, spec_info, *args)  # fmt: skip
+    seq_lens_cpu = kwargs.get("seq_lens_cpu")
+    if options().verify_plan != "host" or not _applies(
+        wrapper_paged, seq_lens, seq_lens_cpu, use_ragged, spec_info, args, kwargs
+    ):
+        return original(*call, **kwargs)
+    plan = host_plan(seq_lens_cpu, int(spec_info.draft_token_num))
+    starts = plan.mask_starts.to(seq_lens.device, non_blocking=True)
+    planned = wrapper_paged.begin_forward
+    own = "begin_forward" in vars(wrapper_paged)
+
+    def begin_forward(qo, kv, kv_indices, last, *rest, custom_mask=None, **kw):
+        packed = pack_at_bit_offsets(custom_mask.reshape(-1), starts, plan.total_bits)
+        return planned(plan.qo_indptr, plan.kv_indptr, kv_indices, plan.last_page_len, *rest,
+                       packed_custom_mask=packed, **kw)  # fmt: skip
+
+    if not _logged:
+        _logged.append(True)
+        logger.info("sglang_ddtree: first verify plan from host lengths (verify_plan.py)")
+    wrapper_paged.begin_forward = begin_forward
+    try:
+        return original(*call, **kwargs)
+    finally:
+        if own:
+            wrapper_paged.begin_forward = planned
+        else:
+            del wrapper_paged.begin_forward
+
+
+def _applies(wrapper_paged, seq_lens, seq_lens_cpu, use_ragged, spec_info, args, kwargs) -> bool:
+    """A DDTREE tree verify (custom mask) whose exact host lengths are at hand, planned by
+    FlashInfer's own plan() (not SGLang's fast_prefill_plan), with no ragged part, sliding
+    window, multi-item scoring or cross-attention mask."""
+    from sglang_ddtree.integration.verify_input import DDTreeVerifyInput
+
+    if not isinstance(spec_info, DDTreeVerifyInput) or spec_info.custom_mask is None:
+        return False
+    if seq_lens_cpu is None or len(seq_lens_cpu) != len(seq_lens) or use_ragged or args:
+        return False
+    if getattr(wrapper_paged.begin_forward, "func", None) is not None:  # a partial: fast plan
+        return False
+    items = kwargs.get("multi_item_params")
+    if items is not None and items.is_enabled():
+        return False
+    others = ("use_sliding_window_kv_pool", "cross_attention_custom_mask", "custom_kv_indices")
+    return all(kwargs.get(k) is None or kwargs.get(k) is False for k in others) and (
+        kwargs.get("window_left", -1) < 0
+    )
