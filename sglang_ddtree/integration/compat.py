@@ -99,6 +99,13 @@ def attention_backends(server_args: Any) -> tuple[str | None, str | None]:
     return prefill, decode
 
 
+def dflash_block_size() -> int:
+    """The DFlash block size SGLang resolved for this server (its runtime context)."""
+    from sglang.srt.runtime_context import get_spec
+
+    return int(get_spec().speculative_dflash_block_size)
+
+
 def draft_block_size_from_checkpoint(server_args: Any) -> int | None:
     """The draft config's block size via SGLang's own DFlash config parser (None if unset)."""
     import json

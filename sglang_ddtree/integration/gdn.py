@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from sglang_ddtree.config import Options
+from sglang_ddtree.config import Options, options
 from sglang_ddtree.integration import compat, gdn_check, gdn_pool
 
 logger = logging.getLogger(__name__)
@@ -41,16 +41,13 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class GDNPath:
-    """How DDTREE's tree verify runs the Gated DeltaNet layers (parsed once by `configure`)."""
+    """How DDTREE's tree verify runs the Gated DeltaNet layers (`path_of` the options)."""
 
     max_path: int  # nodes on the longest root path: the bonus token + B - 1 drafted tokens
     verify: str = "paths"  # SGLANG_DDTREE_GDN_VERIFY: "paths" (root paths) or "chunk" (N <= 64)
     conv: bool = True  # SGLANG_DDTREE_CONV=ddtree: gdn/conv_tree.py's tree conv1d
     compact: bool = True  # SGLANG_DDTREE_GDN_SCRATCH=compact: integration/gdn_pool.py
     check: str | None = None  # SGLANG_DDTREE_GDN_CHECK: where integration/gdn_check.py saves
-
-
-_path: GDNPath | None = None  # set by configure() in the scheduler process; None: SGLang's path
 
 
 def path_of(options: Options, block_size: int) -> GDNPath | None:
@@ -66,16 +63,23 @@ def path_of(options: Options, block_size: int) -> GDNPath | None:
     )
 
 
-def configure(server_args, options: Options | None = None) -> None:
-    """Enable the hooks' DDTREE paths for this process (the worker factory calls it with the
-    options it parsed; without them, they are parsed from the environment here)."""
-    global _path
-    args = compat.resolved(server_args)
-    if options is None:
-        options = Options.from_env(unified_memory=bool(getattr(args, "enable_unified_memory", 0)))
-    _path = path_of(options, int(args.speculative_dflash_block_size))
-    gdn_pool.configure(_path is not None and _path.compact)
-    logger.info("sglang_ddtree: GDN path: %s", describe(_path))
+_memo: list = [None, None]  # [options, their GDNPath]: `current`'s last resolution
+
+
+def current() -> GDNPath | None:
+    """This process's GDN path: the options the worker factory activated (config.options) and
+    the DFlash block size SGLang resolved; None: SGLang's own path. Resolved once per options
+    object (the hooks ask on every layer)."""
+    opts = options()
+    if _memo[0] is not opts:
+        _memo[:] = [opts, path_of(opts, compat.dflash_block_size())]
+    return _memo[1]
+
+
+def configure(server_args, opts: Options) -> None:
+    """Log the GDN path the worker factory's options give (tests/gpu checks the line)."""
+    block = int(compat.resolved(server_args).speculative_dflash_block_size)
+    logger.info("sglang_ddtree: GDN path: %s", describe(path_of(opts, block)))
 
 
 def describe(path: GDNPath | None) -> str:
@@ -88,19 +92,20 @@ def describe(path: GDNPath | None) -> str:
 
 
 def active() -> bool:
-    return _path is not None
+    return current() is not None
 
 
 def target_verify(original, dispatcher, A_log, dt_bias, q, k, v, a, b, **kwargs):
     parents = kwargs.get("retrieve_parent_token")
-    if _path is None or parents is None:  # not DDTREE, or a chain / warm-up batch
+    path = current()
+    if path is None or parents is None:  # not DDTREE, or a chain / warm-up batch
         _refuse_compact(kwargs.get("intermediate_states_buffer"))
         return original(dispatcher, A_log, dt_bias, q, k, v, a, b, **kwargs)
     from sglang_ddtree.gdn.chunk_tree import MAX_NODES, chunk_tree_verify
     from sglang_ddtree.gdn.tree_verify import as_scratch, tree_verify
 
     N = int(kwargs["cache_steps"])
-    chunked = _path.verify == "chunk" and N <= MAX_NODES  # wider trees: root paths
+    chunked = path.verify == "chunk" and N <= MAX_NODES  # wider trees: root paths
     kernel = chunk_tree_verify if chunked else tree_verify
     _first_use("GDN tree verify through sglang_ddtree.gdn."
                + ("chunk_tree.chunk_tree_verify" if chunked else "tree_verify"))  # fmt: skip
@@ -113,9 +118,9 @@ def target_verify(original, dispatcher, A_log, dt_bias, q, k, v, a, b, **kwargs)
             _rows(parents, N), as_scratch(kwargs["intermediate_states_buffer"], 1),
             kwargs["intermediate_state_indices"][:bs])  # fmt: skip
     try:
-        o = kernel(*args, max_path=_path.max_path)
-        if chunked and _path.check:
-            gdn_check.compare(o, args, _path)
+        o = kernel(*args, max_path=path.max_path)
+        if chunked and path.check:
+            gdn_check.compare(o, args, path)
     except ValueError as exc:  # a pool layout the kernel does not take: name the way out
         raise RuntimeError(
             f"DDTREE's Gated DeltaNet tree verify cannot run on this Mamba pool ({exc}); serve "
@@ -130,7 +135,8 @@ def conv_update(original, x, conv_state, weight, bias=None, activation=None, *re
     (SGLANG_DDTREE_CONV=ddtree, the default; same outputs, per-node windows and retrieve_parent_token
     as SGLang's kernel); every other call, as it came, to SGLang's."""
     tree = all(kwargs.get(k) is not None for k in _CONV_TREE_ARGS)
-    if _path is None or not _path.conv or not tree or rest or set(kwargs) - set(_CONV_TREE_ARGS):
+    path = current()
+    if path is None or not path.conv or not tree or rest or set(kwargs) - set(_CONV_TREE_ARGS):
         return original(x, conv_state, weight, bias, activation, *rest, **kwargs)
     from sglang_ddtree.gdn.conv_tree import conv_tree
 
@@ -154,13 +160,14 @@ def commit(original, backend, last_correct_step_indices, mamba_track_indices,
     meta = linear.forward_metadata
     parents = getattr(meta, "retrieve_parent_token", None)
     caches = linear.req_to_token_pool.get_speculative_mamba2_params_all_layers()
-    if _path is None or parents is None:
+    path = current()
+    if path is None or parents is None:
         _refuse_compact(caches.intermediate_ssm)
         return original(backend, last_correct_step_indices, mamba_track_indices,
                         mamba_steps_to_track, model, req_pool_indices)  # fmt: skip
     from sglang_ddtree.gdn.tree_verify import as_scratch, commit_paths
 
-    if _path.check:
+    if path.check:
         gdn_check.after_round()
     _first_use("GDN state commit through sglang_ddtree.gdn.tree_verify.commit_paths")
     bs = last_correct_step_indices.shape[0]
@@ -173,7 +180,7 @@ def commit(original, backend, last_correct_step_indices, mamba_track_indices,
         linear.verify_intermediate_state_indices[:bs],
         _rows(parents, N),
         last_correct_step_indices,
-        max_path=_path.max_path,
+        max_path=path.max_path,
         track_idx=mamba_track_indices,
         track_node=mamba_steps_to_track if mamba_track_indices is not None else None,
     )
@@ -212,13 +219,12 @@ def _rows(parents, N: int):
     return parents.reshape(-1, N).contiguous()
 
 
-_no_states: tuple = (None, None)  # (the pool's caches, the same without states)
+_no_states: list = [None, None]  # [the pool's caches, the same without states]
 
 
 def _without_states(caches):
     """The pool's caches with an empty `temporal` (SGLang's scatter then moves conv windows only);
     made once per pool."""
-    global _no_states
     if _no_states[0] is not caches:
-        _no_states = (caches, dataclasses.replace(caches, temporal=caches.temporal[:, :0]))
+        _no_states[:] = [caches, dataclasses.replace(caches, temporal=caches.temporal[:, :0])]
     return _no_states[1]

@@ -33,12 +33,13 @@ from sglang_ddtree.integration import compat
 
 logger = logging.getLogger(__name__)
 
-_compact = False  # set by configure(); scheduler process only
 
+def compact_on() -> bool:
+    """Whether this process's options ask for the compact scratch (DDTREE's GDN path only)."""
+    from sglang_ddtree.config import options
 
-def configure(compact: bool) -> None:
-    global _compact
-    _compact = compact
+    opts = options()
+    return opts.gdn == "ddtree" and opts.gdn_scratch == "compact"
 
 
 def compact_bytes_per_request(cache_params, num_nodes: int) -> int:
@@ -56,7 +57,7 @@ def compact_bytes_per_request(cache_params, num_nodes: int) -> int:
 def size_mamba_pool(original, configurator, total_rest_memory):
     """SGLang's solver with its N per-request speculative states replaced by the fewest whole
     states that hold the compact buffers (the solver charges `mamba_cache_per_req` per state)."""
-    if not _compact or configurator.spec_algorithm.is_none():
+    if configurator.spec_algorithm.is_none() or not compact_on():
         return original(configurator, total_rest_memory)
     from sglang.srt.runtime_context import get_spec
 
@@ -81,7 +82,7 @@ def init_mamba_pool(original, req_pool, *args, **kwargs):
     call.apply_defaults()
     params = call.arguments
     N = params.get("speculative_num_draft_tokens")
-    if not _compact or N is None:
+    if N is None or not compact_on():
         return original(*call.args, **call.kwargs)
     params["speculative_num_draft_tokens"] = None  # SGLang: no speculative buffers
     original(*call.args, **call.kwargs)

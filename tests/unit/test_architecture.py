@@ -50,6 +50,23 @@ def test_the_package_reads_the_environment_only_in_config():
     assert {name for name, _ in readers} <= {"config.py"}, readers
 
 
+# Module state outside config.py that a `global` statement rebinds, with why it is not an option.
+REBOUND_GLOBALS = {("integration/hooks.py", "_installed"): "the hooks are installed once"}
+
+
+def test_no_module_keeps_options_in_globals_outside_config():
+    """The options live in config.py (the activated object); the hooks derive what they need
+    from it on use (gdn.current, gdn_pool.compact_on) instead of holding copies in globals."""
+    rebound = set()
+    for name, tree in _modules():
+        if name == "config.py":
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Global):
+                rebound |= {(name, g) for g in node.names}
+    assert rebound == set(REBOUND_GLOBALS), rebound
+
+
 def test_no_product_code_imports_test_code():
     offenders = [(name, m) for name, tree in _modules() for m in _imports(tree)
                  if m == "tests" or m.startswith("tests.")]  # fmt: skip

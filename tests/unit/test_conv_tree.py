@@ -139,11 +139,13 @@ def test_conv_hook_target_exists_and_the_hook_passes_everything_else_through(mon
         return "sglang"
 
     tree = {k: object() for k in gdn._CONV_TREE_ARGS}
-    monkeypatch.setattr(gdn, "_path", gdn.GDNPath(16, conv=False))  # SGLANG_DDTREE_CONV=sglang
+    monkeypatch.setattr(
+        gdn, "current", lambda: gdn.GDNPath(16, conv=False)
+    )  # SGLANG_DDTREE_CONV=sglang
     assert gdn.conv_update(original, 1, 2, 3, None, "silu", **tree) == "sglang"
-    monkeypatch.setattr(gdn, "_path", None)  # SGLANG_DDTREE_GDN=sglang
+    monkeypatch.setattr(gdn, "current", lambda: None)  # SGLANG_DDTREE_GDN=sglang
     assert gdn.conv_update(original, 1, 2, 3, None, "silu", **tree) == "sglang"
-    monkeypatch.setattr(gdn, "_path", gdn.GDNPath(16, conv=True))
+    monkeypatch.setattr(gdn, "current", lambda: gdn.GDNPath(16, conv=True))
     single = {"conv_state_indices": object()}  # a decode step, not a tree
     assert gdn.conv_update(original, 1, 2, 3, None, "silu", **single) == "sglang"
     extra = {**tree, "num_accept_tokens": object()}  # a call conv_tree does not cover
@@ -158,7 +160,7 @@ def test_conv_hook_runs_conv_tree_when_enabled(monkeypatch, caplog):
     import sglang_ddtree.gdn.conv_tree as conv_module
     from sglang_ddtree.integration import gdn
 
-    monkeypatch.setattr(gdn, "_path", gdn.GDNPath(16, conv=True))
+    monkeypatch.setattr(gdn, "current", lambda: gdn.GDNPath(16, conv=True))
     monkeypatch.setattr(gdn, "_used", set())
     caplog.set_level("INFO", logger=gdn.__name__)
     used = []

@@ -35,7 +35,7 @@ def cache_params():
 
 @pytest.fixture
 def compact(monkeypatch):
-    monkeypatch.setattr(gdn_pool, "_compact", True)
+    monkeypatch.setattr(gdn_pool, "compact_on", lambda: True)
 
 
 def hybrid_pool(num_nodes, requests=3, slots=9):
@@ -91,10 +91,10 @@ def test_the_pool_hook_passes_sglangs_pool_through_unless_compact(monkeypatch):
     def original(req_pool, *, mamba_spec_state_size, speculative_num_draft_tokens=None):
         calls.append(speculative_num_draft_tokens)
 
-    monkeypatch.setattr(gdn_pool, "_compact", False)
+    monkeypatch.setattr(gdn_pool, "compact_on", lambda: False)
     gdn_pool.init_mamba_pool(original, None, mamba_spec_state_size=3,
                              speculative_num_draft_tokens=6)  # fmt: skip
-    monkeypatch.setattr(gdn_pool, "_compact", True)
+    monkeypatch.setattr(gdn_pool, "compact_on", lambda: True)
     gdn_pool.init_mamba_pool(original, None, mamba_spec_state_size=3)  # no verify: no scratch
     assert calls == [6, None]
     pool = hybrid_pool(None)  # a pool without speculative buffers stays one
@@ -148,53 +148,69 @@ def test_the_solver_reserves_the_compact_scratch_and_gives_the_rest_to_requests(
 
 
 def test_the_solver_is_sglangs_own_unless_compact(monkeypatch):
-    monkeypatch.setattr(gdn_pool, "_compact", False)
+    monkeypatch.setattr(gdn_pool, "compact_on", lambda: False)
     assert solve(True, 0.01) == solve(False, 0.01)
 
 
 def test_gdn_defaults_each_switch_off_and_what_cannot_work_refused(monkeypatch):
     """Default: the root-path verify, the tree conv1d and the compact scratch; the chunked verify
-    is opt-in and each other switch turns one off; --enable-unified-memory keeps the full scratch (and refuses compact, asked for);
-    SGLANG_DDTREE_GDN=sglang takes none of the three."""
-    args = SimpleNamespace(speculative_dflash_block_size=16)
-    monkeypatch.setattr(gdn, "_path", gdn._path)  # restored after the test
-    monkeypatch.setattr(gdn_pool, "_compact", gdn_pool._compact)
+    is opt-in and each other switch turns one off; --enable-unified-memory keeps the full scratch
+    (and refuses compact, asked for); SGLANG_DDTREE_GDN=sglang takes none of the three. The
+    hooks read it from the options the process activated (gdn.current, gdn_pool.compact_on)."""
+    from sglang_ddtree import config
+
+    monkeypatch.setattr(config, "_active", None)  # options() parses the environment
+    monkeypatch.setattr(gdn.compat, "dflash_block_size", lambda: 16)
     for name in ("SGLANG_DDTREE_GDN", "SGLANG_DDTREE_GDN_VERIFY", "SGLANG_DDTREE_CONV",
                  "SGLANG_DDTREE_GDN_SCRATCH"):  # fmt: skip
         monkeypatch.delenv(name, raising=False)
-    gdn.configure(args)
-    assert gdn._path == gdn.GDNPath(16, verify="paths", conv=True, compact=True)
-    assert gdn_pool._compact and gdn.active()
-    assert gdn.describe(gdn._path) == (
+
+    def path(unified=False):
+        return gdn.path_of(config.Options.from_env(unified_memory=unified), 16)
+
+    assert path() == gdn.GDNPath(16, verify="paths", conv=True, compact=True) == gdn.current()
+    assert gdn_pool.compact_on() and gdn.active()
+    assert gdn.describe(path()) == (
         "ddtree (verify: paths; commit: replay; tree conv1d: ddtree; scratch: compact)"
     )
-    unified = SimpleNamespace(speculative_dflash_block_size=16, enable_unified_memory=True)
-    gdn.configure(unified)  # SGLang's unified pool allocates per-node states itself
-    assert gdn._path == gdn.GDNPath(16, compact=False) and not gdn_pool._compact
-    for name, value, path in (("SGLANG_DDTREE_GDN_SCRATCH", "full", gdn.GDNPath(16, compact=False)),
-                              ("SGLANG_DDTREE_GDN_VERIFY", "chunk", gdn.GDNPath(16, verify="chunk")),
-                              ("SGLANG_DDTREE_CONV", "sglang", gdn.GDNPath(16, conv=False))):  # fmt: skip
+    assert path(unified=True) == gdn.GDNPath(16, compact=False)  # SGLang's pool allocates them
+    for name, value, expected in (("SGLANG_DDTREE_GDN_SCRATCH", "full", gdn.GDNPath(16, compact=False)),
+                                  ("SGLANG_DDTREE_GDN_VERIFY", "chunk", gdn.GDNPath(16, verify="chunk")),
+                                  ("SGLANG_DDTREE_CONV", "sglang", gdn.GDNPath(16, conv=False))):  # fmt: skip
         monkeypatch.setenv(name, value)
-        gdn.configure(args)
-        assert gdn._path == path, name
+        assert path() == expected == gdn.current(), name
+        assert gdn_pool.compact_on() == expected.compact
         monkeypatch.delenv(name)
     monkeypatch.setenv("SGLANG_DDTREE_GDN_SCRATCH", "compact")
     with pytest.raises(ValueError, match="--enable-unified-memory"):
-        gdn.configure(unified)
+        path(unified=True)
     monkeypatch.delenv("SGLANG_DDTREE_GDN_SCRATCH")
     monkeypatch.setenv("SGLANG_DDTREE_GDN", "sglang")
     for name, value in (("SGLANG_DDTREE_GDN_VERIFY", "paths"), ("SGLANG_DDTREE_CONV", "ddtree"),
                         ("SGLANG_DDTREE_GDN_SCRATCH", "full")):  # fmt: skip
         monkeypatch.setenv(name, value)
         with pytest.raises(ValueError, match=f"{name}={value} needs.*SGLANG_DDTREE_GDN=sglang"):
-            gdn.configure(args)
+            path()
         monkeypatch.delenv(name)
-    gdn.configure(args)
-    assert gdn._path is None and not gdn_pool._compact and not gdn.active()
+    assert path() is None and gdn.current() is None
+    assert not gdn_pool.compact_on() and not gdn.active()
     monkeypatch.delenv("SGLANG_DDTREE_GDN")
     monkeypatch.setenv("SGLANG_DDTREE_GDN_SCRATCH", "small")
     with pytest.raises(ValueError, match="SGLANG_DDTREE_GDN_SCRATCH must be"):
-        gdn.configure(args)
+        gdn.current()
+
+
+def test_the_activated_options_are_resolved_once():
+    """gdn.current resolves the activated options object once and reuses it on every layer."""
+    from unittest import mock
+
+    from sglang_ddtree import config
+
+    opts = config.Options(gdn_verify="chunk")
+    with mock.patch.object(config, "_active", opts), \
+         mock.patch.object(gdn.compat, "dflash_block_size", side_effect=[16]) as block:  # fmt: skip
+        assert gdn.current() == gdn.GDNPath(16, verify="chunk") and gdn.current() is gdn.current()
+    assert block.call_count == 1
 
 
 def test_sglangs_own_verify_and_commit_refuse_a_compact_scratch(monkeypatch):
@@ -202,7 +218,7 @@ def test_sglangs_own_verify_and_commit_refuse_a_compact_scratch(monkeypatch):
     whole states per row past its end: the hooks raise instead of calling it."""
     N = 4
     scratch = torch.zeros(2, scratch_floats(N, HV, K, V))
-    monkeypatch.setattr(gdn, "_path", None)
+    monkeypatch.setattr(gdn, "current", lambda: None)
 
     def never(*args, **kwargs):
         raise AssertionError("SGLang's own path was called on a compact scratch")

@@ -408,14 +408,14 @@ def test_hooks_commit_the_state_sglangs_own_tree_verify_and_commit_would(
     )  # fmt: skip
     args = (case.A_log, case.dt_bias, case.q[None], case.k[None], case.v[None], case.a, case.b)
     kernel = TritonGDNKernel()
-    monkeypatch.setattr(gdn, "_path", None)
+    monkeypatch.setattr(gdn, "current", lambda: None)
     o_sglang = gdn.target_verify(type(kernel).target_verify, kernel, *args, **kwargs)
     last = torch.tensor([N - 1, 3])
     expected = inter[0, torch.arange(bs), last].clone()  # what SGLang's commit copies
     track_node = torch.tensor([-1, root_path(parents, 1, 3)[1]])
     expected_track = inter[0, 1, track_node[1]].clone()
 
-    monkeypatch.setattr(gdn, "_path", gdn.GDNPath(block, verify=verify, compact=compact))
+    monkeypatch.setattr(gdn, "current", lambda: gdn.GDNPath(block, verify=verify, compact=compact))
     monkeypatch.setattr(gdn, "_used", set())
     caplog.set_level("INFO", logger=gdn.__name__)
     inter.fill_(float("nan"))  # the hooks must not read SGLang's per-node states
@@ -454,21 +454,18 @@ def test_hooks_commit_the_state_sglangs_own_tree_verify_and_commit_would(
 
 
 def test_gdn_switch_and_an_unsupported_pool_name_the_fix(monkeypatch):
-    from types import SimpleNamespace
-
+    from sglang_ddtree import config
     from sglang_ddtree.integration import gdn
 
-    args = SimpleNamespace(speculative_dflash_block_size=16)
-    monkeypatch.setattr(gdn, "_path", gdn._path)  # restored after the test
+    monkeypatch.setattr(config, "_active", None)  # options() parses the environment
+    monkeypatch.setattr(gdn.compat, "dflash_block_size", lambda: 16)
     monkeypatch.setenv("SGLANG_DDTREE_GDN", "sglang")
-    gdn.configure(args)
     assert not gdn.active()
     monkeypatch.setenv("SGLANG_DDTREE_GDN", "fast")
     with pytest.raises(ValueError, match="SGLANG_DDTREE_GDN must be"):
-        gdn.configure(args)
+        gdn.current()
     monkeypatch.setenv("SGLANG_DDTREE_GDN", "ddtree")
-    gdn.configure(args)
-    assert gdn.active() and gdn._path.max_path == 16
+    assert gdn.active() and gdn.current().max_path == 16
     # a pool whose K is not contiguous (a transposed layout): a clear error, not wrong numbers
     bs, N, H, HV, K, V = 1, 4, 1, 2, 8, 8
     pool = torch.zeros(2, HV, K, V).transpose(-1, -2)
