@@ -30,6 +30,9 @@ MAMBA_STATE_COMMIT = (
     ".update_mamba_state_after_mtp_verify"
 )
 
+# The scheduler's internal state (/server_info's internal_states): DDTREE's resolved options.
+SCHEDULER_INTERNAL_STATE = "sglang.srt.managers.scheduler.Scheduler.get_internal_state"
+
 # FlashInfer's masked prefill plan for the tree verify (opt-in host plan): integration/verify_plan.py.
 FLASHINFER_PREFILL_PLAN = (
     "sglang.srt.layers.attention.flashinfer_backend.FlashInferIndicesUpdaterPrefill"

@@ -19,6 +19,7 @@
 | HybridReqToTokenPool._init_mamba_pool   | the compact GDN verify scratch and the Mamba pool     |
 | KVCacheConfigurator                     | sized for it (integration/gdn_pool.py; off:           |
 |   ._handle_max_mamba_cache              | SGLANG_DDTREE_GDN_SCRATCH=full)                       |
+| Scheduler.get_internal_state            | /server_info reports the resolved options and GDN path|
 | FlashInferIndicesUpdaterPrefill         | the verify's masked plan from host lengths and a      |
 |   .call_begin_forward                   | device-packed mask, no read-back (opt-in:             |
 |                                         | SGLANG_DDTREE_VERIFY_PLAN=host; verify_plan.py)       |
@@ -145,6 +146,24 @@ LOSSY_SAMPLING_OPTIONS = {
 }
 
 
+def _internal_state(original, scheduler, *args, **kwargs):
+    """AROUND Scheduler.get_internal_state: a DDTREE server's /server_info also carries its
+    resolved options and GDN path (internal_states[i]["ddtree"]), as values to read."""
+    state = original(scheduler, *args, **kwargs)
+    if isinstance(state, dict) and _is_ddtree(getattr(scheduler, "spec_algorithm", None)):
+        state["ddtree"] = report()
+    return state
+
+
+def report() -> dict:
+    """This process's resolved DDTREE options and GDN path."""
+    import dataclasses
+
+    from sglang_ddtree.config import options
+
+    return {"options": dataclasses.asdict(options()), "gdn_path": gdn.describe(gdn.current())}
+
+
 def _validate_request(original, req, enable_overlap):
     error = original(req, enable_overlap)
     return None if error is None else error.replace("DFLASH", "DDTREE")
@@ -160,4 +179,5 @@ HOOKS = {
     compat.MAMBA_POOL_INIT: gdn_pool.init_mamba_pool,
     compat.MAMBA_POOL_SOLVER: gdn_pool.size_mamba_pool,
     compat.FLASHINFER_PREFILL_PLAN: verify_plan.call_begin_forward,
+    compat.SCHEDULER_INTERNAL_STATE: _internal_state,
 }

@@ -574,11 +574,18 @@ def test_the_variants_switches_engaged(servers, model, variant):
 
     from sglang_ddtree.config import Options
 
-    log = _up(servers, f"{model}-{variant}").log_text()
-    # the resolved options, as a value: what this server's environment parses to
+    import dataclasses
+
+    server = _up(servers, f"{model}-{variant}")
+    log = server.log_text()
+    # the resolved options, as a value (/server_info): what this server's environment parses to
     with mock.patch.dict(os.environ, {**ENV, **VARIANT_ENV.get(variant, {})}):
-        expected = Options.from_env().describe()
-    assert f"sglang_ddtree: options: {expected}" in log, f"{model}-{variant}: options differ"
+        expected = Options.from_env()
+    status, info = harness.get(server.url + "/server_info")
+    assert status == 200, info
+    reported = [s["ddtree"] for s in info.get("internal_states", []) if "ddtree" in s]
+    assert reported and reported[0]["options"] == dataclasses.asdict(expected), reported
+    assert f"sglang_ddtree: options: {expected.describe()}" in log
     for line in ENGAGED[variant]:
         assert line in log, f"{model}-{variant}: {line!r} not in its log"
     for line in NOT_ENGAGED.get(variant, ()):

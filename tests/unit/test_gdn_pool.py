@@ -320,3 +320,27 @@ def test_gdn_check_saves_the_inputs_of_a_verify_that_differs(monkeypatch, tmp_pa
     with caplog.at_level("WARNING"):
         gdn_check.after_round()
     assert "round 1 (CUDA graph)" in caplog.text and float(gdn_check._worst[0]) == 0.0
+
+
+def test_server_info_reports_the_resolved_options(monkeypatch):
+    """/server_info's internal state of a DDTREE scheduler carries its options and GDN path as
+    values (tests/gpu reads them there); other algorithms' state is left alone."""
+    import dataclasses
+    import inspect
+
+    from sglang.srt.managers.scheduler import Scheduler
+
+    from sglang_ddtree import config
+    from sglang_ddtree.integration import compat, hooks
+
+    assert list(inspect.signature(Scheduler.get_internal_state).parameters) == ["self", "recv_req"]
+    assert hooks.HOOKS[compat.SCHEDULER_INTERNAL_STATE] is hooks._internal_state
+    opts = config.Options(gdn_verify="chunk", verify_plan="host")
+    monkeypatch.setattr(config, "_active", opts)
+    monkeypatch.setattr(gdn.compat, "dflash_block_size", lambda: 16)
+    ddtree = SimpleNamespace(spec_algorithm=SimpleNamespace(name="DDTREE"))
+    state = hooks._internal_state(lambda s, req: {"startup_time": 1.0}, ddtree, None)
+    assert state["ddtree"]["options"] == dataclasses.asdict(opts)
+    assert state["ddtree"]["gdn_path"] == gdn.describe(gdn.GDNPath(16, verify="chunk"))
+    dflash = SimpleNamespace(spec_algorithm=SimpleNamespace(name="DFLASH"))
+    assert hooks._internal_state(lambda s, req: {"a": 1}, dflash, None) == {"a": 1}
