@@ -570,11 +570,10 @@ NOT_ENGAGED = {
      if v in ENGAGED and (m, v) not in BENCH_ONLY],
 )  # fmt: skip
 def test_the_variants_switches_engaged(servers, model, variant):
+    import dataclasses
     from unittest import mock
 
     from sglang_ddtree.config import Options
-
-    import dataclasses
 
     server = _up(servers, f"{model}-{variant}")
     log = server.log_text()
