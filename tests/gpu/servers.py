@@ -106,7 +106,7 @@ VARIANT_ENV = {
     "ddtree_det_sglangconv": _SGLANGCONV,
     "ddtree_det_full": _FULL,
 }
-# Which variants each model runs (27 servers in all). Launch order interleaves the models, plain
+# Which variants each model runs (28 servers in all). Launch order interleaves the models, plain
 # servers first, so each model's tests can begin while the others still start. SGLang's own
 # chain DFLASH runs beside DDTREE on every model as the control for numerics.
 MODEL_VARIANTS = {
