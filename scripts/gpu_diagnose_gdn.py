@@ -6,7 +6,8 @@ one that differs saved), the suite's greedy prompts at c=1, then
 each output's largest float32 deficit under the reference engine (did this run serve a wrong
 token?).
 
-    python scripts/gpu_diagnose_gdn.py OUT [--prompts 0,15] [--eager]
+    python -m scripts.gpu_diagnose_gdn OUT [--prompts 0,15] [--eager]   (from the checkout: it
+    uses tests/gpu's server set)
 """
 
 from __future__ import annotations
