@@ -12,6 +12,7 @@ The prediction assumes the target accepts what the drafter believes; `Calibratio
 the running ratio of observed to predicted acceptance. The policy picks the width (or the chain)
 with the most expected tokens per millisecond of verify at the running batch size.
 
+    truncate   the first w nodes of a built tree as a w-node tree (the smaller build, exactly)
     widths     verify widths N (nodes, root included) the server can run, e.g. captured graphs
     cost       CostTable: ms per round for (batch size, width), measured
 """
@@ -23,6 +24,8 @@ import dataclasses
 from collections.abc import Sequence
 
 import torch
+
+from .types import DraftTree
 
 CHAIN = 0  # the width `choose_width` returns for chain DFlash
 
@@ -37,6 +40,30 @@ def expected_tokens(scores: torch.Tensor, widths: Sequence[int]) -> torch.Tensor
     if (index < 0).any() or (index >= scores.shape[1]).any():
         raise ValueError(f"widths {list(widths)} must be in [1, {scores.shape[1]}]")
     return total[:, index]
+
+
+def truncate(tree: DraftTree, width: int) -> DraftTree:
+    """The first `width` nodes of a tree (root included) as a tree of their own: what the
+    builder gives for budget width - 1 (prefix-closed best-first order; a node's children and
+    its siblings after it come later, so a link past the cut means none is left). On the device,
+    no host sync."""
+    N = tree.num_nodes
+    if not 1 <= width <= N:
+        raise ValueError(f"width must be in [1, {N}], got {width}")
+
+    def cut(link: torch.Tensor) -> torch.Tensor:
+        link = link[:, :width]
+        return torch.where(link < width, link, torch.full_like(link, -1))
+
+    return DraftTree(
+        tokens=tree.tokens[:, :width],
+        parents=tree.parents[:, :width],
+        depth=tree.depth[:, :width],
+        first_child=cut(tree.first_child),
+        next_sibling=cut(tree.next_sibling),
+        visibility=tree.visibility[:, :width, :width],
+        scores=tree.scores[:, :width],
+    )
 
 
 def chain_expected_tokens(top1_logprobs: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from sglang_ddtree.tree.budget import (
     chain_expected_tokens,
     choose_width,
     expected_tokens,
+    truncate,
 )
 from sglang_ddtree.tree.testing import random_build_inputs
 
@@ -31,6 +32,28 @@ def test_the_first_n_nodes_of_a_tree_are_the_n_node_tree(mode):
         assert torch.equal(wide.tokens[:, : n + 1], small.tokens)
         assert torch.equal(wide.parents[:, : n + 1], small.parents)
         assert torch.equal(wide.scores[:, : n + 1], small.scores)
+
+
+@pytest.mark.parametrize("mode", ["continuous", "ties"])
+def test_truncating_a_wide_tree_gives_the_smaller_build_exactly(mode):
+    """Every field of truncate(build(N), w) equals build(w - 1)'s, links included, for the
+    reference and the batched torch builders; width 1 is the root alone."""
+    from sglang_ddtree.tree import build_tree
+
+    gen = torch.Generator().manual_seed(11)
+    root, ids, lps = random_build_inputs(gen, 3, 7, 4, 60, mode)
+    for build in (build_tree_reference, build_tree):
+        wide = build(root, ids, lps, 31)
+        for width in (1, 2, 5, 9, 16, 32):
+            small = build(root, ids, lps, width - 1) if width > 1 else None
+            cut = truncate(wide, width)
+            if small is None:
+                assert cut.tokens.shape == (3, 1) and (cut.first_child == -1).all()
+                continue
+            for name in small._fields:
+                assert torch.equal(getattr(cut, name), getattr(small, name)), (build, width, name)
+    with pytest.raises(ValueError, match="width must be in"):
+        truncate(wide, 33)
 
 
 def test_expected_tokens_is_one_plus_the_sum_of_path_probabilities():
