@@ -7,7 +7,9 @@ a running server while good greedy requests run beside them.
 Every malformed request must get a 4xx with a message (a few, such as unknown top-level
 fields, may also be ignored with a 200: OpenAI-compatible servers differ there, and the report
 says which); none may get a 5xx or break the connection. The good requests' greedy text during
-the fuzz must equal their text before it, and the server must still answer /health after it.
+the fuzz must equal their text before it (exactly so only on a batch-invariant server, e.g.
+--enable-deterministic-inference: otherwise bf16 near-ties can flip with the batch), and the
+server must still answer after it.
 Only 127.0.0.1 / localhost servers are accepted. Exit 1 when a check fails.
 """
 
@@ -99,10 +101,10 @@ def greedy(url: str, prompt: str) -> str | None:
 
 
 def run(url: str, rounds: int, context: int, seed: int) -> dict:
-    before = [greedy(url, p) for p in GOOD]
     cases = [c for r in range(rounds) for c in corpus(context, seed + r)]
     rows = []
     with cf.ThreadPoolExecutor(max_workers=8) as pool:
+        before = list(pool.map(lambda p: greedy(url, p), GOOD))  # batched as during the fuzz
         during = [pool.submit(greedy, url, p) for p in GOOD * rounds]
         for name, path, body, may in cases:
             status, text = post(url + path, body)

@@ -54,7 +54,7 @@ def request_mix(count: int, context: int, seed: int = 0) -> list[Request]:
     out = []
     max_words = max(1, int((context - 520) / 1.5))
     for _ in range(count):
-        words = rng.choice([1, rng.randint(2, 64), rng.randint(64, max_words), max_words])
+        words = rng.choice([1, rng.randint(2, 64), rng.randint(64, max(64, max_words)), max_words])
         temperature = rng.choice([0.0, 0.7, 1.0])
         out.append(Request(
             api=rng.choice(["chat", "chat_stream", "generate"]),
@@ -98,10 +98,16 @@ def send(url: str, req: Request, timeout: float = 600) -> dict:
         with urllib.request.urlopen(http, timeout=limit) as r:
             tokens = 0
             if body.get("stream"):
-                for line in r:  # server-sent events; each data line is one chunk
+                for line in r:  # server-sent events: a JSON chunk per data line
                     if time.time() - t0 > limit:
                         return _row("cancelled", r.status, t0, tokens)
-                    tokens += line.startswith(b"data: {")
+                    if not line.startswith(b"data: {"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:  # SGLang streams an error with status 200
+                        return _row("failed", 200, t0, tokens, str(chunk["error"])[:300])
+                    tokens += sum(bool((c.get("delta") or {}).get("content"))
+                                  for c in chunk.get("choices", []))  # fmt: skip
             else:
                 out = json.loads(r.read())
                 tokens = _tokens(out)
@@ -109,9 +115,10 @@ def send(url: str, req: Request, timeout: float = 600) -> dict:
     except urllib.error.HTTPError as e:
         return _row("refused" if 400 <= e.code < 500 else "failed", e.code, t0, 0,
                     e.read().decode(errors="replace")[:300])  # fmt: skip
-    except (OSError, urllib.error.URLError) as e:  # timeouts and resets included
-        if req.cancel_after_s is not None:
-            return _row("cancelled", None, t0, 0)
+    except (OSError, urllib.error.URLError) as e:  # timeouts, resets, refusals
+        reason = getattr(e, "reason", e)
+        if req.cancel_after_s is not None and isinstance(reason, TimeoutError):
+            return _row("cancelled", None, t0, 0)  # our own deadline, not the server's doing
         return _row("failed", None, t0, 0, repr(e)[:300])
 
 
@@ -172,6 +179,8 @@ def _post(url, body):
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, {}
+    except (OSError, json.JSONDecodeError):  # a server that is gone
+        return None, {}
 
 
 def _get(url):
@@ -195,7 +204,10 @@ def soak(url: str, reqs: list[Request], seconds: float, concurrency: int) -> dic
 
 
 def log_problems(path: Path, start: int) -> list[str]:
-    text = path.read_text(errors="replace")[start:]
+    """Traceback / leak in the log past byte `start`."""
+    with open(path, "rb") as f:
+        f.seek(start)
+        text = f.read().decode(errors="replace")
     return [w for w in ("Traceback", "leak") if w.lower() in text.lower()]
 
 

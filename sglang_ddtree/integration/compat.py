@@ -159,6 +159,14 @@ def init_draft_cuda_graphs(worker: Any, capture: bool) -> None:
     worker._draft_worker.init_cuda_graphs(capture_decode_cuda_graph=capture)
 
 
+def flashinfer_mask_capacity(wrapper: Any) -> int | None:
+    """Bytes a FlashInfer prefill wrapper's CUDA-graph custom-mask buffer holds (None when it
+    has none: not in graph mode). FlashInfer 0.6.15 keeps it as `_custom_mask_buf`."""
+    buf = getattr(wrapper, "_custom_mask_buf", None)
+    graph = getattr(wrapper, "is_cuda_graph_enabled", False)
+    return int(buf.numel()) if graph and hasattr(buf, "numel") else None
+
+
 def set_dense_conv_windows(pool: Any, windows: list) -> None:
     """Point HybridReqToTokenPool's physical conv-window buffers at `windows` (the compact
     pool's dense per-node layout)."""

@@ -6,7 +6,7 @@ Per node and value head, the largest difference over V as a fraction of that row
 root-path output (rows below 1e-6 of the call's largest are skipped).
 - Without CUDA graphs (`compare` reads each call back): a call beyond TOL is logged with its
   worst node, and the first KEEP such calls' inputs, slot states and both outputs are saved to
-  DIR/verify_<n>.pt.
+  DIR/verify_<pid>_<n>.pt (one process per tensor-parallel rank).
 - Inside a CUDA graph: the worst fraction of the round's calls accumulates on the device, and
   `after_round` (the commit hook, outside the graph) reads it back and logs a round beyond TOL.
 Every 1000 checks (calls, or rounds in a graph) a line says how many differed.
@@ -27,11 +27,13 @@ _worst: list[torch.Tensor] = []  # the device accumulator of graph-captured call
 
 
 def row_error(o: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """[T, HV] largest |o - ref| over V per row, as a fraction of the row's largest |ref|."""
+    """[T, HV] largest |o - ref| over V per row, as a fraction of the row's largest |ref|; a
+    NaN or infinity in either output counts as infinitely far."""
     ref = ref.float()
     diff = (o.float() - ref).abs().amax(-1)
     size = ref.abs().amax(-1)
-    return torch.where(size > 1e-6 * size.max(), diff / size.clamp(min=1e-30), 0.0)
+    rel = torch.where(size > 1e-6 * size.max(), diff / size.clamp(min=1e-30), 0.0)
+    return torch.nan_to_num(rel, nan=float("inf"))
 
 
 def compare(o: torch.Tensor, args: tuple, path) -> None:
@@ -43,10 +45,13 @@ def compare(o: torch.Tensor, args: tuple, path) -> None:
                       max_path=path.max_path)  # fmt: skip
     rel = row_error(o, ref)
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        if not _worst:
-            _worst.append(torch.zeros((), device=rel.device))
-        torch.maximum(_worst[0], rel.max(), out=_worst[0])
+        # the accumulator comes from an eager call (SGLang warms up before it captures): made
+        # during a capture, its zero fill would belong to that one graph
+        if _worst:
+            torch.maximum(_worst[0], rel.max(), out=_worst[0])
         return
+    if not _worst:
+        _worst.append(torch.zeros((), device=rel.device))
     _counts["calls"] += 1
     worst = float(rel.max())
     if worst > TOL:
@@ -77,7 +82,7 @@ def after_round() -> None:
 def _report(o, ref, rel, worst, inputs, state, slots, parents, path) -> None:
     token, head = divmod(int(rel.argmax()), rel.shape[1])
     N = parents.shape[1]
-    where = os.path.join(path.check, f"verify_{_counts['differed'] - 1}.pt")
+    where = os.path.join(path.check, f"verify_{os.getpid()}_{_counts['differed'] - 1}.pt")
     saved = _counts["differed"] <= KEEP
     if saved:
         os.makedirs(path.check, exist_ok=True)

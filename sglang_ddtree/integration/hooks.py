@@ -149,10 +149,11 @@ LOSSY_SAMPLING_OPTIONS = {
 def _internal_state(original, scheduler, *args, **kwargs):
     """AROUND Scheduler.get_internal_state: a DDTREE server's /server_info also carries its
     resolved options and GDN path (internal_states[i]["ddtree"]), as values to read."""
-    state = original(scheduler, *args, **kwargs)
+    out = original(scheduler, *args, **kwargs)  # GetInternalStateReqOutput
+    state = getattr(out, "internal_state", None)
     if isinstance(state, dict) and _is_ddtree(getattr(scheduler, "spec_algorithm", None)):
         state["ddtree"] = report()
-    return state
+    return out
 
 
 def report() -> dict:

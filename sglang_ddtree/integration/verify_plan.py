@@ -26,6 +26,8 @@ import logging
 
 import torch
 
+from sglang_ddtree.integration import compat
+
 logger = logging.getLogger(__name__)
 _logged: list[bool] = []  # the first host plan is logged once (tests/gpu checks for it)
 
@@ -35,8 +37,9 @@ class HostPlan:
     qo_indptr: torch.Tensor  # [bs + 1] int32, host
     kv_indptr: torch.Tensor  # [bs + 1] int32, host
     last_page_len: torch.Tensor  # [bs] int32, host
-    mask_starts: torch.Tensor  # [bs + 1] int64, host: mask bits before each request
+    mask_starts: torch.Tensor  # [bs + 1] int32, host: mask bits before each request
     total_bits: int
+    packed_bytes: int  # sum over requests of ceil(bits / 8)
 
 
 def host_plan(seq_lens_cpu: torch.Tensor, num_nodes: int) -> HostPlan:
@@ -51,22 +54,34 @@ def host_plan(seq_lens_cpu: torch.Tensor, num_nodes: int) -> HostPlan:
         qo_indptr=torch.arange(0, (bs + 1) * N, N, dtype=torch.int32),
         kv_indptr=torch.cat([zero, torch.cumsum(kv, 0)]).to(torch.int32),
         last_page_len=torch.ones(bs, dtype=torch.int32),
-        mask_starts=starts,
+        mask_starts=starts.to(torch.int32),
         total_bits=int(starts[-1]),
+        packed_bytes=int(((N * kv + 7) // 8).sum()),
     )
 
 
-def pack_at_bit_offsets(mask: torch.Tensor, starts: torch.Tensor, total_bits: int) -> torch.Tensor:
+def pack_at_bit_offsets(mask: torch.Tensor, starts: torch.Tensor, total_bits: int,
+                        packed_bytes: int) -> torch.Tensor:  # fmt: skip
     """uint8 [total_bits]: request b's bits mask[starts[b]:starts[b+1]] packed little-endian
     from byte starts[b] (the rest zero). mask: the flat unpacked bool mask (at least total_bits
-    long); starts [bs + 1] on mask's device. Sync-free: total_bits comes from the host."""
-    p = torch.arange(total_bits, device=mask.device)
-    seg = torch.searchsorted(starts[1:], p, right=True)
-    local = p - starts[seg]
-    bits = mask[:total_bits].to(torch.int32) << (local % 8).to(torch.int32)
-    out = torch.zeros(total_bits, dtype=torch.int32, device=mask.device)
-    out.index_add_(0, starts[seg] + local // 8, bits)  # distinct bits per byte: the sum is the OR
-    return out.to(torch.uint8)
+    long); starts [bs + 1] int32 on mask's device; packed_bytes = sum over requests of
+    ceil(bits / 8) (host-known, as total_bits). One pass over the packed bytes, 8 gathers each,
+    int32 indices: a few bytes of scratch per byte of the result. Sync-free."""
+    dev = mask.device
+    lens = starts[1:] - starts[:-1]
+    pstarts = torch.zeros_like(starts)
+    pstarts[1:] = torch.cumsum((lens + 7) // 8, 0)
+    j = torch.arange(packed_bytes, device=dev, dtype=torch.int32)
+    seg = torch.searchsorted(pstarts[1:], j, right=True, out_int32=True)
+    first = (j - pstarts[seg]) * 8  # the byte's first bit within its request
+    base, end = starts[seg] + first, starts[seg + 1]
+    byte = torch.zeros(packed_bytes, dtype=torch.int32, device=dev)
+    for k in range(8):
+        bit = mask[(base + k).clamp(max=max(total_bits - 1, 0))].to(torch.int32)
+        byte |= (bit & (base + k < end).to(torch.int32)) << k
+    out = torch.zeros(total_bits, dtype=torch.uint8, device=dev)
+    out[starts[seg] + first // 8] = byte.to(torch.uint8)
+    return out
 
 
 def call_begin_forward(original, updater, wrapper_ragged, wrapper_paged, req_pool_indices,
@@ -87,12 +102,16 @@ def call_begin_forward(original, updater, wrapper_ragged, wrapper_paged, req_poo
     ):
         return original(*call, **kwargs)
     plan = host_plan(seq_lens_cpu, int(spec_info.draft_token_num))
+    capacity = compat.flashinfer_mask_capacity(wrapper_paged)  # CUDA-graph buffer, bytes
+    if capacity is not None and plan.total_bits > capacity:  # the bit-offset layout is 8x
+        return original(*call, **kwargs)
     starts = plan.mask_starts.to(seq_lens.device, non_blocking=True)
     planned = wrapper_paged.begin_forward
     own = "begin_forward" in vars(wrapper_paged)
 
     def begin_forward(qo, kv, kv_indices, last, *rest, custom_mask=None, **kw):
-        packed = pack_at_bit_offsets(custom_mask.reshape(-1), starts, plan.total_bits)
+        packed = pack_at_bit_offsets(custom_mask.reshape(-1), starts, plan.total_bits,
+                                     plan.packed_bytes)  # fmt: skip
         return planned(plan.qo_indptr, plan.kv_indptr, kv_indices, plan.last_page_len, *rest,
                        packed_custom_mask=packed, **kw)  # fmt: skip
 

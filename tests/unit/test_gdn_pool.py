@@ -305,11 +305,17 @@ def test_gdn_check_saves_the_inputs_of_a_verify_that_differs(monkeypatch, tmp_pa
     ref[0] = o[0] = 100.0
     with caplog.at_level("WARNING"):
         gdn_check.compare(o, args, path)
-    saved = torch.load(tmp_path / "verify_0.pt")
+    import os
+
+    saved = torch.load(tmp_path / f"verify_{os.getpid()}_0.pt")
     assert torch.equal(saved["paths"], ref) and torch.equal(saved["chunk"], o)
     assert saved["states"].shape == (1, 2, 3, 5) and saved["call"] == 2
     assert "by 0.9 of the row's max |o| at node 2 (request 0), value head 1" in caplog.text
     assert all(seen)
+    assert float(gdn_check._worst[0]) == 0.0  # the graphs' accumulator, made by an eager call
+    nan = o.clone()
+    nan[1, 0, 0] = float("nan")  # a NaN output is as far off as can be
+    assert gdn_check.row_error(nan, ref)[1, 0] == float("inf")
     # as if captured: the worst row accumulates, after_round reads and resets it
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
@@ -328,6 +334,7 @@ def test_server_info_reports_the_resolved_options(monkeypatch):
     import dataclasses
     import inspect
 
+    from sglang.srt.managers.io_struct import GetInternalStateReqOutput
     from sglang.srt.managers.scheduler import Scheduler
 
     from sglang_ddtree import config
@@ -339,8 +346,12 @@ def test_server_info_reports_the_resolved_options(monkeypatch):
     monkeypatch.setattr(config, "_active", opts)
     monkeypatch.setattr(gdn.compat, "dflash_block_size", lambda: 16)
     ddtree = SimpleNamespace(spec_algorithm=SimpleNamespace(name="DDTREE"))
-    state = hooks._internal_state(lambda s, req: {"startup_time": 1.0}, ddtree, None)
+
+    def original(scheduler, req):  # what SGLang's get_internal_state returns
+        return GetInternalStateReqOutput(internal_state={"startup_time": 1.0})
+
+    state = hooks._internal_state(original, ddtree, None).internal_state
     assert state["ddtree"]["options"] == dataclasses.asdict(opts)
     assert state["ddtree"]["gdn_path"] == gdn.describe(gdn.GDNPath(16, verify="chunk"))
     dflash = SimpleNamespace(spec_algorithm=SimpleNamespace(name="DFLASH"))
-    assert hooks._internal_state(lambda s, req: {"a": 1}, dflash, None) == {"a": 1}
+    assert hooks._internal_state(original, dflash, None).internal_state == {"startup_time": 1.0}

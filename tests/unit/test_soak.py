@@ -60,8 +60,11 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.end_headers()
+            if body["max_tokens"] == 7:  # SGLang streams an error with status 200
+                self.wfile.write(b'data: {"error": {"message": "boom"}}\n\n')
+                return None
             for _ in range(4):
-                self.wfile.write(b'data: {"choices": []}\n\n')
+                self.wfile.write(b'data: {"choices": [{"delta": {"content": "a"}}]}\n\n')
                 self.wfile.flush()
             self.wfile.write(b"data: [DONE]\n\n")
             return None
@@ -101,13 +104,29 @@ def test_each_outcome_and_the_summary(soak, url):
     ]
     assert [r["outcome"] for r in rows] == ["completed", "completed", "completed", "refused",
                                             "cancelled"]  # fmt: skip
-    assert [r["tokens"] for r in rows[:3]] == [3, 5, 4]
+    assert [r["tokens"] for r in rows[:3]] == [3, 5, 4]  # the stream: 4 content chunks
     assert rows[4]["latency_s"] < 0.9  # the cancel did not wait for the response
     summary = soak.summarize(rows, wall_s=2.0)
     assert (summary["completed"], summary["refused"], summary["cancelled"]) == (3, 1, 1)
     assert summary["failed"] == 0 and summary["tokens_per_s"] == 6.0
     assert "n > 1" in summary["errors"][0]
     assert soak.health(url) == {"probe": "x", "healthy": True, "kv_tokens_in_use": 0}
+    # a stream that reports an error, a server that is gone (even for a request meant to be
+    # cancelled): failures, not completions or cancellations
+    assert soak.send(url, R("chat_stream", "a", 7, 0.0))["outcome"] == "failed"
+    gone = "http://127.0.0.1:9"  # nothing listens on the discard port here
+    assert soak.send(gone, R("generate", "a", 5, 0.0, cancel_after_s=0.5))["outcome"] == "failed"
+    assert soak.health(gone) == {"probe": None, "healthy": False, "kv_tokens_in_use": None}
+
+
+def test_the_log_scan_reads_from_a_byte_offset(soak, tmp_path):
+    log = tmp_path / "server.log"
+    log.write_bytes("progress ██████ 100%\nTraceback (old)\n".encode())
+    start = log.stat().st_size
+    with open(log, "ab") as f:
+        f.write(b"ok\nTraceback (most recent call last):\n")
+    assert soak.log_problems(log, start) == ["Traceback"]
+    assert soak.log_problems(log, log.stat().st_size) == []
 
 
 def test_only_local_servers(soak):

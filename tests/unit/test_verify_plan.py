@@ -32,6 +32,7 @@ def test_the_host_layout_is_the_eagle_verify_layout():
     assert plan.last_page_len.tolist() == [1, 1, 1]
     # FlashInfer's _compute_page_mask_indptr: qo_len * ((kv_indptr diff - 1) * 1 + last_page_len)
     assert plan.mask_starts.tolist() == [0, 36, 56, 140] and plan.total_bits == 140
+    assert plan.packed_bytes == 5 + 3 + 11  # ceil(36 / 8) + ceil(20 / 8) + ceil(84 / 8)
     assert plan.total_bits == tree_layout.full_mask_size(4, 3, int(seq.sum()))
 
 
@@ -41,7 +42,7 @@ def test_the_packed_mask_reads_back_as_the_kernel_reads_it(seq):
     seq, N = torch.tensor(seq), 5
     mask = _tree_mask(seq, N, gen)
     plan = host_plan(seq, N)
-    packed = pack_at_bit_offsets(mask, plan.mask_starts, plan.total_bits)
+    packed = pack_at_bit_offsets(mask, plan.mask_starts, plan.total_bits, plan.packed_bytes)
     assert packed.dtype == torch.uint8 and packed.numel() == plan.total_bits
     for b in range(len(seq)):
         kv_len = int(seq[b]) + N
@@ -108,12 +109,19 @@ def test_the_hook_plans_a_ddtree_verify_from_the_host(verify_plan_on):
     assert torch.equal(qo, plan.qo_indptr) and torch.equal(kv, plan.kv_indptr)
     assert torch.equal(last, plan.last_page_len) and kv_indices == "kv_indices"
     assert "custom_mask" not in kw and rest == (4, 2, 64, 1) and kw["q_data_type"] == "bf16"
-    assert torch.equal(kw["packed_custom_mask"], pack_at_bit_offsets(mask, plan.mask_starts,
-                                                                       plan.total_bits))  # fmt: skip
+    packed = pack_at_bit_offsets(mask, plan.mask_starts, plan.total_bits, plan.packed_bytes)
+    assert torch.equal(kw["packed_custom_mask"], packed)
     assert "begin_forward" not in vars(wrapper)  # the wrapper's own plan is back
     # no host lengths, or the switch off: SGLang's call as it was
     call_begin_forward(_sglang_like, *args, seq_lens_cpu=None)
     assert "custom_mask" in wrapper.calls[-1][5]
+    # a CUDA-graph wrapper whose mask buffer cannot hold the bit-offset layout: SGLang's call
+    wrapper.is_cuda_graph_enabled, wrapper._custom_mask_buf = True, torch.zeros(plan.total_bits - 1)
+    call_begin_forward(_sglang_like, *args, seq_lens_cpu=seq.clone())
+    assert "custom_mask" in wrapper.calls[-1][5]
+    wrapper._custom_mask_buf = torch.zeros(plan.total_bits)
+    call_begin_forward(_sglang_like, *args, seq_lens_cpu=seq.clone())
+    assert "packed_custom_mask" in wrapper.calls[-1][5]
     verify_plan_on.activate(verify_plan_on.Options())
     call_begin_forward(_sglang_like, *args, seq_lens_cpu=seq.clone())
     assert "custom_mask" in wrapper.calls[-1][5]
@@ -156,7 +164,9 @@ def test_flashinfer_attends_the_same_with_the_host_plan_and_the_packed_mask():
         workspace = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
         w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
         if host:
-            packed = pack_at_bit_offsets(mask, plan.mask_starts.cuda(), plan.total_bits)
+            packed = pack_at_bit_offsets(
+                mask, plan.mask_starts.cuda(), plan.total_bits, plan.packed_bytes
+            )
             w.plan(plan.qo_indptr, plan.kv_indptr, indices, plan.last_page_len, Hq, Hk, D, 1,
                    packed_custom_mask=packed, q_data_type=torch.bfloat16)  # fmt: skip
         else:
