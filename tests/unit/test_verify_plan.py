@@ -56,6 +56,23 @@ def test_the_packed_mask_reads_back_as_the_kernel_reads_it(seq):
                 assert bit == int(mask[base + off]), (b, q, k)
 
 
+def test_the_packed_bytes_are_those_checked_on_the_gpu():
+    """Byte for byte the packing that session 8 ran through FlashInfer on the H200 (one entry
+    per mask bit, bits summed into bytes at the request's bit offset)."""
+    gen = torch.Generator().manual_seed(9)
+    seq, N = torch.tensor([37, 5, 120]), 16
+    mask = _tree_mask(seq, N, gen)
+    plan = host_plan(seq, N)
+    starts = plan.mask_starts.long()
+    p = torch.arange(plan.total_bits)
+    seg = torch.searchsorted(starts[1:], p, right=True)
+    local = p - starts[seg]
+    ref = torch.zeros(plan.total_bits, dtype=torch.int32)
+    ref.index_add_(0, starts[seg] + local // 8, mask[: plan.total_bits].int() << (local % 8).int())
+    got = pack_at_bit_offsets(mask, plan.mask_starts, plan.total_bits, plan.packed_bytes)
+    assert torch.equal(got, ref.to(torch.uint8))
+
+
 class _Wrapper:
     def __init__(self):
         self.calls = []
