@@ -6,8 +6,12 @@ one that differs saved), the suite's greedy prompts at c=1, then
 each output's largest float32 deficit under the reference engine (did this run serve a wrong
 token?).
 
-    python -m scripts.gpu_diagnose_gdn OUT [--prompts 0,15] [--eager]   (from the checkout: it
-    uses tests/gpu's server set)
+    python -m scripts.gpu_diagnose_gdn OUT [--prompts 0,15] [--eager] [--verify paths]
+        [--perturb 0.004]   (from the checkout: it uses tests/gpu's server set)
+
+--verify paths --perturb EPS serves the root-path kernel with its outputs off by up to EPS
+(SGLANG_DDTREE_GDN_PERTURB): if the same prompt then serves a wrong token, the model is fragile
+there (any other rounding flips it), not the chunked kernel wrong.
 """
 
 from __future__ import annotations
@@ -27,11 +31,15 @@ def main() -> int:
     p.add_argument("--prompts", default="", help="indices into harness.PROMPTS (default: all)")
     p.add_argument("--port", type=int, default=33000)
     p.add_argument("--eager", action="store_true", help="no CUDA graphs: save differing inputs")
+    p.add_argument("--verify", choices=("chunk", "paths"), default="chunk")
+    p.add_argument("--perturb", type=float, default=0.0, help="SGLANG_DDTREE_GDN_PERTURB")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     target, draft = write_pair(args.out, "qwen35")
-    env = {**ENV, "SGLANG_DDTREE_GDN_CHECK": str(args.out / "check"),
-           "SGLANG_DDTREE_GDN_VERIFY": "chunk"}  # fmt: skip
+    env = {**ENV, "SGLANG_DDTREE_GDN_VERIFY": args.verify,
+           "SGLANG_DDTREE_GDN_PERTURB": str(args.perturb)}  # fmt: skip
+    if args.verify == "chunk":
+        env["SGLANG_DDTREE_GDN_CHECK"] = str(args.out / "check")
     flags = [*COMMON, *ddtree_args("qwen35", draft), *(["--disable-cuda-graph"] * args.eager)]
     server = harness.Server("qwen35-ddtree_check", str(target), args.port, flags, env,
                             log_dir=args.out)  # fmt: skip

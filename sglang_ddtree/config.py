@@ -161,6 +161,10 @@ class Options:
     gdn_check     SGLANG_DDTREE_GDN_CHECK     a directory: without CUDA graphs, every chunked GDN
                                               verify is checked against the root-path kernel and
                                               the inputs of one that differs are saved there
+    gdn_perturb   SGLANG_DDTREE_GDN_PERTURB   a relative size (0: off): every GDN tree-verify
+                                              output times 1 + size x a fixed pattern in [-1, 1],
+                                              another kernel's rounding (debugging: a fragile
+                                              model or a kernel bug?)
     """
 
     tree_builder: str | None = None
@@ -173,6 +177,7 @@ class Options:
     dump_every: int = 100
     verify_plan: str = "sglang"
     gdn_check: str | None = None
+    gdn_perturb: float = 0.0
 
     @classmethod
     def from_env(cls, unified_memory: bool = False) -> Options:
@@ -207,6 +212,7 @@ class Options:
             dump_every=int(every),
             verify_plan=env_choice("SGLANG_DDTREE_VERIFY_PLAN", ("sglang", "host")),
             gdn_check=env_value("SGLANG_DDTREE_GDN_CHECK") or None,
+            gdn_perturb=_fraction("SGLANG_DDTREE_GDN_PERTURB"),
         )
         opts._check(unified_memory)
         return opts
@@ -226,6 +232,18 @@ class Options:
     def describe(self) -> str:
         """One line of every resolved switch (the server logs it at startup)."""
         return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
+
+
+def _fraction(name: str) -> float:
+    """A switch holding a number in [0, 1) (unset: 0), or an error naming it."""
+    text = env_value(name, "0")
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < 1:
+        raise ValueError(f"{name} must be a number in [0, 1), got {text!r}")
+    return value
 
 
 _GDN_SWITCHES = ("SGLANG_DDTREE_GDN_VERIFY", "SGLANG_DDTREE_CONV", "SGLANG_DDTREE_GDN_SCRATCH")

@@ -48,6 +48,7 @@ class GDNPath:
     conv: bool = True  # SGLANG_DDTREE_CONV=ddtree: gdn/conv_tree.py's tree conv1d
     compact: bool = True  # SGLANG_DDTREE_GDN_SCRATCH=compact: integration/gdn_pool.py
     check: str | None = None  # SGLANG_DDTREE_GDN_CHECK: where integration/gdn_check.py saves
+    perturb: float = 0.0  # SGLANG_DDTREE_GDN_PERTURB: gdn_check.perturb's size
 
 
 def path_of(options: Options, block_size: int) -> GDNPath | None:
@@ -60,6 +61,7 @@ def path_of(options: Options, block_size: int) -> GDNPath | None:
         conv=options.conv == "ddtree",
         compact=options.gdn_scratch == "compact",
         check=options.gdn_check,
+        perturb=options.gdn_perturb,
     )
 
 
@@ -121,6 +123,8 @@ def target_verify(original, dispatcher, A_log, dt_bias, q, k, v, a, b, **kwargs)
         o = kernel(*args, max_path=path.max_path)
         if chunked and path.check:
             gdn_check.compare(o, args, path)
+        if path.perturb:
+            o = gdn_check.perturb(o, path.perturb)
     except ValueError as exc:  # a pool layout the kernel does not take: name the way out
         raise RuntimeError(
             f"DDTREE's Gated DeltaNet tree verify cannot run on this Mamba pool ({exc}); serve "

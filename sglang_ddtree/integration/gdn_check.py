@@ -62,6 +62,14 @@ def compare(o: torch.Tensor, args: tuple, path) -> None:
                     _counts["calls"], _counts["differed"])  # fmt: skip
 
 
+def perturb(o: torch.Tensor, size: float) -> torch.Tensor:
+    """o times 1 + size x sin(12.9898 i) (i the flat index): a fixed, data-independent
+    relative error of at most `size`, like another kernel's rounding (SGLANG_DDTREE_GDN_PERTURB;
+    graph-safe: no random state)."""
+    pattern = torch.sin(torch.arange(o.numel(), device=o.device, dtype=torch.float32) * 12.9898)
+    return (o.float() * (1 + size * pattern.view(o.shape))).to(o.dtype)
+
+
 def after_round() -> None:
     """Read back (and reset) the worst fraction of this round's graph-captured verifies."""
     if not _worst:

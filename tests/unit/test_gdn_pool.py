@@ -355,3 +355,24 @@ def test_server_info_reports_the_resolved_options(monkeypatch):
     assert state["ddtree"]["gdn_path"] == gdn.describe(gdn.GDNPath(16, verify="chunk"))
     dflash = SimpleNamespace(spec_algorithm=SimpleNamespace(name="DFLASH"))
     assert hooks._internal_state(original, dflash, None).internal_state == {"startup_time": 1.0}
+
+
+def test_gdn_perturb_is_a_bounded_fixed_relative_error(monkeypatch):
+    """SGLANG_DDTREE_GDN_PERTURB: parsed in [0, 1), carried into the GDN path, and the
+    perturbation is deterministic, within its size, and off at 0."""
+    from sglang_ddtree import config
+    from sglang_ddtree.integration import gdn_check
+
+    monkeypatch.setenv("SGLANG_DDTREE_GDN_PERTURB", "0.004")
+    opts = config.Options.from_env()
+    assert opts.gdn_perturb == 0.004 and gdn.path_of(opts, 16).perturb == 0.004
+    for bad in ("-0.1", "1.5", "lots"):
+        monkeypatch.setenv("SGLANG_DDTREE_GDN_PERTURB", bad)
+        with pytest.raises(ValueError, match="SGLANG_DDTREE_GDN_PERTURB must be a number"):
+            config.Options.from_env()
+    o = torch.randn(31, 2, 128)
+    a, b = gdn_check.perturb(o, 0.004), gdn_check.perturb(o, 0.004)
+    rel = ((a - o).abs() / o.abs().clamp(min=1e-12)).max()
+    assert torch.equal(a, b) and 1e-3 < rel <= 0.004 + 1e-6
+    assert torch.equal(gdn_check.perturb(o, 0.0), o)
+    assert gdn_check.perturb(o.bfloat16(), 0.004).dtype == torch.bfloat16

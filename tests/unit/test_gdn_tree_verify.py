@@ -318,6 +318,28 @@ def test_chunk_tree_verify_precision_on_gpu(N):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA")
+def test_chunk_and_root_paths_agree_in_bf16_at_the_binary_pairs_shapes():
+    """The GPU suite's binary Qwen3.5 pair as the server runs it (bf16 q, k, v; 1 key head, 2
+    value heads of 128; a 31-node complete binary tree in best-first order; block 16): the two
+    kernels' bf16 outputs differ by at most one bf16 step of the largest output, and both
+    stay within two of float64."""
+    gen = torch.Generator().manual_seed(37)
+    t = torch.arange(31)
+    parents = ((t - 1) // 2).clamp(min=0).expand(2, 31).clone()
+    case = Case(parents, 1, 2, 128, 128, gen, dtype=torch.bfloat16, device="cuda",
+                ref_dtype=torch.float64)  # fmt: skip
+    o_paths = case.verify(max_path=16).float().cpu()
+    o_chunk = case.verify(max_path=16, kernel=chunk_tree_verify).float().cpu()
+    step = 2**-8 * float(case.o_ref.abs().max())
+    print(
+        f"max |chunk - paths| = {float((o_chunk - o_paths).abs().max()):.3g}, bf16 step {step:.3g}"
+    )
+    assert (o_chunk - o_paths).abs().max() <= step
+    assert max((o - case.o_ref).abs().max() for o in (o_chunk, o_paths)) <= 2 * step
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA")
 @pytest.mark.parametrize("kernel", ["root_paths", "chunk", "chunk_tf32"])
 def test_tree_verify_is_batch_invariant_on_gpu(kernel):
     """A request's outputs and scratch words are bit-identical alone (bs 1) and as request 3 of
