@@ -217,6 +217,11 @@ class Options:
         opts._check(unified_memory)
         return opts
 
+    @property
+    def compact_scratch(self) -> bool:
+        """Whether the compact GDN verify scratch is in use (DDTREE's GDN path only)."""
+        return self.gdn == "ddtree" and self.gdn_scratch == "compact"
+
     def _check(self, unified_memory: bool) -> None:
         if self.gdn == "sglang" and (self.gdn_verify, self.conv, self.gdn_scratch) != (
             "paths", "sglang", "full"

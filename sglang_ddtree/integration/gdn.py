@@ -59,7 +59,7 @@ def path_of(options: Options, block_size: int) -> GDNPath | None:
         max_path=block_size,
         verify=options.gdn_verify,
         conv=options.conv == "ddtree",
-        compact=options.gdn_scratch == "compact",
+        compact=options.compact_scratch,
         check=options.gdn_check,
         perturb=options.gdn_perturb,
     )
@@ -109,27 +109,28 @@ def target_verify(original, dispatcher, A_log, dt_bias, q, k, v, a, b, **kwargs)
     N = int(kwargs["cache_steps"])
     chunked = path.verify == "chunk" and N <= MAX_NODES  # wider trees: root paths
     kernel = chunk_tree_verify if chunked else tree_verify
-    _first_use("GDN tree verify through sglang_ddtree.gdn."
-               + ("chunk_tree.chunk_tree_verify" if chunked else "tree_verify"))  # fmt: skip
+    first_use("GDN tree verify through sglang_ddtree.gdn."
+              + ("chunk_tree.chunk_tree_verify" if chunked else "tree_verify"))  # fmt: skip
     H, K = q.shape[-2:]
     HV, V = v.shape[-2:]
     T = v.numel() // (HV * V)
     bs = T // N
-    args = (q.reshape(T, H, K), k.reshape(T, H, K), v.reshape(T, HV, V), a.reshape(T, HV),
-            b.reshape(T, HV), A_log, dt_bias, kwargs["ssm_states"], kwargs["cache_indices"][:bs],
-            _rows(parents, N), as_scratch(kwargs["intermediate_states_buffer"], 1),
-            kwargs["intermediate_state_indices"][:bs])  # fmt: skip
     try:
+        args = (q.reshape(T, H, K), k.reshape(T, H, K), v.reshape(T, HV, V), a.reshape(T, HV),
+                b.reshape(T, HV), A_log, dt_bias, kwargs["ssm_states"],
+                kwargs["cache_indices"][:bs], _rows(parents, N),
+                as_scratch(kwargs["intermediate_states_buffer"], 1),
+                kwargs["intermediate_state_indices"][:bs])  # fmt: skip
         o = kernel(*args, max_path=path.max_path)
-        if chunked and path.check:
-            gdn_check.compare(o, args, path)
-        if path.perturb:
-            o = gdn_check.perturb(o, path.perturb)
     except ValueError as exc:  # a pool layout the kernel does not take: name the way out
         raise RuntimeError(
             f"DDTREE's Gated DeltaNet tree verify cannot run on this Mamba pool ({exc}); serve "
             "with SGLANG_DDTREE_GDN=sglang to use SGLang's own."
         ) from exc
+    if chunked and path.check:
+        gdn_check.compare(o, args, path)
+    if path.perturb:
+        o = gdn_check.perturb(o, path.perturb)
     return o.reshape(v.shape)
 
 
@@ -144,7 +145,7 @@ def conv_update(original, x, conv_state, weight, bias=None, activation=None, *re
         return original(x, conv_state, weight, bias, activation, *rest, **kwargs)
     from sglang_ddtree.gdn.conv_tree import conv_tree
 
-    _first_use("tree conv1d through sglang_ddtree.gdn.conv_tree")
+    first_use("tree conv1d through sglang_ddtree.gdn.conv_tree")
     return conv_tree(x, conv_state, weight, bias, activation, **kwargs)
 
 
@@ -173,7 +174,7 @@ def commit(original, backend, last_correct_step_indices, mamba_track_indices,
 
     if path.check:
         gdn_check.after_round()
-    _first_use("GDN state commit through sglang_ddtree.gdn.tree_verify.commit_paths")
+    first_use("GDN state commit through sglang_ddtree.gdn.tree_verify.commit_paths")
     bs = last_correct_step_indices.shape[0]
     state_idx = meta.mamba_cache_indices[:bs]
     N = caches.intermediate_conv_window[0].shape[2]  # [layers, rows, N, dim, K - 1], both pools
@@ -201,7 +202,7 @@ def commit(original, backend, last_correct_step_indices, mamba_track_indices,
 _used: set[str] = set()
 
 
-def _first_use(what: str) -> None:
+def first_use(what: str) -> None:
     """Log once per process that a hook took DDTREE's path (the GPU tests look for it)."""
     if what not in _used:
         _used.add(what)

@@ -38,8 +38,7 @@ def compact_on() -> bool:
     """Whether this process's options ask for the compact scratch (DDTREE's GDN path only)."""
     from sglang_ddtree.config import options
 
-    opts = options()
-    return opts.gdn == "ddtree" and opts.gdn_scratch == "compact"
+    return options().compact_scratch
 
 
 def compact_bytes_per_request(cache_params, num_nodes: int) -> int:

@@ -66,7 +66,7 @@ def _config():
 
     spec = get_spec()
     return DDTreeConfig(
-        block_size=int(spec.speculative_dflash_block_size),
+        block_size=compat.dflash_block_size(),
         num_nodes=int(spec.speculative_num_draft_tokens),
         topk=int(spec.speculative_eagle_topk),
     )

@@ -22,14 +22,10 @@ that), and each request reads its own bytes (`pack_at_bit_offsets`).
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 import torch
 
 from sglang_ddtree.integration import compat
-
-logger = logging.getLogger(__name__)
-_logged: list[bool] = []  # the first host plan is logged once (tests/gpu checks for it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,9 +111,9 @@ def call_begin_forward(original, updater, wrapper_ragged, wrapper_paged, req_poo
         return planned(plan.qo_indptr, plan.kv_indptr, kv_indices, plan.last_page_len, *rest,
                        packed_custom_mask=packed, **kw)  # fmt: skip
 
-    if not _logged:
-        _logged.append(True)
-        logger.info("sglang_ddtree: first verify plan from host lengths (verify_plan.py)")
+    from sglang_ddtree.integration.gdn import first_use
+
+    first_use("verify plan from host lengths (integration/verify_plan.py)")
     wrapper_paged.begin_forward = begin_forward
     try:
         return original(*call, **kwargs)
