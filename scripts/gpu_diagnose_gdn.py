@@ -7,11 +7,17 @@ each output's largest float32 deficit under the reference engine (did this run s
 token?).
 
     python -m scripts.gpu_diagnose_gdn OUT [--prompts 0,15] [--eager] [--verify paths]
-        [--perturb 0.004]   (from the checkout: it uses tests/gpu's server set)
+        [--perturb 0.004] [--precision ieee] [--serve paths] [--save 400]
+        (from the checkout: it uses tests/gpu's server set)
 
 --verify paths --perturb EPS serves the root-path kernel with its outputs off by up to EPS
 (SGLANG_DDTREE_GDN_PERTURB): if the same prompt then serves a wrong token, the model is fragile
-there (any other rounding flips it), not the chunked kernel wrong.
+there (any other rounding flips it), not the chunked kernel wrong. --precision: the chunked
+verify's products (SGLANG_DDTREE_GDN_PRECISION). --serve paths: the check serves the root
+paths' outputs with the chunked kernel's scratch (SGLANG_DDTREE_GDN_CHECK_SERVE), so a wrong
+token that stays comes from the scratch and one that goes from the outputs. --save N (with
+--eager): the inputs and both outputs of the first N verifies, for a float64 replay
+(SGLANG_DDTREE_GDN_CHECK_SAVE).
 """
 
 from __future__ import annotations
@@ -33,13 +39,19 @@ def main() -> int:
     p.add_argument("--eager", action="store_true", help="no CUDA graphs: save differing inputs")
     p.add_argument("--verify", choices=("chunk", "paths"), default="chunk")
     p.add_argument("--perturb", type=float, default=0.0, help="SGLANG_DDTREE_GDN_PERTURB")
+    p.add_argument("--precision", default="split", help="SGLANG_DDTREE_GDN_PRECISION (chunk)")
+    p.add_argument("--serve", choices=("chunk", "paths"), default="chunk")
+    p.add_argument("--save", type=int, default=0, help="with --eager: verifies saved")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     target, draft = write_pair(args.out, "qwen35")
     env = {**ENV, "SGLANG_DDTREE_GDN_VERIFY": args.verify,
            "SGLANG_DDTREE_GDN_PERTURB": str(args.perturb)}  # fmt: skip
     if args.verify == "chunk":
-        env["SGLANG_DDTREE_GDN_CHECK"] = str(args.out / "check")
+        env.update({"SGLANG_DDTREE_GDN_CHECK": str(args.out / "check"),
+                    "SGLANG_DDTREE_GDN_PRECISION": args.precision,
+                    "SGLANG_DDTREE_GDN_CHECK_SERVE": args.serve,
+                    "SGLANG_DDTREE_GDN_CHECK_SAVE": str(args.save)})  # fmt: skip
     flags = [*COMMON, *ddtree_args("qwen35", draft), *(["--disable-cuda-graph"] * args.eager)]
     server = harness.Server("qwen35-ddtree_check", str(target), args.port, flags, env,
                             log_dir=args.out)  # fmt: skip
@@ -55,9 +67,11 @@ def main() -> int:
         (args.out / "outputs.json").write_text(json.dumps(rows))
     finally:
         server.stop()
-    found = re.findall(r"GDN check: (?:verify|round) .*", server.log_text())
+    log = server.log_text()
+    found = re.findall(r"GDN check: (?:verify|round) \d+ .*differs.*", log)
     print(f"{len(found)} chunked verifies (or graph rounds) differed from the root paths")
     print("\n".join(found[:8]))
+    print("\n".join(re.findall(r"GDN check: verify \d+: worst difference so far.*", log)[-3:]))
     # did this run serve a wrong token? the float32 referee of the GPU suite, on this machine's
     # checkpoint (seeded weights written here, not bit-equal to another machine's)
     from sglang_ddtree.reference.engine import load_pair

@@ -150,6 +150,8 @@ class Options:
                                               debug mode
     gdn           SGLANG_DDTREE_GDN           ddtree | sglang (SGLang's own GDN tree verify)
     gdn_verify    SGLANG_DDTREE_GDN_VERIFY    paths | chunk (opt-in; N <= 64, root paths beyond)
+    gdn_precision SGLANG_DDTREE_GDN_PRECISION split | tf32 | tf32x3 | ieee: how the chunked
+                                              verify's float32 products run (chunk only)
     conv          SGLANG_DDTREE_CONV          ddtree | sglang
     gdn_scratch   SGLANG_DDTREE_GDN_SCRATCH   compact | full; compact unless
                                               --enable-unified-memory
@@ -161,6 +163,11 @@ class Options:
     gdn_check     SGLANG_DDTREE_GDN_CHECK     a directory: without CUDA graphs, every chunked GDN
                                               verify is checked against the root-path kernel and
                                               the inputs of one that differs are saved there
+    gdn_check_serve SGLANG_DDTREE_GDN_CHECK_SERVE  chunk | paths: whose outputs a checked
+                                              verify serves (paths: the chunked kernel's scratch,
+                                              the root paths' outputs; needs gdn_check)
+    gdn_check_save SGLANG_DDTREE_GDN_CHECK_SAVE  without CUDA graphs, also save the inputs of
+                                              the first this many checked calls (0)
     gdn_perturb   SGLANG_DDTREE_GDN_PERTURB   a relative size (0: off): every GDN tree-verify
                                               output times 1 + size x a fixed pattern in [-1, 1],
                                               another kernel's rounding (debugging: a fragile
@@ -177,7 +184,10 @@ class Options:
     dump_every: int = 100
     verify_plan: str = "sglang"
     gdn_check: str | None = None
+    gdn_check_serve: str = "chunk"
+    gdn_check_save: int = 0
     gdn_perturb: float = 0.0
+    gdn_precision: str = "split"
 
     @classmethod
     def from_env(cls, unified_memory: bool = False) -> Options:
@@ -194,9 +204,10 @@ class Options:
                 if env_value(name) is not None:
                     raise ValueError(f"{name}={env_value(name)} needs DDTREE's GDN path, which "
                                      "SGLANG_DDTREE_GDN=sglang turns off; drop one of the two.")  # fmt: skip
-            verify, conv, scratch = "paths", "sglang", "full"
+            verify, conv, scratch, precision = "paths", "sglang", "full", "split"
         else:
             verify = env_choice("SGLANG_DDTREE_GDN_VERIFY", ("paths", "chunk"))
+            precision = env_choice("SGLANG_DDTREE_GDN_PRECISION", PRECISIONS)
             conv = env_choice("SGLANG_DDTREE_CONV", ("ddtree", "sglang"))
             # SGLang's unified pool allocates the per-node states itself: full there
             scratch = env_choice("SGLANG_DDTREE_GDN_SCRATCH", ("compact", "full"),
@@ -212,7 +223,10 @@ class Options:
             dump_every=int(every),
             verify_plan=env_choice("SGLANG_DDTREE_VERIFY_PLAN", ("sglang", "host")),
             gdn_check=env_value("SGLANG_DDTREE_GDN_CHECK") or None,
+            gdn_check_serve=env_choice("SGLANG_DDTREE_GDN_CHECK_SERVE", ("chunk", "paths")),
+            gdn_check_save=_count("SGLANG_DDTREE_GDN_CHECK_SAVE"),
             gdn_perturb=_fraction("SGLANG_DDTREE_GDN_PERTURB"),
+            gdn_precision=precision,
         )
         opts._check(unified_memory)
         return opts
@@ -228,6 +242,12 @@ class Options:
         ):  # fmt: skip
             raise ValueError("SGLANG_DDTREE_GDN=sglang runs SGLang's own verify, conv1d and "
                              "scratch; it takes none of DDTREE's GDN switches.")  # fmt: skip
+        if self.gdn_precision != "split" and self.gdn_verify != "chunk":
+            raise ValueError(f"SGLANG_DDTREE_GDN_PRECISION={self.gdn_precision} sets the chunked "
+                             "verify's products; add SGLANG_DDTREE_GDN_VERIFY=chunk or drop it.")  # fmt: skip
+        if (self.gdn_check_serve != "chunk" or self.gdn_check_save) and not self.gdn_check:
+            raise ValueError("SGLANG_DDTREE_GDN_CHECK_SERVE / _SAVE belong to the GDN check; "
+                             "set SGLANG_DDTREE_GDN_CHECK=DIR too.")  # fmt: skip
         if self.gdn_scratch == "compact" and unified_memory:
             # The unified pool allocates SGLang's per-node states itself; the solver would not
             # have reserved them.
@@ -251,7 +271,18 @@ def _fraction(name: str) -> float:
     return value
 
 
-_GDN_SWITCHES = ("SGLANG_DDTREE_GDN_VERIFY", "SGLANG_DDTREE_CONV", "SGLANG_DDTREE_GDN_SCRATCH")
+def _count(name: str) -> int:
+    """A switch holding a whole number >= 0 (unset: 0), or an error naming it."""
+    text = env_value(name, "0")
+    if not text.isdigit():
+        raise ValueError(f"{name} must be a whole number >= 0, got {text!r}")
+    return int(text)
+
+
+_GDN_SWITCHES = ("SGLANG_DDTREE_GDN_VERIFY", "SGLANG_DDTREE_CONV", "SGLANG_DDTREE_GDN_SCRATCH",
+                 "SGLANG_DDTREE_GDN_PRECISION")  # fmt: skip
+# the chunked verify's product precisions (gdn/chunk_tree.py PRECISIONS; the default first)
+PRECISIONS = ("split", "tf32", "tf32x3", "ieee")
 _active: Options | None = None  # what the worker factory parsed in this process
 
 

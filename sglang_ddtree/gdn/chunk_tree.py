@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sglang_ddtree.config import PRECISIONS
 from sglang_ddtree.gdn.tree_verify import (
     _check_scratch,
     _check_state,
@@ -47,7 +48,6 @@ from sglang_ddtree.gdn.tree_verify import (
 )
 
 MAX_NODES = 64  # [N, N] fp32 tiles in registers; wider trees use tree_verify's root paths
-PRECISIONS = ("split", "tf32", "tf32x3", "ieee")
 
 
 @triton.jit

@@ -47,7 +47,10 @@ class GDNPath:
     verify: str = "paths"  # SGLANG_DDTREE_GDN_VERIFY: "paths" (root paths) or "chunk" (N <= 64)
     conv: bool = True  # SGLANG_DDTREE_CONV=ddtree: gdn/conv_tree.py's tree conv1d
     compact: bool = True  # SGLANG_DDTREE_GDN_SCRATCH=compact: integration/gdn_pool.py
+    precision: str = "split"  # SGLANG_DDTREE_GDN_PRECISION: the chunked verify's products
     check: str | None = None  # SGLANG_DDTREE_GDN_CHECK: where integration/gdn_check.py saves
+    check_serve: str = "chunk"  # SGLANG_DDTREE_GDN_CHECK_SERVE: whose outputs a check serves
+    check_save: int = 0  # SGLANG_DDTREE_GDN_CHECK_SAVE: checked calls saved whatever they differ
     perturb: float = 0.0  # SGLANG_DDTREE_GDN_PERTURB: gdn_check.perturb's size
 
 
@@ -60,7 +63,10 @@ def path_of(options: Options, block_size: int) -> GDNPath | None:
         verify=options.gdn_verify,
         conv=options.conv == "ddtree",
         compact=options.compact_scratch,
+        precision=options.gdn_precision,
         check=options.gdn_check,
+        check_serve=options.gdn_check_serve,
+        check_save=options.gdn_check_save,
         perturb=options.gdn_perturb,
     )
 
@@ -88,7 +94,8 @@ def describe(path: GDNPath | None) -> str:
     """The startup log's words for a GDN path (tests/gpu checks them per server)."""
     if path is None:
         return "sglang (verify, commit, conv1d, per-node states)"
-    return (f"ddtree (verify: {path.verify}; commit: replay; tree conv1d: "
+    verify = path.verify + (f" ({path.precision})" if path.verify == "chunk" else "")
+    return (f"ddtree (verify: {verify}; commit: replay; tree conv1d: "
             f"{'ddtree' if path.conv else 'sglang'}; scratch: "
             f"{'compact' if path.compact else 'full'})")  # fmt: skip
 
@@ -121,14 +128,15 @@ def target_verify(original, dispatcher, A_log, dt_bias, q, k, v, a, b, **kwargs)
                 kwargs["cache_indices"][:bs], _rows(parents, N),
                 as_scratch(kwargs["intermediate_states_buffer"], 1),
                 kwargs["intermediate_state_indices"][:bs])  # fmt: skip
-        o = kernel(*args, max_path=path.max_path)
+        extra = {"precision": path.precision} if chunked else {}
+        o = kernel(*args, max_path=path.max_path, **extra)
     except ValueError as exc:  # a pool layout the kernel does not take: name the way out
         raise RuntimeError(
             f"DDTREE's Gated DeltaNet tree verify cannot run on this Mamba pool ({exc}); serve "
             "with SGLANG_DDTREE_GDN=sglang to use SGLang's own."
         ) from exc
     if chunked and path.check:
-        gdn_check.compare(o, args, path)
+        o = gdn_check.compare(o, args, path)
     if path.perturb:
         o = gdn_check.perturb(o, path.perturb)
     return o.reshape(v.shape)

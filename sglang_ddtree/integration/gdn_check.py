@@ -5,11 +5,16 @@ back, so it costs a verify and a host sync per round).
 Per node and value head, the largest difference over V as a fraction of that row's largest
 root-path output (rows below 1e-6 of the call's largest are skipped).
 - Without CUDA graphs (`compare` reads each call back): a call beyond TOL is logged with its
-  worst node, and the first KEEP such calls' inputs, slot states and both outputs are saved to
-  DIR/verify_<pid>_<n>.pt (one process per tensor-parallel rank).
+  worst node, and the first KEEP such calls' inputs, slot states, both outputs and both scratch
+  rows are saved to DIR/verify_<pid>_<n>.pt (one process per tensor-parallel rank), as are the
+  first SGLANG_DDTREE_GDN_CHECK_SAVE calls whatever their difference; each time the worst
+  difference so far grows, a line says so.
 - Inside a CUDA graph: the worst fraction of the round's calls accumulates on the device, and
   `after_round` (the commit hook, outside the graph) reads it back and logs a round beyond TOL.
 Every 1000 checks (calls, or rounds in a graph) a line says how many differed.
+SGLANG_DDTREE_GDN_CHECK_SERVE=paths serves the root paths' outputs instead of the chunked ones
+(the commit still reads the chunked kernel's scratch): whether a served difference comes from
+the outputs or from the scratch.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 TOL, KEEP = 1e-2, 4
-_counts = {"calls": 0, "differed": 0, "rounds": 0, "rounds_differed": 0}
+_counts = {"calls": 0, "differed": 0, "rounds": 0, "rounds_differed": 0, "saved": 0}
+_so_far = [0.0]  # the worst fraction of the eager calls so far
 _worst: list[torch.Tensor] = []  # the device accumulator of graph-captured calls
 
 
@@ -36,30 +42,41 @@ def row_error(o: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(rel, nan=float("inf"))
 
 
-def compare(o: torch.Tensor, args: tuple, path) -> None:
-    """The root-path kernel on the verify's inputs (its scratch in a copy) against `o`."""
+def compare(o: torch.Tensor, args: tuple, path) -> torch.Tensor:
+    """The root-path kernel on the verify's inputs (its scratch in a copy) against `o`; returns
+    the outputs to serve (`o`, or the root paths' with check_serve "paths")."""
     from sglang_ddtree.gdn.tree_verify import tree_verify
 
     *inputs, state, slots, parents, scratch, scratch_idx = args
-    ref = tree_verify(*inputs, state, slots, parents, scratch.clone(), scratch_idx,
+    ref_scratch = scratch.clone()
+    ref = tree_verify(*inputs, state, slots, parents, ref_scratch, scratch_idx,
                       max_path=path.max_path)  # fmt: skip
+    served = ref if path.check_serve == "paths" else o
     rel = row_error(o, ref)
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         # the accumulator comes from an eager call (SGLang warms up before it captures): made
         # during a capture, its zero fill would belong to that one graph
         if _worst:
             torch.maximum(_worst[0], rel.max(), out=_worst[0])
-        return
+        return served
     if not _worst:
         _worst.append(torch.zeros((), device=rel.device))
     _counts["calls"] += 1
     worst = float(rel.max())
+    if worst > _so_far[0]:
+        _so_far[0] = worst
+        logger.info("sglang_ddtree: GDN check: verify %d: worst difference so far %.3g of the "
+                    "row's max |o|", _counts["calls"], worst)  # fmt: skip
+    scratches = (scratch, ref_scratch, scratch_idx.long())  # the rows go to the host if saved
     if worst > TOL:
         _counts["differed"] += 1
-        _report(o, ref, rel, worst, inputs, state, slots, parents, path)
+        _report(o, ref, rel, worst, inputs, state, slots, parents, path, scratches)
+    elif _counts["saved"] < path.check_save:
+        _save(o, ref, inputs, state, slots, parents, path, scratches)
     if _counts["calls"] % 1000 == 0:
         logger.info("sglang_ddtree: GDN check: %d verifies checked, %d differed",
                     _counts["calls"], _counts["differed"])  # fmt: skip
+    return served
 
 
 def perturb(o: torch.Tensor, size: float) -> torch.Tensor:
@@ -87,17 +104,26 @@ def after_round() -> None:
                     _counts["rounds"], _counts["rounds_differed"])  # fmt: skip
 
 
-def _report(o, ref, rel, worst, inputs, state, slots, parents, path) -> None:
+def _save(o, ref, inputs, state, slots, parents, path, scratches) -> str:
+    """Save one call's inputs, slot states, both outputs and both scratch rows; the file."""
+    mine, theirs, rows = scratches
+    scratch_rows = (mine[rows].cpu(), theirs[rows].cpu())
+    where = os.path.join(path.check, f"verify_{os.getpid()}_{_counts['calls']}.pt")
+    _counts["saved"] += 1
+    os.makedirs(path.check, exist_ok=True)
+    torch.save({"inputs": [x.cpu() if torch.is_tensor(x) else x for x in inputs],
+                "states": state[slots.long().clamp(min=0)].cpu(), "slots": slots.cpu(),
+                "parents": parents.cpu(), "max_path": path.max_path, "chunk": o.cpu(),
+                "paths": ref.cpu(), "call": _counts["calls"], "scratch_chunk": scratch_rows[0],
+                "scratch_paths": scratch_rows[1]}, where)  # fmt: skip
+    return where
+
+
+def _report(o, ref, rel, worst, inputs, state, slots, parents, path, scratches) -> None:
     token, head = divmod(int(rel.argmax()), rel.shape[1])
     N = parents.shape[1]
-    where = os.path.join(path.check, f"verify_{os.getpid()}_{_counts['differed'] - 1}.pt")
     saved = _counts["differed"] <= KEEP
-    if saved:
-        os.makedirs(path.check, exist_ok=True)
-        torch.save({"inputs": [x.cpu() if torch.is_tensor(x) else x for x in inputs],
-                    "states": state[slots.long().clamp(min=0)].cpu(), "slots": slots.cpu(),
-                    "parents": parents.cpu(), "max_path": path.max_path, "chunk": o.cpu(),
-                    "paths": ref.cpu(), "call": _counts["calls"]}, where)  # fmt: skip
+    where = _save(o, ref, inputs, state, slots, parents, path, scratches) if saved else ""
     logger.warning("sglang_ddtree: GDN check: verify %d differs from the root paths by %.3g of "
                    "the row's max |o| at node %d (request %d), value head %d%s",
                    _counts["calls"], worst, token % N, token // N, head,

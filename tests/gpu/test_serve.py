@@ -536,7 +536,8 @@ HOSTPLAN = "first verify plan from host lengths"
 def _engaged(verify: str = "paths", conv: bool = True, compact: bool = True) -> tuple:
     """The startup line and first-use lines of a GDN path (the defaults: root-path verify, tree
     conv1d, compact scratch)."""
-    line = (f"GDN path: ddtree (verify: {verify}; commit: replay; tree conv1d: "
+    shown = f"{verify} (split)" if verify == "chunk" else verify
+    line = (f"GDN path: ddtree (verify: {shown}; commit: replay; tree conv1d: "
             f"{'ddtree' if conv else 'sglang'}; scratch: {'compact' if compact else 'full'})")  # fmt: skip
     uses = [CHUNK if verify == "chunk" else PATHS, COMMIT]
     return (line, *uses, *([CONV] if conv else []), *(COMPACT if compact else ()))

@@ -298,18 +298,20 @@ def test_gdn_check_saves_the_inputs_of_a_verify_that_differs(monkeypatch, tmp_pa
 
     monkeypatch.setattr(tv, "tree_verify", root_paths)
     ref = o.clone()
-    gdn_check.compare(o, args, path)
+    assert gdn_check.compare(o, args, path) is o
     assert list(tmp_path.iterdir()) == [] and gdn_check._counts["differed"] == 0
     ref = o.clone()
     ref[2, 1] = 10.0  # one small row off: judged against its own size, not the largest row's
     ref[0] = o[0] = 100.0
-    with caplog.at_level("WARNING"):
+    with caplog.at_level("INFO"):
         gdn_check.compare(o, args, path)
     import os
 
-    saved = torch.load(tmp_path / f"verify_{os.getpid()}_0.pt")
+    saved = torch.load(tmp_path / f"verify_{os.getpid()}_2.pt")
     assert torch.equal(saved["paths"], ref) and torch.equal(saved["chunk"], o)
     assert saved["states"].shape == (1, 2, 3, 5) and saved["call"] == 2
+    assert saved["scratch_chunk"].shape == saved["scratch_paths"].shape == (1, 8)
+    assert "verify 2: worst difference so far 0.9" in caplog.text
     assert "by 0.9 of the row's max |o| at node 2 (request 0), value head 1" in caplog.text
     assert all(seen)
     assert float(gdn_check._worst[0]) == 0.0  # the graphs' accumulator, made by an eager call
@@ -326,6 +328,55 @@ def test_gdn_check_saves_the_inputs_of_a_verify_that_differs(monkeypatch, tmp_pa
     with caplog.at_level("WARNING"):
         gdn_check.after_round()
     assert "round 1 (CUDA graph)" in caplog.text and float(gdn_check._worst[0]) == 0.0
+
+
+def test_gdn_check_serves_the_root_paths_and_saves_the_first_calls(monkeypatch, tmp_path):
+    """SGLANG_DDTREE_GDN_CHECK_SERVE=paths: the checked verify returns the root paths' outputs;
+    SGLANG_DDTREE_GDN_CHECK_SAVE=N: the first N calls are saved even when they agree; both
+    need the check, and the precision switch needs the chunked verify."""
+    import os
+
+    import sglang_ddtree.gdn.tree_verify as tv
+    from sglang_ddtree import config
+    from sglang_ddtree.integration import gdn_check
+
+    monkeypatch.setenv("SGLANG_DDTREE_GDN_CHECK_SERVE", "paths")
+    with pytest.raises(ValueError, match="set SGLANG_DDTREE_GDN_CHECK=DIR too"):
+        config.Options.from_env()
+    monkeypatch.setenv("SGLANG_DDTREE_GDN_CHECK", str(tmp_path))
+    monkeypatch.setenv("SGLANG_DDTREE_GDN_CHECK_SAVE", "2")
+    monkeypatch.setenv("SGLANG_DDTREE_GDN_VERIFY", "chunk")
+    monkeypatch.setenv("SGLANG_DDTREE_GDN_PRECISION", "ieee")
+    opts = config.Options.from_env()
+    path = gdn.path_of(opts, 16)
+    assert (path.check_serve, path.check_save, path.precision) == ("paths", 2, "ieee")
+    assert "verify: chunk (ieee)" in gdn.describe(path)
+    for name, bad, words in (("SGLANG_DDTREE_GDN_CHECK_SAVE", "-1", "whole number >= 0"),
+                             ("SGLANG_DDTREE_GDN_PRECISION", "bf16", "must be 'split' or"),
+                             ("SGLANG_DDTREE_GDN_CHECK_SERVE", "both", "must be 'chunk' or")):  # fmt: skip
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=words):
+            config.Options.from_env()
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("SGLANG_DDTREE_GDN_PRECISION", "tf32")
+    monkeypatch.setenv("SGLANG_DDTREE_GDN_VERIFY", "paths")
+    with pytest.raises(ValueError, match="add SGLANG_DDTREE_GDN_VERIFY=chunk"):
+        config.Options.from_env()
+
+    monkeypatch.setattr(gdn_check, "_counts", dict.fromkeys(gdn_check._counts, 0))
+    monkeypatch.setattr(gdn_check, "_worst", [])
+    monkeypatch.setattr(gdn_check, "_so_far", [0.0])
+    o, ref = torch.ones(4, 2, 3), torch.ones(4, 2, 3) + 1e-4
+    monkeypatch.setattr(tv, "tree_verify", lambda *a, **kw: ref)
+    args = (*[torch.zeros(1)] * 7, torch.zeros(3, 2, 3, 5), torch.tensor([1], dtype=torch.int32),
+            torch.zeros(1, 4, dtype=torch.int64), torch.zeros(2, 8),
+            torch.zeros(1, dtype=torch.int32))  # fmt: skip
+    for _ in range(3):
+        assert gdn_check.compare(o, args, path) is ref
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        f"verify_{os.getpid()}_{n}.pt" for n in (1, 2)
+    ]
+    assert gdn_check._counts["differed"] == 0
 
 
 def test_server_info_reports_the_resolved_options(monkeypatch):
