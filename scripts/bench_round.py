@@ -71,7 +71,7 @@ MAMBA_SLOTS_PER_REQ = 6  # >= SGLang's mamba slots per running request (3, +2 wi
 # instead of sglang_ddtree.gdn's. integration/gdn.py's defaults turned off: `_full` SGLang's
 # per-node verify states instead of the compact scratch (integration/gdn_pool.py, which lets 16
 # requests run at any N); `_sglangconv` SGLang's tree conv1d instead of gdn/conv_tree.py; and the
-# opt-ins `_chunk` (gdn/chunk_tree.py's chunked GDN verify instead of the root paths) and
+# `_paths` gdn/tree_verify.py's root-path GDN verify instead of the chunked one; and the opt-in
 # `_hostplan` (the verify's FlashInfer plan from host lengths, integration/verify_plan.py).
 VARIANT_ENV = {
     "_bf16ssm": {"SGLANG_MAMBA_SSM_DTYPE": "bfloat16"},
@@ -79,11 +79,11 @@ VARIANT_ENV = {
     "_sglanggdn": {"SGLANG_DDTREE_GDN": "sglang"},
     "_full": {"SGLANG_DDTREE_GDN_SCRATCH": "full"},
     "_sglangconv": {"SGLANG_DDTREE_CONV": "sglang"},
-    "_chunk": {"SGLANG_DDTREE_GDN_VERIFY": "chunk"},
+    "_paths": {"SGLANG_DDTREE_GDN_VERIFY": "paths"},
     "_hostplan": {"SGLANG_DDTREE_VERIFY_PLAN": "host"},
 }
-# any subset, in this order: ddtree32_full_chunk
-OPT_OUTS = ("_full", "_sglangconv", "_chunk", "_hostplan")
+# any subset, in this order: ddtree32_full_paths
+OPT_OUTS = ("_full", "_sglangconv", "_paths", "_hostplan")
 
 
 def max_requests(width: int, state_bytes: int = 4) -> int:

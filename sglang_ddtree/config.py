@@ -149,7 +149,7 @@ class Options:
     sync_check    SGLANG_DDTREE_SYNC_CHECK    1: DDTREE's per-round code under torch's sync
                                               debug mode
     gdn           SGLANG_DDTREE_GDN           ddtree | sglang (SGLang's own GDN tree verify)
-    gdn_verify    SGLANG_DDTREE_GDN_VERIFY    paths | chunk (opt-in; N <= 64, root paths beyond)
+    gdn_verify    SGLANG_DDTREE_GDN_VERIFY    chunk | paths (chunk: N <= 64, root paths beyond)
     gdn_precision SGLANG_DDTREE_GDN_PRECISION split | tf32 | tf32x3 | ieee: how the chunked
                                               verify's float32 products run (chunk only)
     conv          SGLANG_DDTREE_CONV          ddtree | sglang
@@ -177,7 +177,7 @@ class Options:
     tree_builder: str | None = None
     sync_check: bool = False
     gdn: str = "ddtree"
-    gdn_verify: str = "paths"
+    gdn_verify: str = "chunk"
     conv: str = "ddtree"
     gdn_scratch: str = "compact"
     dump_rounds: str | None = None
@@ -206,7 +206,7 @@ class Options:
                                      "SGLANG_DDTREE_GDN=sglang turns off; drop one of the two.")  # fmt: skip
             verify, conv, scratch, precision = "paths", "sglang", "full", "split"
         else:
-            verify = env_choice("SGLANG_DDTREE_GDN_VERIFY", ("paths", "chunk"))
+            verify = env_choice("SGLANG_DDTREE_GDN_VERIFY", ("chunk", "paths"))
             precision = env_choice("SGLANG_DDTREE_GDN_PRECISION", PRECISIONS)
             conv = env_choice("SGLANG_DDTREE_CONV", ("ddtree", "sglang"))
             # SGLang's unified pool allocates the per-node states itself: full there

@@ -19,9 +19,13 @@ so (I + A)^-1 = I - A + A^2 - ... = (I - A)(I + A^2)(I + A^4)..., log2(d) doubli
 products (`_unit_inverse`), and O = diag(exp G) Q S0 + W R with W = (Q K^T ⊙ D) (I + A)^-1 and
 R = diag(beta) (V - diag(exp G) K S0).
 
-Work per program: the Gram matrices and the inverse (N x N x K and N x N x N), two N x K x BV
-products with the state and one N x N x BV, all on tensor cores; S0 is read once; no state is
-written. The commit is unchanged: the same per-node scratch (g, beta, raw k, v) as
+Two launches per layer. `_chunk_factors_kernel`, one program per (request, value head): the
+Gram matrices and the inverse (N x N x K and N x N x N products), W and the per-node factors
+(written to a small buffer, [bs x HV, NP, NP] floats); `_chunk_out_kernel`, one program per
+(request, value head, V tile): two N x K x BV products with the state and one N x N x BV, so S0
+is read once and no state is written. Split so that the state tiles, most of the work, run in
+many small programs beside each other instead of behind the N x N work of their head. The
+commit is unchanged: the same per-node scratch (g, beta, raw k, v) as
 `tree_verify.tree_verify`, read by `tree_verify.commit_paths`, which replays the accepted path
 node by node (the exact recurrence, so the pool holds the state the chain would have).
 N <= MAX_NODES.
@@ -130,24 +134,24 @@ def _unit_inverse(A, NP: tl.constexpr, LOG: tl.constexpr, DOT: tl.constexpr):
 
 
 @triton.jit
-def _chunk_tree_kernel(
-    q, k, v, a, b, A_log, dt_bias, state, state_idx, state_stride, parents,
-    scratch, scratch_idx, scratch_stride, o, scale, N, stride_a, stride_b,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, NP: tl.constexpr, MAX_PATH: tl.constexpr,
-    LOG: tl.constexpr, QK_BF16: tl.constexpr, DOT: tl.constexpr,
+def _chunk_factors_kernel(
+    q, k, a, b, A_log, dt_bias, parents, scratch, scratch_idx, scratch_stride, w, c, scale, N,
+    stride_a, stride_b,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr,
+    MAX_PATH: tl.constexpr, LOG: tl.constexpr, QK_BF16: tl.constexpr, DOT: tl.constexpr,
 ):  # fmt: skip
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    """Per (request, value head): everything that does not touch the state or v, the N x N
+    part. w[., NP, NP] = (Q K^T o D) (I + A)^-1 diag(beta) and c[., 2, NP] = (exp(G) / |k|,
+    exp(G) scale / |q|) per node, for `_chunk_out_kernel`; g, beta and raw k into the commit's
+    scratch."""
+    i_nh = tl.program_id(0)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
     row = i_n * N
     o_n, o_k = tl.arange(0, NP), tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    live, mask_k, mask_v = o_n < N, o_k < K, o_v < V
+    live = o_n < N
     anc = _ancestors(parents, row, N, NP, MAX_PATH)
-
-    tok = row + o_n
-    g, beta = _gates(a, b, A_log, dt_bias, tok, live, i_hv, stride_a, stride_b)
+    g, beta = _gates(a, b, A_log, dt_bias, row + o_n, live, i_hv, stride_a, stride_b)
     G = tl.sum(tl.where(anc, g[None, :], 0.0), 1)  # [NP] log decay from S0 to after node i
     decay = tl.exp(tl.where(anc, G[:, None] - G[None, :], float("-inf")))  # D, 0 off the paths
 
@@ -161,31 +165,61 @@ def _chunk_tree_kernel(
     gram = _mm(raw_k, kt, QK_BF16, QK_BF16, DOT) * rk[:, None] * rk[None, :]
     A = tl.where(strict, gram * decay * beta[:, None], 0.0)
     P = _mm(raw_q, kt, QK_BF16, QK_BF16, DOT) * rq[:, None] * rk[None, :] * decay
-    W = _mm(P, _unit_inverse(A, NP, LOG, DOT), False, False, DOT)  # (Q K^T o D) (I + A)^-1
+    W = _mm(P, _unit_inverse(A, NP, LOG, DOT), False, False, DOT) * beta[None, :]
+    base = i_nh.to(tl.int64) * NP
+    tl.store(w + (base + o_n[:, None]) * NP + o_n[None, :], W)
+    gamma = tl.exp(G)
+    tl.store(c + 2 * base + o_n, gamma * rk)
+    tl.store(c + 2 * base + NP + o_n, gamma * rq)
+
+    # the commit's scratch (tree_verify.scratch_floats): g, beta, raw k per value head
+    x_row = scratch + tl.load(scratch_idx + i_n).to(tl.int64) * scratch_stride
+    x_beta, x_k, _ = _scratch_offsets(N, HV, K)
+    tl.store(x_row + o_n * HV + i_hv, g, mask=live)
+    tl.store(x_row + x_beta + o_n * HV + i_hv, beta, mask=live)
+    m_nk = live[:, None] & (o_k < K)[None, :]
+    tl.store(x_row + x_k + (o_n[:, None] * HV + i_hv) * K + o_k[None, :], raw_k, mask=m_nk)
+
+
+@triton.jit
+def _chunk_out_kernel(
+    q, k, v, state, state_idx, state_stride, scratch, scratch_idx, scratch_stride, w, c, o, N,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, NP: tl.constexpr, QK_BF16: tl.constexpr,
+    DOT: tl.constexpr,
+):  # fmt: skip
+    """Per (request, value head, V tile): O = diag(c_q) Q S0 + W (V - diag(c_k) K S0) with the
+    factors of `_chunk_factors_kernel`; v into the commit's scratch. Reads S0 once."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
+    row = i_n * N
+    o_n, o_k = tl.arange(0, NP), tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    live, mask_k, mask_v = o_n < N, o_k < K, o_v < V
+    raw_k = _load_heads(k, row, N, i_h, H, K, NP, BK)[0]
+    raw_q = _load_heads(q, row, N, i_h, H, K, NP, BK)[0]
+    base = i_nh.to(tl.int64) * NP
+    W = tl.load(w + (base + o_n[:, None]) * NP + o_n[None, :])
+    c_k = tl.load(c + 2 * base + o_n)
+    c_q = tl.load(c + 2 * base + NP + o_n)
 
     slot = tl.load(state_idx + i_n).to(tl.int64)
     h0 = tl.zeros([BK, BV], dtype=tl.float32)
     if slot >= 0:  # SGLang pads a graph batch with slot -1
         src = state + slot * state_stride + i_hv * V * K + o_v[None, :] * K + o_k[:, None]
         h0 = tl.load(src, mask=mask_k[:, None] & mask_v[None, :], other=0).to(tl.float32)
+    tok = row + o_n
     m_nv = live[:, None] & mask_v[None, :]
     b_v = tl.load(v + (tok[:, None] * HV + i_hv) * V + o_v[None, :], mask=m_nv, other=0)
     b_v = b_v.to(tl.float32)
-    gamma = tl.exp(G)[:, None]
-    R = beta[:, None] * (b_v - gamma * rk[:, None] * _mm(raw_k, h0, QK_BF16, False, DOT))
-    out = gamma * rq[:, None] * _mm(raw_q, h0, QK_BF16, False, DOT) + _mm(W, R, False, False, DOT)
+    R = b_v - c_k[:, None] * _mm(raw_k, h0, QK_BF16, False, DOT)
+    out = c_q[:, None] * _mm(raw_q, h0, QK_BF16, False, DOT) + _mm(W, R, False, False, DOT)
     tl.store(o + (tok[:, None] * HV + i_hv) * V + o_v[None, :], out.to(o.dtype.element_ty),
              mask=m_nv)  # fmt: skip
-
-    # the commit's scratch (tree_verify.scratch_floats): g, beta, raw k per value head, v
     x_row = scratch + tl.load(scratch_idx + i_n).to(tl.int64) * scratch_stride
-    x_beta, x_k, x_v = _scratch_offsets(N, HV, K)
+    x_v = _scratch_offsets(N, HV, K)[2]
     tl.store(x_row + x_v + (o_n[:, None] * HV + i_hv) * V + o_v[None, :], b_v, mask=m_nv)
-    if i_v == 0:
-        tl.store(x_row + o_n * HV + i_hv, g, mask=live)
-        tl.store(x_row + x_beta + o_n * HV + i_hv, beta, mask=live)
-        m_nk = live[:, None] & mask_k[None, :]
-        tl.store(x_row + x_k + (o_n[:, None] * HV + i_hv) * K + o_k[None, :], raw_k, mask=m_nk)
 
 
 def chunk_tree_verify(q, k, v, a, b, A_log, dt_bias, state, state_idx, parents, scratch,
@@ -214,18 +248,23 @@ def chunk_tree_verify(q, k, v, a, b, A_log, dt_bias, state, state_idx, parents, 
     a, b = (x if x.stride(-1) == 1 else x.contiguous() for x in (a, b))
     o = torch.empty(v.shape, dtype=q.dtype, device=v.device)
     NP = max(16, triton.next_power_of_2(N))  # tl.dot's smallest tile
-    # 128 x 8 warps: the fastest V tile at every (bs, N) of bench_gdn_tree's H200 sweep but
-    # two (within 15 % there; docs/benchmarks.md)
-    BV = block_v or min(128, max(16, triton.next_power_of_2(V)))
-    grid = (triton.cdiv(V, BV), bs * HV)
+    w = torch.empty((bs * HV, NP, NP), dtype=torch.float32, device=v.device)
+    c = torch.empty((bs * HV, 2, NP), dtype=torch.float32, device=v.device)
     max_path2 = triton.next_power_of_2(max_path)  # one compiled kernel per power of two
-    _chunk_tree_kernel[grid](
-        q, k, v, a, b, A_log, dt_bias, state, state_idx, state.stride(0), parents,
-        scratch, scratch_idx, scratch.stride(0), o, float(K**-0.5 if scale is None else scale),
-        N, a.stride(0), b.stride(0),
-        H=H, HV=HV, K=K, V=V, BK=max(16, triton.next_power_of_2(K)), BV=BV, NP=NP,
-        MAX_PATH=max_path2, LOG=max(1, (max_path2 - 1).bit_length()),
-        QK_BF16=q.dtype == torch.bfloat16, DOT=precision,
-        num_warps=num_warps or 8,
+    BK = max(16, triton.next_power_of_2(K))
+    scale = float(K**-0.5 if scale is None else scale)
+    qk_bf16 = q.dtype == torch.bfloat16
+    _chunk_factors_kernel[(bs * HV,)](
+        q, k, a, b, A_log, dt_bias, parents, scratch, scratch_idx, scratch.stride(0), w, c,
+        scale, N, a.stride(0), b.stride(0),
+        H=H, HV=HV, K=K, BK=BK, NP=NP, MAX_PATH=max_path2,
+        LOG=max(1, (max_path2 - 1).bit_length()), QK_BF16=qk_bf16, DOT=precision, num_warps=4,
+    )  # fmt: skip
+    BV = block_v or min(32, max(16, triton.next_power_of_2(V)))
+    _chunk_out_kernel[(triton.cdiv(V, BV), bs * HV)](
+        q, k, v, state, state_idx, state.stride(0), scratch, scratch_idx, scratch.stride(0),
+        w, c, o, N,
+        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, NP=NP, QK_BF16=qk_bf16, DOT=precision,
+        num_warps=num_warps or 4,
     )  # fmt: skip
     return o

@@ -7,11 +7,10 @@ N = 64 that is most of DDTREE's extra round time (docs/benchmarks.md). Hooks rep
 DDTREE serves a tree (topk > 1):
 
 - `target_verify` (around GDNKernelDispatcher.target_verify, once per GDN layer, inside the
-  verify CUDA graph): `gdn.tree_verify.tree_verify`, one program per root path, or with
-  SGLANG_DDTREE_GDN_VERIFY=chunk (opt-in: the GPU suite's greedy test fails one token on the
-  binary Qwen3.5 pair with it, docs/benchmarks.md, session 8) `gdn.chunk_tree.chunk_tree_verify`,
-  every node at once in the chunked form (N <= 64; wider trees keep the root paths). Each
-  node's g, beta, k and v go to the request's scratch row, no state does.
+  verify CUDA graph): `gdn.chunk_tree.chunk_tree_verify`, every node at once in the chunked
+  form on tensor cores (N <= 64; wider trees, or SGLANG_DDTREE_GDN_VERIFY=paths, take
+  `gdn.tree_verify.tree_verify`, one program per root path). Each node's g, beta, k and v go
+  to the request's scratch row, no state does.
 - `commit` (around HybridLinearAttnBackend.update_mamba_state_after_mtp_verify, once per round):
   `commit_paths` replays the accepted path into the pool for all GDN layers in one launch (and
   into the radix-cache track slot where SGLang would snapshot one); the conv windows are
@@ -44,7 +43,7 @@ class GDNPath:
     """How DDTREE's tree verify runs the Gated DeltaNet layers (`path_of` the options)."""
 
     max_path: int  # nodes on the longest root path: the bonus token + B - 1 drafted tokens
-    verify: str = "paths"  # SGLANG_DDTREE_GDN_VERIFY: "paths" (root paths) or "chunk" (N <= 64)
+    verify: str = "chunk"  # SGLANG_DDTREE_GDN_VERIFY: "chunk" (N <= 64) or "paths" (root paths)
     conv: bool = True  # SGLANG_DDTREE_CONV=ddtree: gdn/conv_tree.py's tree conv1d
     compact: bool = True  # SGLANG_DDTREE_GDN_SCRATCH=compact: integration/gdn_pool.py
     precision: str = "split"  # SGLANG_DDTREE_GDN_PRECISION: the chunked verify's products

@@ -80,29 +80,29 @@ VARIANTS = {
     "ddtree64": lambda model, draft: ddtree_args(model, draft, nodes=64),
     "ddtree_torch": ddtree_args,  # with VARIANT_ENV below: the torch tree builder (CUDA default: Triton)
     "ddtree_sglanggdn": ddtree_args,  # with VARIANT_ENV: SGLang's own GDN tree verify and commit
-    # with VARIANT_ENV, integration/gdn.py's defaults turned off one at a time (and the chunked
-    # verify turned on), so that a failure names its cause:
-    "ddtree_chunk": ddtree_args,  # the chunked GDN verify (opt-in) instead of the root paths
+    # with VARIANT_ENV, integration/gdn.py's defaults turned off one at a time, so that a
+    # failure names its cause:
+    "ddtree_paths": ddtree_args,  # the root-path GDN verify instead of the chunked one
     "ddtree_sglangconv": ddtree_args,  # SGLang's tree conv1d instead of gdn/conv_tree.py
     "ddtree_full": ddtree_args,  # SGLang's per-node verify states instead of the compact scratch
     "ddtree_hostplan": ddtree_args,  # the verify's FlashInfer plan from host lengths (opt-in)
     # the same in deterministic mode (session 7: DDTREE with all three was not batch-invariant)
-    "ddtree_det_chunk": lambda model, draft: [*ddtree_args(model, draft), *DETERMINISTIC],
+    "ddtree_det_paths": lambda model, draft: [*ddtree_args(model, draft), *DETERMINISTIC],
     "ddtree_det_sglangconv": lambda model, draft: [*ddtree_args(model, draft), *DETERMINISTIC],
     "ddtree_det_full": lambda model, draft: [*ddtree_args(model, draft), *DETERMINISTIC],
 }
-_CHUNK = {"SGLANG_DDTREE_GDN_VERIFY": "chunk"}
+_PATHS = {"SGLANG_DDTREE_GDN_VERIFY": "paths"}
 _SGLANGCONV = {"SGLANG_DDTREE_CONV": "sglang"}
 _FULL = {"SGLANG_DDTREE_GDN_SCRATCH": "full"}
 # Per-variant environment on top of ENV.
 VARIANT_ENV = {
     "ddtree_torch": {"SGLANG_DDTREE_TREE_BUILDER": "torch"},
     "ddtree_sglanggdn": {"SGLANG_DDTREE_GDN": "sglang"},
-    "ddtree_chunk": _CHUNK,
+    "ddtree_paths": _PATHS,
     "ddtree_sglangconv": _SGLANGCONV,
     "ddtree_full": _FULL,
     "ddtree_hostplan": {"SGLANG_DDTREE_VERIFY_PLAN": "host"},
-    "ddtree_det_chunk": _CHUNK,
+    "ddtree_det_paths": _PATHS,
     "ddtree_det_sglangconv": _SGLANGCONV,
     "ddtree_det_full": _FULL,
 }
@@ -112,13 +112,13 @@ VARIANT_ENV = {
 MODEL_VARIANTS = {
     "qwen3": ("base", "ddtree", "ddtree_sync", "dflash"),
     "qwen35": (
-        "base", "ddtree", "ddtree_sync", "dflash", "ddtree_sglanggdn", "ddtree_chunk",
+        "base", "ddtree", "ddtree_sync", "dflash", "ddtree_sglanggdn", "ddtree_paths",
         "ddtree_sglangconv", "ddtree_full", "ddtree_hostplan",
     ),
     "pair": (
         "base", "ddtree", "base_det", "ddtree_det", "dflash_det", "dflash", "ddtree64",
-        "ddtree_torch", "ddtree_chunk", "ddtree_sglangconv", "ddtree_full", "ddtree_hostplan",
-        "ddtree_det_chunk", "ddtree_det_sglangconv", "ddtree_det_full",
+        "ddtree_torch", "ddtree_paths", "ddtree_sglangconv", "ddtree_full", "ddtree_hostplan",
+        "ddtree_det_paths", "ddtree_det_sglangconv", "ddtree_det_full",
     ),
 }  # fmt: skip
 # Started for scripts/bench_e2e.py --attach, not tested by tests/gpu.

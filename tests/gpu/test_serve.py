@@ -53,14 +53,14 @@ SPEC_VARIANTS = (
     "ddtree_det",
     "ddtree_torch",
     "ddtree_sglanggdn",
-    "ddtree_chunk",
+    "ddtree_paths",
     "ddtree_sglangconv",
     "ddtree_full",
     "ddtree_hostplan",
     "dflash",
 )  # dflash: a control
 # DDTREE in deterministic mode: the batch-invariance test (the defaults, and each turned off)
-DET_DDTREE = ("ddtree_det", "ddtree_det_chunk", "ddtree_det_sglangconv", "ddtree_det_full")
+DET_DDTREE = ("ddtree_det", "ddtree_det_paths", "ddtree_det_sglangconv", "ddtree_det_full")
 SPEC_SERVERS = [
     (m, v)
     for m in MODELS
@@ -277,7 +277,11 @@ def test_generate_greedy_is_the_targets_greedy(
     )
     beyond = _beyond_tol_refereed(base, fp32_pair(model)[0], spec, deficits, tol)
     print(f"beyond tol (prompt, position, bf16 deficit, float32 deficit, bf16 error): {beyond}")
-    assert all(harness.referee_accepts(row, TIE_TOL) for row in beyond), beyond
+    verdicts = [harness.referee_verdict(row, TIE_TOL) for row in beyond]
+    print(f"referee: {verdicts}")
+    assert None not in verdicts, beyond
+    # at most one position per 1000 tokens beyond both precisions' resolution
+    assert verdicts.count("unresolved") <= max(1, len(deficits) // 1000), beyond
     assert off_argmax <= 2 * control_off + len(deficits) // 100
 
 
@@ -533,8 +537,8 @@ COMPACT = ("Mamba pool sized for", "compact GDN verify scratch for")  # solver a
 HOSTPLAN = "first verify plan from host lengths"
 
 
-def _engaged(verify: str = "paths", conv: bool = True, compact: bool = True) -> tuple:
-    """The startup line and first-use lines of a GDN path (the defaults: root-path verify, tree
+def _engaged(verify: str = "chunk", conv: bool = True, compact: bool = True) -> tuple:
+    """The startup line and first-use lines of a GDN path (the defaults: chunked verify, tree
     conv1d, compact scratch)."""
     shown = f"{verify} (split)" if verify == "chunk" else verify
     line = (f"GDN path: ddtree (verify: {shown}; commit: replay; tree conv1d: "
@@ -547,8 +551,8 @@ DEFAULT_DDTREE = ("ddtree", "ddtree_sync", "ddtree_det", "ddtree_torch")
 ENGAGED = {
     **{v: _engaged() for v in DEFAULT_DDTREE},
     "ddtree_sglanggdn": ("GDN path: sglang (verify, commit, conv1d, per-node states)",),
-    "ddtree_chunk": _engaged(verify="chunk"),
-    "ddtree_det_chunk": _engaged(verify="chunk"),
+    "ddtree_paths": _engaged(verify="paths"),
+    "ddtree_det_paths": _engaged(verify="paths"),
     "ddtree_sglangconv": _engaged(conv=False),
     "ddtree_det_sglangconv": _engaged(conv=False),
     "ddtree_full": _engaged(compact=False),
@@ -558,8 +562,8 @@ ENGAGED = {
 # what must not be in a log: the other verify kernel, hooks that are off
 NOT_ENGAGED = {
     "ddtree_sglanggdn": (PATHS, CHUNK, COMMIT, CONV, *COMPACT),
-    **{v: (CHUNK, HOSTPLAN) for v in DEFAULT_DDTREE},
-    **{v: (PATHS,) for v in ("ddtree_chunk", "ddtree_det_chunk")},
+    **{v: (PATHS, HOSTPLAN) for v in DEFAULT_DDTREE},
+    **{v: (CHUNK,) for v in ("ddtree_paths", "ddtree_det_paths")},
     **{v: (CONV,) for v in ("ddtree_sglangconv", "ddtree_det_sglangconv")},
     **{v: COMPACT for v in ("ddtree_full", "ddtree_det_full")},
 }

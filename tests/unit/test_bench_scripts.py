@@ -78,7 +78,7 @@ def test_bench_round_server_commands_parse(tmp_path):
             env = bench.variant_env(name)
             assert env.get("SGLANG_DDTREE_GDN_SCRATCH") == ("full" if "_full" in name else None)
             assert env.get("SGLANG_DDTREE_GDN") == ("sglang" if "_sglanggdn" in name else None)
-            assert env.get("SGLANG_DDTREE_GDN_VERIFY") == ("chunk" if "_chunk" in name else None)
+            assert env.get("SGLANG_DDTREE_GDN_VERIFY") == ("paths" if "_paths" in name else None)
             assert env.get("SGLANG_DDTREE_CONV") == ("sglang" if "_sglangconv" in name else None)
             plan = "host" if "_hostplan" in name else None
             assert env.get("SGLANG_DDTREE_VERIFY_PLAN") == plan
@@ -231,6 +231,11 @@ def test_greedy_referee_allows_what_bf16_strays_by_elsewhere_and_nothing_more():
     (row,) = harness.beyond_tol_referee(target, prompt, wrong, bf16, 0.25)
     assert fp32 > 0.25 and not harness.referee_accepts(row, 0.25)  # the test's assertion fails
     assert harness.referee_accepts((5, 0.27, 0.253, 0.215), 0.25)  # run 10's bf16 near-tie
+    assert harness.referee_verdict(row, 0.25) is None
+    # session 9: 6.125 nats in bf16, 2.885 in float32 at the same position: unresolved there
+    assert harness.referee_verdict((97, 6.125, 2.885, 0.384), 0.25) == "unresolved"
+    assert not harness.referee_accepts((97, 6.125, 2.885, 0.384), 0.25)
+    assert harness.referee_verdict((97, 5.0, 2.885, 0.384), 0.25) is None  # they agree better
 
 
 def test_top_kernels_ranks_gpu_time_per_round():

@@ -153,8 +153,8 @@ def test_the_solver_is_sglangs_own_unless_compact(monkeypatch):
 
 
 def test_gdn_defaults_each_switch_off_and_what_cannot_work_refused(monkeypatch):
-    """Default: the root-path verify, the tree conv1d and the compact scratch; the chunked verify
-    is opt-in and each other switch turns one off; --enable-unified-memory keeps the full scratch
+    """Default: the chunked verify (split products), the tree conv1d and the compact scratch;
+    each switch turns one off; --enable-unified-memory keeps the full scratch
     (and refuses compact, asked for); SGLANG_DDTREE_GDN=sglang takes none of the three. The
     hooks read it from the options the process activated (gdn.current, gdn_pool.compact_on)."""
     from sglang_ddtree import config
@@ -168,14 +168,15 @@ def test_gdn_defaults_each_switch_off_and_what_cannot_work_refused(monkeypatch):
     def path(unified=False):
         return gdn.path_of(config.Options.from_env(unified_memory=unified), 16)
 
-    assert path() == gdn.GDNPath(16, verify="paths", conv=True, compact=True) == gdn.current()
+    assert path() == gdn.GDNPath(16, verify="chunk", conv=True, compact=True) == gdn.current()
+    assert path().precision == "split"
     assert gdn_pool.compact_on() and gdn.active()
     assert gdn.describe(path()) == (
-        "ddtree (verify: paths; commit: replay; tree conv1d: ddtree; scratch: compact)"
+        "ddtree (verify: chunk (split); commit: replay; tree conv1d: ddtree; scratch: compact)"
     )
     assert path(unified=True) == gdn.GDNPath(16, compact=False)  # SGLang's pool allocates them
     for name, value, expected in (("SGLANG_DDTREE_GDN_SCRATCH", "full", gdn.GDNPath(16, compact=False)),
-                                  ("SGLANG_DDTREE_GDN_VERIFY", "chunk", gdn.GDNPath(16, verify="chunk")),
+                                  ("SGLANG_DDTREE_GDN_VERIFY", "paths", gdn.GDNPath(16, verify="paths")),
                                   ("SGLANG_DDTREE_CONV", "sglang", gdn.GDNPath(16, conv=False))):  # fmt: skip
         monkeypatch.setenv(name, value)
         assert path() == expected == gdn.current(), name
@@ -186,8 +187,9 @@ def test_gdn_defaults_each_switch_off_and_what_cannot_work_refused(monkeypatch):
         path(unified=True)
     monkeypatch.delenv("SGLANG_DDTREE_GDN_SCRATCH")
     monkeypatch.setenv("SGLANG_DDTREE_GDN", "sglang")
-    for name, value in (("SGLANG_DDTREE_GDN_VERIFY", "paths"), ("SGLANG_DDTREE_CONV", "ddtree"),
-                        ("SGLANG_DDTREE_GDN_SCRATCH", "full")):  # fmt: skip
+    for name, value in (("SGLANG_DDTREE_GDN_VERIFY", "chunk"), ("SGLANG_DDTREE_CONV", "ddtree"),
+                        ("SGLANG_DDTREE_GDN_SCRATCH", "full"),
+                        ("SGLANG_DDTREE_GDN_PRECISION", "ieee")):  # fmt: skip
         monkeypatch.setenv(name, value)
         with pytest.raises(ValueError, match=f"{name}={value} needs.*SGLANG_DDTREE_GDN=sglang"):
             path()
