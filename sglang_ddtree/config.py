@@ -149,7 +149,8 @@ class Options:
     sync_check    SGLANG_DDTREE_SYNC_CHECK    1: DDTREE's per-round code under torch's sync
                                               debug mode
     gdn           SGLANG_DDTREE_GDN           ddtree | sglang (SGLang's own GDN tree verify)
-    gdn_verify    SGLANG_DDTREE_GDN_VERIFY    chunk | paths (chunk: N <= 64, root paths beyond)
+    gdn_verify    SGLANG_DDTREE_GDN_VERIFY    chunk | paths (chunk: N <= 64, root paths beyond);
+                                              paths under --enable-deterministic-inference
     gdn_precision SGLANG_DDTREE_GDN_PRECISION split | tf32 | tf32x3 | ieee: how the chunked
                                               verify's float32 products run (chunk only)
     conv          SGLANG_DDTREE_CONV          ddtree | sglang
@@ -190,8 +191,11 @@ class Options:
     gdn_precision: str = "split"
 
     @classmethod
-    def from_env(cls, unified_memory: bool = False) -> Options:
-        """Parse and check every switch; an error names the switch and the fix."""
+    def from_env(cls, unified_memory: bool = False, deterministic: bool = False) -> Options:
+        """Parse and check every switch; an error names the switch and the fix. deterministic
+        (--enable-deterministic-inference): the GDN verify defaults to the root paths, whose
+        served tokens are batch-invariant (the chunked verify's were not in the GPU suite,
+        docs/benchmarks.md session 9; SGLANG_DDTREE_GDN_VERIFY=chunk still picks it)."""
         builder = env_value("SGLANG_DDTREE_TREE_BUILDER")
         if builder is not None:
             builder = env_choice("SGLANG_DDTREE_TREE_BUILDER", ("torch", "triton"))
@@ -206,7 +210,8 @@ class Options:
                                      "SGLANG_DDTREE_GDN=sglang turns off; drop one of the two.")  # fmt: skip
             verify, conv, scratch, precision = "paths", "sglang", "full", "split"
         else:
-            verify = env_choice("SGLANG_DDTREE_GDN_VERIFY", ("chunk", "paths"))
+            verify = env_choice("SGLANG_DDTREE_GDN_VERIFY", ("chunk", "paths"),
+                                default="paths" if deterministic else "chunk")  # fmt: skip
             precision = env_choice("SGLANG_DDTREE_GDN_PRECISION", PRECISIONS)
             conv = env_choice("SGLANG_DDTREE_CONV", ("ddtree", "sglang"))
             # SGLang's unified pool allocates the per-node states itself: full there

@@ -47,12 +47,11 @@ def _worker_factory(server_args):
     """Runs in the scheduler process before memory pools, backends and CUDA graphs exist."""
     from sglang_ddtree import config
     from sglang_ddtree.integration import gdn
-    from sglang_ddtree.integration.compat import resolved
+    from sglang_ddtree.integration.compat import option_modes
     from sglang_ddtree.integration.hooks import install_runtime_hooks
     from sglang_ddtree.integration.worker import DDTreeWorker
 
-    unified = bool(getattr(resolved(server_args), "enable_unified_memory", 0))
-    options = config.Options.from_env(unified_memory=unified)
+    options = config.Options.from_env(**option_modes(server_args))
     config.activate(options)
     logger.info("sglang_ddtree: options: %s", options.describe())
     gdn.configure(server_args, options)

@@ -93,6 +93,16 @@ def resolved(server_args: Any) -> Any:
     return resolved_view(server_args)
 
 
+def option_modes(server_args: Any) -> dict[str, bool]:
+    """The server modes DDTREE's option defaults depend on (config.Options.from_env's keywords):
+    --enable-unified-memory and --enable-deterministic-inference."""
+    args = resolved(server_args)
+    return {
+        "unified_memory": bool(getattr(args, "enable_unified_memory", False)),
+        "deterministic": bool(getattr(args, "enable_deterministic_inference", False)),
+    }
+
+
 def attention_backends(server_args: Any) -> tuple[str | None, str | None]:
     """(prefill, decode) target attention backends, split flags falling back to the base one."""
     view = resolved(server_args)

@@ -89,7 +89,7 @@ def validate_server_args(server_args: Any) -> None:
     _validate_sampling_and_parallelism(view)
     resolve_config(server_args)  # flag ranges (N, B, K) fail here, before any model loads
     # and the environment switches, in the main process before any scheduler starts
-    Options.from_env(unified_memory=bool(getattr(view, "enable_unified_memory", False)))
+    Options.from_env(**compat.option_modes(server_args))
 
 
 def _validate_sampling_and_parallelism(view: Any) -> None:

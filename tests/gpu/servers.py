@@ -86,8 +86,9 @@ VARIANTS = {
     "ddtree_sglangconv": ddtree_args,  # SGLang's tree conv1d instead of gdn/conv_tree.py
     "ddtree_full": ddtree_args,  # SGLang's per-node verify states instead of the compact scratch
     "ddtree_hostplan": ddtree_args,  # the verify's FlashInfer plan from host lengths (opt-in)
-    # the same in deterministic mode (session 7: DDTREE with all three was not batch-invariant)
-    "ddtree_det_paths": lambda model, draft: [*ddtree_args(model, draft), *DETERMINISTIC],
+    # the same in deterministic mode, whose GDN verify defaults to the root paths (session 9: the
+    # chunked one was not batch-invariant there); ddtree_det_chunk asks for the chunked one
+    "ddtree_det_chunk": lambda model, draft: [*ddtree_args(model, draft), *DETERMINISTIC],
     "ddtree_det_sglangconv": lambda model, draft: [*ddtree_args(model, draft), *DETERMINISTIC],
     "ddtree_det_full": lambda model, draft: [*ddtree_args(model, draft), *DETERMINISTIC],
 }
@@ -102,7 +103,7 @@ VARIANT_ENV = {
     "ddtree_sglangconv": _SGLANGCONV,
     "ddtree_full": _FULL,
     "ddtree_hostplan": {"SGLANG_DDTREE_VERIFY_PLAN": "host"},
-    "ddtree_det_paths": _PATHS,
+    "ddtree_det_chunk": {"SGLANG_DDTREE_GDN_VERIFY": "chunk"},
     "ddtree_det_sglangconv": _SGLANGCONV,
     "ddtree_det_full": _FULL,
 }
@@ -118,7 +119,7 @@ MODEL_VARIANTS = {
     "pair": (
         "base", "ddtree", "base_det", "ddtree_det", "dflash_det", "dflash", "ddtree64",
         "ddtree_torch", "ddtree_paths", "ddtree_sglangconv", "ddtree_full", "ddtree_hostplan",
-        "ddtree_det_paths", "ddtree_det_sglangconv", "ddtree_det_full",
+        "ddtree_det_chunk", "ddtree_det_sglangconv", "ddtree_det_full",
     ),
 }  # fmt: skip
 # Started for scripts/bench_e2e.py --attach, not tested by tests/gpu.

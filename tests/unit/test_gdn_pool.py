@@ -175,6 +175,14 @@ def test_gdn_defaults_each_switch_off_and_what_cannot_work_refused(monkeypatch):
         "ddtree (verify: chunk (split); commit: replay; tree conv1d: ddtree; scratch: compact)"
     )
     assert path(unified=True) == gdn.GDNPath(16, compact=False)  # SGLang's pool allocates them
+    # --enable-deterministic-inference: root paths unless asked (session 9's batch invariance)
+    flags = SimpleNamespace(enable_deterministic_inference=True, enable_unified_memory=False)
+    assert gdn.compat.option_modes(flags) == {"unified_memory": False, "deterministic": True}
+    det = config.Options.from_env(**gdn.compat.option_modes(flags))
+    assert gdn.path_of(det, 16) == gdn.GDNPath(16, verify="paths")
+    monkeypatch.setenv("SGLANG_DDTREE_GDN_VERIFY", "chunk")
+    assert config.Options.from_env(deterministic=True).gdn_verify == "chunk"
+    monkeypatch.delenv("SGLANG_DDTREE_GDN_VERIFY")
     for name, value, expected in (("SGLANG_DDTREE_GDN_SCRATCH", "full", gdn.GDNPath(16, compact=False)),
                                   ("SGLANG_DDTREE_GDN_VERIFY", "paths", gdn.GDNPath(16, verify="paths")),
                                   ("SGLANG_DDTREE_CONV", "sglang", gdn.GDNPath(16, conv=False))):  # fmt: skip
