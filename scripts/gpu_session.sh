@@ -143,7 +143,7 @@ case "${1:-}" in
     # suite (DDTREE_GPU_SERVERS narrows it), bench_gdn_tree.py with $GDN_ARGS on the quiet GPU,
     # then, given ARGS, bench_round.py with them
     name=$2; shift 2; dir="$ROOT/$name"; mkdir -p "$dir"
-    ROOT=$ROOT NAME=$name DIR=$dir GDN_ARGS="${GDN_ARGS:---bs 1,8,16 --nodes 16,32,64 --conv --conv-tilings t4n256w4anc --chunk-tiles 128x8xtf32,64x8xsplit,64x4xsplit}" \
+    ROOT=$ROOT NAME=$name DIR=$dir GDN_ARGS="${GDN_ARGS:---bs 1,8,16 --nodes 16,32,64 --conv --conv-tilings t4n256w4anc --chunk-tiles 16x4xsplit,32x4xsplit,64x4xtf32}" \
       setsid nohup bash -c '
         python3 -m pytest tests/unit -m gpu -q -rA > "$DIR/unit_gpu.log" 2>&1
         OUT="$DIR/suite" bash scripts/gpu_session.sh start 1500 > "$DIR/suite.log" 2>&1

@@ -1,8 +1,9 @@
 """Gated DeltaNet over a token tree: each kernel beside its plain-torch definition.
 
 - `reference.py`: the node-by-node definitions (the tests' referee) and root-path helpers;
-- `tree_verify.py`: the tree verify by root paths (the default) and the commit by replay;
-- `chunk_tree.py`: the tree verify in the chunked form (opt-in, N <= 64);
+- `chunk_tree.py`: the tree verify in the chunked form (the default, N <= 64);
+- `tree_verify.py`: the tree verify by root paths (wider trees, deterministic mode, or asked
+  for) and the commit by replay (every path);
 - `conv_tree.py`: the tree's causal conv1d with every node in parallel.
 
 Wired into SGLang by `sglang_ddtree.integration.gdn`; docs/design.md and docs/benchmarks.md.
