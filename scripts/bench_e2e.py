@@ -13,8 +13,8 @@ SGLang's, round for round), and how many outputs equal the plain server's (greed
 servers start up front in small memory slices; they are measured one at a time, so each has
 the GPU's compute to itself.
 `--attach ROOT`: measure the pair's servers of the GPU test set (tests/gpu/servers.py, already
-running under ROOT: plain, DFLASH, DDTREE N=32 (torch and Triton tree builders) and N=64, top-8)
-instead of starting new ones.
+running under ROOT, as its ROOT/servers.json lists them: plain, DFLASH, DDTREE N=32 (torch and
+Triton tree builders) and N=64, top-8) instead of starting new ones.
 Output: OUT/bench_e2e.jsonl and a table.
 """
 
@@ -24,14 +24,13 @@ import argparse
 import json
 import re
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from sglang_ddtree import DEMO_PAIR_DIR  # noqa: E402
-from sglang_ddtree.training.corpus import heldout_prompts  # noqa: E402
-from tests.gpu import harness  # noqa: E402
+import harness  # beside this script (scripts/harness.py)
+
+from sglang_ddtree import DEMO_PAIR_DIR
+from sglang_ddtree.training.corpus import heldout_prompts
 
 COMMON = ["--attention-backend", "flashinfer", "--dtype", "bfloat16", "--mem-fraction-static",
           "0.08", "--max-running-requests", "16", "--cuda-graph-max-bs", "16"]  # fmt: skip
@@ -51,17 +50,23 @@ def server_table(draft: str, budgets: list[int]) -> dict[str, list[str]]:
 
 
 def attached_servers(root: Path) -> list:
-    """The trained pair's servers of the GPU test set, renamed as this script names its own."""
-    from tests.gpu.servers import server_set, tree_shape
-
-    running = server_set(root)
-    nodes, topk = tree_shape("pair")
+    """The trained pair's servers of the GPU test set (ROOT/servers.json, written by
+    `python -m tests.gpu.servers launch ROOT`), renamed as this script names its own."""
+    try:
+        table = json.loads((Path(root) / "servers.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SystemExit(f"no server table under {root} ({exc}): start the set first") from exc
+    spec = table["pair-ddtree"]["args"]
+    nodes = int(spec[spec.index("--speculative-num-draft-tokens") + 1])
+    topk = int(spec[spec.index("--speculative-eagle-topk") + 1])
     assert topk == TOPK, (topk, TOPK)
     names = {"none": "pair-base", "dflash": "pair-dflash", f"ddtree{nodes}": "pair-ddtree",
              f"ddtree{nodes}_torch": "pair-ddtree_torch", "ddtree64": "pair-ddtree64"}  # fmt: skip
     servers = []
     for name, test_name in names.items():
-        server = running[test_name]
+        row = table[test_name]
+        server = harness.Server(test_name, row["model_path"], row["port"], row["args"],
+                                log_dir=Path(row["log_dir"]))  # fmt: skip
         if not server.is_healthy():
             raise SystemExit(f"{test_name} is not running under {root}")
         server.name = name

@@ -23,12 +23,10 @@ import gzip
 import json
 import re
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.gpu import harness  # noqa: E402
+import harness  # beside this script (scripts/harness.py)
 
 QWEN36_TEXT = dict(  # Qwen3.6-27B text sizes (ddtree.md §3)
     model_type="qwen3_5_text", vocab_size=248320, hidden_size=5120, intermediate_size=17408,

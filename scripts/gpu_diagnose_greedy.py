@@ -7,8 +7,7 @@ server's own top-2 race there? (Near-ties flip under different bf16 kernel shape
 import json
 import sys
 
-sys.path.insert(0, ".")
-from tests.gpu.harness import PROMPTS, first_divergence, post  # noqa: E402
+from harness import PROMPTS, first_divergence, post  # beside this script (scripts/harness.py)
 
 base_url, spec_url = sys.argv[1], sys.argv[2]
 n = int(sys.argv[3]) if len(sys.argv) > 3 else 128

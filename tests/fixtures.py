@@ -8,8 +8,26 @@ import re
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def load_script(name: str):
+    """scripts/NAME.py as a module, as `python scripts/NAME.py` would see its imports (scripts/
+    on sys.path for its siblings, such as scripts/harness.py); registered under NAME in
+    sys.modules (dataclasses look their module up by name)."""
+    import importlib.util
+
+    if str(SCRIPTS) not in sys.path:
+        sys.path.insert(0, str(SCRIPTS))
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def run_cpu_tests_under_triton_interpreter(test_file: str, expected_passed: int) -> None:

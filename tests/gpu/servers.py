@@ -235,11 +235,22 @@ def run_launcher(root: Path, timeout: float = 900) -> None:
     print(json.dumps(status), flush=True)
 
 
+def write_server_table(root: Path, servers: dict[str, Server]) -> Path:
+    """ROOT/servers.json: each server's model, port, flags and log folder, so that a tool can
+    attach to the running set without importing the tests (scripts/bench_e2e.py --attach)."""
+    path = Path(root) / "servers.json"
+    table = {n: {"model_path": s.model_path, "port": s.port, "args": s.args,
+                 "log_dir": str(s.log_dir)} for n, s in servers.items()}  # fmt: skip
+    path.write_text(json.dumps(table, indent=1))
+    return path
+
+
 def launch(root: Path) -> None:
-    """Write the checkpoints, then run the launcher detached (its own session, so it outlives
-    the calling command)."""
+    """Write the checkpoints and ROOT/servers.json, then run the launcher detached (its own
+    session, so it outlives the calling command)."""
     root = Path(root)
-    server_set(root)  # writes the binary-pair checkpoints before anything starts
+    # writes the binary-pair checkpoints before anything starts
+    write_server_table(root, server_set(root))
     status_path(root).unlink(missing_ok=True)
     log = open(root / "launcher.log", "a")  # noqa: SIM115 - the launcher's stdout
     subprocess.Popen(

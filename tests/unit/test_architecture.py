@@ -139,3 +139,19 @@ def test_scripts_and_tests_name_no_workplace_transfer_tooling():
                     if patterns.search(line):
                         found.append(f"{path.relative_to(REPO)}:{i}: {line.strip()}")
     assert found == []
+
+
+def test_scripts_share_one_harness_and_import_no_tests():
+    """The user-runnable scripts import the package, the standard library and each other (their
+    shared harness is scripts/harness.py), never tests/, and do not edit sys.path: `python
+    scripts/NAME.py` works from any checkout with the package installed."""
+    found = []
+    for path in sorted((REPO / "scripts").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        name = path.relative_to(REPO)
+        found += [f"{name} imports {m}" for m in _imports(tree) if m.split(".")[0] == "tests"]
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and node.attr == "path"
+                    and isinstance(node.value, ast.Name) and node.value.id == "sys"):  # fmt: skip
+                found.append(f"{name}:{node.lineno} uses sys.path")
+    assert found == []

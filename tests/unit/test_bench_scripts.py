@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import importlib.util
 import json
 from pathlib import Path
 
@@ -16,10 +15,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from tests.fixtures import load_script
+
+    return load_script(name)
 
 
 def _parse_cli(args: list[str]) -> argparse.Namespace:
@@ -100,6 +98,26 @@ def test_bench_e2e_and_test_server_commands_parse(tmp_path):
             assert ns.max_running_requests == 16, (model, variant)
             assert ns.enable_deterministic_inference == ("_det" in variant)
     assert ENV["SGLANG_DDTREE_SYNC_CHECK"] == "1"
+
+
+def test_bench_e2e_attaches_to_the_suites_servers_through_its_table(tmp_path, monkeypatch):
+    """`python -m tests.gpu.servers launch ROOT` writes ROOT/servers.json; bench_e2e --attach
+    reads the pair's servers from it (names, ports, tree shape) without importing the tests,
+    and says what is missing when the set has not been started."""
+    from tests.gpu import servers as suite
+
+    bench = _script("bench_e2e")
+    with pytest.raises(SystemExit, match="no server table under"):
+        bench.attached_servers(tmp_path)
+    pair = {n: s for n, s in suite.server_set(tmp_path).items() if n.startswith("pair-")}
+    suite.write_server_table(tmp_path, pair)
+    monkeypatch.setattr(bench.harness.Server, "is_healthy", lambda self: True)
+    got = {s.name: s for s in bench.attached_servers(tmp_path)}
+    nodes, _ = suite.tree_shape("pair")
+    assert sorted(got) == sorted(["none", "dflash", f"ddtree{nodes}", f"ddtree{nodes}_torch",
+                                  "ddtree64"])  # fmt: skip
+    assert got["dflash"].port == pair["pair-dflash"].port
+    assert got["ddtree64"].args == pair["pair-ddtree64"].args
 
 
 def _span(cat: str, name: str, ts: int, dur: int, tid: int = 1) -> dict:

@@ -179,14 +179,10 @@ def test_conv_hook_runs_conv_tree_when_enabled(monkeypatch, caplog):
 @interpreter_only
 def test_bench_conv_checks_agree_on_the_cpu():
     """scripts/bench_gdn_tree.py --conv's configuration and checks, small, under the interpreter."""
-    import importlib.util
-    from pathlib import Path
+    from tests.fixtures import load_script
 
     pytest.importorskip("sglang.kernels.ops.mamba.causal_conv1d_triton")
-    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_gdn_tree.py"
-    spec = importlib.util.spec_from_file_location("bench_gdn_tree", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("bench_gdn_tree")
     row = bench.run_conv(2, 12, bench.trees(2, 12, seed=5), 1, dim=24, device="cpu",
                          tilings=["t8n16w4tile", "t16n32w4nosave"])  # fmt: skip
     assert row["conv_max_abs_diff_o"] == 0.0, row

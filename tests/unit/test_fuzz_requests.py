@@ -4,23 +4,18 @@ greedy text is caught."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.fixtures import load_script
 
 
 @pytest.fixture(scope="module")
 def fuzz():
-    spec = importlib.util.spec_from_file_location("fuzz", ROOT / "scripts" / "fuzz_requests.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("fuzz_requests")
 
 
 def _chat_error(b) -> str | None:

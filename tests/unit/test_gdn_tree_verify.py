@@ -251,14 +251,10 @@ def test_tree_verify_and_commit_equal_sglangs_own_verify_and_commit():
     """scripts/bench_gdn_tree.py's comparison, on the CPU: SGLang 0.5.17's tree-verify kernel
     (fused_sigmoid_gating_delta_rule_update with retrieve_parent_token) and its commit (the
     accepted node's stored state) against tree_verify + commit_paths on the same builder trees."""
-    import importlib.util
-    from pathlib import Path
+    from tests.fixtures import load_script
 
     pytest.importorskip("sglang.kernels.ops.attention.fla.fused_sigmoid_gating_recurrent")
-    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_gdn_tree.py"
-    spec = importlib.util.spec_from_file_location("bench_gdn_tree", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("bench_gdn_tree")
     row = bench.run_one(2, 12, bench.trees(2, 12, seed=3), 1, device="cpu", heads=(2, 4, 16, 32))
     assert row["max_abs_diff_o"] <= 2**-8, row  # one bf16 step at |o| < 1
     assert row["chunk_max_abs_diff_o"] <= 2**-8, row  # the chunked form: the same

@@ -3,26 +3,20 @@ each outcome (completed, streamed, refused, cancelled), the summary, and the loc
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.fixtures import load_script
 
 
 @pytest.fixture(scope="module")
 def soak():
-    spec = importlib.util.spec_from_file_location("soak", ROOT / "scripts" / "soak.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["soak"] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    yield module
+    yield load_script("soak")
     sys.modules.pop("soak", None)
 
 

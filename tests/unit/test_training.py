@@ -292,12 +292,9 @@ def test_lr_schedule_and_planned_steps():
 
 
 def test_cli_arguments():
-    import importlib.util
+    from tests.fixtures import load_script
 
-    path = Path(__file__).resolve().parents[2] / "scripts" / "train_pair.py"
-    spec = importlib.util.spec_from_file_location("train_pair", path)
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
+    cli = load_script("train_pair")
     args = cli.parse_args(["--out", "x", "--toy", "--device", "cpu", "--total-minutes", "2"])
     assert args == RunArgs(out=Path("x"), device="cpu", toy=True, total_minutes=2.0)
     for bad in (["--minutes", "0"], ["--draft-steps", "0"], ["--device", "tpu"]):

@@ -6,13 +6,14 @@ one that differs saved), the suite's greedy prompts at c=1, then
 each output's largest float32 deficit under the reference engine (did this run serve a wrong
 token?).
 
-    python -m scripts.gpu_diagnose_gdn OUT [--prompts 0,15] [--eager] [--verify paths]
+    python -m tests.gpu.diagnose_gdn OUT [--prompts 0,15] [--eager] [--verify paths]
         [--perturb 0.004] [--precision ieee] [--serve paths] [--save 400]
-        (from the checkout: it uses tests/gpu's server set)
+        (from the checkout: it runs the GPU suite's server for the pair)
 
 --verify paths --perturb EPS serves the root-path kernel with its outputs off by up to EPS
 (SGLANG_DDTREE_GDN_PERTURB): if the same prompt then serves a wrong token, the model is fragile
-there (any other rounding flips it), not the chunked kernel wrong. --precision: the chunked
+there (any other rounding flips it), not the chunked kernel wrong (an EPS below half a bf16
+step, about 2e-3, rounds the bf16 outputs back to themselves: a no-op, session 9). --precision: the chunked
 verify's products (SGLANG_DDTREE_GDN_PRECISION). --serve paths: the check serves the root
 paths' outputs with the chunked kernel's scratch (SGLANG_DDTREE_GDN_CHECK_SERVE), so a wrong
 token that stays comes from the scratch and one that goes from the outputs. --save N (with

@@ -1,0 +1,205 @@
+"""Launch SGLang servers and talk to them over HTTP: the small harness the benchmarks, the
+reliability tools and the GPU tests share (plain Python, standard library only; transformers
+for `Server.tokenize`). Every server writes its log under `log_dir`.
+
+Scripts beside this file import it by name (`import harness`: `python scripts/NAME.py` puts
+scripts/ first on sys.path); tests import `scripts.harness` (the checkout on their path).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PROMPTS = [
+    "def fibonacci(n):",
+    "import os\nimport sys\n\n",
+    "class LinkedList:\n    def __init__(self):",
+    "# Parse the command line arguments",
+    "for i in range(10):\n    print(",
+    "def quicksort(items):\n    if len(items) <= 1:",
+    "The quick brown fox",
+    "Once upon a time, in a small village,",
+    "import numpy as np\nx = np.",
+    "with open('data.txt') as f:",
+    "try:\n    value = int(text)\nexcept",
+    "def __repr__(self):\n        return",
+    "SELECT name, age FROM users WHERE",
+    "async def fetch(session, url):",
+    "# TODO: handle the empty case",
+    "lambda x: x *",
+    "if __name__ == '__main__':",
+    "result = {key: value for key, value in",
+    "raise ValueError(f'unexpected",
+    "def test_addition():\n    assert",
+    "The capital of France is",
+    "while True:\n    line = input()",
+    "from dataclasses import dataclass\n\n@dataclass\nclass Point:",
+    "logger = logging.getLogger(__name__)",
+    "def merge(a, b):\n    out = []",
+    "x = [1, 2, 3]\ny = [",
+    "Hello, my name is",
+    "return sorted(items, key=lambda",
+    'def read_config(path):\n    """Read',
+    "numbers = list(map(int,",
+    "yield from",
+    "print('done')",
+]
+
+
+_TOKENIZERS: dict = {}
+
+
+@dataclass
+class Server:
+    name: str
+    model_path: str
+    port: int
+    args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    log_dir: Path = Path("/tmp")
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return Path(self.log_dir) / f"server_{self.name}.log"
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable, "-m", "sglang.launch_server",
+            "--model-path", self.model_path, "--host", "127.0.0.1", "--port", str(self.port),
+            *self.args,
+        ]  # fmt: skip
+
+    def start(self, detach: bool = False) -> None:
+        """Start the server; `detach` puts it in its own session so it outlives this process."""
+        cmd = self.command()
+        self.log_path.write_text("$ " + " ".join(cmd) + "\n")
+        log = open(self.log_path, "a")  # noqa: SIM115 - lives as long as the server
+        self.proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
+            start_new_session=True,
+        )  # fmt: skip
+        if detach:
+            self.proc = None  # not ours to wait for; found again through its port
+
+    def is_healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def wait_healthy(self, timeout: float) -> float:
+        start = time.time()
+        while time.time() - start < timeout:
+            if self.is_healthy():
+                return time.time() - start
+            if not self.is_alive():
+                raise RuntimeError(f"server {self.name} exited: {self.log_text()[-3000:]}")
+            time.sleep(2)
+        raise TimeoutError(f"server {self.name} not healthy after {timeout}s")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def wait_for_log(self, text: str, timeout: float) -> None:
+        start = time.time()
+        while time.time() - start < timeout and text not in self.log_text():
+            if not self.is_alive():
+                raise RuntimeError(f"server {self.name} exited: {self.log_text()[-3000:]}")
+            time.sleep(1)
+
+    def is_alive(self) -> bool:
+        if self.proc is not None:
+            return self.proc.poll() is None
+        pattern = f"--port {self.port} "
+        found = subprocess.run(["pgrep", "-f", "--", pattern], capture_output=True, check=False)
+        return found.returncode == 0
+
+    def stop_by_port(self) -> None:
+        subprocess.run(["pkill", "-f", "--", f"--port {self.port} "], check=False)
+
+    def tokenize(self, text: str) -> list[int]:
+        from transformers import AutoTokenizer
+
+        tok = _TOKENIZERS.setdefault(
+            self.model_path, AutoTokenizer.from_pretrained(self.model_path)
+        )
+        return tok(text)["input_ids"]
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+def post(url: str, payload: dict, timeout: float = 600) -> tuple[int, dict]:
+    req = urllib.request.Request(
+        url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            body = r.read()
+            try:
+                return r.status, json.loads(body)
+            except json.JSONDecodeError:
+                return r.status, {"raw": body.decode(errors="replace")}
+    except urllib.error.HTTPError as e:
+        body = e.read().decode(errors="replace")
+        try:
+            return e.code, json.loads(body)
+        except json.JSONDecodeError:
+            return e.code, {"raw": body}
+
+
+def get(url: str, timeout: float = 60) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, {"raw": e.read().decode(errors="replace")}
+
+
+def generate(server: Server, prompt: str, **sampling) -> dict:
+    status, out = post(server.url + "/generate", {"text": prompt, "sampling_params": sampling})
+    if status != 200:
+        raise RuntimeError(f"{server.name} /generate {status}: {out}")
+    return out
+
+
+def chat(server: Server, prompt: str, **params) -> dict:
+    payload = {"model": "x", "messages": [{"role": "user", "content": prompt}], **params}
+    status, out = post(server.url + "/v1/chat/completions", payload)
+    if status != 200:
+        raise RuntimeError(f"{server.name} chat {status}: {out}")
+    return out
+
+
+def run_all(fn, items, concurrency: int) -> list:
+    """fn(item) for every item with `concurrency` requests in flight; results in item order."""
+    with cf.ThreadPoolExecutor(max_workers=concurrency) as pool:
+        return list(pool.map(fn, items))
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
