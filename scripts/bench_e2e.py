@@ -132,24 +132,15 @@ def profile(servers: list, out: Path) -> None:
 
 def plot(rows: list[dict], path: Path) -> None:
     """Output tokens/s against concurrency, one line per server (acceptance in the legend)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
+    series = {}
     for name in dict.fromkeys(r["server"] for r in rows):
-        mine = sorted((r for r in rows if r["server"] == name), key=lambda r: r["concurrency"])
+        mine = [r for r in rows if r["server"] == name]
         accept = statistics.mean(r["accept_len"] for r in mine)
-        ax.plot([r["concurrency"] for r in mine], [r["tokens_per_s"] for r in mine],
-                marker="o", label=f"{name} (accept {accept:.2f})")  # fmt: skip
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("concurrency")
-    ax.set_ylabel("output tokens/s")
-    ax.set_title("trained pair (9.7M target, 2.0M DFlash draft), one H200")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+        series[f"{name} (accept {accept:.2f})"] = [(r["concurrency"], r["tokens_per_s"])
+                                                   for r in mine]  # fmt: skip
+    harness.line_plot(series, path, xlabel="concurrency", ylabel="output tokens/s",
+                      title="trained pair (9.7M target, 2.0M DFlash draft), one H200",
+                      log2_x=True)  # fmt: skip
 
 
 def print_table(rows: list[dict]) -> None:

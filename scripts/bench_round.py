@@ -332,21 +332,11 @@ def parse_trace(events: list[dict]) -> dict[str, float]:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name in dict.fromkeys(r["variant"] for r in rows):
-        pts = [(r["bs"], r["round_ms"]) for r in rows if r["variant"] == name]
-        ax.plot(*zip(*pts, strict=True), marker="o", label=name)
-    ax.set_xlabel("batch size")
-    ax.set_ylabel("ms per decode round")
-    ax.set_title("Qwen3.6-27B-shaped target (dummy weights), one H200")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    """ms per decode round against batch size, one line per variant."""
+    series = {name: [(r["bs"], r["round_ms"]) for r in rows if r["variant"] == name]
+              for name in dict.fromkeys(r["variant"] for r in rows)}  # fmt: skip
+    harness.line_plot(series, path, xlabel="batch size", ylabel="ms per decode round",
+                      title="Qwen3.6-27B-shaped target (dummy weights), one H200")  # fmt: skip
 
 
 def main() -> int:

@@ -203,3 +203,26 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
         if x != y:
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def line_plot(series: dict[str, list[tuple[float, float]]], path: Path, *, xlabel: str,
+              ylabel: str, title: str, log2_x: bool = False) -> None:  # fmt: skip
+    """One line with markers per label (points sorted by x), saved as a PNG (the benchmarks'
+    plots; matplotlib is imported only here)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, points in series.items():
+        ax.plot(*zip(*sorted(points), strict=True), marker="o", label=label)
+    if log2_x:
+        ax.set_xscale("log", base=2)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

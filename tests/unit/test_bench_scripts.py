@@ -120,6 +120,18 @@ def test_bench_e2e_attaches_to_the_suites_servers_through_its_table(tmp_path, mo
     assert got["ddtree64"].args == pair["pair-ddtree64"].args
 
 
+def test_the_benchmarks_plot_through_the_shared_helper(tmp_path):
+    """bench_round's and bench_e2e's plots (scripts/harness.line_plot) write their PNGs."""
+    pytest.importorskip("matplotlib")
+    rows = [{"variant": v, "bs": bs, "round_ms": ms} for v, bs, ms in
+            (("dflash", 8, 30.0), ("dflash", 1, 20.0), ("ddtree32", 1, 21.0))]  # fmt: skip
+    _script("bench_round").plot(rows, tmp_path / "round.png")
+    rows = [{"server": s, "concurrency": c, "tokens_per_s": t, "accept_len": a} for s, c, t, a in
+            (("dflash", 1, 100.0, 2.0), ("dflash", 4, 300.0, 2.1))]  # fmt: skip
+    _script("bench_e2e").plot(rows, tmp_path / "e2e.png")
+    assert all((tmp_path / f).stat().st_size > 1000 for f in ("round.png", "e2e.png"))
+
+
 def _span(cat: str, name: str, ts: int, dur: int, tid: int = 1) -> dict:
     """A complete ("X") event of a torch-profiler trace."""
     return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid}
