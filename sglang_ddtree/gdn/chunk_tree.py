@@ -45,11 +45,7 @@ import triton
 import triton.language as tl
 
 from sglang_ddtree.config import PRECISIONS
-from sglang_ddtree.gdn.tree_verify import (
-    _check_scratch,
-    _check_state,
-    _scratch_offsets,
-)
+from sglang_ddtree.gdn.tree_verify import _scratch_offsets, verify_shapes
 
 MAX_NODES = 64  # [N, N] fp32 tiles in registers; wider trees use tree_verify's root paths
 
@@ -233,17 +229,11 @@ def chunk_tree_verify(q, k, v, a, b, A_log, dt_bias, state, state_idx, parents, 
     starts from zeros). precision: how the float32 products run on tensor cores, "split" (hi +
     lo tf32 parts, `_mm`) or one tl.dot at "tf32", "tf32x3" or "ieee". Sync-free, CUDA-graph
     safe."""
-    bs, N = parents.shape
-    T, H, K = q.shape
-    _, HV, V = v.shape
-    if T != bs * N or HV % H or k.shape != q.shape:
-        raise ValueError(f"q {tuple(q.shape)} / v {tuple(v.shape)} do not fit {bs} x {N} nodes")
+    bs, N, H, K, HV, V = verify_shapes(q, k, v, parents, state, scratch)
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if N > MAX_NODES:
         raise ValueError(f"chunk_tree_verify takes at most {MAX_NODES} nodes, got {N}")
-    _check_scratch(scratch, N, HV, K, V)
-    _check_state(state, (HV, V, K))
     q, k, v = (x.contiguous() for x in (q, k, v))
     a, b = (x if x.stride(-1) == 1 else x.contiguous() for x in (a, b))
     o = torch.empty(v.shape, dtype=q.dtype, device=v.device)

@@ -210,6 +210,19 @@ def _check_state(state: torch.Tensor, inner: tuple[int, int, int]) -> None:
         raise ValueError(f"state pool {tuple(state.shape)} is not [..., {inner}] with K contiguous")
 
 
+def verify_shapes(q, k, v, parents, state, scratch) -> tuple[int, int, int, int, int, int]:
+    """(bs, N, H, K, HV, V) of a tree verify's inputs, or a ValueError saying what does not fit
+    (both verify kernels take the same arguments)."""
+    bs, N = parents.shape
+    T, H, K = q.shape
+    _, HV, V = v.shape
+    if T != bs * N or HV % H or k.shape != q.shape:
+        raise ValueError(f"q {tuple(q.shape)} / v {tuple(v.shape)} do not fit {bs} x {N} nodes")
+    _check_scratch(scratch, N, HV, K, V)
+    _check_state(state, (HV, V, K))
+    return bs, N, H, K, HV, V
+
+
 def _check_scratch(scratch: torch.Tensor, N: int, HV: int, K: int, V: int) -> None:
     if scratch.dtype != torch.float32 or scratch.shape[-1] < scratch_floats(N, HV, K, V):
         raise ValueError(f"scratch rows {tuple(scratch.shape)} {scratch.dtype} are too small")
@@ -225,13 +238,7 @@ def tree_verify(q, k, v, a, b, A_log, dt_bias, state, state_idx, parents, scratc
     words) for `commit_paths`. block_v / num_warps: the V tile and warps per program (the
     defaults were the fastest in bench_gdn_tree's sweep on the H200). Sync-free, CUDA-graph
     safe."""
-    bs, N = parents.shape
-    T, H, K = q.shape
-    _, HV, V = v.shape
-    if T != bs * N or HV % H or k.shape != q.shape:
-        raise ValueError(f"q {tuple(q.shape)} / v {tuple(v.shape)} do not fit {bs} x {N} nodes")
-    _check_scratch(scratch, N, HV, K, V)
-    _check_state(state, (HV, V, K))
+    bs, N, H, K, HV, V = verify_shapes(q, k, v, parents, state, scratch)
     q, k, v = (x.contiguous() for x in (q, k, v))
     a, b = (x if x.stride(-1) == 1 else x.contiguous() for x in (a, b))
     o = torch.empty(v.shape, dtype=q.dtype, device=v.device)
