@@ -34,6 +34,7 @@ from sglang_ddtree.tree import (
     topk_logprobs_from_logits,
     tree_capacity,
 )
+from sglang_ddtree.tree.penalties import Penalties, PenaltyState
 
 
 @dataclass
@@ -229,6 +230,15 @@ def _verify(target: TargetRunner, tree: DraftTree) -> tuple[torch.Tensor, torch.
     return target.verify(tree.tokens[0], tree.parents[0], tree.depth[0], tree.visibility[0])
 
 
+def _penalty_state(penalties: Penalties | None, prompt: torch.Tensor, vocab: int,
+                   eos: set[int]) -> PenaltyState | None:  # fmt: skip
+    """The request's penalty context over a vocabulary of `vocab` logits, or None when it has
+    no penalty."""
+    if penalties is None or penalties == Penalties():
+        return None
+    return PenaltyState(penalties, prompt, vocab, sorted(eos))
+
+
 def _accept(
     sampler: Sampler, tree: DraftTree, node_logits: torch.Tensor, max_depth: int
 ) -> tuple[torch.Tensor, AcceptResult]:
@@ -267,9 +277,11 @@ def generate(
     top_k: int = 0,
     seed: int | None = None,
     eos_token_id: int | Sequence[int] | None = None,
+    penalties: Penalties | None = None,
     on_round: Callable[[RoundTrace], None] | None = None,
 ) -> GenerationResult:
-    """DDTree speculative decoding; the output is distributed exactly as `generate_plain`'s."""
+    """DDTree speculative decoding; the output is distributed exactly as `generate_plain`'s
+    (with `penalties` too: every node's logits carry the penalties of its own path)."""
     device = _device_of(target)
     prompt = _as_prompt(prompt_ids, device)  # [T]
     check_generation_args(target, drafter, prompt.numel(), max_new_tokens, budget=budget, topk=topk)
@@ -281,10 +293,13 @@ def generate(
         _reset(drafter)
         logits, taps = target.prefill(prompt)  # [T, V], [T, n_taps * H]
         _committed(drafter, prompt, taps)
-        root = int(sampler(logits[-1:])[0])
+        pen = _penalty_state(penalties, prompt, logits.shape[-1], eos)
+        root = int(sampler(pen.step(logits[-1:]) if pen else logits[-1:])[0])
     tokens: list[int] = []
     accept_lengths: list[int] = []
     done = _emit(tokens, [root], max_new_tokens, eos)
+    if pen:
+        pen.observe([root])
     while not done:
         position = target.committed_len
         with _clock(timings, "draft"):
@@ -293,6 +308,8 @@ def generate(
             tree = build_tree(_roots(root, topk_ids), topk_ids, topk_lps, budget)  # [1, N]
         with _clock(timings, "verify"):
             node_logits, node_taps = _verify(target, tree)  # [N, V], [N, n_taps * H]
+            if pen:
+                node_logits = pen.tree(node_logits, tree.tokens, tree.visibility, tree.depth)
         with _clock(timings, "accept"):
             target_tokens, accept = _accept(sampler, tree, node_logits, depth)
         with _clock(timings, "commit"):
@@ -302,6 +319,8 @@ def generate(
         accept_lengths.append(len(emitted))
         root = emitted[-1]
         done = _emit(tokens, emitted, max_new_tokens, eos)
+        if pen:
+            pen.observe(emitted)
     return GenerationResult(tokens, accept_lengths, len(accept_lengths), timings)
 
 
@@ -340,8 +359,10 @@ def generate_plain(
     top_k: int = 0,
     seed: int | None = None,
     eos_token_id: int | Sequence[int] | None = None,
+    penalties: Penalties | None = None,
 ) -> GenerationResult:
-    """Token-by-token decoding with the target model's own transformers cache (no speculation).
+    """Token-by-token decoding with the target model's own transformers cache (no speculation),
+    `penalties` applied to each step's logits as SGLang's penalizers would.
 
     `target` is the HF model or a runner holding it as `.model`; the runner's own state is not
     touched. Each step is one emitted token (accept_lengths are all 1).
@@ -354,6 +375,8 @@ def generate_plain(
     eos, timings = _eos_set(eos_token_id), {}
     tokens: list[int] = []
     input_ids, cache, done = prompt[None], None, False  # [1, T]
+    vocab = model.get_output_embeddings().weight.shape[0]  # the logits' width
+    pen = _penalty_state(penalties, prompt, vocab, eos)
     with _clock(timings, "decode"):
         while not done:
             start = prompt.numel() + len(tokens) - input_ids.shape[1]
@@ -366,8 +389,11 @@ def generate_plain(
                 logits_to_keep=1,
             )
             cache = out.past_key_values
-            token = int(sampler(out.logits[0, -1:])[0])
+            step = out.logits[0, -1:]
+            token = int(sampler(pen.step(step) if pen else step)[0])
             done = _emit(tokens, [token], max_new_tokens, eos)
+            if pen:
+                pen.observe([token])
             input_ids = torch.tensor([[token]], device=device)  # [1, 1]
     return GenerationResult(tokens, [1] * len(tokens), len(tokens), timings)
 

@@ -1,4 +1,5 @@
-"""Sampling penalties per tree node, exactly (issue 14, part 2; not yet wired into the server).
+"""Sampling penalties per tree node, exactly (issue 14, part 2; in the reference engine,
+not yet wired into the server).
 
 A node's distribution must be the request's distribution given the path to that node. The
 frequency, presence and repetition penalties depend on which tokens the context holds, and in a
@@ -17,7 +18,78 @@ x -= frequency * count + presence * (count > 0).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Penalties:
+    """A request's penalties, in SGLang's sampling-parameter terms: frequency_penalty,
+    presence_penalty (output tokens), repetition_penalty (prompt and output tokens; 1: off),
+    min_new_tokens (EOS blocked before that many generated tokens)."""
+
+    frequency: float = 0.0
+    presence: float = 0.0
+    repetition: float = 1.0
+    min_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.repetition <= 0 or self.min_tokens < 0:
+            raise ValueError(f"need repetition > 0 and min_tokens >= 0, got {self}")
+
+
+class PenaltyState:
+    """One request's penalty context as decoding goes: output-token counts and the tokens the
+    repetition penalty sees (prompt and output), and the penalised logits of the next token
+    after the output so far (`step`) or after every node of a tree (`tree`). Host-driven, for
+    the reference engine (the server would keep the same tensors on the device)."""
+
+    def __init__(self, penalties: Penalties, prompt: torch.Tensor, vocab: int,
+                 eos_ids: list[int]) -> None:  # fmt: skip
+        device = prompt.device
+        self.penalties = penalties
+        self.counts = torch.zeros(1, vocab, dtype=torch.float32, device=device)
+        self.seen = torch.zeros(1, vocab, dtype=torch.bool, device=device)
+        self.seen[0, prompt] = True
+        self.output_len = 0
+        self.eos = torch.tensor(eos_ids or [0], dtype=torch.long, device=device)
+        self.block_eos = bool(eos_ids) and penalties.min_tokens > 0
+        p = penalties
+        self._fpr = [torch.tensor([x], dtype=torch.float32, device=device)
+                     for x in (p.frequency, p.presence, p.repetition)]  # fmt: skip
+
+    def observe(self, tokens: list[int]) -> None:
+        """Tokens just emitted (in order)."""
+        for t in tokens:
+            self.counts[0, t] += 1
+            self.seen[0, t] = True
+        self.output_len += len(tokens)
+
+    def step(self, logits: torch.Tensor) -> torch.Tensor:
+        """[1, V] logits of the next token after the output so far, penalised."""
+        depth = torch.zeros(1, 1, dtype=torch.long, device=logits.device)
+        return self._min_tokens(self._shared(logits[None]), depth)[0]
+
+    def tree(self, logits: torch.Tensor, tokens: torch.Tensor, visibility: torch.Tensor,
+             depth: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """[N, V] logits of every node's next token (one request's tree: tokens [1, N],
+        visibility [1, N, N], depth [1, N]; its root is the last emitted token), each with the
+        penalties of its own path."""
+        out = penalize_tree(logits[None], tokens, visibility, self.counts, *self._fpr,
+                            seen=self.seen)  # fmt: skip
+        return self._min_tokens(out, depth)[0]
+
+    def _shared(self, logits: torch.Tensor) -> torch.Tensor:
+        f, p, r = (x[:, None, None] for x in self._fpr)
+        return penalize(logits, self.counts[:, None], self.seen[:, None], f, p, r)
+
+    def _min_tokens(self, logits: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
+        if not self.block_eos:
+            return logits
+        n = torch.tensor([self.output_len], device=logits.device)
+        floor = torch.tensor([self.penalties.min_tokens], device=logits.device)
+        return suppress_eos_before_min_tokens(logits, depth, n, floor, self.eos)
 
 
 def penalize(x: torch.Tensor, count: torch.Tensor, seen: torch.Tensor, frequency: torch.Tensor,

@@ -26,6 +26,7 @@ from sglang_ddtree.reference import engine
 from sglang_ddtree.reference.engine import RoundTrace, generate
 from sglang_ddtree.reference.oracle import OracleDrafter
 from sglang_ddtree.reference.target import HFTargetRunner
+from sglang_ddtree.tree.penalties import Penalties, PenaltyState
 
 PROMPT = [100, 200, 300, 400]
 TEMPERATURE = 1.5
@@ -46,13 +47,20 @@ def model(tmp_path_factory):
 
 
 @torch.no_grad()
-def exact_distribution(model, prompt: list[int], num_tokens: int) -> dict[tuple[int, ...], float]:
-    """Plain definition: top-k of logits / T, renormalised, chained over num_tokens steps."""
+def exact_distribution(model, prompt: list[int], num_tokens: int,
+                       penalties: Penalties | None = None) -> dict[tuple[int, ...], float]:  # fmt: skip
+    """Plain definition: top-k of logits / T, renormalised, chained over num_tokens steps;
+    with `penalties`, each step's logits first penalised by the tokens before it (frequency and
+    presence: the output so far; repetition: the prompt too)."""
     dist = {(): 1.0}
     for _ in range(num_tokens):
         prefixes = list(dist)
         ids = torch.tensor([prompt + list(p) for p in prefixes])  # [P, T + len]
-        logits = model(input_ids=ids, use_cache=False).logits[:, -1].double() / TEMPERATURE
+        logits = model(input_ids=ids, use_cache=False).logits[:, -1].double()
+        if penalties is not None:
+            logits = torch.stack([_penalised(row, prompt, list(p), penalties)
+                                  for row, p in zip(logits, prefixes, strict=True)])  # fmt: skip
+        logits = logits / TEMPERATURE
         values, tokens = logits.topk(TOP_K, dim=-1)  # [P, k]
         probs = values.softmax(dim=-1)  # [P, k]
         dist = {
@@ -61,6 +69,17 @@ def exact_distribution(model, prompt: list[int], num_tokens: int) -> dict[tuple[
             for t, q in zip(row_t, row_q, strict=True)
         }
     return dist
+
+
+def _penalised(logits, prompt: list[int], output: list[int], pen: Penalties):
+    """One step's penalties, written out token by token (the definition, not the engine's)."""
+    out = logits.clone()
+    for t in set(prompt) | set(output):
+        if pen.repetition != 1.0:
+            out[t] = out[t] / pen.repetition if out[t] > 0 else out[t] * pen.repetition
+    for t in set(output):
+        out[t] -= pen.frequency * output.count(t) + pen.presence
+    return out
 
 
 def chi_square_pvalue(counts: Counter, dist: dict[tuple[int, ...], float]) -> float:
@@ -82,7 +101,8 @@ def chi_square_pvalue(counts: Counter, dist: dict[tuple[int, ...], float]) -> fl
     return float(chisquare(observed, [e * scale for e in expected]).pvalue)
 
 
-def sample_ddtree(model, num_samples: int) -> tuple[Counter, Counter]:
+def sample_ddtree(model, num_samples: int,
+                  penalties: Penalties | None = None) -> tuple[Counter, Counter]:  # fmt: skip
     """-> (counts of the first NUM_TOKENS tokens, counts of round-1 accepted depth / side)."""
     target = HFTargetRunner(model, [1])
     oracle = OracleDrafter(model, block_size=4, noise=0.3, lookahead=0)
@@ -92,6 +112,7 @@ def sample_ddtree(model, num_samples: int) -> tuple[Counter, Counter]:
         result = generate(
             target, oracle, PROMPT, NUM_TOKENS, budget=6, topk=3,
             temperature=TEMPERATURE, top_k=TOP_K, seed=seed, on_round=traces.append,
+            penalties=penalties,
         )  # fmt: skip
         counts[tuple(result.tokens)] += 1
         first = traces[0]
@@ -128,3 +149,38 @@ def test_negative_control_wrong_node_samples_are_detected(model, monkeypatch):
     counts, _ = sample_ddtree(model, CONTROL_SAMPLES)
     pvalue = chi_square_pvalue(counts, dist)
     assert pvalue < ALPHA, f"the test missed a wrong acceptance rule (p={pvalue:.2e})"
+
+
+# Negative penalties (SGLang takes frequency / presence in [-2, 2], repetition in (0, 2]) lift the
+# tokens already seen, so the root's and the path's tokens become top-4 candidates and each
+# node's own counts decide its distribution (positive ones barely move this tiny model's top 4).
+PENALTIES = Penalties(frequency=-2.0, presence=-1.0, repetition=0.7)
+
+
+@pytest.mark.slow
+def test_ddtree_sampling_with_penalties_matches_the_penalised_target(model):
+    """Issue 14, part 2: with frequency, presence and repetition penalties every node samples
+    from the distribution its own path gives, so DDTree's tokens follow plain penalised
+    sampling exactly."""
+    dist = exact_distribution(model, PROMPT, NUM_TOKENS, PENALTIES)
+    assert dist != exact_distribution(model, PROMPT, NUM_TOKENS)  # the penalties matter here
+    counts, shape = sample_ddtree(model, SAMPLES, PENALTIES)
+    assert shape["depth1"] + shape["depth2"] + shape["depth3"] >= SAMPLES // 4, shape
+    assert shape["depth2"] + shape["depth3"] >= SAMPLES // 30, shape
+    pvalue = chi_square_pvalue(counts, dist)
+    assert pvalue > ALPHA, f"DDTree's penalised sampling differs (p={pvalue:.2e})"
+
+
+@pytest.mark.slow
+def test_negative_control_shared_penalty_counts_are_detected(model, monkeypatch):
+    """SGLang's linear penalizers on a tree (the output so far for every node, not the node's
+    path) sample the wrong distribution below the root; the same test must reject it."""
+
+    def shared_for_every_node(self, logits, tokens, visibility, depth):
+        return self._min_tokens(self._shared(logits[None]), depth)[0]
+
+    monkeypatch.setattr(PenaltyState, "tree", shared_for_every_node)
+    dist = exact_distribution(model, PROMPT, NUM_TOKENS, PENALTIES)
+    counts, _ = sample_ddtree(model, CONTROL_SAMPLES, PENALTIES)
+    pvalue = chi_square_pvalue(counts, dist)
+    assert pvalue < ALPHA, f"the test missed per-node penalty counts (p={pvalue:.2e})"
