@@ -18,7 +18,11 @@ verify's products (SGLANG_DDTREE_GDN_PRECISION). --serve paths: the check serves
 paths' outputs with the chunked kernel's scratch (SGLANG_DDTREE_GDN_CHECK_SERVE), so a wrong
 token that stays comes from the scratch and one that goes from the outputs. --save N (with
 --eager): the inputs and both outputs of the first N verifies, for a float64 replay
-(SGLANG_DDTREE_GDN_CHECK_SAVE).
+(SGLANG_DDTREE_GDN_CHECK_SAVE). --model pair --deterministic --concurrency 1,8: the shipped
+pair in SGLang's deterministic mode, the prompts served at each concurrency in turn, and which
+prompts' tokens changed between them (session 9: the chunked verify's served tokens were not
+batch-invariant there); with --eager --save N the verifies of both passes are saved in order
+(`call` in each file), to find the first input or output that differs.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import re
 from pathlib import Path
 
 from tests.gpu import harness
-from tests.gpu.servers import COMMON, ENV, NEW_TOKENS, ddtree_args, write_pair
+from tests.gpu.servers import COMMON, DETERMINISTIC, ENV, NEW_TOKENS, ddtree_args, write_pair
 
 
 def main() -> int:
@@ -43,9 +47,12 @@ def main() -> int:
     p.add_argument("--precision", default="split", help="SGLANG_DDTREE_GDN_PRECISION (chunk)")
     p.add_argument("--serve", choices=("chunk", "paths"), default="chunk")
     p.add_argument("--save", type=int, default=0, help="with --eager: verifies saved")
+    p.add_argument("--model", choices=("qwen35", "pair"), default="qwen35")
+    p.add_argument("--deterministic", action="store_true", help="--enable-deterministic-inference")
+    p.add_argument("--concurrency", default="1", help="serve the prompts at each, in turn")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    target, draft = write_pair(args.out, "qwen35")
+    target, draft = write_pair(args.out, args.model)
     env = {**ENV, "SGLANG_DDTREE_GDN_VERIFY": args.verify,
            "SGLANG_DDTREE_GDN_PERTURB": str(args.perturb)}  # fmt: skip
     if args.verify == "chunk":
@@ -53,21 +60,25 @@ def main() -> int:
                     "SGLANG_DDTREE_GDN_PRECISION": args.precision,
                     "SGLANG_DDTREE_GDN_CHECK_SERVE": args.serve,
                     "SGLANG_DDTREE_GDN_CHECK_SAVE": str(args.save)})  # fmt: skip
-    flags = [*COMMON, *ddtree_args("qwen35", draft), *(["--disable-cuda-graph"] * args.eager)]
-    server = harness.Server("qwen35-ddtree_check", str(target), args.port, flags, env,
+    flags = [*COMMON, *ddtree_args(args.model, draft), *(["--disable-cuda-graph"] * args.eager),
+             *(DETERMINISTIC * args.deterministic)]  # fmt: skip
+    server = harness.Server(f"{args.model}-ddtree_check", str(target), args.port, flags, env,
                             log_dir=args.out)  # fmt: skip
     server.start()
     try:
         server.wait_healthy(600)
         picked = [int(i) for i in args.prompts.split(",") if i] or range(len(harness.PROMPTS))
-        rows = []
-        for i in picked:
-            out = harness.generate(server, harness.PROMPTS[i], max_new_tokens=NEW_TOKENS,
-                                   temperature=0, ignore_eos=True)  # fmt: skip
-            rows.append({"prompt": i, "output_ids": out["output_ids"]})
-        (args.out / "outputs.json").write_text(json.dumps(rows))
+        passes = {int(c): _serve(server, picked, int(c)) for c in args.concurrency.split(",")}
+        rows = next(iter(passes.values()))
+        (args.out / "outputs.json").write_text(json.dumps(passes))
     finally:
         server.stop()
+    if len(passes) > 1:
+        (first, base), *rest = passes.items()
+        for c, other in rest:
+            moved = [(a["prompt"], harness.first_divergence(a["output_ids"], b["output_ids"]))
+                     for a, b in zip(base, other, strict=True) if a != b]  # fmt: skip
+            print(f"concurrency {c} vs {first}: (prompt, first differing token) {moved}")
     log = server.log_text()
     found = re.findall(r"GDN check: (?:verify|round) \d+ .*differs.*", log)
     print(f"{len(found)} chunked verifies (or graph rounds) differed from the root paths")
@@ -84,6 +95,17 @@ def main() -> int:
         worst = max(range(len(deficits)), key=deficits.__getitem__)
         print(f"prompt {row['prompt']}: largest float32 deficit {deficits[worst]:.3f} at {worst}")
     return 0
+
+
+def _serve(server, picked, concurrency: int) -> list[dict]:
+    """The picked prompts at temperature 0, `concurrency` in flight; rows in prompt order."""
+
+    def one(i: int) -> dict:
+        out = harness.generate(server, harness.PROMPTS[i], max_new_tokens=NEW_TOKENS,
+                               temperature=0, ignore_eos=True)  # fmt: skip
+        return {"prompt": i, "output_ids": out["output_ids"]}
+
+    return harness.run_all(one, list(picked), concurrency)
 
 
 if __name__ == "__main__":
