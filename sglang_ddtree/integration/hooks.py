@@ -136,13 +136,16 @@ def _reject_unsupported(tokenizer_manager, obj, *args, **kwargs):
     return None
 
 
-# Options SGLang's tree verify applies only approximately (penalties are frozen for the whole
-# tree) or not at all (min_p): accepting them would break DDTREE's lossless guarantee.
+# Options SGLang's tree verify applies only approximately (penalties, and min_new_tokens's EOS
+# block, are one vector for the whole tree: a node at depth d has d more tokens behind it) or not
+# at all (min_p): accepting them would break DDTREE's lossless guarantee. (logit_bias is the
+# same at every node, and SGLang's tree verify adds it to every node: exact.)
 LOSSY_SAMPLING_OPTIONS = {
     "min_p": 0.0,
     "frequency_penalty": 0.0,
     "presence_penalty": 0.0,
     "repetition_penalty": 1.0,
+    "min_new_tokens": 0,
 }
 
 

@@ -243,6 +243,7 @@ def _request(**sampling):
         (dict(max_new_tokens=8, min_p=0.1), "min_p=0.1"),
         (dict(max_new_tokens=8, repetition_penalty=1.2), "repetition_penalty=1.2"),
         (dict(max_new_tokens=8, frequency_penalty=0.5), "frequency_penalty=0.5"),
+        (dict(max_new_tokens=8, min_new_tokens=4), "min_new_tokens=4"),
     ],
 )
 def test_front_end_rejects_what_ddtree_cannot_serve_exactly(request_kwargs, words):
@@ -260,6 +261,7 @@ def test_front_end_accepts_plain_requests_and_other_algorithms():
         repetition_penalty=1.0,
         frequency_penalty=0.0,
         presence_penalty=0.0,
+        min_new_tokens=0,
     )
     assert hooks._reject_unsupported(_tokenizer_manager("DDTREE"), ok, [1]) is None
     bad = _request(logprob=True, max_new_tokens=0)
