@@ -56,6 +56,11 @@ def attached_servers(root: Path) -> list:
         table = json.loads((Path(root) / "servers.json").read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise SystemExit(f"no server table under {root} ({exc}): start the set first") from exc
+    missing = [n for n in ("pair-base", "pair-dflash", "pair-ddtree", "pair-ddtree_torch",
+                           "pair-ddtree64") if n not in table]  # fmt: skip
+    if missing:
+        raise SystemExit(f"the server set under {root} has no {', '.join(missing)}: start the "
+                         "whole set (without DDTREE_GPU_SERVERS) first")  # fmt: skip
     spec = table["pair-ddtree"]["args"]
     nodes = int(spec[spec.index("--speculative-num-draft-tokens") + 1])
     topk = int(spec[spec.index("--speculative-eagle-topk") + 1])

@@ -250,6 +250,10 @@ class Options:
         if self.gdn_precision != "split" and self.gdn_verify != "chunk":
             raise ValueError(f"SGLANG_DDTREE_GDN_PRECISION={self.gdn_precision} sets the chunked "
                              "verify's products; add SGLANG_DDTREE_GDN_VERIFY=chunk or drop it.")  # fmt: skip
+        if self.gdn_check and self.gdn_verify != "chunk":
+            raise ValueError("SGLANG_DDTREE_GDN_CHECK checks the chunked verify against the root "
+                             "paths; add SGLANG_DDTREE_GDN_VERIFY=chunk (the default but under "
+                             "--enable-deterministic-inference) or drop the check.")  # fmt: skip
         if (self.gdn_check_serve != "chunk" or self.gdn_check_save) and not self.gdn_check:
             raise ValueError("SGLANG_DDTREE_GDN_CHECK_SERVE / _SAVE belong to the GDN check; "
                              "set SGLANG_DDTREE_GDN_CHECK=DIR too.")  # fmt: skip

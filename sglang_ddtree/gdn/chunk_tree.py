@@ -1,5 +1,6 @@
-"""Gated DeltaNet over a token tree in the chunked (WY) form: one program per (request, value
-head, V tile), every node at once with tensor-core matmuls.
+"""Gated DeltaNet over a token tree in the chunked (WY) form: every node at once with
+tensor-core matmuls, in two launches (the N x N factors per (request, value head), then the
+state tiles per (request, value head, V tile)).
 
 Along any root path the gated delta rule is a chain, so the chunked form that prefill uses
 (flash-linear-attention's `chunk_gated_delta_rule`) holds for a whole tree once the causal mask
@@ -227,8 +228,9 @@ def chunk_tree_verify(q, k, v, a, b, A_log, dt_bias, state, state_idx, parents, 
     parents come before their children (parents [bs, N]; T = bs * N, request-major; root paths
     of at most `max_path` nodes), from state[state_idx[b]] ([S, HV, V, K], unchanged; slot -1
     starts from zeros). precision: how the float32 products run on tensor cores, "split" (hi +
-    lo tf32 parts, `_mm`) or one tl.dot at "tf32", "tf32x3" or "ieee". Sync-free, CUDA-graph
-    safe."""
+    lo tf32 parts, `_mm`) or one tl.dot at "tf32", "tf32x3" or "ieee". block_v / num_warps: the
+    state kernel's V tile and warps (the factors kernel runs 4 warps; not swept yet). Sync-free,
+    CUDA-graph safe."""
     bs, N, H, K, HV, V = verify_shapes(q, k, v, parents, state, scratch)
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")

@@ -84,9 +84,18 @@ def current() -> GDNPath | None:
 
 
 def configure(server_args, opts: Options) -> None:
-    """Log the GDN path the worker factory's options give (tests/gpu checks the line)."""
-    block = int(compat.resolved(server_args).speculative_dflash_block_size)
-    logger.info("sglang_ddtree: GDN path: %s", describe(path_of(opts, block)))
+    """Log the GDN path the worker factory's options give (tests/gpu checks the line), and say
+    so when the chunked verify's switches cannot apply (trees wider than it takes)."""
+    from sglang_ddtree.gdn.chunk_tree import MAX_NODES
+
+    args = compat.resolved(server_args)
+    path = path_of(opts, int(args.speculative_dflash_block_size))
+    logger.info("sglang_ddtree: GDN path: %s", describe(path))
+    nodes = int(getattr(args, "speculative_num_draft_tokens", 0) or 0)
+    if path is not None and path.verify == "chunk" and nodes > MAX_NODES:
+        logger.warning("sglang_ddtree: %d-node trees are wider than the chunked GDN verify takes "
+                       "(%d): they use the root paths, and SGLANG_DDTREE_GDN_PRECISION / _CHECK "
+                       "do not apply.", nodes, MAX_NODES)  # fmt: skip
 
 
 def describe(path: GDNPath | None) -> str:

@@ -27,7 +27,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 TOL, KEEP = 1e-2, 4
-_counts = {"calls": 0, "differed": 0, "rounds": 0, "rounds_differed": 0, "saved": 0}
+_counts = {"calls": 0, "differed": 0, "rounds": 0, "rounds_differed": 0}
 _so_far = [0.0]  # the worst fraction of the eager calls so far
 _worst: list[torch.Tensor] = []  # the device accumulator of graph-captured calls
 
@@ -68,10 +68,12 @@ def compare(o: torch.Tensor, args: tuple, path) -> torch.Tensor:
         logger.info("sglang_ddtree: GDN check: verify %d: worst difference so far %.3g of the "
                     "row's max |o|", _counts["calls"], worst)  # fmt: skip
     scratches = (scratch, ref_scratch, scratch_idx.long())  # the rows go to the host if saved
+    first_n = _counts["calls"] <= path.check_save  # SGLANG_DDTREE_GDN_CHECK_SAVE: every one
     if worst > TOL:
         _counts["differed"] += 1
-        _report(o, ref, rel, worst, inputs, state, slots, parents, path, scratches)
-    elif _counts["saved"] < path.check_save:
+        keep = first_n or _counts["differed"] <= KEEP
+        _report(o, ref, rel, worst, inputs, state, slots, parents, path, scratches, keep)
+    elif first_n:
         _save(o, ref, inputs, state, slots, parents, path, scratches)
     if _counts["calls"] % 1000 == 0:
         logger.info("sglang_ddtree: GDN check: %d verifies checked, %d differed",
@@ -109,7 +111,6 @@ def _save(o, ref, inputs, state, slots, parents, path, scratches) -> str:
     mine, theirs, rows = scratches
     scratch_rows = (mine[rows].cpu(), theirs[rows].cpu())
     where = os.path.join(path.check, f"verify_{os.getpid()}_{_counts['calls']}.pt")
-    _counts["saved"] += 1
     os.makedirs(path.check, exist_ok=True)
     torch.save({"inputs": [x.cpu() if torch.is_tensor(x) else x for x in inputs],
                 "states": state[slots.long().clamp(min=0)].cpu(), "slots": slots.cpu(),
@@ -119,10 +120,9 @@ def _save(o, ref, inputs, state, slots, parents, path, scratches) -> str:
     return where
 
 
-def _report(o, ref, rel, worst, inputs, state, slots, parents, path, scratches) -> None:
+def _report(o, ref, rel, worst, inputs, state, slots, parents, path, scratches, saved) -> None:
     token, head = divmod(int(rel.argmax()), rel.shape[1])
     N = parents.shape[1]
-    saved = _counts["differed"] <= KEEP
     where = _save(o, ref, inputs, state, slots, parents, path, scratches) if saved else ""
     logger.warning("sglang_ddtree: GDN check: verify %d differs from the root paths by %.3g of "
                    "the row's max |o| at node %d (request %d), value head %d%s",

@@ -281,11 +281,11 @@ def test_generate_greedy_is_the_targets_greedy(
     )
     beyond = _beyond_tol_refereed(base, fp32_pair(model)[0], spec, deficits, tol)
     print(f"beyond tol (prompt, position, bf16 deficit, float32 deficit, bf16 error): {beyond}")
-    verdicts = [harness.referee_verdict(row, TIE_TOL) for row in beyond]
+    verdicts = [harness.referee_verdict(row, TIE_TOL, bound=2 * tol) for row in beyond]
     print(f"referee: {verdicts}")
     assert None not in verdicts, beyond
-    # at most one position per 1000 tokens beyond both precisions' resolution
-    assert verdicts.count("unresolved") <= max(1, len(deficits) // 1000), beyond
+    # at most one position per run where the two precisions cannot settle the token
+    assert verdicts.count("unresolved") <= 1, beyond
     assert off_argmax <= 2 * control_off + len(deficits) // 100
 
 
@@ -596,7 +596,11 @@ def test_the_variants_switches_engaged(servers, model, variant):
     log = server.log_text()
     # the resolved options, as a value (/server_info): what this server's environment parses to
     with mock.patch.dict(os.environ, {**ENV, **VARIANT_ENV.get(variant, {})}):
-        expected = Options.from_env()
+        # the server's modes as its flags give them (compat.option_modes reads the same two)
+        expected = Options.from_env(
+            unified_memory="--enable-unified-memory" in server.args,
+            deterministic="--enable-deterministic-inference" in server.args,
+        )
     status, info = harness.get(server.url + "/server_info")
     assert status == 200, info
     reported = [s["ddtree"] for s in info.get("internal_states", []) if "ddtree" in s]

@@ -262,10 +262,15 @@ def test_greedy_referee_allows_what_bf16_strays_by_elsewhere_and_nothing_more():
     assert fp32 > 0.25 and not harness.referee_accepts(row, 0.25)  # the test's assertion fails
     assert harness.referee_accepts((5, 0.27, 0.253, 0.215), 0.25)  # run 10's bf16 near-tie
     assert harness.referee_verdict(row, 0.25) is None
-    # session 9: 6.125 nats in bf16, 2.885 in float32 at the same position: unresolved there
-    assert harness.referee_verdict((97, 6.125, 2.885, 0.384), 0.25) == "unresolved"
-    assert not harness.referee_accepts((97, 6.125, 2.885, 0.384), 0.25)
-    assert harness.referee_verdict((97, 5.0, 2.885, 0.384), 0.25) is None  # they agree better
+    # session 9: 6.125 nats in bf16, 2.885 in float32 at the same position: unresolved there,
+    # within twice its controls' worst (1.719); not beyond a tighter bound, not when the two
+    # precisions agree better, and never for a token far below the argmax
+    row = (15, 97, 6.125, 2.885, 0.384)
+    assert harness.referee_verdict(row, 0.25, bound=2 * 1.719) == "unresolved"
+    assert not harness.referee_accepts(row, 0.25)
+    assert harness.referee_verdict(row, 0.25, bound=2.0) is None
+    assert harness.referee_verdict((97, 5.0, 2.885, 0.384), 0.25, bound=4.0) is None
+    assert harness.referee_verdict((97, 12.0, 5.0, 0.384), 0.25, bound=2 * 1.719) is None
 
 
 def test_top_kernels_ranks_gpu_time_per_round():

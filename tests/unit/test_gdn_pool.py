@@ -344,6 +344,7 @@ def test_gdn_check_serves_the_root_paths_and_saves_the_first_calls(monkeypatch, 
     """SGLANG_DDTREE_GDN_CHECK_SERVE=paths: the checked verify returns the root paths' outputs;
     SGLANG_DDTREE_GDN_CHECK_SAVE=N: the first N calls are saved even when they agree; both
     need the check, and the precision switch needs the chunked verify."""
+    import dataclasses
     import os
 
     import sglang_ddtree.gdn.tree_verify as tv
@@ -387,6 +388,18 @@ def test_gdn_check_serves_the_root_paths_and_saves_the_first_calls(monkeypatch, 
         f"verify_{os.getpid()}_{n}.pt" for n in (1, 2)
     ]
     assert gdn_check._counts["differed"] == 0
+    # calls that differ: the first check_save calls are saved whatever KEEP says, and KEEP
+    # counts only the differing ones beyond them
+    for f in tmp_path.iterdir():
+        f.unlink()
+    monkeypatch.setattr(gdn_check, "_counts", dict.fromkeys(gdn_check._counts, 0))
+    monkeypatch.setattr(gdn_check, "KEEP", 1)
+    ref = torch.ones(4, 2, 3) * 2  # every call differs by 0.5 of the row
+    path = dataclasses.replace(path, check_save=3)
+    for _ in range(5):
+        gdn_check.compare(o, args, path)
+    saved = sorted(int(p.stem.rsplit("_", 1)[1]) for p in tmp_path.iterdir())
+    assert saved == [1, 2, 3] and gdn_check._counts["differed"] == 5
 
 
 def test_server_info_reports_the_resolved_options(monkeypatch):
@@ -437,3 +450,22 @@ def test_gdn_perturb_is_a_bounded_fixed_relative_error(monkeypatch):
     assert torch.equal(a, b) and 1e-3 < rel <= 0.004 + 1e-6
     assert torch.equal(gdn_check.perturb(o, 0.0), o)
     assert gdn_check.perturb(o.bfloat16(), 0.004).dtype == torch.bfloat16
+
+
+def test_configure_says_when_the_chunked_switches_cannot_apply(monkeypatch, caplog):
+    """Trees wider than the chunked verify takes run the root paths: startup says so; the GDN
+    check needs the chunked verify (it is what it checks)."""
+    from sglang_ddtree import config
+
+    opts = config.Options(gdn_precision="ieee")
+    for nodes, warned in ((32, False), (128, True)):
+        caplog.clear()
+        args = SimpleNamespace(speculative_dflash_block_size=16, speculative_num_draft_tokens=nodes)
+        with caplog.at_level("INFO"):
+            gdn.configure(args, opts)
+        assert "GDN path: ddtree (verify: chunk (ieee)" in caplog.text
+        assert ("wider than the chunked GDN verify takes" in caplog.text) == warned, nodes
+    monkeypatch.setenv("SGLANG_DDTREE_GDN_CHECK", "/tmp/x")
+    with pytest.raises(ValueError, match="checks the chunked verify"):
+        config.Options.from_env(deterministic=True)
+    assert config.Options.from_env().gdn_check == "/tmp/x"
