@@ -30,6 +30,32 @@ def load_script(name: str):
     return module
 
 
+def tiny_pairs(tmp_path_factory, archs, block_size: int) -> dict:
+    """arch ("qwen3" | "qwen35") -> the reference engine's (target runner, DFlash draft runner,
+    tokenizer), float32 on the CPU, on seeded tiny checkpoints (target seed 0, draft seed 1)."""
+    from sglang_ddtree.checkpoints.tiny import (
+        write_tiny_dflash,
+        write_tiny_qwen3,
+        write_tiny_qwen35,
+    )
+    from sglang_ddtree.reference.engine import load_pair
+
+    writers = {"qwen3": write_tiny_qwen3, "qwen35": write_tiny_qwen35}
+    out = {}
+    for arch in archs:
+        root = tmp_path_factory.mktemp(arch)
+        writers[arch](root / "target", seed=0)
+        write_tiny_dflash(root / "draft", root / "target", seed=1, block_size=block_size)
+        out[arch] = load_pair(root / "target", root / "draft", "float32", "cpu")
+    return out
+
+
+def shared_penalties_for_every_node(state, logits, tokens, visibility, depth):
+    """A wrong `PenaltyState.tree` for negative controls: the output so far's penalties on every
+    node (SGLang's linear penalizers on a tree), not each node's own path."""
+    return state._min_tokens(state._shared(logits[None]), depth)[0]
+
+
 def run_cpu_tests_under_triton_interpreter(test_file: str, expected_passed: int) -> None:
     """Run `test_file`'s non-GPU tests in a child pytest with TRITON_INTERPRET=1 (Triton picks its
     interpreter when imported, so the parent process cannot switch) and require exactly

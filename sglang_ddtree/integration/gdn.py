@@ -52,6 +52,12 @@ class GDNPath:
     check_save: int = 0  # SGLANG_DDTREE_GDN_CHECK_SAVE: checked calls saved whatever they differ
     perturb: float = 0.0  # SGLANG_DDTREE_GDN_PERTURB: gdn_check.perturb's size
 
+    def chunked(self, nodes: int) -> bool:
+        """Whether an N-node tree verify runs the chunked kernel (wider trees: root paths)."""
+        from sglang_ddtree.gdn.chunk_tree import MAX_NODES
+
+        return self.verify == "chunk" and nodes <= MAX_NODES
+
 
 def path_of(options: Options, block_size: int) -> GDNPath | None:
     """The GDN path `options` ask for (None: SGLang's own); block_size: the DFlash block B."""
@@ -86,16 +92,14 @@ def current() -> GDNPath | None:
 def configure(server_args, opts: Options) -> None:
     """Log the GDN path the worker factory's options give (tests/gpu checks the line), and say
     so when the chunked verify's switches cannot apply (trees wider than it takes)."""
-    from sglang_ddtree.gdn.chunk_tree import MAX_NODES
-
     args = compat.resolved(server_args)
     path = path_of(opts, int(args.speculative_dflash_block_size))
     logger.info("sglang_ddtree: GDN path: %s", describe(path))
     nodes = int(getattr(args, "speculative_num_draft_tokens", 0) or 0)
-    if path is not None and path.verify == "chunk" and nodes > MAX_NODES:
-        logger.warning("sglang_ddtree: %d-node trees are wider than the chunked GDN verify takes "
-                       "(%d): they use the root paths, and SGLANG_DDTREE_GDN_PRECISION / _CHECK "
-                       "do not apply.", nodes, MAX_NODES)  # fmt: skip
+    if path is not None and path.verify == "chunk" and not path.chunked(nodes):
+        logger.warning("sglang_ddtree: %d-node trees are wider than the chunked GDN verify takes: "
+                       "they use the root paths, and SGLANG_DDTREE_GDN_PRECISION / _CHECK do not "
+                       "apply.", nodes)  # fmt: skip
 
 
 def describe(path: GDNPath | None) -> str:
@@ -118,11 +122,11 @@ def target_verify(original, dispatcher, A_log, dt_bias, q, k, v, a, b, **kwargs)
     if path is None or parents is None:  # not DDTREE, or a chain / warm-up batch
         _refuse_compact(kwargs.get("intermediate_states_buffer"))
         return original(dispatcher, A_log, dt_bias, q, k, v, a, b, **kwargs)
-    from sglang_ddtree.gdn.chunk_tree import MAX_NODES, chunk_tree_verify
+    from sglang_ddtree.gdn.chunk_tree import chunk_tree_verify
     from sglang_ddtree.gdn.tree_verify import as_scratch, tree_verify
 
     N = int(kwargs["cache_steps"])
-    chunked = path.verify == "chunk" and N <= MAX_NODES  # wider trees: root paths
+    chunked = path.chunked(N)
     kernel = chunk_tree_verify if chunked else tree_verify
     first_use("GDN tree verify through sglang_ddtree.gdn."
               + ("chunk_tree.chunk_tree_verify" if chunked else "tree_verify"))  # fmt: skip

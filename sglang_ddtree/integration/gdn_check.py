@@ -67,14 +67,14 @@ def compare(o: torch.Tensor, args: tuple, path) -> torch.Tensor:
         _so_far[0] = worst
         logger.info("sglang_ddtree: GDN check: verify %d: worst difference so far %.3g of the "
                     "row's max |o|", _counts["calls"], worst)  # fmt: skip
+    differs = worst > TOL
+    _counts["differed"] += differs
+    # SGLANG_DDTREE_GDN_CHECK_SAVE: the first calls, all of them; beyond, the first KEEP that differ
+    keep = _counts["calls"] <= path.check_save or (differs and _counts["differed"] <= KEEP)
     scratches = (scratch, ref_scratch, scratch_idx.long())  # the rows go to the host if saved
-    first_n = _counts["calls"] <= path.check_save  # SGLANG_DDTREE_GDN_CHECK_SAVE: every one
-    if worst > TOL:
-        _counts["differed"] += 1
-        keep = first_n or _counts["differed"] <= KEEP
-        _report(o, ref, rel, worst, inputs, state, slots, parents, path, scratches, keep)
-    elif first_n:
-        _save(o, ref, inputs, state, slots, parents, path, scratches)
+    where = _save(o, ref, inputs, state, slots, parents, path, scratches) if keep else None
+    if differs:
+        _report(rel, worst, parents, where)
     if _counts["calls"] % 1000 == 0:
         logger.info("sglang_ddtree: GDN check: %d verifies checked, %d differed",
                     _counts["calls"], _counts["differed"])  # fmt: skip
@@ -120,11 +120,11 @@ def _save(o, ref, inputs, state, slots, parents, path, scratches) -> str:
     return where
 
 
-def _report(o, ref, rel, worst, inputs, state, slots, parents, path, scratches, saved) -> None:
+def _report(rel, worst, parents, where: str | None) -> None:
+    """Log a verify that differs: its worst node and head, and where its inputs went."""
     token, head = divmod(int(rel.argmax()), rel.shape[1])
     N = parents.shape[1]
-    where = _save(o, ref, inputs, state, slots, parents, path, scratches) if saved else ""
     logger.warning("sglang_ddtree: GDN check: verify %d differs from the root paths by %.3g of "
                    "the row's max |o| at node %d (request %d), value head %d%s",
                    _counts["calls"], worst, token % N, token // N, head,
-                   f"; inputs in {where}" if saved else "")  # fmt: skip
+                   f"; inputs in {where}" if where else "")  # fmt: skip

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from sglang_ddtree.checkpoints.tiny import write_tiny_dflash, write_tiny_qwen3, write_tiny_qwen35
 from sglang_ddtree.reference.engine import (
     RoundTrace,
     generate,
@@ -23,6 +22,7 @@ from sglang_ddtree.reference.engine import (
 )
 from sglang_ddtree.reference.naive import NaiveTargetRunner
 from sglang_ddtree.reference.oracle import OracleDrafter
+from tests.fixtures import tiny_pairs
 
 ARCHS = ("qwen3", "qwen35")
 PROMPTS = (
@@ -41,14 +41,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory) -> dict:
     """arch -> (HFTargetRunner, DFlashDraftRunner, tokenizer), loaded through load_pair."""
-    writers = {"qwen3": write_tiny_qwen3, "qwen35": write_tiny_qwen35}
-    out = {}
-    for arch in ARCHS:
-        root = tmp_path_factory.mktemp(arch)
-        writers[arch](root / "target", seed=0)
-        write_tiny_dflash(root / "draft", root / "target", seed=1, block_size=DFLASH_BLOCK_SIZE)
-        out[arch] = load_pair(root / "target", root / "draft", "float32", "cpu")
-    return out
+    return tiny_pairs(tmp_path_factory, ARCHS, DFLASH_BLOCK_SIZE)
 
 
 @pytest.fixture(scope="module")

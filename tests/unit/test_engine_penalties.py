@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_ddtree.checkpoints.tiny import write_tiny_dflash, write_tiny_qwen3, write_tiny_qwen35
-from sglang_ddtree.reference.engine import generate, generate_plain, load_pair
+from sglang_ddtree.reference import engine
+from sglang_ddtree.reference.engine import generate, generate_plain
 from sglang_ddtree.reference.oracle import OracleDrafter
-from sglang_ddtree.tree import penalties as penalties_module
 from sglang_ddtree.tree.penalties import Penalties, PenaltyState
+from tests.fixtures import shared_penalties_for_every_node, tiny_pairs
 
 ARCHS = ("qwen3", "qwen35")
 PROMPTS = ("def add(a, b):\n    return", "import os\nimport sys\n\n", "x = [1, 2, 3]\ny = [")
@@ -29,15 +29,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory) -> dict:
-    writers = {"qwen3": write_tiny_qwen3, "qwen35": write_tiny_qwen35}
-    out = {}
-    for arch in ARCHS:
-        root = tmp_path_factory.mktemp(arch)
-        writers[arch](root / "target", seed=0)
-        write_tiny_dflash(root / "draft", root / "target", seed=1, block_size=8)
-        target, _, tok = load_pair(root / "target", root / "draft", "float32", "cpu")
-        out[arch] = (target, [tok(p)["input_ids"] for p in PROMPTS])
-    return out
+    """arch -> (target runner, the prompts' token ids)."""
+    loaded = tiny_pairs(tmp_path_factory, ARCHS, 8)
+    return {
+        arch: (t, [tok(p)["input_ids"] for p in PROMPTS]) for arch, (t, _, tok) in loaded.items()
+    }
 
 
 def _eos(target, ids: list[int], setting: Penalties) -> int:
@@ -76,16 +72,13 @@ def test_negative_control_shared_counts_for_every_node_are_caught(pairs, monkeyp
     """One count vector for every node (SGLang's linear penalizers on a tree) is not the
     request's distribution at a node whose path repeats a token: the comparison must see it."""
 
-    def shared_for_every_node(self, logits, tokens, visibility, depth):
-        return self._min_tokens(self._shared(logits[None]), depth)[0]
-
     differs = 0
     setting = Penalties(frequency=1.5, presence=0.5)
     for arch in ARCHS:
         target, prompts = pairs[arch]
         for ids in prompts:
             with monkeypatch.context() as m:
-                m.setattr(PenaltyState, "tree", shared_for_every_node)
+                m.setattr(PenaltyState, "tree", shared_penalties_for_every_node)
                 tree, plain = _runs(target, ids, setting, None)
             differs += tree.tokens != plain.tokens
     assert differs >= 1, "the shared-count penalties went unnoticed"
@@ -100,4 +93,6 @@ def test_penalties_are_checked_and_off_by_default():
     state.observe([3, 3])
     got = state.step(torch.zeros(1, 8))
     assert got[0, 3] == -2.0 and (got[0, [0, 1, 2, 4]] == 0).all()
-    assert penalties_module.Penalties() == Penalties()  # no penalty: the engine skips the state
+    # no penalty: the engine keeps no penalty state at all
+    assert engine._penalty_state(Penalties(), torch.tensor([1]), 8, set()) is None
+    assert engine._penalty_state(None, torch.tensor([1]), 8, set()) is None

@@ -27,6 +27,7 @@ from sglang_ddtree.reference.engine import RoundTrace, generate
 from sglang_ddtree.reference.oracle import OracleDrafter
 from sglang_ddtree.reference.target import HFTargetRunner
 from sglang_ddtree.tree.penalties import Penalties, PenaltyState
+from tests.fixtures import shared_penalties_for_every_node
 
 PROMPT = [100, 200, 300, 400]
 TEMPERATURE = 1.5
@@ -176,10 +177,7 @@ def test_negative_control_shared_penalty_counts_are_detected(model, monkeypatch)
     """SGLang's linear penalizers on a tree (the output so far for every node, not the node's
     path) sample the wrong distribution below the root; the same test must reject it."""
 
-    def shared_for_every_node(self, logits, tokens, visibility, depth):
-        return self._min_tokens(self._shared(logits[None]), depth)[0]
-
-    monkeypatch.setattr(PenaltyState, "tree", shared_for_every_node)
+    monkeypatch.setattr(PenaltyState, "tree", shared_penalties_for_every_node)
     dist = exact_distribution(model, PROMPT, NUM_TOKENS, PENALTIES)
     counts, _ = sample_ddtree(model, CONTROL_SAMPLES, PENALTIES)
     pvalue = chi_square_pvalue(counts, dist)
