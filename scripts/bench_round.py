@@ -79,7 +79,12 @@ VARIANT_ENV = {
     "_sglangconv": {"SGLANG_DDTREE_CONV": "sglang"},
     "_paths": {"SGLANG_DDTREE_GDN_VERIFY": "paths"},
     "_hostplan": {"SGLANG_DDTREE_VERIFY_PLAN": "host"},
+    "_auto": {"SGLANG_DDTREE_WIDTH": "auto"},
 }
+# DDTREE's default picks a verify width per round (SGLANG_DDTREE_WIDTH=auto); the `ddtreeN`
+# variants measure the round at N itself (fixed), `ddtreeN_auto` the default, whose server logs
+# the cost table it measured per (batch bucket, width) (`width_table`).
+FIXED = {"SGLANG_DDTREE_WIDTH": "fixed"}
 # any subset, in this order: ddtree32_full_paths
 OPT_OUTS = ("_full", "_sglangconv", "_paths", "_hostplan")
 
@@ -91,7 +96,27 @@ def max_requests(width: int, state_bytes: int = 4) -> int:
 
 
 def variant_env(name: str) -> dict[str, str]:
-    return {k: v for suffix, env in VARIANT_ENV.items() if suffix in name for k, v in env.items()}
+    env = {k: v for suffix, env in VARIANT_ENV.items() if suffix in name for k, v in env.items()}
+    if name.startswith("ddtree") and "_auto" not in name:
+        env.update(FIXED)
+    return env
+
+
+def width_table(log: str) -> dict | None:
+    """The last cost table an automatic-width server logged (integration/worker.py): {"widths",
+    "ms": {bucket: [ms or None per width]}, "chosen": "w x rounds, ..."}; None: none logged."""
+    if "DDTREE widths after " not in log:
+        return None
+    lines = log.split("DDTREE widths after ")[-1].splitlines()[1:]
+    widths = [int(w) for w in lines[0].split()[1:]]
+    ms = {}
+    for line in lines[1:]:
+        if not line[:1].isdigit():
+            break
+        bucket, *cells = line.split()
+        ms[int(bucket)] = [None if c == "-" else float(c) for c in cells]
+    chosen = next((x for x in lines if x.startswith("widths chosen:")), "")
+    return {"widths": widths, "ms": ms, "chosen": chosen.removeprefix("widths chosen:").strip()}
 
 
 def variants(draft: Path) -> dict[str, list[str]]:
@@ -121,7 +146,8 @@ def variants(draft: Path) -> dict[str, list[str]]:
     for n in (16, 32, 64, 128):
         width = [*dd, "--speculative-num-draft-tokens", str(n)]
         # the compact scratch (the default): SGLang's default 16 requests at every N
-        out[f"ddtree{n}"] = out[f"ddtree{n}_torch"] = [*width, *requests(16)]
+        out[f"ddtree{n}"] = out[f"ddtree{n}_torch"] = out[f"ddtree{n}_auto"] = [
+            *width, *requests(16)]  # fmt: skip
         out[f"ddtree{n}_sglanggdn"] = [*width, *running(n)]  # N states per request
         for mask in range(1, 2 ** len(OPT_OUTS)):
             chosen = [o for i, o in enumerate(OPT_OUTS) if mask >> i & 1]
@@ -376,6 +402,8 @@ def main() -> int:
                        **measure(server, bs, args.tokens)}  # fmt: skip
                 if name in args.profile.split(",") and bs in (1, 8):
                     row["profile"] = profile_parts(server, bs, args.work)
+                if "_auto" in name:
+                    row["width_table"] = width_table(server.log_text())
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 with open(args.out / "bench_round.jsonl", "a") as f:

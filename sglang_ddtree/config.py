@@ -157,6 +157,13 @@ class Options:
     gdn_scratch   SGLANG_DDTREE_GDN_SCRATCH   compact | full; compact unless
                                               --enable-unified-memory
     (with gdn=sglang the three do not apply: SGLang's verify, conv1d and per-node states)
+    width         SGLANG_DDTREE_WIDTH         auto | fixed: auto verifies each round the width
+                                              (of `widths`) with the most expected tokens per
+                                              ms at the running batch (integration/widths.py);
+                                              fixed: always --speculative-num-draft-tokens;
+                                              fixed under --enable-deterministic-inference
+    widths        SGLANG_DDTREE_WIDTHS        comma-separated verify widths for auto, each in
+                                              [B, N]; None: B, 2B, 4B ... below N, and N
     dump_rounds   SGLANG_DDTREE_DUMP_ROUNDS   a JSON-lines file for sampled rounds; None: off
     dump_every    SGLANG_DDTREE_DUMP_EVERY    every how many rounds (100)
     verify_plan   SGLANG_DDTREE_VERIFY_PLAN   sglang | host (opt-in): FlashInfer's verify plan from
@@ -189,6 +196,8 @@ class Options:
     gdn_check_save: int = 0
     gdn_perturb: float = 0.0
     gdn_precision: str = "split"
+    width: str = "auto"
+    widths: tuple[int, ...] | None = None
 
     @classmethod
     def from_env(cls, unified_memory: bool = False, deterministic: bool = False) -> Options:
@@ -232,6 +241,12 @@ class Options:
             gdn_check_save=_count("SGLANG_DDTREE_GDN_CHECK_SAVE"),
             gdn_perturb=_fraction("SGLANG_DDTREE_GDN_PERTURB"),
             gdn_precision=precision,
+            width=env_choice(
+                "SGLANG_DDTREE_WIDTH",
+                ("auto", "fixed"),
+                default="fixed" if deterministic else "auto",
+            ),  # fmt: skip
+            widths=_widths("SGLANG_DDTREE_WIDTHS"),
         )
         opts._check(unified_memory)
         return opts
@@ -257,6 +272,9 @@ class Options:
         if (self.gdn_check_serve != "chunk" or self.gdn_check_save) and not self.gdn_check:
             raise ValueError("SGLANG_DDTREE_GDN_CHECK_SERVE / _SAVE belong to the GDN check; "
                              "set SGLANG_DDTREE_GDN_CHECK=DIR too.")  # fmt: skip
+        if self.widths is not None and self.width != "auto":
+            raise ValueError("SGLANG_DDTREE_WIDTHS lists the widths SGLANG_DDTREE_WIDTH=auto "
+                             "chooses among; drop it, or set SGLANG_DDTREE_WIDTH=auto.")  # fmt: skip
         if self.gdn_scratch == "compact" and unified_memory:
             # The unified pool allocates SGLang's per-node states itself; the solver would not
             # have reserved them.
@@ -278,6 +296,18 @@ def _fraction(name: str) -> float:
     if not 0 <= value < 1:
         raise ValueError(f"{name} must be a number in [0, 1), got {text!r}")
     return value
+
+
+def _widths(name: str) -> tuple[int, ...] | None:
+    """A comma-separated list of whole numbers >= 1 (unset: None), or an error naming it."""
+    text = env_value(name)
+    if text is None or not text.strip():
+        return None
+    parts = [part.strip() for part in text.split(",")]
+    if not all(part.isdigit() and int(part) >= 1 for part in parts):
+        raise ValueError(f"{name} must be comma-separated widths >= 1 (e.g. 16,32,64), "
+                         f"got {text!r}")  # fmt: skip
+    return tuple(sorted({int(part) for part in parts}))
 
 
 def _count(name: str) -> int:

@@ -181,3 +181,58 @@ def set_dense_conv_windows(pool: Any, windows: list) -> None:
     """Point HybridReqToTokenPool's physical conv-window buffers at `windows` (the compact
     pool's dense per-node layout)."""
     pool._intermediate_conv_window_phys = windows
+
+
+# --- the target's verify state per width (integration/widths.py) ---------------------------------
+# As SGLang 0.5.17's adaptive EAGLE builds one per step count (EAGLEWorkerV2.
+# build_adaptive_runtime_state / apply_runtime_state): its own attention backend and
+# DecodeCudaGraphRunner captured at that width; switching swaps both on the model runner.
+
+
+def target_verify_state(model_runner: Any) -> tuple[Any, Any]:
+    """(attention backend, decode CUDA-graph runner or None) the target verifies with now."""
+    return model_runner.attn_backend, model_runner.decode_cuda_graph_runner
+
+
+def set_target_verify_state(model_runner: Any, state: tuple[Any, Any]) -> None:
+    model_runner.attn_backend, model_runner.decode_cuda_graph_runner = state
+
+
+def build_target_verify_state(model_runner: Any, width: int) -> tuple[Any, Any] | None:
+    """A new attention backend for the target and a DecodeCudaGraphRunner that captures the
+    target verify at `width` tokens per request; None without decode CUDA graphs (then the
+    model runner's own backend verifies any width)."""
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+    from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
+    from sglang.srt.runtime_context import get_exec, get_spec
+
+    if get_exec().graph.cuda_graph_config.decode.backend == Backend.DISABLED:
+        return None
+    if model_runner.decode_cuda_graph_runner is None:  # capture skipped (e.g. no memory left)
+        return None
+    workspace = model_runner.init_new_workspace
+    try:
+        backend = model_runner._get_attention_backend(init_new_workspace=True)
+    finally:
+        model_runner.init_new_workspace = workspace
+    spec = get_spec()
+    before = target_verify_state(model_runner)
+    # the runner's capture reads a few things off the model runner (its backend's warm-up
+    # hook) and the spec (N): both at this width while it captures
+    set_target_verify_state(model_runner, (backend, before[1]))
+    try:
+        with spec.override(speculative_num_draft_tokens=width):
+            runner = DecodeCudaGraphRunner(
+                model_runner,
+                attn_backend=backend,
+                speculative_num_steps=spec.speculative_num_steps,
+                speculative_num_draft_tokens=width,
+            )
+    finally:
+        set_target_verify_state(model_runner, before)
+    return backend, runner
+
+
+def graph_batch_sizes(runner: Any) -> tuple[int, ...]:
+    """The batch sizes a decode CUDA-graph runner captured (none: no runner)."""
+    return tuple(sorted(getattr(runner, "capture_bs", None) or ()))

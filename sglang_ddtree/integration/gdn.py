@@ -197,7 +197,9 @@ def commit(original, backend, last_correct_step_indices, mamba_track_indices,
     first_use("GDN state commit through sglang_ddtree.gdn.tree_verify.commit_paths")
     bs = last_correct_step_indices.shape[0]
     state_idx = meta.mamba_cache_indices[:bs]
-    N = caches.intermediate_conv_window[0].shape[2]  # [layers, rows, N, dim, K - 1], both pools
+    # this round's width: SGLang's parent buffer is [bs, w] (eager and graph); the pool's rows
+    # hold the widest tree ([layers, rows, N, dim, K - 1]), and a narrower round uses the front
+    N = parents.shape[-1] if parents.dim() == 2 else caches.intermediate_conv_window[0].shape[2]
     commit_paths(
         caches.temporal,
         state_idx,

@@ -19,6 +19,7 @@ from sglang_ddtree.config import (
     Options,
 )
 from sglang_ddtree.integration import compat
+from sglang_ddtree.tree.budget import verify_widths
 
 logger = logging.getLogger(__name__)
 
@@ -87,9 +88,13 @@ def validate_server_args(server_args: Any) -> None:
     )
     _require(view.page_size in (None, 1), f"DDTREE needs --page-size 1, got {view.page_size}.")
     _validate_sampling_and_parallelism(view)
-    resolve_config(server_args)  # flag ranges (N, B, K) fail here, before any model loads
+    cfg = resolve_config(server_args)  # flag ranges (N, B, K) fail here, before any model loads
     # and the environment switches, in the main process before any scheduler starts
-    Options.from_env(**compat.option_modes(server_args))
+    opts = Options.from_env(**compat.option_modes(server_args))
+    try:
+        verify_widths(cfg.block_size, cfg.num_nodes, opts.widths)
+    except ValueError as exc:
+        raise DDTreeConfigError(str(exc)) from None
 
 
 def _validate_sampling_and_parallelism(view: Any) -> None:

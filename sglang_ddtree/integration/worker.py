@@ -8,7 +8,9 @@ The decode round, in the paper's five steps (no host synchronisation in this fil
 `torch.profiler.record_function` range named `ddtree.*` for SGLang's /start_profile traces):
   draft   DFlash block [bonus, MASK x (B-1)] through the draft runner (CUDA graph at width B)
   build   in the same graph: target LM head -> per-position top-K log-probs -> DDTree
-  verify  the N-node tree through the target with a FULL custom mask (EAGLE tree verify)
+  verify  the first w nodes of the N-node tree (w: the round's width, SGLANG_DDTREE_WIDTH=auto,
+          integration/widths.py; else N) through the target with a FULL custom mask (EAGLE
+          tree verify)
   accept  SGLang's tree walk: greedy, or target-only tree sampling at T > 0
   commit  accepted KV to contiguous slots, tree-aware Gated DeltaNet state commit (both inside
           run_eagle_verify), then draft KV for the accepted tokens from their target hidden states
@@ -44,6 +46,8 @@ from sglang_ddtree.integration import compat
 from sglang_ddtree.integration.draft_head import DraftTreeHead
 from sglang_ddtree.integration.round_dump import RoundDump
 from sglang_ddtree.integration.verify_input import make_verify_input
+from sglang_ddtree.integration.widths import RoundReadings, VerifyWidths
+from sglang_ddtree.tree.budget import WidthPolicy, truncate, verify_widths
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +65,12 @@ def own_code():
         yield
     finally:
         torch.cuda.set_sync_debug_mode(previous)
+
+
+# the width policy's table goes to the log when a batch bucket's calibration completes, after
+# these rounds, and every _WIDTH_LOG_EVERY rounds
+_WIDTH_LOG_ROUNDS = (100, 1000)
+_WIDTH_LOG_EVERY = 5000
 
 
 class _DropWidthMismatch(logging.Filter):
@@ -98,6 +108,8 @@ class DDTreeWorker(DFlashWorkerV2):
         self._tree_head = self._build_tree_head(server_args)
         # SGLANG_DDTREE_DUMP_ROUNDS: sampled rounds as JSON lines (off: None, and no cost)
         self._round_dump = RoundDump.from_options(options()) if self.ps.tp_rank == 0 else None
+        self._widths: VerifyWidths | None = None  # SGLANG_DDTREE_WIDTH=auto (init_cuda_graphs)
+        self._readings: RoundReadings | None = None
         if self.ps.tp_rank == 0:
             logger.info(
                 "DDTREE worker ready: B=%d, N=%d (budget %d), K=%d, draft head for bs<=%d",
@@ -131,6 +143,37 @@ class DDTreeWorker(DFlashWorkerV2):
                 make_draft_sampler_capture_hook(self._tree_head)
             )
         compat.init_draft_cuda_graphs(self, capture)
+        self._init_widths()
+
+    def _init_widths(self) -> None:
+        """SGLANG_DDTREE_WIDTH=auto: the target's verify graphs at every width and the policy."""
+        opts = options()
+        widths = verify_widths(self.cfg.block_size, self.cfg.num_nodes, opts.widths)
+        if opts.width != "auto" or len(widths) == 1:
+            if self.ps.tp_rank == 0:
+                logger.info("DDTREE verify width: fixed at %d", self.cfg.num_nodes)
+            return
+        self._widths = VerifyWidths(self.target_worker.model_runner, widths)
+        policy = WidthPolicy(widths, buckets=self._widths.buckets)
+        self._readings = RoundReadings(policy, self._tree_head.max_bs, self.device)
+        if self.ps.tp_rank == 0:
+            logger.info("DDTREE verify width: auto among %s (graph batch sizes %s)",
+                        ", ".join(map(str, widths)), list(self._widths.buckets) or "eager")  # fmt: skip
+
+    def _choose_width(self, bs: int) -> int:
+        """This round's verify width (host only: readings of earlier rounds, no waiting)."""
+        if self._readings is None:
+            return self.cfg.num_nodes
+        self._readings.poll()
+        policy = self._readings.policy
+        width = policy.choose(bs)
+        self._readings.start(bs, width)
+        self.speculative_num_draft_tokens = width  # /metrics: sglang:spec_num_draft_tokens
+        logged = policy.rounds in _WIDTH_LOG_ROUNDS or policy.rounds % _WIDTH_LOG_EVERY == 0
+        if (policy.newly_calibrated() or logged) and self.ps.tp_rank == 0:
+            logger.info("DDTREE widths after %d rounds (ms per round by batch bucket):\n%s",
+                        policy.rounds, policy.table())  # fmt: skip
+        return width
 
     def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None):
         if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
@@ -141,11 +184,15 @@ class DDTreeWorker(DFlashWorkerV2):
         if not isinstance(draft_input, DFlashDraftInputV2):
             raise RuntimeError(f"DDTREE expected DFlashDraftInputV2, got {type(draft_input)}")
         batch.seq_lens.record_stream(torch.get_device_module(self.device).current_stream())
+        bs = len(batch.seq_lens)
+        with own_code():
+            width = self._choose_width(bs)
 
         with record_function("ddtree.draft_and_build"):
             block = self._draft(batch, draft_input)  # draft + build (one graph replay)
         with own_code(), record_function("ddtree.verify_input"):
-            tree = self._tree_head.tree(len(batch.seq_lens))
+            built = self._tree_head.tree(bs)
+            tree = built if width == self.cfg.num_nodes else truncate(built, width)
             batch.spec_info = make_verify_input(
                 self.cfg,
                 tree.tokens,
@@ -156,21 +203,24 @@ class DDTreeWorker(DFlashWorkerV2):
                 batch.seq_lens,
                 self._seq_lens_sum_bound(batch, draft_input),
             )
-        with record_function("ddtree.verify_accept_commit"):
-            result = self._verify_accept_commit(batch, grammar_barrier)
+        verify_at = self._widths.use(width) if self._widths else contextlib.nullcontext()
+        with record_function("ddtree.verify_accept_commit"), verify_at:
+            result = self._verify_accept_commit(batch, grammar_barrier, width)
         if self._round_dump is not None:  # device-to-pinned copies; a thread writes them
-            emitted = result.next_token_ids.view(len(batch.seq_lens), -1)[:, : self.cfg.block_size]
+            emitted = result.next_token_ids.view(bs, -1)[:, : self.cfg.block_size]
             self._round_dump.round(tree.tokens, tree.parents, tree.scores, emitted,
                                    result.accept_lens)  # fmt: skip
         batch.spec_info = draft_input
         if on_publish is not None:
             on_publish(result.new_seq_lens)
         with own_code(), record_function("ddtree.draft_context"):
-            self._commit_draft_context(result, *block)
+            self._commit_draft_context(result, *block, width)
             result.next_draft_input = make_draft_input_v2(
                 bonus_tokens=result.next_draft_input.bonus_tokens,
                 new_seq_lens=result.new_seq_lens,
             )
+            if self._readings is not None:
+                self._readings.finish(built.scores, result.accept_lens)
         return result
 
     # -- step 1 + 2: draft the block, build the tree -----------------------------------------
@@ -222,7 +272,7 @@ class DDTreeWorker(DFlashWorkerV2):
         )
 
     # -- step 3 + 4 + 5a: verify, accept, commit target state --------------------------------
-    def _verify_accept_commit(self, batch, grammar_barrier):
+    def _verify_accept_commit(self, batch, grammar_barrier, width: int):
         return run_eagle_verify(
             batch,
             target_worker=self.target_worker,
@@ -232,7 +282,7 @@ class DDTreeWorker(DFlashWorkerV2):
             plan_stream_ctx=contextlib.nullcontext(),
             topk=self.cfg.topk,
             num_steps=self.cfg.max_depth,
-            num_draft_tokens=self.cfg.num_nodes,
+            num_draft_tokens=width,
             device=self.device,
             metadata_ready_pre_pad=False,
             finalize_tree_path=True,  # accepted path's KV, predict, hidden -> block front
@@ -240,9 +290,9 @@ class DDTreeWorker(DFlashWorkerV2):
         )
 
     # -- step 5b: the accepted tokens become draft context -----------------------------------
-    def _commit_draft_context(self, result, positions, cache_loc) -> None:
+    def _commit_draft_context(self, result, positions, cache_loc, width: int) -> None:
         """Draft KV of the accepted path from its (front-compacted) target hidden states."""
-        bs, N, B = cache_loc.shape[0], self.cfg.num_nodes, self.cfg.block_size
+        bs, N, B = cache_loc.shape[0], width, self.cfg.block_size
         hidden = result.logits_output.hidden_states
         if hidden is None:
             raise RuntimeError("DDTREE verify returned no target hidden states.")

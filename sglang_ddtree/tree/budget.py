@@ -12,14 +12,17 @@ The prediction assumes the target accepts what the drafter believes; `Calibratio
 the running ratio of observed to predicted acceptance. The policy picks the width (or the chain)
 with the most expected tokens per millisecond of verify at the running batch size.
 
-    truncate   the first w nodes of a built tree as a w-node tree (the smaller build, exactly)
-    widths     verify widths N (nodes, root included) the server can run, e.g. captured graphs
-    cost       CostTable: ms per round for (batch size, width), measured
+    truncate       the first w nodes of a built tree as a w-node tree (the smaller build, exactly)
+    verify_widths  the widths N (nodes, root included) the server captures verify graphs for
+    cost           CostTable: ms per round for (batch size, width), measured (projections)
+    WidthPolicy    the server's per-round choice: round costs it measures itself per (batch
+                   bucket, width), predictions and accepted lengths one round late
 """
 
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 from collections.abc import Sequence
 
@@ -33,13 +36,13 @@ CHAIN = 0  # the width `choose_width` returns for chain DFlash
 def expected_tokens(scores: torch.Tensor, widths: Sequence[int]) -> torch.Tensor:
     """[bs, len(widths)] float32: 1 + sum of q over the first w nodes' drafted part (node 0 is
     the root) for each width w, from the tree's scores [bs, N] (log q, root 0)."""
+    if any(not 1 <= w <= scores.shape[1] for w in widths):
+        raise ValueError(f"widths {list(widths)} must be in [1, {scores.shape[1]}]")
     q = scores.float().exp()
     q[:, 0] = 0.0  # the root is already committed; the 1 below is the bonus token
     total = 1.0 + q.cumsum(1)  # [bs, N]: through node i
-    index = torch.tensor([w - 1 for w in widths], device=scores.device)
-    if (index < 0).any() or (index >= scores.shape[1]).any():
-        raise ValueError(f"widths {list(widths)} must be in [1, {scores.shape[1]}]")
-    return total[:, index]
+    # columns one by one (a list index would be a host-to-device copy, i.e. a sync)
+    return torch.stack([total[:, w - 1] for w in widths], dim=1)
 
 
 def truncate(tree: DraftTree, width: int) -> DraftTree:
@@ -126,3 +129,128 @@ def choose_width(cost: CostTable, expected: torch.Tensor, widths: Sequence[int],
     if not rates:
         raise ValueError(f"no cost measured for any of the widths {list(widths)}")
     return max(rates)[2]
+
+
+def verify_widths(block_size: int, num_nodes: int, given: Sequence[int] | None = None,
+                  ) -> tuple[int, ...]:  # fmt: skip
+    """The verify widths a server runs, increasing, the largest N = num_nodes: `given` (each in
+    [B, N]; N is added), else B, 2B, 4B, ... below N, and N. Widths start at the DFlash block B:
+    a B-node DDTree holds at least the chain's expected tokens (the best B-node tree, which the
+    chain is one of) at the chain's verify width, so the chain itself is not a separate choice."""
+    B, N = block_size, num_nodes
+    if given is None:
+        widths = {N}
+        w = B
+        while w < N:
+            widths.add(w)
+            w *= 2
+        return tuple(sorted(widths))
+    bad = [w for w in given if not B <= w <= N]
+    if bad:
+        raise ValueError(f"SGLANG_DDTREE_WIDTHS {list(given)}: every width must be in [B, N] = "
+                         f"[{B}, {N}] (--speculative-dflash-block-size, "
+                         f"--speculative-num-draft-tokens); {bad} are not.")  # fmt: skip
+    return tuple(sorted({*given, N}))
+
+
+class WidthPolicy:
+    """The verify width of each round: the one with the most expected tokens per millisecond at
+    the running batch, from costs measured on the server's own rounds.
+
+    - Cost: the round's GPU time (CUDA events, read when they have completed; no waiting) as an
+      exponential average per (batch bucket, width), the bucket being the CUDA-graph batch size a
+      batch pads to. A bucket first runs every width `explore` times (the calibration: a few
+      rounds per bucket), then once every `refresh` rounds the width measured longest ago.
+    - Tokens: per width, the drafter's expected tokens per request (1 + sum of q over the first w
+      nodes), averaged, times a per-width ratio of accepted to predicted tokens on the rounds
+      that ran that width (widths not yet run: the ratio over all rounds).
+    Host floats only; the server feeds it readings one round late (integration/widths.py)."""
+
+    def __init__(self, widths: Sequence[int], buckets: Sequence[int] = (), decay: float = 0.8,
+                 explore: int = 2, refresh: int = 64) -> None:  # fmt: skip
+        if not widths or list(widths) != sorted(set(widths)):
+            raise ValueError(f"widths must be increasing, got {list(widths)}")
+        self.widths, self.buckets = tuple(widths), tuple(sorted(buckets))
+        self.decay, self.explore, self.refresh = decay, explore, refresh
+        self.cost: dict[tuple[int, int], float] = {}  # (bucket, width) -> ms
+        self.samples: collections.Counter = collections.Counter()  # (bucket, width) -> rounds
+        self.last_seen: dict[tuple[int, int], int] = {}  # (bucket, width) -> round number
+        self.predicted: list[float] | None = None  # per width, tokens per request
+        self.ratio = {w: Calibration(decay) for w in widths}
+        self.overall = Calibration(decay)
+        self.rounds = 0
+        self.chosen: collections.Counter = collections.Counter()  # width -> rounds
+        self.calibrated: list[int] = []  # buckets just calibrated (newly_calibrated)
+
+    def bucket(self, bs: int) -> int:
+        """The batch bucket bs pads to (the smallest bucket >= bs; bs itself beyond them)."""
+        i = bisect.bisect_left(self.buckets, bs)
+        return self.buckets[i] if i < len(self.buckets) else bs
+
+    def choose(self, bs: int) -> int:
+        self.rounds += 1
+        b = self.bucket(bs)
+        untried = [w for w in reversed(self.widths) if self.samples[b, w] < self.explore]
+        if untried:  # calibration: the widest first (the configured N)
+            width = untried[0]
+        elif self.rounds % self.refresh == 0:  # keep every width's cost fresh
+            width = min(self.widths, key=lambda w: self.last_seen[b, w])
+        else:
+            width = max(self.widths, key=lambda w: (self.tokens(w) / self.cost[b, w], -w))
+        self.chosen[width] += 1
+        return width
+
+    def tokens(self, width: int) -> float:
+        """Expected tokens per request and round at `width`, calibrated (1.0 before any reading:
+        then the cheapest width wins)."""
+        if self.predicted is None:
+            return 1.0
+        seen = self.ratio[width] if self.samples_of(width) else self.overall
+        return self.predicted[self.widths.index(width)] * seen.ratio
+
+    def samples_of(self, width: int) -> int:
+        return sum(n for (_, w), n in self.samples.items() if w == width)
+
+    def observe_cost(self, bs: int, width: int, ms: float) -> None:
+        key = (self.bucket(bs), width)
+        old = self.cost.get(key)
+        self.cost[key] = ms if old is None else self.decay * old + (1 - self.decay) * ms
+        self.samples[key] += 1
+        self.last_seen[key] = self.rounds
+        if all(self.samples[key[0], w] == self.explore for w in self.widths) and (
+            self.samples[key] == self.explore
+        ):  # fmt: skip
+            self.calibrated.append(key[0])
+
+    def newly_calibrated(self) -> list[int]:
+        """Buckets whose every width got its calibration rounds since the last call."""
+        done, self.calibrated = self.calibrated, []
+        return done
+
+    def observe_tokens(self, width: int, predicted: Sequence[float], accepted: float) -> None:
+        """One round's readings: the mean per request of the predicted tokens at every width,
+        and of the tokens the round accepted (bonus included) at the width it ran."""
+        if len(predicted) != len(self.widths):
+            raise ValueError(f"need {len(self.widths)} predictions, got {len(predicted)}")
+        if self.predicted is None:
+            self.predicted = [float(p) for p in predicted]
+        else:
+            d = self.decay
+            self.predicted = [
+                d * old + (1 - d) * p for old, p in zip(self.predicted, predicted, strict=True)
+            ]
+        at = float(predicted[self.widths.index(width)])
+        self.ratio[width].update(accepted, at)
+        self.overall.update(accepted, at)
+
+    def table(self) -> str:
+        """The measured cost table (ms per round; '-' not measured) and the chosen widths."""
+        buckets = sorted({b for b, _ in self.cost})
+        head = "bs  " + " ".join(f"{w:>8}" for w in self.widths)
+        rows = [f"{b:<4}" + " ".join(f"{self.cost[b, w]:8.2f}" if (b, w) in self.cost
+                                     else f"{'-':>8}" for w in self.widths)
+                for b in buckets]  # fmt: skip
+        tokens = " ".join(f"{w}: {self.tokens(w):.2f}" for w in self.widths)
+        chosen = ", ".join(f"{w} x {n}" for w, n in sorted(self.chosen.items()))
+        return "\n".join([head, *rows, f"tokens per request and round: {tokens}",
+                          f"widths chosen: {chosen or 'none yet'}"])  # fmt: skip

@@ -86,6 +86,7 @@ VARIANTS = {
     "ddtree_sglangconv": ddtree_args,  # SGLang's tree conv1d instead of gdn/conv_tree.py
     "ddtree_full": ddtree_args,  # SGLang's per-node verify states instead of the compact scratch
     "ddtree_hostplan": ddtree_args,  # the verify's FlashInfer plan from host lengths (opt-in)
+    "ddtree_fixed": ddtree_args,  # every round at N (the default, auto, picks a width per round)
     # the same in deterministic mode, whose GDN verify defaults to the root paths (session 9: the
     # chunked one was not batch-invariant there); ddtree_det_chunk asks for the chunked one
     "ddtree_det_chunk": lambda model, draft: [*ddtree_args(model, draft), *DETERMINISTIC],
@@ -103,21 +104,23 @@ VARIANT_ENV = {
     "ddtree_sglangconv": _SGLANGCONV,
     "ddtree_full": _FULL,
     "ddtree_hostplan": {"SGLANG_DDTREE_VERIFY_PLAN": "host"},
+    "ddtree_fixed": {"SGLANG_DDTREE_WIDTH": "fixed"},
     "ddtree_det_chunk": {"SGLANG_DDTREE_GDN_VERIFY": "chunk"},
     "ddtree_det_sglangconv": _SGLANGCONV,
     "ddtree_det_full": _FULL,
 }
-# Which variants each model runs (28 servers in all). Launch order interleaves the models, plain
+# Which variants each model runs (31 servers in all). Launch order interleaves the models, plain
 # servers first, so each model's tests can begin while the others still start. SGLang's own
 # chain DFLASH runs beside DDTREE on every model as the control for numerics.
 MODEL_VARIANTS = {
-    "qwen3": ("base", "ddtree", "ddtree_sync", "dflash"),
+    "qwen3": ("base", "ddtree", "ddtree_fixed", "ddtree_sync", "dflash"),
     "qwen35": (
-        "base", "ddtree", "ddtree_sync", "dflash", "ddtree_sglanggdn", "ddtree_paths",
-        "ddtree_sglangconv", "ddtree_full", "ddtree_hostplan",
+        "base", "ddtree", "ddtree_fixed", "ddtree_sync", "dflash", "ddtree_sglanggdn",
+        "ddtree_paths", "ddtree_sglangconv", "ddtree_full", "ddtree_hostplan",
     ),
     "pair": (
-        "base", "ddtree", "base_det", "ddtree_det", "dflash_det", "dflash", "ddtree64",
+        "base", "ddtree", "ddtree_fixed", "base_det", "ddtree_det", "dflash_det", "dflash",
+        "ddtree64",
         "ddtree_torch", "ddtree_paths", "ddtree_sglangconv", "ddtree_full", "ddtree_hostplan",
         "ddtree_det_chunk", "ddtree_det_sglangconv", "ddtree_det_full",
     ),

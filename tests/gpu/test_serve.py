@@ -542,35 +542,43 @@ CHUNK = "first GDN tree verify through sglang_ddtree.gdn.chunk_tree.chunk_tree_v
 CONV = "first tree conv1d through sglang_ddtree.gdn.conv_tree"
 COMPACT = ("Mamba pool sized for", "compact GDN verify scratch for")  # solver and pool hooks
 HOSTPLAN = "first verify plan from host lengths"
+WIDTH = {"auto": "DDTREE verify width: auto among", "fixed": "DDTREE verify width: fixed at"}
 
 
-def _engaged(verify: str = "chunk", conv: bool = True, compact: bool = True) -> tuple:
-    """The startup line and first-use lines of a GDN path (the defaults: chunked verify, tree
-    conv1d, compact scratch)."""
+def _engaged(verify: str = "chunk", conv: bool = True, compact: bool = True,
+             width: str = "auto") -> tuple:  # fmt: skip
+    """The startup lines and first-use lines of a GDN path (the defaults: chunked verify, tree
+    conv1d, compact scratch) and of the verify width (auto, but in deterministic mode)."""
     shown = f"{verify} (split)" if verify == "chunk" else verify
     line = (f"GDN path: ddtree (verify: {shown}; commit: replay; tree conv1d: "
             f"{'ddtree' if conv else 'sglang'}; scratch: {'compact' if compact else 'full'})")  # fmt: skip
     uses = [CHUNK if verify == "chunk" else PATHS, COMMIT]
-    return (line, *uses, *([CONV] if conv else []), *(COMPACT if compact else ()))
+    return (line, WIDTH[width], *uses, *([CONV] if conv else []), *(COMPACT if compact else ()))
 
 
 DEFAULT_DDTREE = ("ddtree", "ddtree_sync", "ddtree_torch")
 ENGAGED = {
     **{v: _engaged() for v in DEFAULT_DDTREE},
-    "ddtree_det": _engaged(verify="paths"),  # the deterministic mode's default verify
-    "ddtree_det_chunk": _engaged(),
-    "ddtree_sglanggdn": ("GDN path: sglang (verify, commit, conv1d, per-node states)",),
+    "ddtree_fixed": _engaged(width="fixed"),
+    # the deterministic mode's defaults: root-path verify, fixed width
+    "ddtree_det": _engaged(verify="paths", width="fixed"),
+    "ddtree_det_chunk": _engaged(width="fixed"),
+    "ddtree_sglanggdn": (
+        "GDN path: sglang (verify, commit, conv1d, per-node states)",
+        WIDTH["auto"],
+    ),  # fmt: skip
     "ddtree_paths": _engaged(verify="paths"),
     "ddtree_sglangconv": _engaged(conv=False),
-    "ddtree_det_sglangconv": _engaged(verify="paths", conv=False),
+    "ddtree_det_sglangconv": _engaged(verify="paths", conv=False, width="fixed"),
     "ddtree_full": _engaged(compact=False),
-    "ddtree_det_full": _engaged(verify="paths", compact=False),
+    "ddtree_det_full": _engaged(verify="paths", compact=False, width="fixed"),
     "ddtree_hostplan": (*_engaged(), HOSTPLAN),
 }
 # what must not be in a log: the other verify kernel, hooks that are off
 NOT_ENGAGED = {
     "ddtree_sglanggdn": (PATHS, CHUNK, COMMIT, CONV, *COMPACT),
-    **{v: (PATHS, HOSTPLAN) for v in DEFAULT_DDTREE},
+    **{v: (PATHS, HOSTPLAN, WIDTH["fixed"]) for v in DEFAULT_DDTREE},
+    "ddtree_fixed": (PATHS, HOSTPLAN, WIDTH["auto"]),
     **{
         v: (CHUNK,)
         for v in ("ddtree_paths", "ddtree_det", "ddtree_det_sglangconv", "ddtree_det_full")
@@ -613,6 +621,36 @@ def test_the_variants_switches_engaged(servers, model, variant):
 
 
 @pytest.mark.parametrize("model", MODELS)
+def test_automatic_widths_are_measured_and_chosen(servers, model):
+    """The default server (SGLANG_DDTREE_WIDTH=auto): after 100 rounds or more (4 prompts alone,
+    then 8 at once) its log holds the policy's table, with a measured round cost for every
+    width it captured and every width chosen at least once (the calibration runs each one)."""
+    import re
+
+    server = _up(servers, f"{model}-ddtree")
+    kw = {"max_new_tokens": 128, "temperature": 0, "ignore_eos": True}
+    for prompt in harness.PROMPTS[:4]:
+        harness.generate(server, prompt, **kw)
+    harness.run_all(lambda p: harness.generate(server, p, **kw), harness.PROMPTS[:8], 8)
+    log = server.log_text()
+    found = re.search(r"DDTREE verify width: auto among ([0-9, ]+) \(", log)
+    assert found, "no automatic-width start-up line"
+    widths = [int(w) for w in found.group(1).split(", ")]
+    assert len(widths) >= 2 and "DDTREE widths after " in log, widths
+    table = log.split("DDTREE widths after ")[-1].splitlines()[1:]
+    header = [int(w) for w in table[0].split()[1:]]
+    assert header == widths, table[0]
+    rows = [line.split()[1:] for line in table[1:] if line[:1].isdigit()]
+    assert rows, table
+    for j, width in enumerate(widths):
+        assert any(row[j] != "-" for row in rows), f"width {width} never measured: {table}"
+    chosen = next(line for line in table if line.startswith("widths chosen:"))
+    for width in widths:
+        assert f"{width} x " in chosen, chosen
+    print(f"{model}: " + "\n".join(table[: len(rows) + 3]))
+
+
+@pytest.mark.parametrize("model", MODELS)
 def test_sglang_and_reference_engine_agree_round_for_round(servers, fp32_pair, model):
     """The transformers reference engine (float32) and SGLang's DDTREE (bf16) on the same
     checkpoints, 8 prompts x 48 tokens. Where their tokens agree, the binary pairs (whose draft
@@ -621,10 +659,11 @@ def test_sglang_and_reference_engine_agree_round_for_round(servers, fp32_pair, m
     near-tie there (within TIE_TOL of the float32 argmax, teacher-forced on SGLang's own
     prefix), or SGLang's own DFLASH on the same checkpoints must make the same choice at the
     same place (then SGLang's bf16 verify numerics, not DDTREE, parted from float32). Reports
-    how many prompts agree."""
+    how many prompts agree. The server's width is fixed at N (`ddtree_fixed`): the reference
+    verifies every round at N, and automatic widths change how many rounds a text takes."""
     from sglang_ddtree.reference.engine import generate
 
-    server = _up(servers, f"{model}-ddtree")
+    server = _up(servers, f"{model}-ddtree_fixed")
     dflash = servers.get(f"{model}-dflash")
     target, drafter, tok = fp32_pair(model)
     nodes, topk = tree_shape(model)

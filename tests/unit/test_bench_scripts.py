@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import importlib.util
 import json
 from pathlib import Path
 
@@ -82,6 +83,24 @@ def test_bench_round_server_commands_parse(tmp_path):
             assert env.get("SGLANG_DDTREE_VERIFY_PLAN") == plan
             assert env.get("SGLANG_MAMBA_SSM_DTYPE") == ("bfloat16" if state == 2 else None)
             assert env.get("SGLANG_DDTREE_TREE_BUILDER") == ("torch" if "_torch" in name else None)
+            assert env["SGLANG_DDTREE_WIDTH"] == ("auto" if "_auto" in name else "fixed")
+
+
+def test_bench_round_reads_the_automatic_widths_cost_table():
+    from sglang_ddtree.tree.budget import WidthPolicy
+
+    bench = _script("bench_round")
+    assert bench.width_table("no table here") is None
+    policy = WidthPolicy((16, 32), buckets=(1, 8))
+    for bs, ms in ((1, {16: 20.0, 32: 21.5}), (8, {16: 30.0, 32: 41.0})):
+        for _ in range(4):
+            width = policy.choose(bs)
+            policy.observe_cost(bs, width, ms[width])
+    log = f"[x] DDTREE widths after 8 rounds (ms per round):\n{policy.table()}\n[x] next line"
+    got = bench.width_table("[x] older\n" + log)
+    assert got["widths"] == [16, 32]
+    assert got["ms"] == {1: [20.0, 21.5], 8: [30.0, 41.0]}
+    assert got["chosen"] == "16 x 4, 32 x 4"
 
 
 def test_bench_e2e_and_test_server_commands_parse(tmp_path):
@@ -356,3 +375,40 @@ def test_bench_gdn_tree_parses_its_sweeps_before_any_gpu_work():
         bench.parse_chunk_tiles("32x4xfp8")
     with pytest.raises(ValueError, match="expected tNnNwN"):
         bench.conv_tilings("t4w4")
+
+
+def test_bench_serving_servers_dataset_and_summary(tmp_path):
+    """scripts/bench_serving.py: its server commands parse, its custom dataset is what
+    sglang.bench_serving's loader reads (two turns per row), and the summary is the median and
+    spread of the runs against DFLASH's median."""
+    bench = _script("bench_serving")
+    for name, (flags, env) in bench.server_table("draft").items():
+        if importlib.util.find_spec("sglang.srt.server_args") is not None:
+            ns = _parse_cli(["--model-path", "x", *bench.COMMON, *flags])
+            assert ns.max_running_requests == 32, name
+        fixed = name in ("ddtree16", "ddtree32")
+        assert env.get("SGLANG_DDTREE_WIDTH") == ("fixed" if fixed else None), name
+    path = bench.write_dataset(tmp_path / "d.jsonl", 5)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(rows) == 5 and all(len(r["conversations"]) == 2 for r in rows)
+    assert len({r["conversations"][0]["content"] for r in rows}) == 5
+    argv = bench.bench_args(harness_server(), path, "tok", 16, 4, 1.0, 128, tmp_path / "o")
+    assert argv[argv.index("--dataset-name") + 1] == "custom"
+    assert argv[argv.index("--max-concurrency") + 1] == "4"
+    runs = [
+        {"run": i, "server": s, "temperature": 0.0, "concurrency": 1, "output_throughput": v,
+         "accept_length": 2.0}
+        for i, (s, v) in enumerate([("dflash", 100.0), ("ddtree", 130.0), ("dflash", 110.0),
+                                    ("ddtree", 150.0), ("dflash", 90.0), ("ddtree", 120.0)])
+    ]  # fmt: skip
+    summary = {s["server"]: s for s in bench.summarize(runs)}
+    assert summary["ddtree"]["median_tok_s"] == 130.0
+    assert (summary["ddtree"]["min_tok_s"], summary["ddtree"]["max_tok_s"]) == (120.0, 150.0)
+    assert summary["ddtree"]["vs_dflash"] == pytest.approx(1.3)
+    assert "| 0 | 1 | ddtree | 130 (120-150) | 2.00 | 1.30 |" in bench.table(list(summary.values()))
+
+
+def harness_server():
+    from types import SimpleNamespace
+
+    return SimpleNamespace(port=1234)

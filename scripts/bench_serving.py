@@ -1,0 +1,190 @@
+"""End to end on the shipped pair through SGLang's own load generator, `sglang.bench_serving`
+(`--dataset-name custom`, held-out prompts): DDTREE with automatic widths (the default), DDTREE
+at fixed N, DFLASH and plain decoding (issue 13's end-to-end target).
+
+    python scripts/bench_serving.py --out OUT [--servers ddtree,ddtree16,ddtree32,dflash,none]
+        [--concurrency 1,4,16,32] [--temperatures 0,1] [--runs 3] [--tokens 128]
+
+All servers start up front (small memory slices; their own CUDA graphs) and are measured one at
+a time. The runs alternate: run 1 of every (temperature, concurrency, server), then run 2, ...,
+so that a drift of the shared machine spreads over all servers alike; the pair is host-bound
+and one run varies by 15-30%. Per (server, temperature, concurrency): the median output
+tokens/s of the runs and their spread (min, max), SGLang's accept length, and the median over
+DFLASH's median. Prompts: the opening lines of the standard-library packages the pair's
+training held out (`training.corpus.heldout_prompts`), the same for every server (bench_serving
+shuffles them with its --seed). Output: OUT/bench_serving.jsonl (one row per run), OUT/table.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import harness  # beside this script (scripts/harness.py)
+
+from sglang_ddtree import DEMO_PAIR_DIR
+from sglang_ddtree.training.corpus import heldout_prompts
+
+COMMON = ["--attention-backend", "flashinfer", "--dtype", "bfloat16", "--mem-fraction-static",
+          "0.08", "--max-running-requests", "32", "--cuda-graph-max-bs", "32",
+          "--disable-prefill-cuda-graph"]  # fmt: skip
+TOPK = 8
+NODES = 32  # the pair's default tree: N = 2B
+
+
+def server_table(draft: str) -> dict[str, tuple[list[str], dict[str, str]]]:
+    """name -> (server flags, environment)."""
+    spec = ["--speculative-draft-model-path", draft]
+    dd = ["--speculative-algorithm", "DDTREE", *spec, "--speculative-eagle-topk", str(TOPK)]
+
+    def nodes(n: int) -> list[str]:
+        return ["--speculative-num-draft-tokens", str(n)]
+
+    fixed = {"SGLANG_DDTREE_WIDTH": "fixed"}
+    return {
+        "none": ([], {}),
+        "dflash": (["--speculative-algorithm", "DFLASH", *spec], {}),
+        "ddtree": ([*dd, *nodes(NODES)], {}),  # automatic widths among 16 and 32
+        "ddtree64": ([*dd, *nodes(64)], {}),  # automatic among 16, 32 and 64
+        "ddtree16": ([*dd, *nodes(16)], fixed),
+        "ddtree32": ([*dd, *nodes(32)], fixed),
+    }
+
+
+def write_dataset(path: Path, n: int) -> Path:
+    """bench_serving's custom JSONL: a user turn (the prompt) and an assistant turn (unused: the
+    output length is fixed by --sharegpt-output-len)."""
+    rows = [{"conversations": [{"role": "user", "content": p},
+                               {"role": "assistant", "content": "unused reply"}]}
+            for p in heldout_prompts(n)]  # fmt: skip
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def bench_args(server, dataset: Path, tokenizer: str, prompts: int, concurrency: int,
+               temperature: float, tokens: int, out_file: Path) -> list[str]:  # fmt: skip
+    return [
+        "--backend", "sglang", "--host", "127.0.0.1", "--port", str(server.port),
+        "--model", tokenizer, "--tokenizer", tokenizer, "--dataset-name", "custom",
+        "--dataset-path", str(dataset), "--num-prompts", str(prompts),
+        "--sharegpt-output-len", str(tokens), "--max-concurrency", str(concurrency),
+        "--temperature", str(temperature), "--seed", "42", "--flush-cache",
+        "--warmup-requests", str(min(concurrency, 4)), "--output-file", str(out_file),
+    ]  # fmt: skip
+
+
+def run_bench(argv: list[str]) -> dict:
+    """One `python -m sglang.bench_serving ARGV`, in this process (its import is the slow part):
+    the result row it appends to --output-file."""
+    from sglang.benchmark.serving import cli_main
+
+    out_file = Path(argv[argv.index("--output-file") + 1])
+    before = out_file.read_text().count("\n") if out_file.exists() else 0
+    saved = sys.argv
+    sys.argv = ["sglang.bench_serving", *argv]
+    try:
+        cli_main()
+    finally:
+        sys.argv = saved
+    lines = out_file.read_text().splitlines()
+    if len(lines) <= before:
+        raise RuntimeError(f"bench_serving wrote no result to {out_file}")
+    return json.loads(lines[-1])
+
+
+def prompts_for(concurrency: int) -> int:
+    """Requests per run: enough for about 16 rounds of every client, at least 16."""
+    return max(16, min(64, 4 * concurrency))
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per (temperature, concurrency, server): median and spread of the runs' tokens/s, and the
+    median over DFLASH's median in the same run set."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["temperature"], r["concurrency"], r["server"]), []).append(r)
+    med = {k: statistics.median(x["output_throughput"] for x in v) for k, v in groups.items()}
+    out = []
+    for (t, c, name), runs in sorted(groups.items()):
+        tps = [x["output_throughput"] for x in runs]
+        base = med.get((t, c, "dflash"))
+        out.append({
+            "temperature": t, "concurrency": c, "server": name, "runs": len(runs),
+            "median_tok_s": med[t, c, name], "min_tok_s": min(tps), "max_tok_s": max(tps),
+            "accept_len": statistics.median(x.get("accept_length") or 1.0 for x in runs),
+            "vs_dflash": med[t, c, name] / base if base else None,
+        })  # fmt: skip
+    return out
+
+
+def table(summary: list[dict]) -> str:
+    lines = ["| T | c | server | tok/s median (min-max) | accept | / DFLASH |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    for s in summary:
+        ratio = f"{s['vs_dflash']:.2f}" if s["vs_dflash"] is not None else "-"
+        lines.append(f"| {s['temperature']:g} | {s['concurrency']} | {s['server']} | "
+                     f"{s['median_tok_s']:.0f} ({s['min_tok_s']:.0f}-{s['max_tok_s']:.0f}) | "
+                     f"{s['accept_len']:.2f} | {ratio} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--target", default=str(DEMO_PAIR_DIR / "target"))
+    p.add_argument("--draft", default=str(DEMO_PAIR_DIR / "draft"))
+    p.add_argument("--servers", default="ddtree,ddtree16,ddtree32,dflash,none")
+    p.add_argument("--concurrency", default="1,4,16,32")
+    p.add_argument("--temperatures", default="0,1")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--port-base", type=int, default=33000)
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    table_ = server_table(args.draft)
+    names = args.servers.split(",")
+    unknown = [n for n in names if n not in table_]
+    if unknown:
+        raise SystemExit(f"unknown servers {unknown}; choose from {sorted(table_)}")
+    servers = []
+    for i, name in enumerate(names):
+        flags, env = table_[name]
+        servers.append(harness.Server(name, args.target, args.port_base + i, [*COMMON, *flags],
+                                      env=env, log_dir=args.out))  # fmt: skip
+    dataset = write_dataset(args.out / "heldout.jsonl", 64)
+    rows_path = args.out / "bench_serving.jsonl"
+    rows = []
+    try:
+        for server in servers:
+            server.start()
+        for server in servers:
+            print(f"{server.name}: healthy after {server.wait_healthy(900):.0f} s", flush=True)
+        for run in range(1, args.runs + 1):
+            for t in (float(x) for x in args.temperatures.split(",")):
+                for c in (int(x) for x in args.concurrency.split(",")):
+                    for server in servers:
+                        raw = args.out / f"raw_{server.name}.jsonl"
+                        res = run_bench(bench_args(server, dataset, args.target, prompts_for(c),
+                                                   c, t, args.tokens, raw))  # fmt: skip
+                        row = {"run": run, "server": server.name, "temperature": t,
+                               "concurrency": c, **{k: res.get(k) for k in (
+                                   "output_throughput", "accept_length", "median_tpot_ms",
+                                   "completed", "total_output_tokens", "duration")}}  # fmt: skip
+                        rows.append(row)
+                        print(json.dumps(row), flush=True)
+                        with open(rows_path, "a") as f:
+                            f.write(json.dumps(row) + "\n")
+    finally:
+        for server in servers:
+            server.stop()
+    text = table(summarize(rows))
+    (args.out / "table.md").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,129 @@
+"""Budget by load in the server: the verify width of every round, chosen by tree/budget.py's
+`WidthPolicy` among widths the target has verify CUDA graphs for.
+
+- `VerifyWidths`: per extra width, the target's own attention backend and a DecodeCudaGraphRunner
+  captured at that width (as SGLang's adaptive EAGLE builds one per step count,
+  compat.build_target_verify_state); `use(width)` swaps them in for one verify and back.
+- `RoundReadings`: per round, on the device, the drafter's expected tokens at every width
+  (1 + sum of q over the first w nodes, from the tree's scores) and the accepted lengths, copied
+  into pinned host memory, with CUDA events at the round's start and end. A later round reads
+  a slot once its end event has completed (`Event.query`, which never waits), so the host
+  never waits on the device; a reading not ready by the time its slot comes round is dropped.
+
+The width changes which nodes are verified (the first w of the one N-node build: the best
+w-node tree, tree/budget.truncate), never how tokens are accepted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+
+import torch
+
+from sglang_ddtree.integration import compat
+from sglang_ddtree.tree.budget import WidthPolicy, expected_tokens
+
+logger = logging.getLogger(__name__)
+
+
+class VerifyWidths:
+    """The target's verify state (attention backend, CUDA-graph runner) at each width."""
+
+    def __init__(self, model_runner, widths: tuple[int, ...]) -> None:
+        self.model_runner, self.widths = model_runner, widths
+        self.states = {widths[-1]: compat.target_verify_state(model_runner)}
+        for width in widths[:-1]:
+            tic, free = time.perf_counter(), _free_gb()
+            state = compat.build_target_verify_state(model_runner, width)
+            if state is None:  # no CUDA graphs: the one backend verifies every width
+                self.states[width] = self.states[widths[-1]]
+                continue
+            self.states[width] = state
+            logger.info("DDTREE: target verify graphs at width %d captured in %.1f s, %.2f GB",
+                        width, time.perf_counter() - tic, free - _free_gb())  # fmt: skip
+        self.buckets = compat.graph_batch_sizes(self.states[widths[-1]][1])
+
+    @contextlib.contextmanager
+    def use(self, width: int):
+        if width == self.widths[-1]:
+            yield
+            return
+        before = compat.target_verify_state(self.model_runner)
+        compat.set_target_verify_state(self.model_runner, self.states[width])
+        try:
+            yield
+        finally:
+            compat.set_target_verify_state(self.model_runner, before)
+
+
+def _free_gb() -> float:
+    if not torch.cuda.is_available():
+        return 0.0
+    free, _ = torch.cuda.mem_get_info()
+    return free / (1 << 30)
+
+
+@dataclasses.dataclass
+class _Slot:
+    host: torch.Tensor  # [max_bs, W + 1] float32, pinned: predictions | accepted
+    start: object  # CUDA events (timing)
+    end: object
+    bs: int = 0
+    width: int = 0
+    pending: bool = False
+
+
+class RoundReadings:
+    """Readings of past rounds for the policy, one round late or more, without host waits."""
+
+    def __init__(self, policy: WidthPolicy, max_bs: int, device, slots: int = 4,
+                 event=None) -> None:  # fmt: skip
+        self.policy, self.widths = policy, policy.widths
+        pin = torch.cuda.is_available() and torch.device(device).type == "cuda"
+        event = event or (lambda: torch.cuda.Event(enable_timing=True))
+        self.slots = [
+            _Slot(torch.zeros((max_bs, len(self.widths) + 1), pin_memory=pin), event(), event())
+            for _ in range(slots)
+        ]
+        self.next = 0
+        self.current: _Slot | None = None
+
+    def poll(self) -> int:
+        """Feed the policy every completed reading; returns how many."""
+        done = 0
+        for slot in self.slots:
+            if slot.pending and slot.end.query():
+                slot.pending = False
+                rows = slot.host[: slot.bs]
+                mean = rows.mean(0).tolist()  # host memory: no device work
+                self.policy.observe_tokens(slot.width, mean[:-1], mean[-1])
+                self.policy.observe_cost(slot.bs, slot.width, slot.start.elapsed_time(slot.end))
+                done += 1
+        return done
+
+    def start(self, bs: int, width: int) -> None:
+        """At the round's start: claim the next slot (skipped when its reading is still out)."""
+        slot = self.slots[self.next]
+        self.current = None
+        if slot.pending:  # still in flight after len(slots) rounds: drop this round's
+            return
+        self.next = (self.next + 1) % len(self.slots)
+        slot.bs, slot.width = bs, width
+        slot.start.record()
+        self.current = slot
+
+    def finish(self, scores: torch.Tensor, accept_lens: torch.Tensor) -> None:
+        """At the round's end: the tree's scores [bs, N] (log q) and accepted lengths [bs]."""
+        slot = self.current
+        if slot is None:
+            return
+        reading = torch.cat(
+            [expected_tokens(scores, self.widths), accept_lens.view(-1, 1).float()], dim=1
+        )
+        slot.host[: slot.bs].copy_(reading, non_blocking=True)
+        slot.end.record()
+        slot.pending = True
+        self.current = None

@@ -1,0 +1,200 @@
+"""Budget by load in the server (issue 13): the verify widths, the per-round policy
+(tree/budget.WidthPolicy), its lagged readings (integration/widths.RoundReadings) and the two
+switches (SGLANG_DDTREE_WIDTH / _WIDTHS). The server side runs in tests/gpu."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_ddtree.config import Options
+from sglang_ddtree.tree.budget import WidthPolicy, expected_tokens, verify_widths
+
+WIDTHS = (16, 32, 64)
+
+
+def test_verify_widths_double_from_the_block_to_n_and_take_a_list():
+    assert verify_widths(16, 32) == (16, 32)
+    assert verify_widths(16, 64) == (16, 32, 64)
+    assert verify_widths(16, 48) == (16, 32, 48)
+    assert verify_widths(5, 31) == (5, 10, 20, 31)
+    assert verify_widths(16, 16) == (16,)  # one width: the server runs it fixed
+    assert verify_widths(16, 64, (24, 16)) == (16, 24, 64)  # N is always one
+    with pytest.raises(ValueError, match=r"\[B, N\] = \[16, 64\].*\[8, 80\]"):
+        verify_widths(16, 64, (8, 32, 80))
+
+
+def _calibrated(policy: WidthPolicy, bs: int, ms: dict[int, float], predicted, accepted):
+    """Run the calibration rounds of one batch bucket with these costs and readings."""
+    for _ in range(policy.explore * len(policy.widths)):
+        width = policy.choose(bs)
+        policy.observe_cost(bs, width, ms[width])
+        policy.observe_tokens(width, predicted, accepted[width])
+
+
+def test_the_calibration_runs_every_width_widest_first_then_the_best_rate_wins():
+    policy = WidthPolicy(WIDTHS, buckets=(1, 2, 4, 8, 16))
+    seen = []
+    for _ in range(6):
+        width = policy.choose(1)
+        seen.append(width)
+        policy.observe_cost(1, width, 20.0)
+    assert seen == [64, 64, 32, 32, 16, 16]
+    # a flat cost: the widest tree, which predicts the most tokens
+    policy.observe_tokens(64, [2.4, 2.7, 3.0], 3.0)
+    assert policy.choose(1) == 64
+
+
+def test_the_policy_takes_the_narrowest_width_when_cost_grows_steeply_with_width():
+    """The chain's case: at a compute-bound batch, wider trees cost more than they add."""
+    policy = WidthPolicy(WIDTHS, buckets=(1, 16))
+    acc = {16: 2.3, 32: 2.5, 64: 2.6}
+    _calibrated(policy, 16, {16: 40.0, 32: 60.0, 64: 100.0}, [2.4, 2.7, 2.9], acc)
+    assert policy.choose(16) == 16
+    # the same readings, a flat cost at batch 1: wide
+    _calibrated(policy, 1, {16: 20.0, 32: 20.5, 64: 21.0}, [2.4, 2.7, 2.9], acc)
+    assert policy.choose(1) == 64
+    # batches pad to their bucket: 9..16 share batch 16's costs
+    assert policy.bucket(9) == 16 and policy.choose(9) == 16
+    assert policy.bucket(40) == 40  # beyond the graphs: its own bucket, calibrated anew
+    assert policy.choose(40) == 64  # (the calibration's first width)
+
+
+def test_the_observed_ratio_per_width_corrects_the_drafters_optimism():
+    """The drafter predicts 3.5 tokens at 64 but the target accepts 2.2 there: the narrower
+    width, whose prediction holds, wins at equal cost."""
+    policy = WidthPolicy(WIDTHS, buckets=(8,), decay=0.5)
+    accepted = {16: 2.4, 32: 2.8, 64: 2.2}
+    _calibrated(policy, 8, {16: 30.0, 32: 30.0, 64: 30.0}, [2.4, 2.9, 3.5], accepted)
+    for _ in range(20):  # the running ratios settle
+        for width in WIDTHS:
+            policy.observe_tokens(width, [2.4, 2.9, 3.5], accepted[width])
+    assert policy.tokens(64) == pytest.approx(2.2, rel=1e-3)
+    assert policy.tokens(32) == pytest.approx(2.8, rel=1e-3)
+    assert policy.choose(8) == 32
+
+
+def test_every_width_is_measured_again_every_refresh_rounds():
+    policy = WidthPolicy(WIDTHS, buckets=(1,), refresh=10)
+    _calibrated(policy, 1, {16: 30.0, 32: 30.0, 64: 10.0}, [2.0, 2.0, 2.0], {16: 2, 32: 2, 64: 2})
+    picks = []
+    for _ in range(20):
+        width = policy.choose(1)
+        picks.append(width)
+        policy.observe_cost(1, width, {16: 30.0, 32: 30.0, 64: 10.0}[width])
+    assert picks.count(64) == 18 and set(picks) - {64}, picks  # two refresh rounds, oldest first
+
+
+def test_the_table_names_every_width_and_what_was_chosen():
+    policy = WidthPolicy(WIDTHS, buckets=(1, 8))
+    assert "none yet" in policy.table()
+    _calibrated(policy, 1, {16: 20.0, 32: 21.0, 64: 22.0}, [2.0, 2.5, 3.0], {16: 2, 32: 2.5, 64: 3})
+    lines = policy.table().splitlines()
+    assert lines[0].split()[1:] == ["16", "32", "64"]
+    assert lines[1].split() == ["1", "20.00", "21.00", "22.00"]
+    assert lines[-1] == "widths chosen: 16 x 2, 32 x 2, 64 x 2"
+    with pytest.raises(ValueError, match="increasing"):
+        WidthPolicy((32, 16))
+    with pytest.raises(ValueError, match="3 predictions"):
+        policy.observe_tokens(16, [1.0], 1.0)
+
+
+def test_expected_tokens_at_widths_read_no_device_value():
+    scores = torch.log(torch.tensor([[1.0, 0.5, 0.25, 0.25], [1.0, 0.9, 0.8, 0.1]]))
+    got = expected_tokens(scores, (2, 4))
+    assert torch.allclose(got, torch.tensor([[1.5, 2.0], [1.9, 2.8]]))
+    with pytest.raises(ValueError, match="must be in"):
+        expected_tokens(scores, (5,))
+
+
+class FakeEvent:
+    """A CUDA event stand-in: completes when the test says so; 'times' in ms."""
+
+    clock = 0.0
+
+    def __init__(self):
+        self.done, self.at = False, None
+
+    def record(self):
+        FakeEvent.clock += 1.0
+        self.done, self.at = False, FakeEvent.clock
+
+    def query(self):
+        return self.done
+
+    def elapsed_time(self, end):
+        assert self.done and end.done, "elapsed_time on an event that has not completed"
+        return 10.0 * (end.at - self.at)
+
+
+def test_readings_reach_the_policy_only_when_their_round_has_completed():
+    from sglang_ddtree.integration.widths import RoundReadings
+
+    policy = WidthPolicy(WIDTHS, buckets=(4,))
+    readings = RoundReadings(policy, max_bs=4, device="cpu", slots=2, event=FakeEvent)
+    scores = torch.log(torch.tensor([[1.0] + [0.5] * 63] * 3))  # 3 requests, q = 0.5 each
+    readings.start(3, 64)
+    readings.finish(scores, torch.tensor([3, 4, 5], dtype=torch.int32))
+    assert readings.poll() == 0 and policy.predicted is None  # the round is still out
+    first = readings.slots[0]
+    first.start.done = first.end.done = True
+    assert readings.poll() == 1
+    assert policy.predicted == pytest.approx([8.5, 16.5, 32.5])  # 1 + 0.5 x (w - 1)
+    d = policy.decay  # the running ratio: accepted 4 per request against 32.5 predicted
+    assert policy.ratio[64].ratio == pytest.approx(d + (1 - d) * 4 / 32.5)
+    assert policy.cost[4, 64] == pytest.approx(10.0)  # start -> end: one tick apart
+    assert readings.poll() == 0  # read once
+    # both slots out: the third round is not measured (no wait, no overwrite)
+    readings.start(3, 32)
+    readings.finish(scores, torch.tensor([1, 1, 1], dtype=torch.int32))
+    readings.start(3, 32)
+    readings.finish(scores, torch.tensor([1, 1, 1], dtype=torch.int32))
+    readings.start(3, 16)
+    assert readings.current is None
+    readings.finish(scores, torch.tensor([1, 1, 1], dtype=torch.int32))  # dropped
+    assert sum(slot.pending for slot in readings.slots) == 2
+
+
+@pytest.mark.parametrize(
+    "env,deterministic,width,widths",
+    [
+        ({}, False, "auto", None),
+        ({}, True, "fixed", None),  # batch-invariant tokens need one width
+        ({"SGLANG_DDTREE_WIDTH": "auto"}, True, "auto", None),
+        ({"SGLANG_DDTREE_WIDTH": "fixed"}, False, "fixed", None),
+        ({"SGLANG_DDTREE_WIDTHS": "64, 16,32"}, False, "auto", (16, 32, 64)),
+    ],
+)
+def test_the_width_switches(monkeypatch, env, deterministic, width, widths):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    opts = Options.from_env(deterministic=deterministic)
+    assert (opts.width, opts.widths) == (width, widths)
+
+
+@pytest.mark.parametrize(
+    "env,message",
+    [
+        ({"SGLANG_DDTREE_WIDTH": "adaptive"}, "SGLANG_DDTREE_WIDTH must be 'auto' or 'fixed'"),
+        ({"SGLANG_DDTREE_WIDTHS": "16,x"}, "SGLANG_DDTREE_WIDTHS must be comma-separated"),
+        ({"SGLANG_DDTREE_WIDTHS": "0"}, "SGLANG_DDTREE_WIDTHS must be comma-separated"),
+        ({"SGLANG_DDTREE_WIDTH": "fixed", "SGLANG_DDTREE_WIDTHS": "16"},
+         "set SGLANG_DDTREE_WIDTH=auto"),
+    ],
+)  # fmt: skip
+def test_bad_width_switches_name_the_switch_and_the_fix(monkeypatch, env, message):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=message):
+        Options.from_env()
+
+
+def test_a_bucket_is_reported_once_when_its_calibration_completes():
+    policy = WidthPolicy(WIDTHS, buckets=(1, 8))
+    for _ in range(5):
+        policy.observe_cost(1, policy.choose(1), 20.0)
+        assert policy.newly_calibrated() == []
+    policy.observe_cost(1, policy.choose(1), 20.0)
+    assert policy.newly_calibrated() == [1]
+    policy.observe_cost(1, policy.choose(1), 20.0)
+    assert policy.newly_calibrated() == []
