@@ -284,6 +284,17 @@ def run_conv(bs: int, nodes: int, parents: torch.Tensor, iters: int, dim: int = 
             row[f"conv_{tiling}_ms"] = _timed(gpu_ms, fn, iters)
         row["sglang_conv_ms"] = gpu_ms(sglang, iters, graph=True)
         row["ours_conv_ms"] = gpu_ms(ours, iters, graph=True)
+        # as served: the parents kernel in the first GDN layer only (integration/gdn.py), so a
+        # round of L layers costs ours_conv_ms + (L - 1) x ours_conv_noparents_ms
+        from sglang_ddtree.gdn.conv_tree import tree_parents
+
+        served = call("ours_np", partial(conv_tree, fill_parents=False))
+        out["ours_np_par"].copy_(out["ours_par"])  # as the first layer left it
+        served()
+        row["conv_noparents_equal"] = bool(torch.equal(out["ours_np"], out["ours"]))
+        row["ours_conv_noparents_ms"] = gpu_ms(served, iters, graph=True)
+        row["parents_ms"] = gpu_ms(partial(tree_parents, nxt, sib, out["ours_par"].clone()),
+                                   iters, graph=True)  # fmt: skip
         if chain_x is not None:
             row["sglang_chain_conv_same_tokens_ms"] = gpu_ms(sglang_chain, iters, graph=True)
 

@@ -6,7 +6,7 @@ at fixed N, DFLASH and plain decoding (issue 13's end-to-end target).
         [--concurrency 1,4,16,32] [--temperatures 0,1] [--runs 3] [--tokens 128]
 
 All servers start up front (small memory slices; their own CUDA graphs) and are measured one at
-a time. The runs alternate: run 1 of every (temperature, concurrency, server), then run 2, ...,
+a time. Per temperature the runs alternate: run 1 of every (concurrency, server), then run 2, ...,
 so that a drift of the shared machine spreads over all servers alike; the pair is host-bound
 and one run varies by 15-30%. Per (server, temperature, concurrency): the median output
 tokens/s of the runs and their spread (min, max), SGLang's accept length, and the median over
@@ -21,6 +21,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import harness  # beside this script (scripts/harness.py)
@@ -96,8 +97,8 @@ def run_bench(argv: list[str]) -> dict:
 
 
 def prompts_for(concurrency: int) -> int:
-    """Requests per run: enough for about 16 rounds of every client, at least 16."""
-    return max(16, min(64, 4 * concurrency))
+    """Requests per run: 8 at c = 1, two per client beyond, at most 64."""
+    return max(8, min(64, 2 * concurrency))
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -142,6 +143,9 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--port-base", type=int, default=33000)
+    p.add_argument("--hold-until", type=Path,
+                   help="start the servers, then wait for this file before measuring (the GPU "
+                        "to itself: e.g. another job's end)")  # fmt: skip
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     table_ = server_table(args.draft)
@@ -162,8 +166,11 @@ def main() -> int:
             server.start()
         for server in servers:
             print(f"{server.name}: healthy after {server.wait_healthy(900):.0f} s", flush=True)
-        for run in range(1, args.runs + 1):
-            for t in (float(x) for x in args.temperatures.split(",")):
+        while args.hold_until is not None and not args.hold_until.exists():
+            time.sleep(2)
+        # every temperature's runs complete before the next one's begin
+        for t in (float(x) for x in args.temperatures.split(",")):
+            for run in range(1, args.runs + 1):
                 for c in (int(x) for x in args.concurrency.split(",")):
                     for server in servers:
                         raw = args.out / f"raw_{server.name}.jsonl"

@@ -136,7 +136,7 @@ def conv_tree(x, conv_state, weight, bias, activation, *, conv_state_indices,
               intermediate_conv_window, intermediate_state_indices, retrieve_next_token,
               retrieve_next_sibling, retrieve_parent_token, block_t: int = 4,
               block_n: int = 256, window_tile: bool = False, num_warps: int = 4,
-              ancestor_table: bool = False) -> torch.Tensor:  # fmt: skip
+              ancestor_table: bool = False, fill_parents: bool = True) -> torch.Tensor:  # fmt: skip
     """SGLang's `causal_conv1d_update` for a tree verify (same arguments and outputs: x and the
     returned o are [bs, dim, N] views, conv_state [slots, dim, K - 1], weight [dim, K],
     intermediate_conv_window [slots', N, dim, K - 1]; retrieve_parent_token is filled), with
@@ -145,15 +145,21 @@ def conv_tree(x, conv_state, weight, bias, activation, *, conv_state_indices,
     sweep (0.027 ms per layer at bs 8 / N = 32 against 0.087 for 16 x 256: the program's chain of
     dependent parent loads is its latency, so more programs hide more of it). ancestor_table:
     the parents kernel also writes each node's K - 1 ancestors, and this kernel reads them
-    instead of walking the parent links (the same values; not yet timed on a GPU)."""
+    instead of walking the parent links (the same values; 1.33 against 1.27 ms per round at
+    bs 8 / N 32 on the H200: no gain). fill_parents=False: retrieve_parent_token already holds
+    this round's parents (an earlier layer's call filled it: every GDN layer of a verify sees the
+    same tree), so the parents kernel is skipped."""
     bs, dim, N = x.shape
     KW = weight.shape[1]
     if conv_state.shape[-1] != KW - 1:
         raise ValueError(f"conv_state {tuple(conv_state.shape)} is not [.., dim, {KW - 1}]")
     table = None
     if ancestor_table:
+        if not fill_parents:
+            raise ValueError("ancestor_table needs the parents kernel (fill_parents=True)")
         table = torch.empty((bs, N, KW - 1), dtype=torch.int32, device=x.device)
-    tree_parents(retrieve_next_token, retrieve_next_sibling, retrieve_parent_token, table)
+    if fill_parents:
+        tree_parents(retrieve_next_token, retrieve_next_sibling, retrieve_parent_token, table)
     o = torch.empty_like(x)
     save = intermediate_conv_window is not None
     inter = intermediate_conv_window if save else x

@@ -166,7 +166,21 @@ def conv_update(original, x, conv_state, weight, bias=None, activation=None, *re
     from sglang_ddtree.gdn.conv_tree import conv_tree
 
     first_use("tree conv1d through sglang_ddtree.gdn.conv_tree")
-    return conv_tree(x, conv_state, weight, bias, activation, **kwargs)
+    # The parents kernel runs in the first GDN layer's call of a verify only: every layer sees
+    # the same tree and SGLang's one retrieve_parent_token buffer. The first layer is the one
+    # whose conv state (a per-layer slice of the pool, fixed once allocated) this process saw
+    # first; any other layer fills the buffer too when it is not the one the first filled.
+    parents = kwargs["retrieve_parent_token"]
+    if _first_conv_state[0] is None:
+        _first_conv_state[0] = conv_state.data_ptr()
+    fill = conv_state.data_ptr() == _first_conv_state[0] or parents.data_ptr() != _filled[0]
+    if fill:
+        _filled[0] = parents.data_ptr()
+    return conv_tree(x, conv_state, weight, bias, activation, fill_parents=fill, **kwargs)
+
+
+_first_conv_state: list = [None]  # data_ptr of the first GDN layer's conv state
+_filled: list = [None]  # data_ptr of the parent buffer the last filling call wrote
 
 
 _CONV_TREE_ARGS = (

@@ -95,6 +95,14 @@ def validate_server_args(server_args: Any) -> None:
         verify_widths(cfg.block_size, cfg.num_nodes, opts.widths)
     except ValueError as exc:
         raise DDTreeConfigError(str(exc)) from None
+    for flag in ("enable_two_batch_overlap", "enable_pdmux"):
+        # both share attention backends between graph runners, which one backend per width
+        # (integration/widths.py) does not: name the way out
+        _require(
+            opts.width != "auto" or not getattr(view, flag, False),
+            f"DDTREE's automatic verify widths do not support --{flag.replace('_', '-')}; "
+            "set SGLANG_DDTREE_WIDTH=fixed or drop the flag.",
+        )
 
 
 def _validate_sampling_and_parallelism(view: Any) -> None:

@@ -29,22 +29,38 @@ from sglang_ddtree.tree.budget import WidthPolicy, expected_tokens
 logger = logging.getLogger(__name__)
 
 
-class VerifyWidths:
-    """The target's verify state (attention backend, CUDA-graph runner) at each width."""
+MIN_FREE_GB = 2.0  # an extra width's graphs are not captured with less GPU memory free
 
-    def __init__(self, model_runner, widths: tuple[int, ...]) -> None:
-        self.model_runner, self.widths = model_runner, widths
-        self.states = {widths[-1]: compat.target_verify_state(model_runner)}
-        for width in widths[:-1]:
+
+class VerifyWidths:
+    """The target's verify state (attention backend, CUDA-graph runner) at each width. A width
+    whose graphs cannot be captured (too little memory left, a capture that fails) is dropped
+    with a warning: the server serves the others (`widths` is what is left)."""
+
+    def __init__(self, model_runner, widths: tuple[int, ...], capture: bool = True) -> None:
+        self.model_runner = model_runner
+        N = widths[-1]
+        self.states = {N: compat.target_verify_state(model_runner)}
+        for width in reversed(widths[:-1]):  # the widest first, as SGLang captures batches
             tic, free = time.perf_counter(), _free_gb()
-            state = compat.build_target_verify_state(model_runner, width)
+            if capture and torch.cuda.is_available() and free < MIN_FREE_GB:
+                logger.warning("DDTREE: width %d dropped: %.1f GB free for its verify graphs "
+                               "(needs %.1f)", width, free, MIN_FREE_GB)  # fmt: skip
+                continue
+            try:
+                state = compat.build_target_verify_state(model_runner, width) if capture else None
+            except Exception as exc:  # noqa: BLE001 - the server still serves the other widths
+                logger.warning("DDTREE: width %d dropped: its verify graphs failed (%s)", width,
+                               str(exc)[:300])  # fmt: skip
+                continue
             if state is None:  # no CUDA graphs: the one backend verifies every width
-                self.states[width] = self.states[widths[-1]]
+                self.states[width] = self.states[N]
                 continue
             self.states[width] = state
             logger.info("DDTREE: target verify graphs at width %d captured in %.1f s, %.2f GB",
                         width, time.perf_counter() - tic, free - _free_gb())  # fmt: skip
-        self.buckets = compat.graph_batch_sizes(self.states[widths[-1]][1])
+        self.widths = tuple(sorted(self.states))
+        self.buckets = compat.graph_batch_sizes(self.states[N][1])
 
     @contextlib.contextmanager
     def use(self, width: int):
@@ -94,7 +110,8 @@ class RoundReadings:
     def poll(self) -> int:
         """Feed the policy every completed reading; returns how many."""
         done = 0
-        for slot in self.slots:
+        oldest_first = self.slots[self.next :] + self.slots[: self.next]
+        for slot in oldest_first:
             if slot.pending and slot.end.query():
                 slot.pending = False
                 rows = slot.host[: slot.bs]

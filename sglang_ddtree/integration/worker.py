@@ -143,17 +143,21 @@ class DDTreeWorker(DFlashWorkerV2):
                 make_draft_sampler_capture_hook(self._tree_head)
             )
         compat.init_draft_cuda_graphs(self, capture)
-        self._init_widths()
+        self._init_widths(capture)
 
-    def _init_widths(self) -> None:
-        """SGLANG_DDTREE_WIDTH=auto: the target's verify graphs at every width and the policy."""
+    def _init_widths(self, capture: bool) -> None:
+        """SGLANG_DDTREE_WIDTH=auto: the target's verify graphs at every width and the policy
+        (capture: whether decode CUDA graphs are on and memory was left for the draft's)."""
         opts = options()
         widths = verify_widths(self.cfg.block_size, self.cfg.num_nodes, opts.widths)
-        if opts.width != "auto" or len(widths) == 1:
+        if opts.width == "auto" and len(widths) > 1:
+            self._widths = VerifyWidths(self.target_worker.model_runner, widths, capture)
+            widths = self._widths.widths
+        if len(widths) == 1:
+            self._widths = None
             if self.ps.tp_rank == 0:
                 logger.info("DDTREE verify width: fixed at %d", self.cfg.num_nodes)
             return
-        self._widths = VerifyWidths(self.target_worker.model_runner, widths)
         policy = WidthPolicy(widths, buckets=self._widths.buckets)
         self._readings = RoundReadings(policy, self._tree_head.max_bs, self.device)
         if self.ps.tp_rank == 0:

@@ -77,16 +77,19 @@ def chain_expected_tokens(top1_logprobs: torch.Tensor) -> torch.Tensor:
 
 class Calibration:
     """A running ratio observed / predicted tokens per round (exponential average), so that the
-    policy's predictions follow what the target really accepts."""
+    policy's predictions follow what the target really accepts. start=None: the first reading
+    itself (no prior to wash out)."""
 
-    def __init__(self, decay: float = 0.9, start: float = 1.0) -> None:
+    def __init__(self, decay: float = 0.9, start: float | None = 1.0) -> None:
         if not 0 <= decay < 1:
             raise ValueError(f"decay must be in [0, 1), got {decay}")
         self.decay, self.ratio = decay, start
 
-    def update(self, observed: float, predicted: float) -> float:
+    def update(self, observed: float, predicted: float) -> float | None:
         if predicted > 0:
-            self.ratio = self.decay * self.ratio + (1 - self.decay) * observed / predicted
+            seen = observed / predicted
+            old = self.ratio
+            self.ratio = seen if old is None else self.decay * old + (1 - self.decay) * seen
         return self.ratio
 
 
@@ -161,31 +164,37 @@ class WidthPolicy:
       exponential average per (batch bucket, width), the bucket being the CUDA-graph batch size a
       batch pads to. A bucket first runs every width `explore` times (the calibration: a few
       rounds per bucket), then once every `refresh` rounds the width measured longest ago.
+      Batches beyond the graphs' sizes (or without graphs) round up to a power of two.
     - Tokens: per width, the drafter's expected tokens per request (1 + sum of q over the first w
       nodes), averaged, times a per-width ratio of accepted to predicted tokens on the rounds
-      that ran that width (widths not yet run: the ratio over all rounds).
+      that ran that width, seeded by its first reading (widths not yet run: the ratio over all
+      rounds).
     Host floats only; the server feeds it readings one round late (integration/widths.py)."""
 
     def __init__(self, widths: Sequence[int], buckets: Sequence[int] = (), decay: float = 0.8,
                  explore: int = 2, refresh: int = 64) -> None:  # fmt: skip
         if not widths or list(widths) != sorted(set(widths)):
             raise ValueError(f"widths must be increasing, got {list(widths)}")
+        if explore < 1 or refresh < 1:
+            raise ValueError(f"explore and refresh must be >= 1, got {explore}, {refresh}")
         self.widths, self.buckets = tuple(widths), tuple(sorted(buckets))
         self.decay, self.explore, self.refresh = decay, explore, refresh
         self.cost: dict[tuple[int, int], float] = {}  # (bucket, width) -> ms
         self.samples: collections.Counter = collections.Counter()  # (bucket, width) -> rounds
         self.last_seen: dict[tuple[int, int], int] = {}  # (bucket, width) -> round number
         self.predicted: list[float] | None = None  # per width, tokens per request
-        self.ratio = {w: Calibration(decay) for w in widths}
-        self.overall = Calibration(decay)
+        self.ratio = {w: Calibration(decay, start=None) for w in widths}
+        self.overall = Calibration(decay, start=None)
         self.rounds = 0
         self.chosen: collections.Counter = collections.Counter()  # width -> rounds
         self.calibrated: list[int] = []  # buckets just calibrated (newly_calibrated)
+        self.announced: set[int] = set()
 
     def bucket(self, bs: int) -> int:
-        """The batch bucket bs pads to (the smallest bucket >= bs; bs itself beyond them)."""
+        """The batch bucket bs pads to: the smallest bucket >= bs, else the power of two >= bs
+        (beyond the graphs, or without them, batches still share a few calibrations)."""
         i = bisect.bisect_left(self.buckets, bs)
-        return self.buckets[i] if i < len(self.buckets) else bs
+        return self.buckets[i] if i < len(self.buckets) else 1 << max(bs - 1, 0).bit_length()
 
     def choose(self, bs: int) -> int:
         self.rounds += 1
@@ -205,11 +214,10 @@ class WidthPolicy:
         then the cheapest width wins)."""
         if self.predicted is None:
             return 1.0
-        seen = self.ratio[width] if self.samples_of(width) else self.overall
-        return self.predicted[self.widths.index(width)] * seen.ratio
-
-    def samples_of(self, width: int) -> int:
-        return sum(n for (_, w), n in self.samples.items() if w == width)
+        ratio = self.ratio[width].ratio
+        if ratio is None:
+            ratio = self.overall.ratio if self.overall.ratio is not None else 1.0
+        return self.predicted[self.widths.index(width)] * ratio
 
     def observe_cost(self, bs: int, width: int, ms: float) -> None:
         key = (self.bucket(bs), width)
@@ -217,10 +225,11 @@ class WidthPolicy:
         self.cost[key] = ms if old is None else self.decay * old + (1 - self.decay) * ms
         self.samples[key] += 1
         self.last_seen[key] = self.rounds
-        if all(self.samples[key[0], w] == self.explore for w in self.widths) and (
-            self.samples[key] == self.explore
-        ):  # fmt: skip
-            self.calibrated.append(key[0])
+        b = key[0]  # readings come late, so a width may pass `explore`: at least, once
+        if b not in self.announced and all(self.samples[b, w] >= self.explore
+                                           for w in self.widths):  # fmt: skip
+            self.announced.add(b)
+            self.calibrated.append(b)
 
     def newly_calibrated(self) -> list[int]:
         """Buckets whose every width got its calibration rounds since the last call."""

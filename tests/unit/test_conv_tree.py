@@ -24,7 +24,7 @@ torch.set_num_threads(1)
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interpreter_only = pytest.mark.skipif(not INTERPRETED, reason="runs in the interpreter process")
-INTERPRETER_TESTS = 9  # non-gpu tests the child process runs (all but this one)
+INTERPRETER_TESTS = 10  # non-gpu tests the child process runs (all but this one)
 
 
 def test_cpu_kernel_tests_under_triton_interpreter():
@@ -162,6 +162,8 @@ def test_conv_hook_runs_conv_tree_when_enabled(monkeypatch, caplog):
 
     monkeypatch.setattr(gdn, "current", lambda: gdn.GDNPath(16, conv=True))
     monkeypatch.setattr(gdn, "_used", set())
+    monkeypatch.setattr(gdn, "_first_conv_state", [None])
+    monkeypatch.setattr(gdn, "_filled", [None])
     caplog.set_level("INFO", logger=gdn.__name__)
     used = []
     plain = conv_module.conv_tree
@@ -174,6 +176,64 @@ def test_conv_hook_runs_conv_tree_when_enabled(monkeypatch, caplog):
     assert used == [1]  # the hook went to conv_tree, with SGLang's call passed through intact
     assert "first tree conv1d through sglang_ddtree.gdn.conv_tree" in caplog.text  # GPU tests
     assert torch.equal(o, o_h) and torch.equal(win, win_h) and torch.equal(par, par_h)
+
+
+@interpreter_only
+def test_the_hook_fills_the_parents_in_the_first_layer_only(monkeypatch):
+    """Two GDN layers of one verify through the hook: the first layer's call runs the parents
+    kernel, the second reads the same buffer (its own parents kernel skipped: a stale buffer
+    would change its windows), and both equal SGLang's kernel."""
+    mod = pytest.importorskip("sglang.kernels.ops.mamba.causal_conv1d_triton")
+    import sglang_ddtree.gdn.conv_tree as conv_module
+    from sglang_ddtree.integration import gdn
+
+    monkeypatch.setattr(gdn, "current", lambda: gdn.GDNPath(16, conv=True))
+    monkeypatch.setattr(gdn, "_first_conv_state", [None])
+    monkeypatch.setattr(gdn, "_filled", [None])
+    filled = []
+    plain = conv_module.tree_parents
+    monkeypatch.setattr(conv_module, "tree_parents",
+                        lambda *a, **k: filled.append(1) or plain(*a, **k))  # fmt: skip
+    gen = torch.Generator().manual_seed(6)
+    parents = trees(2, 11, seed=6)
+    bs, N = parents.shape
+    dim, KW = 16, 4
+    nxt, sib = eagle_links(parents)
+    par = torch.full((bs, N), 99, dtype=torch.int64)  # SGLang's one buffer for every layer
+    layers = [(torch.randn(bs, N, dim, generator=gen).transpose(1, 2),
+               torch.randn(bs + 1, dim, KW - 1, generator=gen),
+               torch.randn(dim, KW, generator=gen), torch.randn(dim, generator=gen))
+              for _ in range(2)]  # fmt: skip
+    idx = torch.arange(bs, dtype=torch.int32)
+    for _ in range(2):  # two rounds: the first layer refills every round
+        for x, state, weight, bias in layers:
+            got, want = [], []
+            for fn, out in ((lambda *a, **k: gdn.conv_update(mod.causal_conv1d_update, *a, **k),
+                             got), (mod.causal_conv1d_update, want)):  # fmt: skip
+                windows = torch.zeros((bs + 1, N, dim, KW - 1))
+                own = torch.full((bs, N), 99, dtype=torch.int64)
+                buf = par if out is got else own
+                # the pool's per-layer conv state (fixed: the hook knows layers by it); SGLang's
+                # kernel rolls it, so SGLang gets a copy
+                o = fn(x, state if out is got else state.clone(), weight, bias, "silu",
+                       conv_state_indices=idx,
+                       intermediate_conv_window=windows, intermediate_state_indices=idx,
+                       retrieve_next_token=nxt, retrieve_next_sibling=sib,
+                       retrieve_parent_token=buf)  # fmt: skip
+                out += [o, windows]
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        par_after = par.clone()
+        par.fill_(99)  # the next round's tree: the first layer must fill it again
+    assert filled == [1, 1]  # once per round, in the first layer
+    # a layer handed a parent buffer the first layer did not fill fills it itself
+    x, state, weight, bias = layers[1]
+    other = torch.full((bs, N), 99, dtype=torch.int64)
+    gdn.conv_update(mod.causal_conv1d_update, x, state, weight, bias, "silu",
+                    conv_state_indices=idx, intermediate_conv_window=torch.zeros(
+                        (bs + 1, N, dim, KW - 1)), intermediate_state_indices=idx,
+                    retrieve_next_token=nxt, retrieve_next_sibling=sib,
+                    retrieve_parent_token=other)  # fmt: skip
+    assert filled == [1, 1, 1] and torch.equal(other, par_after)
 
 
 @interpreter_only

@@ -184,12 +184,28 @@ def test_explicit_flags_are_kept(draft_dir):
         (dict(speculative_num_draft_tokens=4096), "exceeds"),
         (dict(speculative_dflash_block_size=8), "block_size 16"),
         (dict(speculative_num_draft_tokens="many"), "must be an integer"),
+        (dict(enable_two_batch_overlap=True), "do not support --enable-two-batch-overlap; set "
+         "SGLANG_DDTREE_WIDTH=fixed or drop the flag"),
+        (dict(enable_pdmux=True), "--enable-pdmux; set SGLANG_DDTREE_WIDTH=fixed"),
     ],
-)
+)  # fmt: skip
 def test_unsupported_flags_name_the_flag_and_fix(draft_dir, overrides, words):
     with pytest.raises(DDTreeConfigError) as err:
         spec.validate_server_args(_server_args(draft_dir, **overrides))
     assert words in str(err.value)
+
+
+def test_width_switches_are_checked_against_the_flags_at_startup(draft_dir, monkeypatch):
+    """SGLANG_DDTREE_WIDTHS outside [B, N] fails before any model loads, naming both flags;
+    with fixed widths the automatic-width refusals do not apply."""
+    monkeypatch.setenv("SGLANG_DDTREE_WIDTHS", "8,16")
+    with pytest.raises(DDTreeConfigError, match=r"\[B, N\] = \[16, 32\].*--speculative-num"):
+        spec.validate_server_args(_server_args(draft_dir))
+    monkeypatch.setenv("SGLANG_DDTREE_WIDTHS", "16")
+    spec.validate_server_args(_server_args(draft_dir))
+    monkeypatch.delenv("SGLANG_DDTREE_WIDTHS")
+    monkeypatch.setenv("SGLANG_DDTREE_WIDTH", "fixed")
+    spec.validate_server_args(_server_args(draft_dir, enable_two_batch_overlap=True))
 
 
 def test_serve_command_flags_parse_into_the_fields_we_read(draft_dir):

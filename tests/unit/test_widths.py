@@ -56,8 +56,9 @@ def test_the_policy_takes_the_narrowest_width_when_cost_grows_steeply_with_width
     assert policy.choose(1) == 64
     # batches pad to their bucket: 9..16 share batch 16's costs
     assert policy.bucket(9) == 16 and policy.choose(9) == 16
-    assert policy.bucket(40) == 40  # beyond the graphs: its own bucket, calibrated anew
+    assert policy.bucket(40) == 64  # beyond the graphs: the power of two, calibrated anew
     assert policy.choose(40) == 64  # (the calibration's first width)
+    assert WidthPolicy(WIDTHS).bucket(5) == 8  # no graphs at all: powers of two
 
 
 def test_the_observed_ratio_per_width_corrects_the_drafters_optimism():
@@ -95,6 +96,8 @@ def test_the_table_names_every_width_and_what_was_chosen():
     assert lines[-1] == "widths chosen: 16 x 2, 32 x 2, 64 x 2"
     with pytest.raises(ValueError, match="increasing"):
         WidthPolicy((32, 16))
+    with pytest.raises(ValueError, match="explore and refresh"):
+        WidthPolicy((16, 32), explore=0)
     with pytest.raises(ValueError, match="3 predictions"):
         policy.observe_tokens(16, [1.0], 1.0)
 
@@ -140,8 +143,9 @@ def test_readings_reach_the_policy_only_when_their_round_has_completed():
     first.start.done = first.end.done = True
     assert readings.poll() == 1
     assert policy.predicted == pytest.approx([8.5, 16.5, 32.5])  # 1 + 0.5 x (w - 1)
-    d = policy.decay  # the running ratio: accepted 4 per request against 32.5 predicted
-    assert policy.ratio[64].ratio == pytest.approx(d + (1 - d) * 4 / 32.5)
+    # the running ratio, seeded by this first reading: accepted 4 per request of 32.5 predicted
+    assert policy.ratio[64].ratio == pytest.approx(4 / 32.5)
+    assert policy.tokens(16) == pytest.approx(8.5 * 4 / 32.5)  # not run yet: the overall ratio
     assert policy.cost[4, 64] == pytest.approx(10.0)  # start -> end: one tick apart
     assert readings.poll() == 0  # read once
     # both slots out: the third round is not measured (no wait, no overwrite)
@@ -198,3 +202,18 @@ def test_a_bucket_is_reported_once_when_its_calibration_completes():
     assert policy.newly_calibrated() == [1]
     policy.observe_cost(1, policy.choose(1), 20.0)
     assert policy.newly_calibrated() == []
+
+
+def test_calibration_completes_when_readings_come_rounds_late():
+    """The server's readings arrive a round or more after the round ran, so the calibration
+    over-runs a width before its samples show; the bucket is still announced, once."""
+    policy = WidthPolicy(WIDTHS, buckets=(1,))
+    lag, announced = [], []
+    for _ in range(40):
+        width = policy.choose(1)
+        lag.append(width)
+        if len(lag) > 2:  # two rounds late
+            policy.observe_cost(1, lag.pop(0), 20.0)
+        announced += policy.newly_calibrated()
+    assert announced == [1]
+    assert all(policy.samples[1, w] >= policy.explore for w in WIDTHS)
