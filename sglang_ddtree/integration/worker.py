@@ -153,6 +153,8 @@ class DDTreeWorker(DFlashWorkerV2):
         if opts.width == "auto" and len(widths) > 1:
             self._widths = VerifyWidths(self.target_worker.model_runner, widths, capture)
             widths = self._widths.widths
+        else:
+            widths = (self.cfg.num_nodes,)
         if len(widths) == 1:
             self._widths = None
             if self.ps.tp_rank == 0:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
+import statistics
 from collections.abc import Sequence
 
 import torch
@@ -160,10 +161,13 @@ class WidthPolicy:
     """The verify width of each round: the one with the most expected tokens per millisecond at
     the running batch, from costs measured on the server's own rounds.
 
-    - Cost: the round's GPU time (CUDA events, read when they have completed; no waiting) as an
-      exponential average per (batch bucket, width), the bucket being the CUDA-graph batch size a
-      batch pads to. A bucket first runs every width `explore` times (the calibration: a few
-      rounds per bucket), then once every `refresh` rounds the width measured longest ago.
+    - Cost: the round's GPU time (CUDA events, read when they have completed; no waiting), the
+      median of the last `window` rounds per (batch bucket, width), the bucket being the
+      CUDA-graph batch size a batch pads to. A median, not a mean: the events also time the
+      host's stalls inside a round, and on a host-bound server one stall reads 10x a round
+      (the GPU suite's tables, session 10). A bucket first runs every width `explore` times
+      (the calibration: a few rounds per bucket), then once every `refresh` rounds the width
+      measured longest ago.
       Batches beyond the graphs' sizes (or without graphs) round up to a power of two.
     - Tokens: per width, the drafter's expected tokens per request (1 + sum of q over the first w
       nodes), averaged, times a per-width ratio of accepted to predicted tokens on the rounds
@@ -172,14 +176,16 @@ class WidthPolicy:
     Host floats only; the server feeds it readings one round late (integration/widths.py)."""
 
     def __init__(self, widths: Sequence[int], buckets: Sequence[int] = (), decay: float = 0.8,
-                 explore: int = 2, refresh: int = 64) -> None:  # fmt: skip
+                 explore: int = 3, refresh: int = 32, window: int = 5) -> None:  # fmt: skip
         if not widths or list(widths) != sorted(set(widths)):
             raise ValueError(f"widths must be increasing, got {list(widths)}")
         if explore < 1 or refresh < 1:
             raise ValueError(f"explore and refresh must be >= 1, got {explore}, {refresh}")
         self.widths, self.buckets = tuple(widths), tuple(sorted(buckets))
         self.decay, self.explore, self.refresh = decay, explore, refresh
-        self.cost: dict[tuple[int, int], float] = {}  # (bucket, width) -> ms
+        self.cost: dict[tuple[int, int], float] = {}  # (bucket, width) -> ms, the median
+        self.recent: dict[tuple[int, int], collections.deque] = {}  # the last `window` ms
+        self.window = window
         self.samples: collections.Counter = collections.Counter()  # (bucket, width) -> rounds
         self.last_seen: dict[tuple[int, int], int] = {}  # (bucket, width) -> round number
         self.predicted: list[float] | None = None  # per width, tokens per request
@@ -221,8 +227,9 @@ class WidthPolicy:
 
     def observe_cost(self, bs: int, width: int, ms: float) -> None:
         key = (self.bucket(bs), width)
-        old = self.cost.get(key)
-        self.cost[key] = ms if old is None else self.decay * old + (1 - self.decay) * ms
+        recent = self.recent.setdefault(key, collections.deque(maxlen=self.window))
+        recent.append(ms)
+        self.cost[key] = statistics.median(recent)
         self.samples[key] += 1
         self.last_seen[key] = self.rounds
         b = key[0]  # readings come late, so a width may pass `explore`: at least, once

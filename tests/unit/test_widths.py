@@ -33,7 +33,7 @@ def _calibrated(policy: WidthPolicy, bs: int, ms: dict[int, float], predicted, a
 
 
 def test_the_calibration_runs_every_width_widest_first_then_the_best_rate_wins():
-    policy = WidthPolicy(WIDTHS, buckets=(1, 2, 4, 8, 16))
+    policy = WidthPolicy(WIDTHS, buckets=(1, 2, 4, 8, 16), explore=2)
     seen = []
     for _ in range(6):
         width = policy.choose(1)
@@ -76,7 +76,7 @@ def test_the_observed_ratio_per_width_corrects_the_drafters_optimism():
 
 
 def test_every_width_is_measured_again_every_refresh_rounds():
-    policy = WidthPolicy(WIDTHS, buckets=(1,), refresh=10)
+    policy = WidthPolicy(WIDTHS, buckets=(1,), refresh=10, explore=2)
     _calibrated(policy, 1, {16: 30.0, 32: 30.0, 64: 10.0}, [2.0, 2.0, 2.0], {16: 2, 32: 2, 64: 2})
     picks = []
     for _ in range(20):
@@ -87,7 +87,7 @@ def test_every_width_is_measured_again_every_refresh_rounds():
 
 
 def test_the_table_names_every_width_and_what_was_chosen():
-    policy = WidthPolicy(WIDTHS, buckets=(1, 8))
+    policy = WidthPolicy(WIDTHS, buckets=(1, 8), explore=2)
     assert "none yet" in policy.table()
     _calibrated(policy, 1, {16: 20.0, 32: 21.0, 64: 22.0}, [2.0, 2.5, 3.0], {16: 2, 32: 2.5, 64: 3})
     lines = policy.table().splitlines()
@@ -194,7 +194,7 @@ def test_bad_width_switches_name_the_switch_and_the_fix(monkeypatch, env, messag
 
 
 def test_a_bucket_is_reported_once_when_its_calibration_completes():
-    policy = WidthPolicy(WIDTHS, buckets=(1, 8))
+    policy = WidthPolicy(WIDTHS, buckets=(1, 8), explore=2)
     for _ in range(5):
         policy.observe_cost(1, policy.choose(1), 20.0)
         assert policy.newly_calibrated() == []
@@ -217,3 +217,75 @@ def test_calibration_completes_when_readings_come_rounds_late():
         announced += policy.newly_calibrated()
     assert announced == [1]
     assert all(policy.samples[1, w] >= policy.explore for w in WIDTHS)
+
+
+def test_one_stalled_round_does_not_move_the_cost_a_width_is_chosen_by():
+    """The events time the host's stalls too: on the GPU suite's host-bound servers a single
+    round read 10x its width's cost and the mean-based policy of the first run then chose the
+    narrow width for most rounds. The median of the recent rounds shrugs one off."""
+    policy = WidthPolicy(WIDTHS, buckets=(8,))
+    costs = {16: 8.0, 32: 8.1, 64: 8.2}  # host-bound: every width costs about the same
+    stalled = False
+    for _ in range(policy.explore * len(WIDTHS)):
+        width = policy.choose(8)
+        ms = costs[width]
+        if width == 64 and not stalled:
+            ms, stalled = 90.0, True
+        policy.observe_cost(8, width, ms)
+        policy.observe_tokens(width, [1.9, 2.2, 2.4], {16: 1.9, 32: 2.2, 64: 2.4}[width])
+    assert policy.cost[8, 64] == pytest.approx(8.2)
+    assert policy.choose(8) == 64
+
+
+def _worker(N: int = 32, B: int = 16):
+    """A DDTreeWorker with only what _init_widths reads (no model, no GPU)."""
+    from types import SimpleNamespace
+
+    worker_mod = pytest.importorskip("sglang_ddtree.integration.worker")
+    from sglang_ddtree.config import DDTreeConfig
+
+    w = worker_mod.DDTreeWorker.__new__(worker_mod.DDTreeWorker)
+    w.cfg = DDTreeConfig(block_size=B, num_nodes=N, topk=8)
+    w.ps = SimpleNamespace(tp_rank=0)
+    w._tree_head = SimpleNamespace(max_bs=4)
+    w._target_worker = SimpleNamespace(model_runner=SimpleNamespace(
+        attn_backend="backend N", decode_cuda_graph_runner=None))  # fmt: skip
+    w.device = "cpu"
+    w._widths = w._readings = None
+    return worker_mod, w
+
+
+@pytest.mark.parametrize("env", [{"SGLANG_DDTREE_WIDTH": "fixed"}, {"SGLANG_DDTREE_WIDTHS": "32"}])
+def test_the_worker_serves_one_width_when_fixed_or_given_only_n(monkeypatch, env):
+    """Session 10's first GPU run: every fixed-width server failed at start-up here (the policy
+    was built for widths that were never captured)."""
+    from sglang_ddtree import config
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    worker_mod, w = _worker()
+    monkeypatch.setattr(worker_mod, "options", lambda: config.Options.from_env())
+    w._init_widths(capture=True)
+    assert w._widths is None and w._readings is None
+    assert w._choose_width(3) == 32
+
+
+def test_the_worker_chooses_among_the_widths_without_graphs(monkeypatch):
+    """auto without decode CUDA graphs: every width verifies through the one backend, and the
+    policy's first choice is the widest (its calibration)."""
+    from sglang_ddtree import config
+
+    worker_mod, w = _worker(N=64)
+    monkeypatch.setattr(worker_mod, "options", lambda: config.Options.from_env())
+    monkeypatch.setattr(worker_mod, "RoundReadings",
+                        lambda policy, max_bs, device: RoundReadingsOnCpu(policy, max_bs))  # fmt: skip
+    w._init_widths(capture=False)
+    assert w._widths.widths == (16, 32, 64)
+    assert {w._widths.states[x] for x in (16, 32, 64)} == {("backend N", None)}
+    assert w._choose_width(3) == 64 and w.speculative_num_draft_tokens == 64
+
+
+def RoundReadingsOnCpu(policy, max_bs):  # noqa: N802 - stands in for the class
+    from sglang_ddtree.integration.widths import RoundReadings
+
+    return RoundReadings(policy, max_bs, "cpu", event=FakeEvent)
