@@ -91,7 +91,7 @@ def test_bench_round_reads_the_automatic_widths_cost_table():
 
     bench = _script("bench_round")
     assert bench.width_table("no table here") is None
-    policy = WidthPolicy((16, 32), buckets=(1, 8))
+    policy = WidthPolicy((16, 32), buckets=(1, 8), explore=2)
     for bs, ms in ((1, {16: 20.0, 32: 21.5}), (8, {16: 30.0, 32: 41.0})):
         for _ in range(4):
             width = policy.choose(bs)
