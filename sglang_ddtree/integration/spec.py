@@ -92,14 +92,14 @@ def validate_server_args(server_args: Any) -> None:
     # and the environment switches, in the main process before any scheduler starts
     opts = Options.from_env(**compat.option_modes(server_args))
     try:
-        verify_widths(cfg.block_size, cfg.num_nodes, opts.widths)
+        widths = verify_widths(cfg.block_size, cfg.num_nodes, opts.widths)
     except ValueError as exc:
         raise DDTreeConfigError(str(exc)) from None
     for flag in ("enable_two_batch_overlap", "enable_pdmux"):
         # both share attention backends between graph runners, which one backend per width
         # (integration/widths.py) does not: name the way out
         _require(
-            opts.width != "auto" or not getattr(view, flag, False),
+            opts.width != "auto" or len(widths) == 1 or not getattr(view, flag, False),
             f"DDTREE's automatic verify widths do not support --{flag.replace('_', '-')}; "
             "set SGLANG_DDTREE_WIDTH=fixed or drop the flag.",
         )

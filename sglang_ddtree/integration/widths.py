@@ -41,19 +41,25 @@ class VerifyWidths:
         self.model_runner = model_runner
         N = widths[-1]
         self.states = {N: compat.target_verify_state(model_runner)}
+        graphs = capture and self.states[N][1] is not None
         for width in reversed(widths[:-1]):  # the widest first, as SGLang captures batches
+            if not graphs:  # no CUDA graphs: the one backend verifies every width
+                self.states[width] = self.states[N]
+                continue
             tic, free = time.perf_counter(), _free_gb()
-            if capture and torch.cuda.is_available() and free < MIN_FREE_GB:
+            if free < MIN_FREE_GB:
                 logger.warning("DDTREE: width %d dropped: %.1f GB free for its verify graphs "
                                "(needs %.1f)", width, free, MIN_FREE_GB)  # fmt: skip
                 continue
             try:
-                state = compat.build_target_verify_state(model_runner, width) if capture else None
-            except Exception as exc:  # noqa: BLE001 - the server still serves the other widths
-                logger.warning("DDTREE: width %d dropped: its verify graphs failed (%s)", width,
-                               str(exc)[:300])  # fmt: skip
+                state = compat.build_target_verify_state(model_runner, width)
+            except Exception as exc:
+                if "out of memory" not in f"{exc} {exc.__context__}".lower():
+                    raise  # anything but memory may have broken the CUDA context: stop here
+                logger.warning("DDTREE: width %d dropped: its verify graphs did not fit (%s)",
+                               width, str(exc)[:300])  # fmt: skip
                 continue
-            if state is None:  # no CUDA graphs: the one backend verifies every width
+            if state is None:
                 self.states[width] = self.states[N]
                 continue
             self.states[width] = state
@@ -76,8 +82,10 @@ class VerifyWidths:
 
 
 def _free_gb() -> float:
+    """Free GPU memory, GB, after returning the caching allocator's unused blocks."""
     if not torch.cuda.is_available():
-        return 0.0
+        return float("inf")
+    torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info()
     return free / (1 << 30)
 
@@ -112,7 +120,9 @@ class RoundReadings:
         done = 0
         oldest_first = self.slots[self.next :] + self.slots[: self.next]
         for slot in oldest_first:
-            if slot.pending and slot.end.query():
+            if slot.pending and not slot.end.query():
+                break  # one stream: the later rounds have not completed either
+            if slot.pending:
                 slot.pending = False
                 rows = slot.host[: slot.bs]
                 mean = rows.mean(0).tolist()  # host memory: no device work

@@ -166,8 +166,9 @@ class WidthPolicy:
       CUDA-graph batch size a batch pads to. A median, not a mean: the events also time the
       host's stalls inside a round, and on a host-bound server one stall reads 10x a round
       (the GPU suite's tables, session 10). A bucket first runs every width `explore` times
-      (the calibration: a few rounds per bucket), then once every `refresh` rounds the width
-      measured longest ago.
+      (the calibration: a few rounds per bucket), then every `refresh` rounds of that bucket
+      the width measured longest ago, for window // 2 + 1 rounds in a row (enough to move
+      its median).
       Batches beyond the graphs' sizes (or without graphs) round up to a power of two.
     - Tokens: per width, the drafter's expected tokens per request (1 + sum of q over the first w
       nodes), averaged, times a per-width ratio of accepted to predicted tokens on the rounds
@@ -179,8 +180,9 @@ class WidthPolicy:
                  explore: int = 3, refresh: int = 32, window: int = 5) -> None:  # fmt: skip
         if not widths or list(widths) != sorted(set(widths)):
             raise ValueError(f"widths must be increasing, got {list(widths)}")
-        if explore < 1 or refresh < 1:
-            raise ValueError(f"explore and refresh must be >= 1, got {explore}, {refresh}")
+        if min(explore, refresh, window) < 1:
+            raise ValueError(f"explore, refresh and window must be >= 1, got {explore}, "
+                             f"{refresh}, {window}")  # fmt: skip
         self.widths, self.buckets = tuple(widths), tuple(sorted(buckets))
         self.decay, self.explore, self.refresh = decay, explore, refresh
         self.cost: dict[tuple[int, int], float] = {}  # (bucket, width) -> ms, the median
@@ -192,6 +194,8 @@ class WidthPolicy:
         self.ratio = {w: Calibration(decay, start=None) for w in widths}
         self.overall = Calibration(decay, start=None)
         self.rounds = 0
+        self.bucket_rounds: collections.Counter = collections.Counter()  # bucket -> rounds
+        self.burst: dict[int, list] = {}  # bucket -> [width, rounds left] of a refresh
         self.chosen: collections.Counter = collections.Counter()  # width -> rounds
         self.calibrated: list[int] = []  # buckets just calibrated (newly_calibrated)
         self.announced: set[int] = set()
@@ -205,13 +209,19 @@ class WidthPolicy:
     def choose(self, bs: int) -> int:
         self.rounds += 1
         b = self.bucket(bs)
+        self.bucket_rounds[b] += 1
         untried = [w for w in reversed(self.widths) if self.samples[b, w] < self.explore]
+        burst = self.burst.get(b)
         if untried:  # calibration: the widest first (the configured N)
             width = untried[0]
-        elif self.rounds % self.refresh == 0:  # keep every width's cost fresh
+        elif burst and burst[1] > 0:  # a refresh runs a few rounds, enough to move a median
+            width, burst[1] = burst[0], burst[1] - 1
+        elif self.bucket_rounds[b] % self.refresh == 0:  # keep every width's cost fresh
             width = min(self.widths, key=lambda w: self.last_seen[b, w])
+            self.burst[b] = [width, self.window // 2]
         else:
-            width = max(self.widths, key=lambda w: (self.tokens(w) / self.cost[b, w], -w))
+            width = max(self.widths,
+                        key=lambda w: (self.tokens(w) / max(self.cost[b, w], 1e-6), -w))  # fmt: skip
         self.chosen[width] += 1
         return width
 
