@@ -23,6 +23,10 @@
 #                                                unit tests, the suite, bench_gdn_tree.py, then
 #                                                (given ARGS) bench_round.py ARGS;
 #                                                collect-all NAME [WAIT_S]
+#   [GDN_ARGS=... SERVING_ARGS=...] bash scripts/gpu_session.sh measure NAME [ARGS]  the same
+#                                                with the benchmarks first on the quiet GPU
+#                                                (bench_round.py ARGS, bench_gdn_tree.py), then
+#                                                the suite, then bench_serving.py on the pair
 #   bash scripts/gpu_session.sh bench-tree [ARGS]   scripts/bench_tree_build.py (no server)
 #   bash scripts/gpu_session.sh bench-gdn [ARGS]    scripts/bench_gdn_tree.py (no server)
 # Background processes (servers, tests) run in their own sessions; `collect` gathers their
@@ -153,10 +157,31 @@ case "${1:-}" in
           --work "/root/bench_$NAME" "$@" > "$DIR/round.log" 2>&1
         touch "$DIR/done"' all "$@" < /dev/null > /dev/null 2>&1 &
     sleep 2; echo "all $name started in $dir" ;;
+  measure)  # measure NAME [BENCH_ROUND ARGS]: detached, into ROOT/NAME, in this order: (given
+    # ARGS) bench_round.py alone on the GPU; bench_gdn_tree.py with $GDN_ARGS; the GPU unit tests
+    # beside the suite (DDTREE_GPU_SERVERS narrows it); scripts/bench_serving.py ($SERVING_ARGS),
+    # its servers booted once the suite's are healthy, measuring once its tests are done.
+    # collect-all NAME gathers it.
+    name=$2; shift 2; dir="$ROOT/$name"; mkdir -p "$dir"
+    ROOT=$ROOT NAME=$name DIR=$dir GDN_ARGS="${GDN_ARGS:---bs 1,8,16 --nodes 16,32,64 --conv}" \
+      SERVING_ARGS="${SERVING_ARGS:-}" setsid nohup bash -c '
+        [ $# -gt 0 ] && python3 scripts/bench_round.py --out "$DIR/round" \
+          --work "/root/bench_$NAME" "$@" > "$DIR/round.log" 2>&1
+        python3 scripts/bench_gdn_tree.py --out "$DIR/gdn" $GDN_ARGS > "$DIR/gdn.log" 2>&1
+        python3 -m pytest tests/unit -m gpu -q -rA > "$DIR/unit_gpu.log" 2>&1 &
+        OUT="$DIR/suite" bash scripts/gpu_session.sh start 0 > "$DIR/suite_start.log" 2>&1
+        python3 -m tests.gpu.servers wait "$ROOT" 900 > "$DIR/suite_wait.log" 2>&1
+        (unset DDTREE_GPU_SERVERS; python3 scripts/bench_serving.py --out "$DIR/serving" \
+          --hold-until "$DIR/suite.done" $SERVING_ARGS > "$DIR/serving.log" 2>&1) &
+        OUT="$DIR/suite" bash scripts/gpu_session.sh collect 1500 > "$DIR/suite.log" 2>&1
+        python3 -m tests.gpu.servers stop "$ROOT"; sleep 5; touch "$DIR/suite.done"
+        wait
+        touch "$DIR/done"' measure "$@" < /dev/null > /dev/null 2>&1 &
+    sleep 2; echo "measure $name started in $dir" ;;
   collect-all)  # collect-all NAME [WAIT_S]: wait for `all NAME` (up to WAIT_S), results to $OUT
     dir="$ROOT/$2"; t0=$SECONDS
     while [ ! -e "$dir/done" ] && [ $((SECONDS - t0)) -lt "${3:-540}" ]; do sleep 5; done
-    for f in unit_gpu.log gdn.log suite/summary.txt round.log; do
+    for f in unit_gpu.log gdn.log suite/summary.txt round.log serving/table.md; do
       [ -f "$dir/$f" ] && { echo "== $f"; tail -n 40 "$dir/$f" | cut -c1-400; }
     done
     tar czf "$OUT/$2.tgz" -C "$dir" --exclude='trace_*' . 2>/dev/null
