@@ -115,11 +115,10 @@ def _reject_unsupported(tokenizer_manager, obj, *args, **kwargs):
     server_args = getattr(tokenizer_manager, "server_args", None)
     if getattr(server_args, "speculative_algorithm", None) != "DDTREE":
         return None
-    if getattr(obj, "return_logprob", False) and not _logprobs_on():
+    if getattr(obj, "return_logprob", False):
         raise ValueError(
             "DDTREE speculative decoding does not return logprobs; drop logprobs/return_logprob "
-            "or serve this request without speculative decoding (SGLANG_DDTREE_LOGPROBS=1 "
-            "serves them, not yet verified against plain decoding)."
+            "or serve this request without speculative decoding."
         )
     sampling = getattr(obj, "sampling_params", None) or {}
     if not isinstance(sampling, dict):
@@ -135,16 +134,6 @@ def _reject_unsupported(tokenizer_manager, obj, *args, **kwargs):
                 f"distribution would differ from the target's); leave it at {neutral}."
             )
     return None
-
-
-def _logprobs_on() -> bool:
-    """SGLANG_DDTREE_LOGPROBS=1: SGLang's own spec-v2 logprobs (run_eagle_verify's
-    compute_spec_v2_logprobs: the target's log-softmax at each accepted node, the bonus token's
-    included), served instead of refused; opt-in until the GPU suite's comparison with plain
-    decoding has passed (test_logprobs_are_the_plain_servers)."""
-    from sglang_ddtree.config import options
-
-    return options().logprobs
 
 
 # Options SGLang's tree verify applies only approximately (penalties, and min_new_tokens's EOS

@@ -562,7 +562,6 @@ DEFAULT_DDTREE = ("ddtree", "ddtree_sync", "ddtree_torch")
 ENGAGED = {
     **{v: _engaged() for v in DEFAULT_DDTREE},
     "ddtree_fixed": _engaged(width="fixed"),
-    "ddtree_logprobs": _engaged(),
     # the deterministic mode's defaults: root-path verify, fixed width
     "ddtree_det": _engaged(verify="paths", width="fixed"),
     "ddtree_det_chunk": _engaged(width="fixed"),
@@ -582,7 +581,6 @@ NOT_ENGAGED = {
     "ddtree_sglanggdn": (PATHS, CHUNK, COMMIT, CONV, *COMPACT),
     **{v: (PATHS, HOSTPLAN, WIDTH["fixed"]) for v in DEFAULT_DDTREE},
     "ddtree_fixed": (PATHS, HOSTPLAN, WIDTH["auto"]),
-    "ddtree_logprobs": (PATHS, HOSTPLAN, WIDTH["fixed"]),
     **{
         v: (CHUNK,)
         for v in ("ddtree_paths", "ddtree_det", "ddtree_det_sglangconv", "ddtree_det_full")
@@ -635,7 +633,7 @@ GRAMMARS = {
                 "type": "object",
                 "additionalProperties": False,
                 "properties": {
-                    "name": {"type": "string", "maxLength": 10},
+                    "name": {"type": "string", "pattern": "^[a-z]{1,10}$"},
                     "count": {"enum": [1, 2, 3]},
                 },
                 "required": ["name", "count"],
@@ -695,69 +693,27 @@ def test_constrained_output_is_plains_and_parses(servers, fp32_pair, model, kind
 @pytest.mark.parametrize("model", MODELS)
 def test_a_grammar_that_rejects_the_drafts_still_makes_progress(servers, model):
     """Digits only: the drafter (code text) proposes almost nothing the grammar allows, so most
-    rounds accept no drafted token; each round still emits the target's own (bonus) token, so 40
-    digits take at most 40 rounds and match the grammar. Through the OpenAI chat route too."""
+    rounds accept no drafted token; each round still emits the target's own (bonus) token, and
+    the 40 digits (fewer tokens: the tokenizers have digit pairs) match the grammar. Through the
+    OpenAI chat route too (response_format json_schema)."""
     server = _up(servers, f"{model}-ddtree")
     _flush(server)
     out = harness.generate(server, harness.PROMPTS[0], max_new_tokens=40, temperature=0,
                            regex="[0-9]{40}")  # fmt: skip
     assert re.fullmatch("[0-9]{40}", out["text"]), out["text"]
-    assert 1 <= out["meta_info"]["spec_verify_ct"] <= 40, out["meta_info"]
+    # the first token comes from the prefill, then at least one per round; the binary drafts
+    # (their two tokens are never digits) are all rejected: exactly one per round
+    rounds, tokens = out["meta_info"]["spec_verify_ct"], len(out["output_ids"])
+    if model == "pair":
+        assert 1 <= rounds <= tokens - 1, out["meta_info"]
+    else:
+        assert rounds == tokens - 1, out["meta_info"]
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
               "additionalProperties": False}  # fmt: skip
     chat = harness.chat(server, harness.PROMPTS[1], max_tokens=GRAMMAR_TOKENS, temperature=0,
                         response_format={"type": "json_schema",
                                          "json_schema": {"name": "flag", "schema": schema}})  # fmt: skip
     assert set(json.loads(chat["choices"][0]["message"]["content"])) == {"ok"}, chat
-
-
-LOGPROB_TOL = TIE_TOL  # nats: the bf16 tree verify's logits against plain decode's, same prefix
-
-
-@pytest.mark.parametrize("model", MODELS)
-def test_logprobs_are_the_plain_servers(servers, model):
-    """SGLANG_DDTREE_LOGPROBS=1 (`ddtree_logprobs`; opt-in until this passes): greedy
-    /generate with return_logprob and top_logprobs_num=5, one request at a time from a flushed
-    cache, against the plain server. Where the tokens agree, every token's logprob (the bonus
-    token's included) is plain's within LOGPROB_TOL, and every token plain ranks in its top 5 by
-    more than TIE_TOL above the 5th is in DDTREE's top 5. Then the OpenAI shape: chat with
-    logprobs and top_logprobs=3 has one entry per completion token, each with 3 alternatives."""
-    server, base = _up(servers, f"{model}-ddtree_logprobs"), _up(servers, f"{model}-base")
-    agreed = 0
-    for prompt in harness.PROMPTS[:6]:
-        payload = {"text": prompt, "return_logprob": True, "top_logprobs_num": 5,
-                   "sampling_params": {"max_new_tokens": 32, "temperature": 0,
-                                       "ignore_eos": True}}  # fmt: skip
-        outs = []
-        for s in (server, base):
-            _flush(s)
-            status, out = harness.post(s.url + "/generate", payload)
-            assert status == 200, out
-            outs.append(out)
-        got, want = outs
-        ids = got["output_ids"]
-        lp, top = got["meta_info"]["output_token_logprobs"], got["meta_info"]["output_top_logprobs"]
-        assert len(lp) == len(ids) == 32 and len(top) == 32, (len(lp), len(ids), len(top))
-        at = harness.first_divergence(ids, want["output_ids"])
-        at = len(ids) if at is None else at
-        w_lp, w_top = (
-            want["meta_info"]["output_token_logprobs"],
-            want["meta_info"]["output_top_logprobs"],
-        )
-        for i in range(at):
-            assert lp[i][1] == ids[i], (prompt, i, lp[i])
-            assert abs(lp[i][0] - w_lp[i][0]) <= LOGPROB_TOL, (prompt, i, lp[i], w_lp[i])
-            fifth = w_top[i][-1][0]
-            clear = {t[1] for t in w_top[i] if t[0] > fifth + TIE_TOL}
-            assert clear <= {t[1] for t in top[i]}, (prompt, i, top[i], w_top[i])
-        agreed += at
-    assert agreed >= 32, agreed  # enough agreeing tokens that the comparison means something
-    chat = harness.chat(server, harness.PROMPTS[0], max_tokens=16, temperature=0, logprobs=True,
-                        top_logprobs=3)  # fmt: skip
-    content = chat["choices"][0]["logprobs"]["content"]
-    assert len(content) == chat["usage"]["completion_tokens"] == 16, content
-    assert all(len(c["top_logprobs"]) == 3 and c["logprob"] <= 0 for c in content), content
-    print(f"{model}: logprobs compared on {agreed} agreeing tokens")
 
 
 @pytest.mark.parametrize("model", MODELS)

@@ -267,20 +267,6 @@ def test_front_end_rejects_what_ddtree_cannot_serve_exactly(request_kwargs, word
         hooks._reject_unsupported(_tokenizer_manager("DDTREE"), _request(**request_kwargs), [1])
 
 
-def test_logprobs_are_served_only_when_opted_in(monkeypatch):
-    """SGLANG_DDTREE_LOGPROBS=1 lets logprob requests through (to SGLang's spec-v2 logprobs);
-    the other refusals stay."""
-    monkeypatch.setenv("SGLANG_DDTREE_LOGPROBS", "1")
-    asked = _request(logprob=True, max_new_tokens=8)
-    assert hooks._reject_unsupported(_tokenizer_manager("DDTREE"), asked, [1]) is None
-    with pytest.raises(ValueError, match="min_p=0.1"):
-        hooks._reject_unsupported(_tokenizer_manager("DDTREE"),
-                                  _request(logprob=True, max_new_tokens=8, min_p=0.1), [1])  # fmt: skip
-    monkeypatch.setenv("SGLANG_DDTREE_LOGPROBS", "0")
-    with pytest.raises(ValueError, match="SGLANG_DDTREE_LOGPROBS=1"):
-        hooks._reject_unsupported(_tokenizer_manager("DDTREE"), asked, [1])
-
-
 def test_front_end_accepts_plain_requests_and_other_algorithms():
     ok = _request(
         max_new_tokens=8,
