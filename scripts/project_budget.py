@@ -21,14 +21,22 @@ import torch
 from sglang_ddtree.tree.budget import CHAIN, CostTable, choose_width
 
 
-def load(rounds: Path, acceptance: Path, temperature: float):
-    """(CostTable, {width or CHAIN: tokens per round})."""
+def load(rounds: Path, acceptance: Path, temperature: float, variants=None):
+    """(CostTable, {width or CHAIN: tokens per round}). Rows of automatic-width servers
+    (`_auto`) have no one width and are left out; `variants` keeps only those names."""
     rows = [json.loads(line) for line in rounds.read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if "round_ms" in r]
+    rows = [r for r in rows if "round_ms" in r and "_auto" not in r["variant"]]
+    if variants:
+        rows = [r for r in rows if r["variant"] in variants]
     width_of = {}
     for r in rows:
         name = r["variant"]
         width_of[name] = CHAIN if name.startswith("dflash") else int(name[6:].split("_")[0])
+    clash = [w for w in set(width_of.values()) if list(width_of.values()).count(w) > 1]
+    if clash:
+        names = sorted(n for n, w in width_of.items() if w in clash)
+        raise SystemExit(f"several variants measure the same width: {names}; keep one of each "
+                         "with --variants")  # fmt: skip
     batch = sorted({r["bs"] for r in rows})
     ms = {}
     for name, width in width_of.items():
@@ -63,8 +71,11 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=Path, required=True)
     p.add_argument("--acceptance", type=Path, required=True)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--variants", help="comma-separated bench_round variants to use (one per "
+                   "width and the chain), e.g. dflash,ddtree16,ddtree32")  # fmt: skip
     args = p.parse_args(argv)
-    cost, tokens = load(args.rounds, args.acceptance, args.temperature)
+    keep = args.variants.split(",") if args.variants else None
+    cost, tokens = load(args.rounds, args.acceptance, args.temperature, keep)
     print(f"{'bs':>3} {'choice':>7} {'DDTREE/DFLASH':>14}")
     for row in project(cost, tokens, cost.batch_sizes):
         print(f"{row['bs']:>3} {row['choice']:>7} {row['projected_vs_dflash']:>14.2f}")

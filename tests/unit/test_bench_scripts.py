@@ -329,6 +329,24 @@ def test_host_trace_parser_counts_rounds_parts_and_own_syncs():
     assert host["own_syncs_per_round"] == 1 / 3
 
 
+def test_project_budget_leaves_out_automatic_servers_and_names_clashes(tmp_path):
+    """An automatic-width server's rows (bench_round's `ddtreeN_auto`) have no one width; two
+    fixed variants of one width (a default and an opt-out) need --variants."""
+    bench = _script("project_budget")
+    row = {"bs": 1, "round_ms": 20.0}
+    rows = [{**row, "variant": v} for v in ("dflash", "ddtree32", "ddtree64", "ddtree64_auto")]
+    path = tmp_path / "r.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cost, tokens = bench.load(path, ROOT / "docs" / "acceptance.jsonl", 0.0)
+    assert sorted(cost.ms) == sorted([bench.CHAIN, 32, 64])
+    path.write_text(path.read_text() + json.dumps({**row, "variant": "ddtree32_paths"}) + "\n")
+    with pytest.raises(SystemExit, match="ddtree32.*ddtree32_paths.*--variants"):
+        bench.load(path, ROOT / "docs" / "acceptance.jsonl", 0.0)
+    cost, _ = bench.load(path, ROOT / "docs" / "acceptance.jsonl", 0.0,
+                         ["dflash", "ddtree32_paths", "ddtree64"])  # fmt: skip
+    assert sorted(cost.ms) == sorted([bench.CHAIN, 32, 64])
+
+
 def test_tree_build_bench_runs_the_server_head_on_cpu():
     """scripts/bench_tree_build.py's configuration path (the server's DraftTreeHead on random
     pair-shaped weights) on CPU: a valid tree of the asked size, nothing timed."""
