@@ -164,6 +164,9 @@ class Options:
                                               fixed under --enable-deterministic-inference
     widths        SGLANG_DDTREE_WIDTHS        comma-separated verify widths for auto, each in
                                               [B, N]; None: B, 2B, 4B ... below N, and N
+    logprobs      SGLANG_DDTREE_LOGPROBS      1 (opt-in, not yet verified on a GPU): serve
+                                              logprobs (SGLang's spec-v2 logprobs over the
+                                              accepted path) instead of refusing them with 400
     dump_rounds   SGLANG_DDTREE_DUMP_ROUNDS   a JSON-lines file for sampled rounds; None: off
     dump_every    SGLANG_DDTREE_DUMP_EVERY    every how many rounds (100)
     verify_plan   SGLANG_DDTREE_VERIFY_PLAN   sglang | host (opt-in): FlashInfer's verify plan from
@@ -198,6 +201,7 @@ class Options:
     gdn_precision: str = "split"
     width: str = "auto"
     widths: tuple[int, ...] | None = None
+    logprobs: bool = False
 
     @classmethod
     def from_env(cls, unified_memory: bool = False, deterministic: bool = False) -> Options:
@@ -247,6 +251,7 @@ class Options:
                 default="fixed" if deterministic else "auto",
             ),  # fmt: skip
             widths=_widths("SGLANG_DDTREE_WIDTHS"),
+            logprobs=env_choice("SGLANG_DDTREE_LOGPROBS", ("0", "1")) == "1",
         )
         opts._check(unified_memory)
         return opts

@@ -115,10 +115,11 @@ def _reject_unsupported(tokenizer_manager, obj, *args, **kwargs):
     server_args = getattr(tokenizer_manager, "server_args", None)
     if getattr(server_args, "speculative_algorithm", None) != "DDTREE":
         return None
-    if getattr(obj, "return_logprob", False):
+    if getattr(obj, "return_logprob", False) and not _logprobs_on():
         raise ValueError(
             "DDTREE speculative decoding does not return logprobs; drop logprobs/return_logprob "
-            "or serve this request without speculative decoding."
+            "or serve this request without speculative decoding (SGLANG_DDTREE_LOGPROBS=1 "
+            "serves them, not yet verified against plain decoding)."
         )
     sampling = getattr(obj, "sampling_params", None) or {}
     if not isinstance(sampling, dict):
@@ -134,6 +135,16 @@ def _reject_unsupported(tokenizer_manager, obj, *args, **kwargs):
                 f"distribution would differ from the target's); leave it at {neutral}."
             )
     return None
+
+
+def _logprobs_on() -> bool:
+    """SGLANG_DDTREE_LOGPROBS=1: SGLang's own spec-v2 logprobs (run_eagle_verify's
+    compute_spec_v2_logprobs: the target's log-softmax at each accepted node, the bonus token's
+    included), served instead of refused; opt-in until the GPU suite's comparison with plain
+    decoding has passed (test_logprobs_are_the_plain_servers)."""
+    from sglang_ddtree.config import options
+
+    return options().logprobs
 
 
 # Options SGLang's tree verify applies only approximately (penalties, and min_new_tokens's EOS
@@ -169,7 +180,17 @@ def report() -> dict:
 
 
 def _validate_request(original, req, enable_overlap):
-    error = original(req, enable_overlap)
+    """AROUND validate_dflash_request (the scheduler's per-request check for the DFlash family):
+    DFLASH's messages in DDTREE's name; with SGLANG_DDTREE_LOGPROBS=1 a logprob request passes
+    (DDTREE's verify computes them), the other checks still apply."""
+    if getattr(req, "return_logprob", False) and _logprobs_on():
+        req.return_logprob = False  # hidden from the one check that refuses it
+        try:
+            error = original(req, enable_overlap)
+        finally:
+            req.return_logprob = True
+    else:
+        error = original(req, enable_overlap)
     return None if error is None else error.replace("DFLASH", "DDTREE")
 
 

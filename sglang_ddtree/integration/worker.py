@@ -183,7 +183,8 @@ class DDTreeWorker(DFlashWorkerV2):
 
     def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None):
         if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
-            return super().forward_batch_generation(batch, on_publish, grammar_barrier)
+            with self._logprobs_through_prefill(batch):
+                return super().forward_batch_generation(batch, on_publish, grammar_barrier)
         if batch.forward_mode.is_idle():
             return super().forward_batch_generation(batch, on_publish, grammar_barrier)
         draft_input = batch.spec_info  # the DFlash draft state the last round (or prefill) left
@@ -228,6 +229,30 @@ class DDTreeWorker(DFlashWorkerV2):
             if self._readings is not None:
                 self._readings.finish(built.scores, result.accept_lens)
         return result
+
+    @contextlib.contextmanager
+    def _logprobs_through_prefill(self, batch):
+        """SGLANG_DDTREE_LOGPROBS=1: DFlashWorkerV2 (0.5.17) refuses any batch that asks for
+        logprobs before its prefill, although the target forward it then runs computes them.
+        For DDTREE the flag is hidden from that check and shown again to the target forward
+        (SGLang's own prefill logprobs; the decode rounds' come from run_eagle_verify)."""
+        if not (getattr(batch, "return_logprob", False) and options().logprobs):
+            yield
+            return
+        target = self.target_worker
+        forward = target.forward_batch_generation
+
+        def with_logprobs(inner, *args, **kwargs):
+            inner.return_logprob = True
+            return forward(inner, *args, **kwargs)
+
+        batch.return_logprob = False
+        target.forward_batch_generation = with_logprobs  # shadows the method, this call only
+        try:
+            yield
+        finally:
+            del target.forward_batch_generation
+            batch.return_logprob = True
 
     # -- step 1 + 2: draft the block, build the tree -----------------------------------------
     def _draft(self, batch, draft_input) -> tuple[torch.Tensor, torch.Tensor]:

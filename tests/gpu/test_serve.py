@@ -562,6 +562,7 @@ DEFAULT_DDTREE = ("ddtree", "ddtree_sync", "ddtree_torch")
 ENGAGED = {
     **{v: _engaged() for v in DEFAULT_DDTREE},
     "ddtree_fixed": _engaged(width="fixed"),
+    "ddtree_logprobs": _engaged(),
     # the deterministic mode's defaults: root-path verify, fixed width
     "ddtree_det": _engaged(verify="paths", width="fixed"),
     "ddtree_det_chunk": _engaged(width="fixed"),
@@ -581,6 +582,7 @@ NOT_ENGAGED = {
     "ddtree_sglanggdn": (PATHS, CHUNK, COMMIT, CONV, *COMPACT),
     **{v: (PATHS, HOSTPLAN, WIDTH["fixed"]) for v in DEFAULT_DDTREE},
     "ddtree_fixed": (PATHS, HOSTPLAN, WIDTH["auto"]),
+    "ddtree_logprobs": (PATHS, HOSTPLAN, WIDTH["fixed"]),
     **{
         v: (CHUNK,)
         for v in ("ddtree_paths", "ddtree_det", "ddtree_det_sglangconv", "ddtree_det_full")
@@ -714,6 +716,63 @@ def test_a_grammar_that_rejects_the_drafts_still_makes_progress(servers, model):
                         response_format={"type": "json_schema",
                                          "json_schema": {"name": "flag", "schema": schema}})  # fmt: skip
     assert set(json.loads(chat["choices"][0]["message"]["content"])) == {"ok"}, chat
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_logprobs_are_the_plain_servers(servers, model):
+    """SGLANG_DDTREE_LOGPROBS=1 (`ddtree_logprobs`; opt-in until this passes): greedy /generate
+    with return_logprob and top_logprobs_num=5, one request at a time from a flushed cache,
+    against the plain server. Where the tokens agree, every token's logprob (the prefill's
+    first token and each round's bonus token included) is plain's within a tolerance set by
+    the control (twice plain's own gap between its decode and its prefill logprobs on its own
+    tokens, at least TIE_TOL), and every token plain ranks in its top 5 by more than TIE_TOL
+    above the 5th is in DDTREE's top 5. Then the OpenAI shape: chat with logprobs and
+    top_logprobs=3 has one entry per completion token."""
+    server, base = _up(servers, f"{model}-ddtree_logprobs"), _up(servers, f"{model}-base")
+    agreed, control, pairs = 0, 0.0, []
+    for prompt in harness.PROMPTS[:6]:
+        payload = {"text": prompt, "return_logprob": True, "top_logprobs_num": 5,
+                   "sampling_params": {"max_new_tokens": 32, "temperature": 0,
+                                       "ignore_eos": True}}  # fmt: skip
+        outs = []
+        for s in (server, base):
+            _flush(s)
+            status, out = harness.post(s.url + "/generate", payload)
+            assert status == 200, out
+            outs.append(out)
+        got, want = outs
+        ids, meta, w_meta = got["output_ids"], got["meta_info"], want["meta_info"]
+        lp, top = meta["output_token_logprobs"], meta["output_top_logprobs"]
+        assert len(lp) == len(ids) == 32 and len(top) == 32, (len(lp), len(ids), len(top))
+        # the control: plain's decode logprobs against its own prefill (teacher forcing)
+        prompt_ids = base.tokenize(prompt)
+        forced = _next_token_logprobs(base, prompt_ids + want["output_ids"], len(prompt_ids))
+        forced_lp = [x[0] for x in forced["input_token_logprobs"][1:]]
+        control = max(control, max(abs(a[0] - b) for a, b in
+                                   zip(w_meta["output_token_logprobs"], forced_lp, strict=True)))  # fmt: skip
+        at = harness.first_divergence(ids, want["output_ids"])
+        at = len(ids) if at is None else at
+        w_top = w_meta["output_top_logprobs"]
+        for i in range(at):
+            assert lp[i][1] == ids[i], (prompt, i, lp[i])
+            pairs.append((prompt, i, lp[i][0], w_meta["output_token_logprobs"][i][0]))
+            fifth = w_top[i][-1][0]
+            clear = {t[1] for t in w_top[i] if t[0] > fifth + TIE_TOL}
+            assert clear <= {t[1] for t in top[i]}, (prompt, i, top[i], w_top[i])
+        agreed += at
+    assert control <= CONTROL_MAX, f"plain's decode and prefill logprobs differ by {control}"
+    tol = max(TIE_TOL, 2 * control)
+    worst = max(pairs, key=lambda r: abs(r[2] - r[3]))
+    assert abs(worst[2] - worst[3]) <= tol, (worst, tol)
+    assert agreed >= 32, agreed  # enough agreeing tokens that the comparison means something
+    chat = harness.chat(server, harness.PROMPTS[0], max_tokens=16, temperature=0, logprobs=True,
+                        top_logprobs=3, ignore_eos=True)  # fmt: skip
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert len(content) == chat["usage"]["completion_tokens"] == 16, content
+    # top_logprobs are keyed by token text: two tokens of one text count once
+    assert all(1 <= len(c["top_logprobs"]) <= 3 and c["logprob"] <= 0 for c in content), content
+    print(f"{model}: logprobs on {agreed} agreeing tokens, worst gap "
+          f"{abs(worst[2] - worst[3]):.3f} (tolerance {tol:.3f})")  # fmt: skip
 
 
 @pytest.mark.parametrize("model", MODELS)

@@ -267,6 +267,20 @@ def test_front_end_rejects_what_ddtree_cannot_serve_exactly(request_kwargs, word
         hooks._reject_unsupported(_tokenizer_manager("DDTREE"), _request(**request_kwargs), [1])
 
 
+def test_logprobs_are_served_only_when_opted_in(monkeypatch):
+    """SGLANG_DDTREE_LOGPROBS=1 lets logprob requests through (to SGLang's spec-v2 logprobs);
+    the other refusals stay."""
+    monkeypatch.setenv("SGLANG_DDTREE_LOGPROBS", "1")
+    asked = _request(logprob=True, max_new_tokens=8)
+    assert hooks._reject_unsupported(_tokenizer_manager("DDTREE"), asked, [1]) is None
+    with pytest.raises(ValueError, match="min_p=0.1"):
+        hooks._reject_unsupported(_tokenizer_manager("DDTREE"),
+                                  _request(logprob=True, max_new_tokens=8, min_p=0.1), [1])  # fmt: skip
+    monkeypatch.setenv("SGLANG_DDTREE_LOGPROBS", "0")
+    with pytest.raises(ValueError, match="SGLANG_DDTREE_LOGPROBS=1"):
+        hooks._reject_unsupported(_tokenizer_manager("DDTREE"), asked, [1])
+
+
 def test_front_end_accepts_plain_requests_and_other_algorithms():
     ok = _request(
         max_new_tokens=8,
@@ -353,3 +367,58 @@ def test_worker_drops_only_dflashs_width_mismatch_warning():
     mismatch = "DFLASH block size mismatch: using speculative_num_draft_tokens=%s but draft config block_size=%s."
     assert not drop.filter(record(mismatch))
     assert drop.filter(record("Initialized DFLASH draft runner. block_size=%s %s"))
+
+
+def test_the_scheduler_check_lets_logprobs_through_only_when_opted_in(monkeypatch):
+    """validate_dflash_request (DDTREE is of the DFlash family) refuses return_logprob first;
+    with SGLANG_DDTREE_LOGPROBS=1 the hook hides that one check and keeps the others."""
+    seen = []
+
+    def original(req, enable_overlap):
+        seen.append(req.return_logprob)
+        if req.return_logprob:
+            return "DFLASH speculative decoding does not support return_logprob yet."
+        if enable_overlap and req.return_hidden_states:
+            return "DFLASH speculative decoding does not support return_hidden_states yet."
+        return None
+
+    req = types.SimpleNamespace(return_logprob=True, return_hidden_states=False)
+    assert "DDTREE" in hooks._validate_request(original, req, True)
+    monkeypatch.setenv("SGLANG_DDTREE_LOGPROBS", "1")
+    assert hooks._validate_request(original, req, True) is None
+    assert req.return_logprob is True and seen[-1] is False  # hidden for the check only
+    req.return_hidden_states = True
+    assert "return_hidden_states" in hooks._validate_request(original, req, True)
+
+
+def test_the_prefill_shows_the_target_its_logprob_flag(monkeypatch):
+    """DFlashWorkerV2's prefill refuses a batch with return_logprob before it runs the target;
+    with SGLANG_DDTREE_LOGPROBS=1 the worker hides the flag from that check and the target
+    forward sees it again; both are restored afterwards, also when the prefill fails."""
+    from sglang_ddtree import config
+    from sglang_ddtree.integration import worker as worker_mod
+
+    class Target:
+        def forward_batch_generation(self, batch, **kwargs):
+            return ("target saw", batch.return_logprob)
+
+    w = worker_mod.DDTreeWorker.__new__(worker_mod.DDTreeWorker)
+    w._target_worker = Target()
+
+    def dflash_prefill(batch):  # what DFlashWorkerV2.forward_batch_generation does, in short
+        if batch.return_logprob:
+            raise ValueError("DFLASH speculative decoding does not support return_logprob yet.")
+        return w.target_worker.forward_batch_generation(batch, capture_hidden_mode="FULL")
+
+    monkeypatch.setattr(worker_mod, "options", lambda: config.Options.from_env())
+    batch = types.SimpleNamespace(return_logprob=True)
+    with pytest.raises(ValueError, match="return_logprob"), w._logprobs_through_prefill(batch):
+        dflash_prefill(batch)  # not opted in: SGLang's refusal stands
+    monkeypatch.setenv("SGLANG_DDTREE_LOGPROBS", "1")
+    with w._logprobs_through_prefill(batch):
+        assert dflash_prefill(batch) == ("target saw", True)
+    assert batch.return_logprob is True
+    assert "forward_batch_generation" not in vars(w.target_worker)
+    with pytest.raises(RuntimeError), w._logprobs_through_prefill(batch):
+        raise RuntimeError("prefill failed")
+    assert batch.return_logprob is True and "forward_batch_generation" not in vars(w.target_worker)
