@@ -186,7 +186,8 @@ class DDTreeWorker(DFlashWorkerV2):
             with self._logprobs_through_prefill(batch):
                 return super().forward_batch_generation(batch, on_publish, grammar_barrier)
         if batch.forward_mode.is_idle():
-            return super().forward_batch_generation(batch, on_publish, grammar_barrier)
+            with self._logprobs_through_prefill(batch):
+                return super().forward_batch_generation(batch, on_publish, grammar_barrier)
         draft_input = batch.spec_info  # the DFlash draft state the last round (or prefill) left
         if not isinstance(draft_input, DFlashDraftInputV2):
             raise RuntimeError(f"DDTREE expected DFlashDraftInputV2, got {type(draft_input)}")
@@ -241,17 +242,21 @@ class DDTreeWorker(DFlashWorkerV2):
             return
         target = self.target_worker
         forward = target.forward_batch_generation
+        shadowed = vars(target).get("forward_batch_generation")
 
-        def with_logprobs(inner, *args, **kwargs):
-            inner.return_logprob = True
-            return forward(inner, *args, **kwargs)
+        def with_logprobs(*args, **kwargs):
+            batch.return_logprob = True
+            return forward(*args, **kwargs)
 
         batch.return_logprob = False
         target.forward_batch_generation = with_logprobs  # shadows the method, this call only
         try:
             yield
         finally:
-            del target.forward_batch_generation
+            if shadowed is None:
+                del target.forward_batch_generation
+            else:
+                target.forward_batch_generation = shadowed
             batch.return_logprob = True
 
     # -- step 1 + 2: draft the block, build the tree -----------------------------------------

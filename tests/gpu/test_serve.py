@@ -753,24 +753,45 @@ def test_logprobs_are_the_plain_servers(servers, model):
         at = harness.first_divergence(ids, want["output_ids"])
         at = len(ids) if at is None else at
         w_top = w_meta["output_top_logprobs"]
+        for i in range(len(ids)):  # greedy: the emitted token is its own top-1, same logprob
+            assert top[i][0][1] == ids[i] and abs(top[i][0][0] - lp[i][0]) < 1e-5, (i, top[i])
         for i in range(at):
-            assert lp[i][1] == ids[i], (prompt, i, lp[i])
             pairs.append((prompt, i, lp[i][0], w_meta["output_token_logprobs"][i][0]))
             fifth = w_top[i][-1][0]
             clear = {t[1] for t in w_top[i] if t[0] > fifth + TIE_TOL}
             assert clear <= {t[1] for t in top[i]}, (prompt, i, top[i], w_top[i])
         agreed += at
+    assert agreed >= 32, agreed  # enough agreeing tokens that the comparison means something
     assert control <= CONTROL_MAX, f"plain's decode and prefill logprobs differ by {control}"
     tol = max(TIE_TOL, 2 * control)
     worst = max(pairs, key=lambda r: abs(r[2] - r[3]))
     assert abs(worst[2] - worst[3]) <= tol, (worst, tol)
-    assert agreed >= 32, agreed  # enough agreeing tokens that the comparison means something
+
+    # batched, half the requests asking for logprobs: each gets one per token, aligned
+    def one(i):
+        body = {
+            "text": harness.PROMPTS[i],
+            "return_logprob": i % 2 == 0,
+            "top_logprobs_num": 2,
+            "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True},
+        }
+        status, out = harness.post(server.url + "/generate", body)
+        assert status == 200, out
+        return i, out
+
+    for i, out in harness.run_all(one, range(8), 8):
+        if i % 2 == 0:
+            top_b = out["meta_info"]["output_top_logprobs"]
+            assert [t[0][1] for t in top_b] == out["output_ids"], (i, top_b)
     chat = harness.chat(server, harness.PROMPTS[0], max_tokens=16, temperature=0, logprobs=True,
                         top_logprobs=3, ignore_eos=True)  # fmt: skip
     content = chat["choices"][0]["logprobs"]["content"]
     assert len(content) == chat["usage"]["completion_tokens"] == 16, content
-    # top_logprobs are keyed by token text: two tokens of one text count once
-    assert all(1 <= len(c["top_logprobs"]) <= 3 and c["logprob"] <= 0 for c in content), content
+    # top_logprobs are keyed by token text: two tokens of one text count once; greedy: the
+    # chosen token is the best of them
+    for c in content:
+        assert 1 <= len(c["top_logprobs"]) <= 3, c
+        assert abs(max(t["logprob"] for t in c["top_logprobs"]) - c["logprob"]) < 1e-5, c
     print(f"{model}: logprobs on {agreed} agreeing tokens, worst gap "
           f"{abs(worst[2] - worst[3]):.3f} (tolerance {tol:.3f})")  # fmt: skip
 

@@ -422,3 +422,34 @@ def test_the_prefill_shows_the_target_its_logprob_flag(monkeypatch):
     with pytest.raises(RuntimeError), w._logprobs_through_prefill(batch):
         raise RuntimeError("prefill failed")
     assert batch.return_logprob is True and "forward_batch_generation" not in vars(w.target_worker)
+
+
+def test_the_prefill_lift_fits_sglangs_own_dflash_prefill(monkeypatch):
+    """The real DFlashWorkerV2.forward_batch_generation (0.5.17) up to its target call: with
+    SGLANG_DDTREE_LOGPROBS=1 its refusal is skipped and the target forward sees the flag."""
+    from sglang_ddtree import config
+    from sglang_ddtree.integration import worker as worker_mod
+
+    class Reached(Exception):
+        pass
+
+    class Target:
+        def forward_batch_generation(self, batch, *args, **kwargs):
+            raise Reached(batch.return_logprob, args, kwargs)
+
+    monkeypatch.setenv("SGLANG_DDTREE_LOGPROBS", "1")
+    monkeypatch.setattr(worker_mod, "options", lambda: config.Options.from_env())
+    w = worker_mod.DDTreeWorker.__new__(worker_mod.DDTreeWorker)
+    w._target_worker = Target()
+    batch = types.SimpleNamespace(
+        return_logprob=True, sampling_info=None, is_extend_in_batch=True,
+        forward_mode=types.SimpleNamespace(is_extend=lambda: True, is_idle=lambda: False),
+    )  # fmt: skip
+    with pytest.raises(Reached) as reached:
+        w.forward_batch_generation(batch)
+    assert reached.value.args[0] is True  # the target forward saw return_logprob
+    assert "capture_hidden_mode" in reached.value.args[2]  # DFLASH's prefill call, as in 0.5.17
+    assert batch.return_logprob is True and "forward_batch_generation" not in vars(w._target_worker)
+    monkeypatch.setenv("SGLANG_DDTREE_LOGPROBS", "0")
+    with pytest.raises(ValueError, match="return_logprob"):
+        w.forward_batch_generation(batch)
