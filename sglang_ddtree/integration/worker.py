@@ -152,10 +152,8 @@ class DDTreeWorker(DFlashWorkerV2):
         widths = verify_widths(self.cfg.block_size, self.cfg.num_nodes, opts.widths)
         if opts.width == "auto" and len(widths) > 1:
             self._widths = VerifyWidths(self.target_worker.model_runner, widths, capture)
-            widths = self._widths.widths
-        else:
-            widths = (self.cfg.num_nodes,)
-        if len(widths) == 1:
+            widths = self._widths.widths  # what was captured
+        if opts.width != "auto" or len(widths) == 1:
             self._widths = None
             if self.ps.tp_rank == 0:
                 logger.info("DDTREE verify width: fixed at %d", self.cfg.num_nodes)
@@ -182,10 +180,8 @@ class DDTreeWorker(DFlashWorkerV2):
         return width
 
     def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None):
-        if batch.forward_mode.is_extend() or batch.is_extend_in_batch:
-            with self._logprobs_through_prefill(batch):
-                return super().forward_batch_generation(batch, on_publish, grammar_barrier)
-        if batch.forward_mode.is_idle():
+        extend = batch.forward_mode.is_extend() or batch.is_extend_in_batch
+        if extend or batch.forward_mode.is_idle():  # DFlashWorkerV2's prefill / idle step
             with self._logprobs_through_prefill(batch):
                 return super().forward_batch_generation(batch, on_publish, grammar_barrier)
         draft_input = batch.spec_info  # the DFlash draft state the last round (or prefill) left
