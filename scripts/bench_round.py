@@ -69,8 +69,8 @@ MAMBA_SLOTS_PER_REQ = 6  # >= SGLang's mamba slots per running request (3, +2 wi
 # instead of sglang_ddtree.gdn's. integration/gdn.py's defaults turned off: `_full` SGLang's
 # per-node verify states instead of the compact scratch (integration/gdn_pool.py, which lets 16
 # requests run at any N); `_sglangconv` SGLang's tree conv1d instead of gdn/conv_tree.py; and the
-# `_paths` gdn/tree_verify.py's root-path GDN verify instead of the chunked one; and the opt-in
-# `_hostplan` (the verify's FlashInfer plan from host lengths, integration/verify_plan.py).
+# `_paths` gdn/tree_verify.py's root-path GDN verify instead of the chunked one; and
+# `_sglangplan` SGLang's FlashInfer plan for the verify instead of integration/verify_plan.py's.
 VARIANT_ENV = {
     "_bf16ssm": {"SGLANG_MAMBA_SSM_DTYPE": "bfloat16"},
     "_torch": {"SGLANG_DDTREE_TREE_BUILDER": "torch"},
@@ -78,7 +78,7 @@ VARIANT_ENV = {
     "_full": {"SGLANG_DDTREE_GDN_SCRATCH": "full"},
     "_sglangconv": {"SGLANG_DDTREE_CONV": "sglang"},
     "_paths": {"SGLANG_DDTREE_GDN_VERIFY": "paths"},
-    "_hostplan": {"SGLANG_DDTREE_VERIFY_PLAN": "host"},
+    "_sglangplan": {"SGLANG_DDTREE_VERIFY_PLAN": "sglang"},
     "_auto": {"SGLANG_DDTREE_WIDTH": "auto"},
 }
 # DDTREE's default picks a verify width per round (SGLANG_DDTREE_WIDTH=auto); the `ddtreeN`
@@ -86,7 +86,7 @@ VARIANT_ENV = {
 # the cost table it measured per (batch bucket, width) (`width_table`).
 FIXED = {"SGLANG_DDTREE_WIDTH": "fixed"}
 # any subset, in this order: ddtree32_full_paths
-OPT_OUTS = ("_full", "_sglangconv", "_paths", "_hostplan")
+OPT_OUTS = ("_full", "_sglangconv", "_paths", "_sglangplan")
 
 
 def max_requests(width: int, state_bytes: int = 4) -> int:

@@ -169,8 +169,9 @@ class Options:
                                               accepted path) instead of refusing them with 400
     dump_rounds   SGLANG_DDTREE_DUMP_ROUNDS   a JSON-lines file for sampled rounds; None: off
     dump_every    SGLANG_DDTREE_DUMP_EVERY    every how many rounds (100)
-    verify_plan   SGLANG_DDTREE_VERIFY_PLAN   sglang | host (opt-in): FlashInfer's verify plan from
-                                              host lengths, no read-back (integration/verify_plan.py)
+    verify_plan   SGLANG_DDTREE_VERIFY_PLAN   host | sglang: host plans FlashInfer's tree verify
+                                              from host lengths with no read-back
+                                              (integration/verify_plan.py); sglang: SGLang's plan
     gdn_check     SGLANG_DDTREE_GDN_CHECK     a directory: without CUDA graphs, every chunked GDN
                                               verify is checked against the root-path kernel and
                                               the inputs of one that differs are saved there
@@ -193,7 +194,7 @@ class Options:
     gdn_scratch: str = "compact"
     dump_rounds: str | None = None
     dump_every: int = 100
-    verify_plan: str = "sglang"
+    verify_plan: str = "host"
     gdn_check: str | None = None
     gdn_check_serve: str = "chunk"
     gdn_check_save: int = 0
@@ -239,7 +240,7 @@ class Options:
             gdn_scratch=scratch,
             dump_rounds=env_value("SGLANG_DDTREE_DUMP_ROUNDS") or None,
             dump_every=int(every),
-            verify_plan=env_choice("SGLANG_DDTREE_VERIFY_PLAN", ("sglang", "host")),
+            verify_plan=env_choice("SGLANG_DDTREE_VERIFY_PLAN", ("host", "sglang")),
             gdn_check=env_value("SGLANG_DDTREE_GDN_CHECK") or None,
             gdn_check_serve=env_choice("SGLANG_DDTREE_GDN_CHECK_SERVE", ("chunk", "paths")),
             gdn_check_save=_count("SGLANG_DDTREE_GDN_CHECK_SAVE"),

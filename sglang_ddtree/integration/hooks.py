@@ -21,8 +21,8 @@
 |   ._handle_max_mamba_cache              | SGLANG_DDTREE_GDN_SCRATCH=full)                       |
 | Scheduler.get_internal_state            | /server_info reports the resolved options and GDN path|
 | FlashInferIndicesUpdaterPrefill         | the verify's masked plan from host lengths and a      |
-|   .call_begin_forward                   | device-packed mask, no read-back (opt-in:             |
-|                                         | SGLANG_DDTREE_VERIFY_PLAN=host; verify_plan.py)       |
+|   .call_begin_forward                   | device-packed mask, no read-back (verify_plan.py;     |
+|                                         | off: SGLANG_DDTREE_VERIFY_PLAN=sglang)                |
 
 All but the front-end one are installed from the worker factory (scheduler process only, before
 any graph capture), so other processes never import those heavy modules; the front-end one is

@@ -88,7 +88,7 @@ VARIANTS = {
     "ddtree_paths": ddtree_args,  # the root-path GDN verify instead of the chunked one
     "ddtree_sglangconv": ddtree_args,  # SGLang's tree conv1d instead of gdn/conv_tree.py
     "ddtree_full": ddtree_args,  # SGLang's per-node verify states instead of the compact scratch
-    "ddtree_hostplan": ddtree_args,  # the verify's FlashInfer plan from host lengths (opt-in)
+    "ddtree_sglangplan": ddtree_args,  # SGLang's FlashInfer plan for the verify (not verify_plan.py)
     "ddtree_fixed": ddtree_args,  # every round at N (the default, auto, picks a width per round)
     "ddtree_logprobs": ddtree_args,  # logprobs served (opt-in until test_logprobs_... passes)
     # the same in deterministic mode, whose GDN verify defaults to the root paths (session 9: the
@@ -107,7 +107,7 @@ VARIANT_ENV = {
     "ddtree_paths": _PATHS,
     "ddtree_sglangconv": _SGLANGCONV,
     "ddtree_full": _FULL,
-    "ddtree_hostplan": {"SGLANG_DDTREE_VERIFY_PLAN": "host"},
+    "ddtree_sglangplan": {"SGLANG_DDTREE_VERIFY_PLAN": "sglang"},
     "ddtree_fixed": {"SGLANG_DDTREE_WIDTH": "fixed"},
     "ddtree_logprobs": {"SGLANG_DDTREE_LOGPROBS": "1"},
     "ddtree_det_chunk": {"SGLANG_DDTREE_GDN_VERIFY": "chunk"},
@@ -121,12 +121,12 @@ MODEL_VARIANTS = {
     "qwen3": ("base", "ddtree", "ddtree_fixed", "ddtree_logprobs", "ddtree_sync", "dflash"),
     "qwen35": (
         "base", "ddtree", "ddtree_fixed", "ddtree_logprobs", "ddtree_sync", "dflash",
-        "ddtree_sglanggdn", "ddtree_paths", "ddtree_sglangconv", "ddtree_full", "ddtree_hostplan",
+        "ddtree_sglanggdn", "ddtree_paths", "ddtree_sglangconv", "ddtree_full", "ddtree_sglangplan",
     ),
     "pair": (
         "base", "ddtree", "ddtree_fixed", "ddtree_logprobs", "base_det", "ddtree_det",
         "dflash_det", "dflash", "ddtree64",
-        "ddtree_torch", "ddtree_paths", "ddtree_sglangconv", "ddtree_full", "ddtree_hostplan",
+        "ddtree_torch", "ddtree_paths", "ddtree_sglangconv", "ddtree_full", "ddtree_sglangplan",
         "ddtree_det_chunk", "ddtree_det_sglangconv", "ddtree_det_full",
     ),
 }  # fmt: skip

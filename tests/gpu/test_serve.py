@@ -58,7 +58,7 @@ SPEC_VARIANTS = (
     "ddtree_paths",
     "ddtree_sglangconv",
     "ddtree_full",
-    "ddtree_hostplan",
+    "ddtree_sglangplan",
     "dflash",
 )  # dflash: a control
 # DDTREE in deterministic mode: the batch-invariance test (the defaults, and each turned off)
@@ -548,13 +548,14 @@ WIDTH = {"auto": "DDTREE verify width: auto among", "fixed": "DDTREE verify widt
 
 
 def _engaged(verify: str = "chunk", conv: bool = True, compact: bool = True,
-             width: str = "auto") -> tuple:  # fmt: skip
+             width: str = "auto", plan: bool = True) -> tuple:  # fmt: skip
     """The startup lines and first-use lines of a GDN path (the defaults: chunked verify, tree
-    conv1d, compact scratch) and of the verify width (auto, but in deterministic mode)."""
+    conv1d, compact scratch), of the verify width (auto, but in deterministic mode) and of the
+    verify's FlashInfer plan from host lengths (the default)."""
     shown = f"{verify} (split)" if verify == "chunk" else verify
     line = (f"GDN path: ddtree (verify: {shown}; commit: replay; tree conv1d: "
             f"{'ddtree' if conv else 'sglang'}; scratch: {'compact' if compact else 'full'})")  # fmt: skip
-    uses = [CHUNK if verify == "chunk" else PATHS, COMMIT]
+    uses = [CHUNK if verify == "chunk" else PATHS, COMMIT, *([HOSTPLAN] if plan else [])]
     return (line, WIDTH[width], *uses, *([CONV] if conv else []), *(COMPACT if compact else ()))
 
 
@@ -569,20 +570,22 @@ ENGAGED = {
     "ddtree_sglanggdn": (
         "GDN path: sglang (verify, commit, conv1d, per-node states)",
         WIDTH["auto"],
+        HOSTPLAN,
     ),  # fmt: skip
     "ddtree_paths": _engaged(verify="paths"),
     "ddtree_sglangconv": _engaged(conv=False),
     "ddtree_det_sglangconv": _engaged(verify="paths", conv=False, width="fixed"),
     "ddtree_full": _engaged(compact=False),
     "ddtree_det_full": _engaged(verify="paths", compact=False, width="fixed"),
-    "ddtree_hostplan": (*_engaged(), HOSTPLAN),
+    "ddtree_sglangplan": _engaged(plan=False),
 }
 # what must not be in a log: the other verify kernel, hooks that are off
 NOT_ENGAGED = {
     "ddtree_sglanggdn": (PATHS, CHUNK, COMMIT, CONV, *COMPACT),
-    **{v: (PATHS, HOSTPLAN, WIDTH["fixed"]) for v in DEFAULT_DDTREE},
-    "ddtree_fixed": (PATHS, HOSTPLAN, WIDTH["auto"]),
-    "ddtree_logprobs": (PATHS, HOSTPLAN, WIDTH["fixed"]),
+    **{v: (PATHS, WIDTH["fixed"]) for v in DEFAULT_DDTREE},
+    "ddtree_fixed": (PATHS, WIDTH["auto"]),
+    "ddtree_logprobs": (PATHS, WIDTH["fixed"]),
+    "ddtree_sglangplan": (PATHS, HOSTPLAN),
     **{
         v: (CHUNK,)
         for v in ("ddtree_paths", "ddtree_det", "ddtree_det_sglangconv", "ddtree_det_full")

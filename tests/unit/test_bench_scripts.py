@@ -79,7 +79,7 @@ def test_bench_round_server_commands_parse(tmp_path):
             assert env.get("SGLANG_DDTREE_GDN") == ("sglang" if "_sglanggdn" in name else None)
             assert env.get("SGLANG_DDTREE_GDN_VERIFY") == ("paths" if "_paths" in name else None)
             assert env.get("SGLANG_DDTREE_CONV") == ("sglang" if "_sglangconv" in name else None)
-            plan = "host" if "_hostplan" in name else None
+            plan = "sglang" if "_sglangplan" in name else None
             assert env.get("SGLANG_DDTREE_VERIFY_PLAN") == plan
             assert env.get("SGLANG_MAMBA_SSM_DTYPE") == ("bfloat16" if state == 2 else None)
             assert env.get("SGLANG_DDTREE_TREE_BUILDER") == ("torch" if "_torch" in name else None)

@@ -1,4 +1,4 @@
-"""integration/verify_plan.py: the verify's FlashInfer plan from host lengths (opt-in).
+"""integration/verify_plan.py: the verify's FlashInfer plan from host lengths (the default).
 
 The layout must be the one SGLang's EAGLE verify gives FlashInfer (qo / kv indptrs), the packed
 mask must read back bit for bit the way FlashInfer 0.6.15's kernel reads it (byte pointer +
@@ -139,7 +139,7 @@ def test_the_hook_plans_a_ddtree_verify_from_the_host(verify_plan_on):
     wrapper._custom_mask_buf = torch.zeros(plan.total_bits)
     call_begin_forward(_sglang_like, *args, seq_lens_cpu=seq.clone())
     assert "packed_custom_mask" in wrapper.calls[-1][5]
-    verify_plan_on.activate(verify_plan_on.Options())
+    verify_plan_on.activate(verify_plan_on.Options(verify_plan="sglang"))
     call_begin_forward(_sglang_like, *args, seq_lens_cpu=seq.clone())
     assert "custom_mask" in wrapper.calls[-1][5]
 
