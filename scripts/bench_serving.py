@@ -156,8 +156,13 @@ def main() -> int:
     servers = []
     for i, name in enumerate(names):
         flags, env = table_[name]
-        servers.append(harness.Server(name, args.target, args.port_base + i, [*COMMON, *flags],
-                                      env=env, log_dir=args.out))  # fmt: skip
+        # a free port (another server's internal ports may hold a fixed one), above the last
+        port = harness.free_port(
+            max(args.port_base + 10 * i, servers[-1].port + 1 if servers else 0)
+        )
+        servers.append(harness.Server(name, args.target, port, [*COMMON, *flags], env=env,
+                                      log_dir=args.out))  # fmt: skip
+        print(f"{name}: {servers[-1].url}", flush=True)
     dataset = write_dataset(args.out / "heldout.jsonl", 64)
     rows_path = args.out / "bench_serving.jsonl"
     rows = []

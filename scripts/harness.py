@@ -12,8 +12,10 @@ import concurrent.futures as cf
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -57,6 +59,20 @@ PROMPTS = [
 
 
 _TOKENIZERS: dict = {}
+_TOKENIZER_LOCK = threading.Lock()
+
+
+def free_port(start: int, step: int = 10, tries: int = 50) -> int:
+    """The first port of start, start + step, ... that nothing on 127.0.0.1 listens on (another
+    server's internal ports can sit on a fixed one)."""
+    for port in range(start, start + step * tries, step):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port among {start}, {start + step}, ... ({tries} tried)")
 
 
 @dataclass
@@ -139,11 +155,14 @@ class Server:
         subprocess.run(["pkill", "-f", "--", f"--port {self.port} "], check=False)
 
     def tokenize(self, text: str) -> list[int]:
+        """The model's token ids for `text` (its tokenizer loaded once per process, under a
+        lock: loading the same files from several threads at once has failed)."""
         from transformers import AutoTokenizer
 
-        tok = _TOKENIZERS.setdefault(
-            self.model_path, AutoTokenizer.from_pretrained(self.model_path)
-        )
+        with _TOKENIZER_LOCK:
+            if self.model_path not in _TOKENIZERS:
+                _TOKENIZERS[self.model_path] = AutoTokenizer.from_pretrained(self.model_path)
+            tok = _TOKENIZERS[self.model_path]
         return tok(text)["input_ids"]
 
     def log_text(self) -> str:

@@ -430,3 +430,15 @@ def harness_server():
     from types import SimpleNamespace
 
     return SimpleNamespace(port=1234)
+
+
+def test_the_harness_skips_a_port_something_listens_on():
+    import socket
+
+    harness = _script("harness")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        got = harness.free_port(taken, step=1)
+        assert got != taken and got > taken
