@@ -258,10 +258,16 @@ def run_conv(bs: int, nodes: int, parents: torch.Tensor, iters: int, dim: int = 
                              conv_state_indices=chain_idx, intermediate_conv_window=chain_win,
                              intermediate_state_indices=chain_idx)  # fmt: skip
 
+    # as served on DDTREE's compact pool: each node's input once, the commit builds the window
+    stored = call("ours_in", partial(conv_tree, save_inputs=True))
+    stored()
+    front = out["ours_in_win"][:bs].reshape(bs, -1)[:, : nodes * dim].view(bs, nodes, dim)
     row = {"bs": bs, "nodes": nodes, "conv_dim": dim,
            "conv_max_abs_diff_o": float((out["ours"].float() - out["sglang"].float()).abs().max()),
            "conv_windows_equal": bool(torch.equal(out["ours_win"][:bs], out["sglang_win"][:bs])),
-           "conv_parents_equal": bool(torch.equal(out["ours_par"], out["sglang_par"]))}  # fmt: skip
+           "conv_parents_equal": bool(torch.equal(out["ours_par"], out["sglang_par"])),
+           "conv_inputs_equal": bool(torch.equal(out["ours_in"], out["ours"])
+                                     and torch.equal(front, x.transpose(1, 2)))}  # fmt: skip
     timed = {}
     for tiling, kw in conv_tilings(",".join(tilings)).items():
         if "nosave" in tiling:  # the same kernel without the window stores (a bound)
@@ -295,10 +301,38 @@ def run_conv(bs: int, nodes: int, parents: torch.Tensor, iters: int, dim: int = 
         row["ours_conv_noparents_ms"] = gpu_ms(served, iters, graph=True)
         row["parents_ms"] = gpu_ms(partial(tree_parents, nxt, sib, out["ours_par"].clone()),
                                    iters, graph=True)  # fmt: skip
+        stored_np = call("ours_in_np", partial(conv_tree, fill_parents=False, save_inputs=True))
+        out["ours_in_np_par"].copy_(out["ours_par"])
+        stored_np()
+        row["ours_conv_inputs_noparents_ms"] = gpu_ms(stored_np, iters, graph=True)
+        row.update(_time_window_commits(bs, nodes, dim, KW, out["ours_par"], randn, iters))
         if chain_x is not None:
             row["sglang_chain_conv_same_tokens_ms"] = gpu_ms(sglang_chain, iters, graph=True)
 
     return row
+
+
+def _time_window_commits(bs, nodes, dim, KW, parents, randn, iters, layers=48) -> dict:
+    """A round's conv-window commit over `layers` GDN layers (one launch each way): SGLang's
+    scatter of the per-node windows, and conv_tree.commit_windows from the stored inputs."""
+    from bench_tree_build import gpu_ms
+    from sglang.kernels.ops.mamba.mamba_state_scatter_triton import (
+        fused_conv_window_scatter_with_mask,
+    )
+
+    from sglang_ddtree.gdn.conv_tree import commit_windows
+
+    dev = parents.device
+    states = randn(layers, bs + 1, dim, KW - 1)
+    buffer = randn(layers, bs + 1, nodes, dim, KW - 1)
+    idx = torch.arange(bs, dtype=torch.int32, device=dev)
+    last = torch.full((bs,), nodes - 1, dtype=torch.int64, device=dev)
+    return {
+        "sglang_window_scatter_ms": gpu_ms(partial(fused_conv_window_scatter_with_mask, states,
+                                                   buffer, idx, last), iters, graph=True),
+        "ours_commit_windows_ms": gpu_ms(partial(commit_windows, states, buffer, idx, idx,
+                                                 parents, last), iters, graph=True),
+    }  # fmt: skip
 
 
 def main() -> int:

@@ -142,3 +142,17 @@ def use_native_forward(module: torch.nn.Module) -> torch.nn.Module:
         if hasattr(sub, "forward_native") and hasattr(sub, "_forward_method"):
             sub._forward_method = sub.forward_native
     return module
+
+
+def conv_window_reference(inputs, history, parents, node: int):
+    """[dim, K - 1]: a tree node's conv window from its own input and its ancestors' (inputs
+    [N, dim]; parents: root 0), the history columns ([dim, K - 1], newest last) above the root;
+    a plain walk."""
+    import torch
+
+    km1 = history.shape[-1]
+    cols, cur = [], node
+    for _ in range(km1):
+        cols.append(inputs[cur] if cur >= 0 else history[:, km1 + cur])
+        cur = int(parents[cur]) if cur > 0 else cur - 1
+    return torch.stack(cols[::-1], dim=-1)

@@ -62,7 +62,7 @@ def _conv_tree_kernel(
     stride_in_win, stride_p, stride_o_seq, stride_o_dim, stride_o_tok,
     KW: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, SAVE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW_TILE: tl.constexpr, WIN: tl.constexpr,
-    ANCESTORS: tl.constexpr, ancestors,
+    ANCESTORS: tl.constexpr, ancestors, STORE_UP: tl.constexpr,
 ):  # fmt: skip
     b, i_c, i_t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot = tl.load(state_idx + b).to(tl.int64)
@@ -77,7 +77,7 @@ def _conv_tree_kernel(
         acc += tl.load(bias + c, mask=mc, other=0.0).to(tl.float32)[None, :]
     x_row = x + b * stride_x_seq + c[None, :] * stride_x_dim
     history = conv_state + slot * stride_cs_seq + c[None, :] * stride_cs_dim
-    if SAVE:
+    if SAVE:  # STORE_UP 0: the launcher's strides address the row's front as [N, dim]
         window = inter + tl.load(inter_idx + b).to(tl.int64) * stride_in_seq
         window += t[:, None] * stride_in_step + c[None, :] * stride_in_dim
     # WINDOW_TILE: the node's whole window [BLOCK_T, BLOCK_N, WIN] in one store whose lanes run
@@ -99,7 +99,7 @@ def _conv_tree_kernel(
         wv = tl.load(w + c * stride_w_dim + (KW - 1 - j) * stride_w_win, mask=mc, other=0.0)
         acc += xv * wv[None, :]
         if SAVE:
-            if KW - j - 2 >= 0:  # the node's window: itself last, its ancestors before it
+            if j <= STORE_UP:  # the node's window: itself last, its ancestors before it
                 if WINDOW_TILE:
                     tile = tl.where(o_w == KW - j - 2, xv[:, :, None], tile)
                 else:
@@ -136,7 +136,8 @@ def conv_tree(x, conv_state, weight, bias, activation, *, conv_state_indices,
               intermediate_conv_window, intermediate_state_indices, retrieve_next_token,
               retrieve_next_sibling, retrieve_parent_token, block_t: int = 4,
               block_n: int = 256, window_tile: bool = False, num_warps: int = 4,
-              ancestor_table: bool = False, fill_parents: bool = True) -> torch.Tensor:  # fmt: skip
+              ancestor_table: bool = False, fill_parents: bool = True,
+              save_inputs: bool = False) -> torch.Tensor:  # fmt: skip
     """SGLang's `causal_conv1d_update` for a tree verify (same arguments and outputs: x and the
     returned o are [bs, dim, N] views, conv_state [slots, dim, K - 1], weight [dim, K],
     intermediate_conv_window [slots', N, dim, K - 1]; retrieve_parent_token is filled), with
@@ -148,7 +149,10 @@ def conv_tree(x, conv_state, weight, bias, activation, *, conv_state_indices,
     instead of walking the parent links (the same values; 1.33 against 1.27 ms per round at
     bs 8 / N 32 on the H200: no gain). fill_parents=False: retrieve_parent_token already holds
     this round's parents (an earlier layer's call filled it: every GDN layer of a verify sees the
-    same tree), so the parents kernel is skipped."""
+    same tree), so the parents kernel is skipped. save_inputs: instead of the per-node windows,
+    each node's own input goes once to the front of its request's row of
+    intermediate_conv_window, as [N, dim] (a third of the stores; `commit_windows` then builds
+    the accepted node's window from them: DDTREE's own pool, whose layout only DDTREE reads)."""
     bs, dim, N = x.shape
     KW = weight.shape[1]
     if conv_state.shape[-1] != KW - 1:
@@ -164,6 +168,11 @@ def conv_tree(x, conv_state, weight, bias, activation, *, conv_state_indices,
     save = intermediate_conv_window is not None
     inter = intermediate_conv_window if save else x
     in_strides = intermediate_conv_window.stride() if save else (0, 0, 0, 0)
+    if save and save_inputs:  # the row's front as [N, dim]
+        if window_tile:
+            raise ValueError("save_inputs stores no windows: drop window_tile")
+        _check_rows(intermediate_conv_window, N, dim, KW)
+        in_strides = (in_strides[0], dim, 1, 0)
     grid = (bs, triton.cdiv(dim, block_n), triton.cdiv(N, block_t))
     _conv_tree_kernel[grid](
         x, weight, bias if bias is not None else weight, conv_state, conv_state_indices,
@@ -174,5 +183,98 @@ def conv_tree(x, conv_state, weight, bias, activation, *, conv_state_indices,
         SAVE=save, BLOCK_T=block_t, BLOCK_N=block_n, WINDOW_TILE=window_tile,
         WIN=triton.next_power_of_2(KW - 1), ANCESTORS=ancestor_table,
         ancestors=retrieve_parent_token if table is None else table, num_warps=num_warps,
+        STORE_UP=0 if save_inputs else KW - 2,  # how many ancestors' inputs a node stores
     )  # fmt: skip
     return o
+
+
+def _check_rows(windows: torch.Tensor, N: int, dim: int, KW: int) -> None:
+    """The per-request rows of a window buffer [rows, >= N, dim, KW - 1] (or with a layer
+    dimension in front) are dense, so that a row's front holds N x dim inputs."""
+    nodes, width, win = windows.shape[-3:]
+    dense = (windows.stride(-1), windows.stride(-2), windows.stride(-3)) == (1, win, width * win)
+    if nodes < N or width != dim or win != KW - 1 or not dense:
+        raise ValueError(f"conv windows {tuple(windows.shape)} (strides {windows.stride()}) are "
+                         f"not dense [.., >= {N}, {dim}, {KW - 1}] rows")  # fmt: skip
+
+
+@triton.jit
+def _commit_windows_kernel(conv, inputs, state_idx, inter_idx, parents, nodes, track_idx,
+                           track_node, dim, stride_c_layer, stride_c_slot, stride_i_layer,
+                           stride_i_row, stride_p, KM1: tl.constexpr, WIN: tl.constexpr,
+                           TRACK: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """One program per (layer, request, channel block): the accepted node's window (and the
+    track node's) from the stored inputs along its parent links, the conv state's history
+    above the root; every value read before any is written (the history is the request's own
+    slot, which the commit overwrites)."""
+    layer, b, blk = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    c = blk * BLOCK + tl.arange(0, BLOCK)
+    mc = c < dim
+    slot = tl.load(state_idx + b).to(tl.int64)
+    if slot >= 0:  # else a padding request
+        row = inputs + layer * stride_i_layer + tl.load(inter_idx + b).to(tl.int64) * stride_i_row
+        history = conv + layer * stride_c_layer + slot * stride_c_slot + c * KM1
+        links = parents + b * stride_p
+        node = tl.load(nodes + b).to(tl.int32)
+        main = _window(row, history, links, node, c, mc, dim, KM1, WIN, BLOCK)
+        # column h (h steps above the node) is window slot KM1 - 1 - h: the node itself last
+        cols = tl.arange(0, WIN)[None, :]
+        put = mc[:, None] & (cols < KM1)
+        if TRACK:
+            t_slot = tl.load(track_idx + b).to(tl.int64)
+            t_node = tl.load(track_node + b).to(tl.int32)
+            tracked = _window(row, history, links, t_node, c, mc, dim, KM1, WIN, BLOCK)
+            if (t_slot >= 0) & (t_node >= 0):
+                to = conv + layer * stride_c_layer + t_slot * stride_c_slot + c * KM1
+                tl.store(to[:, None] + (KM1 - 1 - cols), tracked, mask=put)
+        if node >= 0:
+            tl.store(history[:, None] + (KM1 - 1 - cols), main, mask=put)
+
+
+@triton.jit
+def _window(row, history, links, node, c, mc, dim, KM1: tl.constexpr, WIN: tl.constexpr,
+            BLOCK: tl.constexpr):  # fmt: skip
+    """[BLOCK, WIN]: column h < KM1 the input h steps above `node` (the history's columns above
+    the root); zeros elsewhere and when node < 0."""
+    out = tl.zeros([BLOCK, WIN], dtype=row.dtype.element_ty)
+    cols = tl.arange(0, WIN)[None, :]
+    cur = node
+    for h in tl.static_range(KM1):
+        live = mc & (node >= 0)
+        from_x = tl.load(row + tl.maximum(cur, 0) * dim + c, mask=live & (cur >= 0), other=0.0)
+        from_state = tl.load(history + KM1 + cur, mask=live & (cur < 0), other=0.0)
+        value = tl.where(cur >= 0, from_x, from_state.to(from_x.dtype))
+        out = tl.where(cols == h, value[:, None], out)
+        parent = tl.load(links + tl.maximum(cur, 0), mask=cur > 0, other=0).to(tl.int32)
+        cur = tl.where(cur > 0, parent, cur - 1)
+    return out
+
+
+def commit_windows(conv_states: torch.Tensor, inputs: torch.Tensor, state_idx: torch.Tensor,
+                   inter_idx: torch.Tensor, parents: torch.Tensor, nodes: torch.Tensor,
+                   track_idx: torch.Tensor | None = None, track_node: torch.Tensor | None = None,
+                   block: int = 256) -> None:  # fmt: skip
+    """The conv-window commit for `conv_tree(save_inputs=True)`, every layer in one launch:
+    conv_states [layers, slots, dim, K - 1] (contiguous) slot state_idx[b] <- the window of node
+    nodes[b] (the node itself last, its K - 2 nearest ancestors before it, the slot's own
+    history above the root), from inputs [layers, rows, >= N, dim, K - 1] (row inter_idx[b]'s
+    front: the [N, dim] inputs) and parents [bs, N] (conv_tree's; root 0). With track_idx: slot
+    track_idx[b] <- node track_node[b]'s window too (-1 in either: none). state_idx[b] < 0 or
+    nodes[b] < 0: nothing for that request. SGLang's scatter of the full windows, as values."""
+    layers, _, dim, km1 = conv_states.shape
+    if not conv_states.is_contiguous():
+        raise ValueError("commit_windows needs contiguous conv states")
+    _check_rows(inputs, parents.shape[-1], dim, km1 + 1)
+    bs = nodes.shape[0]
+    track = track_idx is not None
+    if track and track_node is None:
+        raise ValueError("track_idx needs track_node")
+    if bs == 0:
+        return
+    grid = (layers, bs, triton.cdiv(dim, block))
+    _commit_windows_kernel[grid](
+        conv_states, inputs, state_idx, inter_idx, parents, nodes,
+        track_idx if track else nodes, track_node if track else nodes, dim,
+        conv_states.stride(0), conv_states.stride(1), inputs.stride(0), inputs.stride(1),
+        parents.stride(0), KM1=km1, WIN=triton.next_power_of_2(km1), TRACK=track, BLOCK=block,
+    )  # fmt: skip

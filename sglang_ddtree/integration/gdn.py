@@ -13,8 +13,9 @@ DDTREE serves a tree (topk > 1):
   to the request's scratch row, no state does.
 - `commit` (around HybridLinearAttnBackend.update_mamba_state_after_mtp_verify, once per round):
   `commit_paths` replays the accepted path into the pool for all GDN layers in one launch (and
-  into the radix-cache track slot where SGLang would snapshot one); the conv windows are
-  committed by SGLang's own scatter, its state part skipped.
+  into the radix-cache track slot where SGLang would snapshot one); the conv windows from
+  the nodes' inputs the tree conv1d stored once (`conv_tree.commit_windows`, on the compact
+  pool), else by SGLang's own scatter of the per-node windows, its state part skipped.
 - `conv_update` (around gdn_backend.causal_conv1d_update): the tree verify's conv1d through
   `gdn/conv_tree.py`, every node in parallel (SGLANG_DDTREE_CONV=sglang: SGLang's kernel).
 - The compact scratch (integration/gdn_pool.py) shrinks `intermediate_ssm` to the scratch that
@@ -51,6 +52,13 @@ class GDNPath:
     check_serve: str = "chunk"  # SGLANG_DDTREE_GDN_CHECK_SERVE: whose outputs a check serves
     check_save: int = 0  # SGLANG_DDTREE_GDN_CHECK_SAVE: checked calls saved whatever they differ
     perturb: float = 0.0  # SGLANG_DDTREE_GDN_PERTURB: gdn_check.perturb's size
+
+    @property
+    def conv_inputs(self) -> bool:
+        """Whether the tree conv1d stores each node's input once and the commit builds the
+        accepted window from them (DDTREE's conv on DDTREE's compact pool, whose window buffer
+        only DDTREE reads); else the per-node windows and SGLang's scatter."""
+        return self.conv and self.compact
 
     def chunked(self, nodes: int) -> bool:
         """Whether an N-node tree verify runs the chunked kernel (wider trees: root paths)."""
@@ -179,7 +187,8 @@ def conv_update(original, x, conv_state, weight, bias=None, activation=None, *re
     fill = conv_state.data_ptr() == _first_conv_state[0] or parents.data_ptr() != _filled[0]
     if fill:
         _filled[0] = parents.data_ptr()
-    return conv_tree(x, conv_state, weight, bias, activation, fill_parents=fill, **kwargs)
+    return conv_tree(x, conv_state, weight, bias, activation, fill_parents=fill,
+                     save_inputs=path.conv_inputs, **kwargs)  # fmt: skip
 
 
 _first_conv_state: list = [None]  # data_ptr of the first GDN layer's conv state
@@ -228,6 +237,14 @@ def commit(original, backend, last_correct_step_indices, mamba_track_indices,
         track_idx=mamba_track_indices,
         track_node=mamba_steps_to_track if mamba_track_indices is not None else None,
     )
+    if path.conv_inputs:  # the accepted windows from the nodes' stored inputs
+        from sglang_ddtree.gdn.conv_tree import commit_windows
+
+        for conv, inputs in zip(caches.conv, caches.intermediate_conv_window, strict=True):
+            commit_windows(conv, inputs, state_idx, linear.verify_intermediate_state_indices[:bs],
+                           _rows(parents, N), last_correct_step_indices, mamba_track_indices,
+                           mamba_steps_to_track if mamba_track_indices is not None else None)  # fmt: skip
+        return
     # conv windows: SGLang's scatter, with an empty state pool so that it skips the states
     compat.scatter_mamba_states_after_mtp_verify()(
         _without_states(caches),

@@ -8,23 +8,24 @@ Directly: TRITON_INTERPRET=1 python -m pytest tests/unit/test_conv_tree.py -m "n
 from __future__ import annotations
 
 import os
+from functools import partial
 
 import pytest
 import torch
 
-from sglang_ddtree.gdn.conv_tree import conv_tree
+from sglang_ddtree.gdn.conv_tree import commit_windows, conv_tree
 from sglang_ddtree.tree import build_tree_reference
 from sglang_ddtree.tree.testing import (
     eagle_links,
     random_build_inputs,
 )
-from tests.fixtures import run_cpu_tests_under_triton_interpreter
+from tests.fixtures import conv_window_reference, run_cpu_tests_under_triton_interpreter
 
 torch.set_num_threads(1)
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interpreter_only = pytest.mark.skipif(not INTERPRETED, reason="runs in the interpreter process")
-INTERPRETER_TESTS = 10  # non-gpu tests the child process runs (all but this one)
+INTERPRETER_TESTS = 12  # non-gpu tests the child process runs (all but this one)
 
 
 def test_cpu_kernel_tests_under_triton_interpreter():
@@ -111,6 +112,94 @@ def test_conv_tree_on_deep_chains_reads_the_history_above_the_root(tiling):
     assert torch.equal(o, o_s) and torch.equal(win, win_s)
 
 
+def inputs_case(bs, N, dim, seed, pad_last=False, device="cpu"):
+    """SGLang's tree conv (windows) and ours with save_inputs on the same inputs."""
+    from sglang.kernels.ops.mamba.causal_conv1d_triton import causal_conv1d_update
+
+    gen = torch.Generator().manual_seed(seed)
+    parents = trees(bs, N, seed)
+    KW, slots = 4, bs + 3
+    x = torch.randn(bs, N, dim, generator=gen).transpose(1, 2).to(device)
+    weight, bias = torch.randn(dim, KW, generator=gen), torch.randn(dim, generator=gen)
+    state0 = torch.randn(slots, dim, KW - 1, generator=gen)
+    idx = torch.randperm(slots, generator=gen)[:bs].to(torch.int32)
+    if pad_last:
+        idx[-1] = -1
+    inter_idx = torch.arange(bs, dtype=torch.int32).flip(0)  # rows need not follow the batch
+    nxt, sib = eagle_links(parents)
+    got = {}
+    for name, fn, kw in (("sglang", causal_conv1d_update, {}),
+                         ("ours", conv_tree, {"save_inputs": True})):  # fmt: skip
+        windows = torch.full((bs + 1, N, dim, KW - 1), float("nan"))
+        par = torch.full((bs, N), 99, dtype=torch.int64)
+        o = fn(x, state0.clone(), weight, bias, "silu", conv_state_indices=idx,
+               intermediate_conv_window=windows, intermediate_state_indices=inter_idx,
+               retrieve_next_token=nxt, retrieve_next_sibling=sib, retrieve_parent_token=par,
+               **kw)  # fmt: skip
+        got[name] = (o, windows, par)
+    return got, x, state0, idx, inter_idx
+
+
+@interpreter_only
+def test_conv_tree_can_store_each_nodes_input_once():
+    """save_inputs: the same outputs and parents as SGLang's kernel, and each live request's row
+    of the window buffer begins with its nodes' inputs as [N, dim]."""
+    pytest.importorskip("sglang.kernels.ops.mamba.causal_conv1d_triton")
+    bs, N, dim = 3, 13, 40
+    got, x, _, _, inter_idx = inputs_case(bs, N, dim, seed=8, pad_last=True)
+    (o, buf, par), (o_s, _, par_s) = got["ours"], got["sglang"]
+    assert torch.equal(o[:2], o_s[:2]) and torch.equal(par[:2], par_s[:2])
+    for b in range(2):
+        front = buf[int(inter_idx[b])].reshape(-1)[: N * dim].view(N, dim)
+        assert torch.equal(front, x[b].transpose(0, 1))
+
+
+@interpreter_only
+def test_the_window_commit_from_inputs_equals_sglangs_committed_windows():
+    """commit_windows over two layers: each request's slot gets SGLang's per-node window of its
+    accepted node (SGLang's scatter copies exactly that), the track slot its track node's, from
+    the slot's own history above the root; the padding request's slot and all others stay."""
+    pytest.importorskip("sglang.kernels.ops.mamba.causal_conv1d_triton")
+    bs, N, dim, km1 = 3, 13, 40, 3
+    # one tree for both layers (a verify's layers share it): layer 1's inputs (another case's
+    # random numbers) are read through layer 0's parents
+    got1, x1, state1, idx, inter_idx = inputs_case(bs, N, dim, seed=9, pad_last=True)
+    _, x2, state2, _, _ = inputs_case(bs, N, dim, seed=10, pad_last=True)
+    parents = got1["ours"][2]
+    nodes = torch.tensor([N - 1, 0, 5])  # request 1: the root only; request 2: padding
+    states = torch.stack([state1, state2])  # [layers, slots, dim, K - 1]
+    inputs = torch.full((2, bs + 1, N, dim, km1), float("nan"))
+    for layer, x in enumerate((x1, x2)):
+        for b in range(bs):
+            inputs[layer, int(inter_idx[b])].view(-1)[: N * dim] = x[b].transpose(0, 1).reshape(-1)
+    free = next(s for s in range(states.shape[1]) if s not in idx.tolist())
+    path = []
+    cur = int(nodes[0])
+    while cur > 0:
+        path.append(cur)
+        cur = int(parents[0, cur])
+    track_idx = torch.tensor([free, -1, -1], dtype=torch.int32)
+    track_node = torch.tensor([path[-1] if path else 0, -1, -1])
+    before = states.clone()
+    commit_windows(states, inputs, idx, inter_idx, parents, nodes, track_idx, track_node)
+    (_, windows_s, _) = got1["sglang"]
+    for layer, x in enumerate((x1, x2)):
+        for b in range(2):
+            slot = int(idx[b])
+            want = conv_window_reference(x[b].transpose(0, 1), before[layer, slot], parents[b],
+                                    int(nodes[b]))  # fmt: skip
+            assert torch.equal(states[layer, slot], want), (layer, b)
+            if layer == 0:  # SGLang's own per-node window of that node
+                assert torch.equal(states[0, slot], windows_s[int(inter_idx[b]), int(nodes[b])])
+        track_want = conv_window_reference(x[0].transpose(0, 1), before[layer, int(idx[0])],
+                                      parents[0], int(track_node[0]))  # fmt: skip
+        assert torch.equal(states[layer, free], track_want)
+    touched = {int(idx[0]), int(idx[1]), free}
+    for s in range(states.shape[1]):
+        if s not in touched:
+            assert torch.equal(states[:, s], before[:, s]), s
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA")
 @pytest.mark.parametrize("tiling", ["default", "window_tile", "ancestor_table"])
@@ -123,6 +212,49 @@ def test_conv_tree_equals_sglangs_tree_conv_on_gpu_in_bf16_at_qwen36_width(tilin
     (o, win, par), (o_s, win_s, par_s) = out["ours"], out["sglang"]
     assert torch.equal(par, par_s) and torch.equal(win, win_s)
     assert (o.float() - o_s.float()).abs().max() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA")
+def test_inputs_once_and_the_window_commit_equal_sglangs_scatter_on_gpu_in_bf16():
+    """At Qwen3.6-27B's conv width in bf16: SGLang's tree conv + its own scatter of the accepted
+    node's window against conv_tree(save_inputs=True) + commit_windows, request and track
+    slots, bit for bit."""
+    pytest.importorskip("sglang.kernels.ops.mamba.causal_conv1d_triton")
+    from sglang.kernels.ops.mamba.causal_conv1d_triton import causal_conv1d_update
+    from sglang.kernels.ops.mamba.mamba_state_scatter_triton import (
+        fused_conv_window_scatter_with_mask,
+    )
+
+    bs, N, dim, KW, dev = 4, 64, 10240, 4, "cuda"
+    gen = torch.Generator(device=dev).manual_seed(3)
+    parents = trees(bs, N, seed=2)
+    x = torch.randn(bs, N, dim, generator=gen, device=dev).bfloat16().transpose(1, 2)
+    weight = torch.randn(dim, KW, generator=gen, device=dev).bfloat16()
+    bias = torch.randn(dim, generator=gen, device=dev).bfloat16()
+    states = torch.randn(1, bs + 4, dim, KW - 1, generator=gen, device=dev).bfloat16()
+    idx = torch.arange(1, bs + 1, dtype=torch.int32, device=dev)
+    rows = torch.arange(bs, dtype=torch.int32, device=dev)
+    nxt, sib = (t.to(dev) for t in eagle_links(parents))
+    nodes = torch.tensor([N - 1, 0, 7, 33], device=dev)
+    track_idx = torch.tensor([bs + 1, -1, bs + 2, -1], dtype=torch.int32, device=dev)
+    track_node = torch.tensor([5, -1, 1, -1], device=dev)
+    results = []
+    for kind in ("sglang", "ours"):
+        state = states.clone()
+        buf = torch.zeros((1, bs + 1, N, dim, KW - 1), dtype=torch.bfloat16, device=dev)
+        par = torch.zeros((bs, N), dtype=torch.int64, device=dev)
+        fn = causal_conv1d_update if kind == "sglang" else partial(conv_tree, save_inputs=True)
+        fn(x, state[0].clone(), weight, bias, "silu", conv_state_indices=idx,
+           intermediate_conv_window=buf[0], intermediate_state_indices=rows,
+           retrieve_next_token=nxt, retrieve_next_sibling=sib, retrieve_parent_token=par)  # fmt: skip
+        if kind == "sglang":
+            fused_conv_window_scatter_with_mask(state, buf, idx, nodes)
+            fused_conv_window_scatter_with_mask(state, buf, track_idx, track_node)
+        else:
+            commit_windows(state, buf, idx, rows, par, nodes, track_idx, track_node)
+        results.append(state)
+    assert torch.equal(results[0], results[1])
 
 
 def test_conv_hook_target_exists_and_the_hook_passes_everything_else_through(monkeypatch):
@@ -145,7 +277,7 @@ def test_conv_hook_target_exists_and_the_hook_passes_everything_else_through(mon
     assert gdn.conv_update(original, 1, 2, 3, None, "silu", **tree) == "sglang"
     monkeypatch.setattr(gdn, "current", lambda: None)  # SGLANG_DDTREE_GDN=sglang
     assert gdn.conv_update(original, 1, 2, 3, None, "silu", **tree) == "sglang"
-    monkeypatch.setattr(gdn, "current", lambda: gdn.GDNPath(16, conv=True))
+    monkeypatch.setattr(gdn, "current", lambda: gdn.GDNPath(16, conv=True, compact=False))
     single = {"conv_state_indices": object()}  # a decode step, not a tree
     assert gdn.conv_update(original, 1, 2, 3, None, "silu", **single) == "sglang"
     extra = {**tree, "num_accept_tokens": object()}  # a call conv_tree does not cover
@@ -154,13 +286,31 @@ def test_conv_hook_target_exists_and_the_hook_passes_everything_else_through(mon
     assert len(calls) == 5
 
 
+def test_the_conv_hook_stores_inputs_once_on_the_compact_pool_only(monkeypatch):
+    """On DDTREE's compact pool the hook asks conv_tree for the nodes' inputs (the commit builds
+    the windows from them, conv_tree.commit_windows); on SGLang's pool for SGLang's windows."""
+    import sglang_ddtree.gdn.conv_tree as conv_module
+    from sglang_ddtree.integration import gdn
+
+    seen = []
+    monkeypatch.setattr(conv_module, "conv_tree", lambda *a, **k: seen.append(k["save_inputs"]))
+    monkeypatch.setattr(gdn, "_first_conv_state", [None])
+    monkeypatch.setattr(gdn, "_filled", [None])
+    tree = {k: torch.zeros(2, 3) for k in gdn._CONV_TREE_ARGS}
+    for compact in (True, False):
+        monkeypatch.setattr(gdn, "current", lambda c=compact: gdn.GDNPath(16, compact=c))
+        gdn.conv_update(None, torch.zeros(1), torch.zeros(1), torch.zeros(1), None, "silu", **tree)
+    assert seen == [True, False]
+    assert gdn.GDNPath(16, conv=False, compact=True).conv_inputs is False  # SGLang's conv
+
+
 @interpreter_only
 def test_conv_hook_runs_conv_tree_when_enabled(monkeypatch, caplog):
     mod = pytest.importorskip("sglang.kernels.ops.mamba.causal_conv1d_triton")
     import sglang_ddtree.gdn.conv_tree as conv_module
     from sglang_ddtree.integration import gdn
 
-    monkeypatch.setattr(gdn, "current", lambda: gdn.GDNPath(16, conv=True))
+    monkeypatch.setattr(gdn, "current", lambda: gdn.GDNPath(16, conv=True, compact=False))
     monkeypatch.setattr(gdn, "_used", set())
     monkeypatch.setattr(gdn, "_first_conv_state", [None])
     monkeypatch.setattr(gdn, "_filled", [None])
@@ -187,7 +337,7 @@ def test_the_hook_fills_the_parents_in_the_first_layer_only(monkeypatch):
     import sglang_ddtree.gdn.conv_tree as conv_module
     from sglang_ddtree.integration import gdn
 
-    monkeypatch.setattr(gdn, "current", lambda: gdn.GDNPath(16, conv=True))
+    monkeypatch.setattr(gdn, "current", lambda: gdn.GDNPath(16, conv=True, compact=False))
     monkeypatch.setattr(gdn, "_first_conv_state", [None])
     monkeypatch.setattr(gdn, "_filled", [None])
     filled = []
@@ -248,3 +398,4 @@ def test_bench_conv_checks_agree_on_the_cpu():
     assert row["conv_max_abs_diff_o"] == 0.0, row
     assert row["conv_t8n16w4tile_equal"] and "conv_t16n32w4nosave_equal" not in row, row
     assert row["conv_windows_equal"] and row["conv_parents_equal"], row
+    assert row["conv_inputs_equal"], row

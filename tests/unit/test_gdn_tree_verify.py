@@ -21,7 +21,7 @@ from sglang_ddtree.tree import build_tree_reference
 from sglang_ddtree.tree.testing import (
     random_build_inputs,
 )
-from tests.fixtures import run_cpu_tests_under_triton_interpreter
+from tests.fixtures import conv_window_reference, run_cpu_tests_under_triton_interpreter
 
 torch.set_num_threads(1)
 
@@ -441,9 +441,13 @@ def test_hooks_commit_the_state_sglangs_own_tree_verify_and_commit_would(
         torch.full((L, bs + 1, scratch_floats(N, HV, K, V)), float("nan")) if compact else inter
     )
     kwargs["intermediate_states_buffer"] = scratch[0]
-    caches = MambaPool.SpeculativeState(conv=[torch.zeros(L, S, 3, 2)], temporal=temporal,
-                                        intermediate_ssm=scratch, intermediate_conv_window=[
-                                            torch.zeros(L, bs + 1, N, 3, 2)])  # fmt: skip
+    # the conv part (3 channels, K = 3): on the compact pool each row's front holds the nodes'
+    # inputs [N, 3] (conv_tree's save_inputs) and the commit builds the windows from them
+    conv0 = torch.randn(L, S, 3, 2, generator=gen)
+    windows = torch.randn(L, bs + 1, N, 3, 2, generator=gen)
+    caches = MambaPool.SpeculativeState(conv=[conv0.clone()], temporal=temporal,
+                                        intermediate_ssm=scratch,
+                                        intermediate_conv_window=[windows])  # fmt: skip
     o_ours = gdn.target_verify(None, None, *args, **kwargs)
     assert o_ours.shape == o_sglang.shape and o_ours.dtype == o_sglang.dtype
     assert (o_ours.float() - o_sglang.float()).abs().max() <= 2**-8
@@ -466,7 +470,18 @@ def test_hooks_commit_the_state_sglangs_own_tree_verify_and_commit_would(
     kernel = "chunk_tree.chunk_tree_verify" if verify == "chunk" else "tree_verify"
     assert caplog.text.count(f"first GDN tree verify through sglang_ddtree.gdn.{kernel}") == 1
     assert caplog.text.count("first GDN state commit through sglang_ddtree.gdn") == 1
-    (conv_call,) = scattered  # the conv windows still go through SGLang's scatter, states not
+    if compact:  # the windows from the stored inputs (conv_tree.commit_windows), no scatter
+        assert not scattered
+        inter_rows = backend.linear_attn_backend.verify_intermediate_state_indices
+        for b, (slot, node) in enumerate([*zip(case.slots.tolist(), last.tolist(), strict=True),
+                                          (free, int(track_node[1]))]):  # fmt: skip
+            b = min(b, bs - 1)  # the track slot is request 1's
+            inputs = windows[0, int(inter_rows[b])].reshape(-1)[: N * 3].view(N, 3)
+            history = conv0[0, int(case.slots[b])]
+            want = conv_window_reference(inputs, history, parents[b], node)
+            assert torch.equal(caches.conv[0][0, slot], want), (b, slot)
+        return
+    (conv_call,) = scattered  # the conv windows go through SGLang's scatter, states not
     assert conv_call[0].temporal.numel() == 0 and conv_call[0].conv is caches.conv
     assert dataclasses.replace(conv_call[0], temporal=temporal).intermediate_ssm is scratch
 
