@@ -259,10 +259,15 @@ _used: set[str] = set()
 
 
 def first_use(what: str) -> None:
-    """Log once per process that a hook took DDTREE's path (the GPU tests look for it)."""
+    """Log once per process that a hook took DDTREE's path (/server_info reports them: engaged)."""
     if what not in _used:
         _used.add(what)
         logger.info("sglang_ddtree: first %s", what)
+
+
+def engaged() -> list[str]:
+    """The DDTREE paths this process's hooks have taken so far (first_use's names), sorted."""
+    return sorted(_used)
 
 
 def _refuse_compact(intermediate_ssm) -> None:

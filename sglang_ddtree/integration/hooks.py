@@ -19,7 +19,8 @@
 | HybridReqToTokenPool._init_mamba_pool   | the compact GDN verify scratch and the Mamba pool     |
 | KVCacheConfigurator                     | sized for it (integration/gdn_pool.py; off:           |
 |   ._handle_max_mamba_cache              | SGLANG_DDTREE_GDN_SCRATCH=full)                       |
-| Scheduler.get_internal_state            | /server_info reports the resolved options and GDN path|
+| Scheduler.get_internal_state            | /server_info reports the resolved options, GDN path   |
+|                                         | and the DDTREE paths taken (gdn.engaged)              |
 | FlashInferIndicesUpdaterPrefill         | the verify's masked plan from host lengths and a      |
 |   .call_begin_forward                   | device-packed mask, no read-back (verify_plan.py;     |
 |                                         | off: SGLANG_DDTREE_VERIFY_PLAN=sglang)                |
@@ -171,12 +172,14 @@ def _internal_state(original, scheduler, *args, **kwargs):
 
 
 def report() -> dict:
-    """This process's resolved DDTREE options and GDN path."""
+    """This process's resolved DDTREE options, GDN path, and the DDTREE paths its hooks have
+    taken so far (`gdn.first_use`'s names, e.g. "tree conv1d through sglang_ddtree.gdn.conv_tree")."""
     import dataclasses
 
     from sglang_ddtree.config import options
 
-    return {"options": dataclasses.asdict(options()), "gdn_path": gdn.describe(gdn.current())}
+    return {"options": dataclasses.asdict(options()), "gdn_path": gdn.describe(gdn.current()),
+            "engaged": gdn.engaged()}  # fmt: skip
 
 
 def _validate_request(original, req, enable_overlap):

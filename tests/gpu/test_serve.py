@@ -621,10 +621,19 @@ def test_the_variants_switches_engaged(servers, model, variant):
     reported = [s["ddtree"] for s in info.get("internal_states", []) if "ddtree" in s]
     assert reported and reported[0]["options"] == dataclasses.asdict(expected), reported
     assert f"sglang_ddtree: options: {expected.describe()}" in log
+
+    # which paths the hooks took, as values (/server_info's "engaged": gdn.first_use's names);
+    # the start-up lines (GDN path, width, pool) from the log
+    def took(line: str) -> bool:
+        if line.startswith("first "):
+            return any(e.startswith(line[len("first ") :]) for e in reported[0]["engaged"])
+        return line in log
+
     for line in ENGAGED[variant]:
-        assert line in log, f"{model}-{variant}: {line!r} not in its log"
+        assert took(line), f"{model}-{variant}: {line!r} not taken"
     for line in NOT_ENGAGED.get(variant, ()):
-        assert line not in log, f"{model}-{variant}: {line!r} in its log"
+        assert not took(line), f"{model}-{variant}: {line!r} taken"
+    assert reported[0]["gdn_path"] in log  # the start-up line gives the same GDN path
 
 
 # Grammar-constrained decoding (issue 14, part 3): SGLang's grammar backend (xgrammar) masks the

@@ -424,9 +424,18 @@ def test_server_info_reports_the_resolved_options(monkeypatch):
     def original(scheduler, req):  # what SGLang's get_internal_state returns
         return GetInternalStateReqOutput(internal_state={"startup_time": 1.0})
 
+    monkeypatch.setattr(gdn, "_used", set())
     state = hooks._internal_state(original, ddtree, None).internal_state
     assert state["ddtree"]["options"] == dataclasses.asdict(opts)
     assert state["ddtree"]["gdn_path"] == gdn.describe(gdn.GDNPath(16, verify="chunk"))
+    assert state["ddtree"]["engaged"] == []
+    gdn.first_use("tree conv1d through sglang_ddtree.gdn.conv_tree")  # a hook took its path
+    gdn.first_use("GDN state commit through sglang_ddtree.gdn.tree_verify.commit_paths")
+    state = hooks._internal_state(original, ddtree, None).internal_state
+    assert state["ddtree"]["engaged"] == [
+        "GDN state commit through sglang_ddtree.gdn.tree_verify.commit_paths",
+        "tree conv1d through sglang_ddtree.gdn.conv_tree",
+    ]
     dflash = SimpleNamespace(spec_algorithm=SimpleNamespace(name="DFLASH"))
     assert hooks._internal_state(original, dflash, None).internal_state == {"startup_time": 1.0}
 
