@@ -25,7 +25,7 @@ torch.set_num_threads(1)
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interpreter_only = pytest.mark.skipif(not INTERPRETED, reason="runs in the interpreter process")
-INTERPRETER_TESTS = 12  # non-gpu tests the child process runs (all but this one)
+INTERPRETER_TESTS = 13  # non-gpu tests the child process runs (all but this one)
 
 
 def test_cpu_kernel_tests_under_triton_interpreter():
