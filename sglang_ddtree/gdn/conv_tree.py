@@ -224,6 +224,8 @@ def _commit_windows_kernel(conv, inputs, state_idx, inter_idx, parents, nodes, t
             t_slot = tl.load(track_idx + b).to(tl.int64)
             t_node = tl.load(track_node + b).to(tl.int32)
             tracked = _window(row, history, links, t_node, c, mc, dim, KM1, WIN, BLOCK)
+        tl.debug_barrier()  # every thread's history loads before any thread overwrites it
+        if TRACK:
             if (t_slot >= 0) & (t_node >= 0):
                 to = conv + layer * stride_c_layer + t_slot * stride_c_slot + c * KM1
                 tl.store(to[:, None] + (KM1 - 1 - cols), tracked, mask=put)

@@ -170,6 +170,14 @@ def conv_update(original, x, conv_state, weight, bias=None, activation=None, *re
     tree = all(kwargs.get(k) is not None for k in _CONV_TREE_ARGS)
     path = current()
     if path is None or not path.conv or not tree or rest or set(kwargs) - set(_CONV_TREE_ARGS):
+        if tree and path is not None and path.conv_inputs:
+            # SGLang's kernel would write per-node windows where the commit reads the nodes'
+            # inputs (and roll the conv state): a wrong state, silently
+            raise RuntimeError(
+                "A tree conv1d call DDTREE's conv does not cover (arguments "
+                f"{sorted(set(kwargs) - set(_CONV_TREE_ARGS))}, {len(rest)} more positional) "
+                "reached the compact GDN pool; serve with SGLANG_DDTREE_CONV=sglang."
+            )
         return original(x, conv_state, weight, bias, activation, *rest, **kwargs)
     from sglang_ddtree.gdn.conv_tree import conv_tree
 

@@ -178,7 +178,9 @@ def test_the_window_commit_from_inputs_equals_sglangs_committed_windows():
     while cur > 0:
         path.append(cur)
         cur = int(parents[0, cur])
-    track_idx = torch.tensor([free, -1, -1], dtype=torch.int32)
+    free2 = next(s for s in range(states.shape[1]) if s not in [*idx.tolist(), free])
+    # request 1 has a track slot but no track step this round (-1): that slot must stay
+    track_idx = torch.tensor([free, free2, -1], dtype=torch.int32)
     track_node = torch.tensor([path[-1] if path else 0, -1, -1])
     before = states.clone()
     commit_windows(states, inputs, idx, inter_idx, parents, nodes, track_idx, track_node)
@@ -283,7 +285,13 @@ def test_conv_hook_target_exists_and_the_hook_passes_everything_else_through(mon
     extra = {**tree, "num_accept_tokens": object()}  # a call conv_tree does not cover
     assert gdn.conv_update(original, 1, 2, 3, None, "silu", **extra) == "sglang"
     assert gdn.conv_update(original, 1, 2, 3, None, "silu", None, **tree) == "sglang"  # 6th arg
-    assert len(calls) == 5
+    # on the compact pool the commit reads the nodes' inputs: a tree call SGLang's kernel would
+    # take instead (its per-node windows) is refused, a non-tree call still passes
+    monkeypatch.setattr(gdn, "current", lambda: gdn.GDNPath(16, conv=True))
+    with pytest.raises(RuntimeError, match="SGLANG_DDTREE_CONV=sglang"):
+        gdn.conv_update(original, 1, 2, 3, None, "silu", **extra)
+    assert gdn.conv_update(original, 1, 2, 3, None, "silu", **single) == "sglang"
+    assert len(calls) == 6
 
 
 def test_the_conv_hook_stores_inputs_once_on_the_compact_pool_only(monkeypatch):
