@@ -1,5 +1,5 @@
-"""Sampling penalties per tree node, exactly (issue 14, part 2; in the reference engine,
-not yet wired into the server).
+"""Sampling penalties per tree node, exactly (issue 14, part 2; the reference engine, and the
+server through integration/penalties.py with SGLANG_DDTREE_PENALTIES=1).
 
 A node's distribution must be the request's distribution given the path to that node. The
 frequency, presence and repetition penalties depend on which tokens the context holds, and in a
@@ -9,11 +9,13 @@ only. Here the shared counts are applied to every node as SGLang would, and then
 that occurs on a node's path gets its value recomputed from the raw logit with the count that
 path gives it. No host sync, static shapes (CUDA-graph safe).
 
-Conventions (SGLang's penalizers): `counts` [bs, V] are the output tokens so far, including the
-root (the last committed token); `seen` [bs, V] is what the repetition penalty looks at (SGLang:
-the prompt and the output); the root's own token is therefore already counted and a node's path
-adds nodes 1..i. Order: the repetition penalty first (x / r for x > 0, x * r otherwise), then
-x -= frequency * count + presence * (count > 0).
+Conventions (SGLang 0.5.17's penalizers, as its overlap scheduler applies them): `counts`
+[bs, V] are the output tokens so far, including the root (the last committed token), so a node's
+path adds nodes 1..i; the repetition penalty looks at the output tokens too (`seen`, default
+counts > 0: SGLang's BatchedRepetitionPenalizer cumulates output tokens only). Order: first
+x -= frequency * count + presence * (count > 0), then the repetition penalty on the result
+(x * r for x < 0, x / r otherwise), as SamplingBatchInfo.apply_logits_bias adds
+acc_additive_penalties before it applies acc_scaling_penalties.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 @dataclasses.dataclass(frozen=True)
 class Penalties:
     """A request's penalties, in SGLang's sampling-parameter terms: frequency_penalty,
-    presence_penalty (output tokens), repetition_penalty (prompt and output tokens; 1: off),
+    presence_penalty (output tokens), repetition_penalty (output tokens, as SGLang 0.5.17; 1: off),
     min_new_tokens (EOS blocked before that many generated tokens)."""
 
     frequency: float = 0.0
@@ -41,7 +43,7 @@ class Penalties:
 
 class PenaltyState:
     """One request's penalty context as decoding goes: output-token counts and the tokens the
-    repetition penalty sees (prompt and output), and the penalised logits of the next token
+    repetition penalty sees (the output), and the penalised logits of the next token
     after the output so far (`step`) or after every node of a tree (`tree`). Host-driven, for
     the reference engine (the server would keep the same tensors on the device)."""
 
@@ -50,8 +52,7 @@ class PenaltyState:
         device = prompt.device
         self.penalties = penalties
         self.counts = torch.zeros(1, vocab, dtype=torch.float32, device=device)
-        self.seen = torch.zeros(1, vocab, dtype=torch.bool, device=device)
-        self.seen[0, prompt] = True
+        self.seen = torch.zeros(1, vocab, dtype=torch.bool, device=device)  # output tokens
         self.output_len = 0
         self.eos = torch.tensor(eos_ids or [0], dtype=torch.long, device=device)
         self.block_eos = bool(eos_ids) and penalties.min_tokens > 0
@@ -96,8 +97,8 @@ def penalize(x: torch.Tensor, count: torch.Tensor, seen: torch.Tensor, frequency
              presence: torch.Tensor, repetition: torch.Tensor) -> torch.Tensor:  # fmt: skip
     """The penalties on logits x given each token's count and seen flag (broadcasting; the
     penalty tensors broadcast against x)."""
-    x = torch.where(seen, torch.where(x > 0, x / repetition, x * repetition), x)
-    return x - frequency * count - presence * (count > 0).to(x.dtype)
+    x = x - frequency * count - presence * (count > 0).to(x.dtype)
+    return torch.where(seen, torch.where(x < 0, x * repetition, x / repetition), x)
 
 
 def penalize_tree(logits: torch.Tensor, tokens: torch.Tensor, visibility: torch.Tensor,

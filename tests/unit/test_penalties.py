@@ -70,3 +70,50 @@ def test_eos_is_blocked_per_node_until_min_tokens():
     blocked = torch.isinf(out[..., 9])
     assert blocked.tolist() == [[True, True, False, False], [False, False, False, False]]
     assert torch.equal(torch.isinf(out[..., 2]), blocked) and not torch.isinf(out[..., :2]).any()
+
+
+def test_one_position_is_penalised_as_sglangs_own_penalizers_do():
+    """`penalize` against SGLang 0.5.17's penalizer classes driven as its overlap scheduler drives
+    them (cumulate the output tokens, accumulate the additive penalties, then the scaling ones,
+    SamplingBatchInfo.apply_logits_bias's order): the same logits, negative and positive ones,
+    tokens seen once and twice, all three penalties at once and min_new_tokens's EOS block."""
+    from types import SimpleNamespace
+
+    penaltylib = pytest.importorskip("sglang.srt.sampling.penaltylib")
+    from sglang.srt.sampling.penaltylib.repetition_penalty import apply_scaling_penalties
+
+    gen = torch.Generator().manual_seed(5)
+    V, eos = 23, 3
+    params = [(0.4, 0.3, 1.3, 0), (-0.2, 0.5, 0.8, 9), (0.0, 0.0, 1.0, 0)]
+    reqs = [SimpleNamespace(sampling_params=SimpleNamespace(
+        frequency_penalty=f, presence_penalty=p, repetition_penalty=r, min_new_tokens=m,
+        stop_token_ids=None), tokenizer=SimpleNamespace(additional_stop_token_ids=None,
+                                                         eos_token_id=eos))
+        for f, p, r, m in params]  # fmt: skip
+
+    class Batch:  # the orchestrator keeps a weak reference to its batch
+        device = "cpu"
+
+    batch = Batch()
+    batch.reqs = reqs
+    orch = penaltylib.BatchedPenalizerOrchestrator(V, batch, {
+        penaltylib.BatchedFrequencyPenalizer, penaltylib.BatchedMinNewTokensPenalizer,
+        penaltylib.BatchedPresencePenalizer, penaltylib.BatchedRepetitionPenalizer})  # fmt: skip
+    outputs = torch.randint(0, V, (5, len(reqs)), generator=gen)
+    outputs[1] = outputs[0]  # some tokens twice
+    counts = torch.zeros(len(reqs), V)
+    for step in outputs:
+        orch.cumulate_output_tokens(step)
+        counts[torch.arange(len(reqs)), step] += 1
+    logits = torch.randn(len(reqs), V, generator=gen) * 3
+    sglang = logits.clone()
+    additive = torch.zeros(len(reqs), V)
+    orch.accumulate_additive_penalties(additive)
+    sglang.add_(additive)
+    apply_scaling_penalties(sglang, orch.accumulate_scaling_penalties())
+    f, p, r = (torch.tensor([x[i] for x in params]) for i in range(3))
+    ours = penalize(logits, counts, counts > 0, f[:, None], p[:, None], r[:, None])
+    ours = suppress_eos_before_min_tokens(
+        ours[:, None], torch.zeros(len(reqs), 1, dtype=torch.long), torch.full((3,), 5),
+        torch.tensor([x[3] for x in params]), torch.tensor([eos]))[:, 0]  # fmt: skip
+    torch.testing.assert_close(ours, sglang, rtol=1e-6, atol=1e-6)
