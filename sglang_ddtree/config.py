@@ -167,6 +167,10 @@ class Options:
     logprobs      SGLANG_DDTREE_LOGPROBS      1 (opt-in, not yet verified on a GPU): serve
                                               logprobs (SGLang's spec-v2 logprobs over the
                                               accepted path) instead of refusing them with 400
+    penalties     SGLANG_DDTREE_PENALTIES     1 (opt-in, not yet verified on a GPU): serve
+                                              frequency / presence / repetition penalties and
+                                              min_new_tokens, each node penalised by its own
+                                              path (integration/penalties.py), instead of 400
     dump_rounds   SGLANG_DDTREE_DUMP_ROUNDS   a JSON-lines file for sampled rounds; None: off
     dump_every    SGLANG_DDTREE_DUMP_EVERY    every how many rounds (100)
     verify_plan   SGLANG_DDTREE_VERIFY_PLAN   host | sglang: host plans FlashInfer's tree verify
@@ -203,6 +207,7 @@ class Options:
     width: str = "auto"
     widths: tuple[int, ...] | None = None
     logprobs: bool = False
+    penalties: bool = False
 
     @classmethod
     def from_env(cls, unified_memory: bool = False, deterministic: bool = False) -> Options:
@@ -253,6 +258,7 @@ class Options:
             ),  # fmt: skip
             widths=_widths("SGLANG_DDTREE_WIDTHS"),
             logprobs=env_choice("SGLANG_DDTREE_LOGPROBS", ("0", "1")) == "1",
+            penalties=env_choice("SGLANG_DDTREE_PENALTIES", ("0", "1")) == "1",
         )
         opts._check(unified_memory)
         return opts

@@ -30,6 +30,9 @@ MAMBA_STATE_COMMIT = (
     ".update_mamba_state_after_mtp_verify"
 )
 
+# The tree verify's sampling (per-node penalties, opt-in): integration/penalties.py.
+EAGLE_SAMPLE = "sglang.srt.speculative.eagle_utils.eagle_sample"
+
 # The scheduler's internal state (/server_info's internal_states): DDTREE's resolved options.
 SCHEDULER_INTERNAL_STATE = "sglang.srt.managers.scheduler.Scheduler.get_internal_state"
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 
-from sglang_ddtree.integration import compat, gdn, gdn_pool, verify_plan
+from sglang_ddtree.integration import compat, gdn, gdn_pool, penalties, verify_plan
 
 logger = logging.getLogger(__name__)
 
@@ -128,14 +128,33 @@ def _reject_unsupported(tokenizer_manager, obj, *args, **kwargs):
     max_new_tokens = sampling.get("max_new_tokens")
     if max_new_tokens is not None and max_new_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, got {max_new_tokens}.")
+    per_node = _penalties_on()
     for name, neutral in LOSSY_SAMPLING_OPTIONS.items():
         value = sampling.get(name)
-        if value is not None and value != neutral:
+        if value is not None and value != neutral and not (per_node and name in PER_NODE):
+            hint = (
+                ""
+                if name not in PER_NODE
+                else (" (SGLANG_DDTREE_PENALTIES=1 applies it per node, not yet verified on a GPU)")
+            )
             raise ValueError(
                 f"DDTREE cannot apply {name}={value} exactly inside a draft tree (the output "
-                f"distribution would differ from the target's); leave it at {neutral}."
+                f"distribution would differ from the target's); leave it at {neutral}{hint}."
             )
     return None
+
+
+def _penalties_on() -> bool:
+    """SGLANG_DDTREE_PENALTIES=1: the penalties of PER_NODE served, each node penalised by its
+    own path (integration/penalties.py); opt-in until its GPU test has passed."""
+    from sglang_ddtree.config import options
+
+    return options().penalties
+
+
+# what integration/penalties.py applies per node (min_p stays refused: SGLang's tree verify
+# does not apply it at all)
+PER_NODE = ("frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens")
 
 
 def _logprobs_on() -> bool:
@@ -208,4 +227,5 @@ HOOKS = {
     compat.MAMBA_POOL_SOLVER: gdn_pool.size_mamba_pool,
     compat.FLASHINFER_PREFILL_PLAN: verify_plan.call_begin_forward,
     compat.SCHEDULER_INTERNAL_STATE: _internal_state,
+    compat.EAGLE_SAMPLE: penalties.eagle_sample,
 }

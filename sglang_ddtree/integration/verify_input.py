@@ -20,7 +20,13 @@ from sglang_ddtree.integration import tree_layout
 
 @dataclass
 class DDTreeVerifyInput(EagleVerifyInput):
-    """An EagleVerifyInput whose tree is an arbitrary DDTree (best-first, parent < child)."""
+    """An EagleVerifyInput whose tree is an arbitrary DDTree (best-first, parent < child), with
+    the tree itself for the per-node penalties (integration/penalties.py): its tokens [bs, N],
+    visibility [bs, N, N] and depth [bs, N] (None in shape-only stand-ins)."""
+
+    tree_tokens: torch.Tensor | None = None
+    tree_visibility: torch.Tensor | None = None
+    tree_depth: torch.Tensor | None = None
 
 
 def make_verify_input(
@@ -42,6 +48,9 @@ def make_verify_input(
         cfg,
         N,
         mask,
+        tree_tokens=tokens,
+        tree_visibility=visibility,
+        tree_depth=depth,
         draft_token=tokens.reshape(-1),
         positions=tree_layout.node_positions(depth, seq_lens),
         retrieve_index=tree_layout.retrieve_index(bs, N, tokens.device),

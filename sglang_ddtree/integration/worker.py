@@ -42,8 +42,9 @@ from sglang.srt.utils import get_available_gpu_memory
 from torch.profiler import record_function
 
 from sglang_ddtree.config import DDTreeConfig, options
-from sglang_ddtree.integration import compat
+from sglang_ddtree.integration import compat, penalties
 from sglang_ddtree.integration.draft_head import DraftTreeHead
+from sglang_ddtree.integration.penalties import PenaltyTable
 from sglang_ddtree.integration.round_dump import RoundDump
 from sglang_ddtree.integration.verify_input import make_verify_input
 from sglang_ddtree.integration.widths import RoundReadings, VerifyWidths
@@ -110,6 +111,7 @@ class DDTreeWorker(DFlashWorkerV2):
         self._round_dump = RoundDump.from_options(options()) if self.ps.tp_rank == 0 else None
         self._widths: VerifyWidths | None = None  # SGLANG_DDTREE_WIDTH=auto (init_cuda_graphs)
         self._readings: RoundReadings | None = None
+        self._penalties = self._penalty_table()  # SGLANG_DDTREE_PENALTIES=1, else None
         if self.ps.tp_rank == 0:
             logger.info(
                 "DDTREE worker ready: B=%d, N=%d (budget %d), K=%d, draft head for bs<=%d",
@@ -183,7 +185,10 @@ class DDTreeWorker(DFlashWorkerV2):
         extend = batch.forward_mode.is_extend() or batch.is_extend_in_batch
         if extend or batch.forward_mode.is_idle():  # DFlashWorkerV2's prefill / idle step
             with self._logprobs_through_prefill(batch):
-                return super().forward_batch_generation(batch, on_publish, grammar_barrier)
+                result = super().forward_batch_generation(batch, on_publish, grammar_barrier)
+            if self._penalties is not None and extend:
+                self._penalties.restart(batch.reqs, batch.req_pool_indices, result.next_token_ids)
+            return result
         draft_input = batch.spec_info  # the DFlash draft state the last round (or prefill) left
         if not isinstance(draft_input, DFlashDraftInputV2):
             raise RuntimeError(f"DDTREE expected DFlashDraftInputV2, got {type(draft_input)}")
@@ -210,6 +215,10 @@ class DDTreeWorker(DFlashWorkerV2):
         verify_at = self._widths.use(width) if self._widths else contextlib.nullcontext()
         with record_function("ddtree.verify_accept_commit"), verify_at:
             result = self._verify_accept_commit(batch, grammar_barrier, width)
+        if self._penalties is not None:  # the emitted tokens join each request's count
+            self._penalties.observe(batch.req_pool_indices,
+                                    result.next_token_ids.view(bs, -1)[:, : self.cfg.block_size],
+                                    result.accept_lens)  # fmt: skip
         if self._round_dump is not None:  # device-to-pinned copies; a thread writes them
             emitted = result.next_token_ids.view(bs, -1)[:, : self.cfg.block_size]
             self._round_dump.round(tree.tokens, tree.parents, tree.scores, emitted,
@@ -254,6 +263,16 @@ class DDTreeWorker(DFlashWorkerV2):
             else:
                 target.forward_batch_generation = shadowed
             batch.return_logprob = True
+
+    def _penalty_table(self) -> PenaltyTable | None:
+        """SGLANG_DDTREE_PENALTIES=1: the output-token counts per request slot on the device
+        (integration/penalties.py), made the eagle_sample hook's."""
+        if not options().penalties:
+            return None
+        rows = self.model_runner.req_to_token_pool.req_to_token.shape[0]
+        table = PenaltyTable(rows, self.model_runner.model_config.vocab_size, self.device)
+        penalties.activate(table)
+        return table
 
     # -- step 1 + 2: draft the block, build the tree -----------------------------------------
     def _draft(self, batch, draft_input) -> tuple[torch.Tensor, torch.Tensor]:

@@ -91,6 +91,7 @@ VARIANTS = {
     "ddtree_sglangplan": ddtree_args,  # SGLang's FlashInfer plan for the verify (not verify_plan.py)
     "ddtree_fixed": ddtree_args,  # every round at N (the default, auto, picks a width per round)
     "ddtree_logprobs": ddtree_args,  # logprobs served (opt-in until test_logprobs_... passes)
+    "ddtree_penalties": ddtree_args,  # per-node penalties (opt-in until its test passes)
     # the same in deterministic mode, whose GDN verify defaults to the root paths (session 9: the
     # chunked one was not batch-invariant there); ddtree_det_chunk asks for the chunked one
     "ddtree_det_chunk": lambda model, draft: [*ddtree_args(model, draft), *DETERMINISTIC],
@@ -110,21 +111,24 @@ VARIANT_ENV = {
     "ddtree_sglangplan": {"SGLANG_DDTREE_VERIFY_PLAN": "sglang"},
     "ddtree_fixed": {"SGLANG_DDTREE_WIDTH": "fixed"},
     "ddtree_logprobs": {"SGLANG_DDTREE_LOGPROBS": "1"},
+    "ddtree_penalties": {"SGLANG_DDTREE_PENALTIES": "1"},
     "ddtree_det_chunk": {"SGLANG_DDTREE_GDN_VERIFY": "chunk"},
     "ddtree_det_sglangconv": _SGLANGCONV,
     "ddtree_det_full": _FULL,
 }
-# Which variants each model runs (34 servers in all). Launch order interleaves the models, plain
+# Which variants each model runs (37 servers in all). Launch order interleaves the models, plain
 # servers first, so each model's tests can begin while the others still start. SGLang's own
 # chain DFLASH runs beside DDTREE on every model as the control for numerics.
 MODEL_VARIANTS = {
-    "qwen3": ("base", "ddtree", "ddtree_fixed", "ddtree_logprobs", "ddtree_sync", "dflash"),
+    "qwen3": ("base", "ddtree", "ddtree_fixed", "ddtree_logprobs", "ddtree_penalties", "ddtree_sync",
+              "dflash"),
     "qwen35": (
-        "base", "ddtree", "ddtree_fixed", "ddtree_logprobs", "ddtree_sync", "dflash",
-        "ddtree_sglanggdn", "ddtree_paths", "ddtree_sglangconv", "ddtree_full", "ddtree_sglangplan",
+        "base", "ddtree", "ddtree_fixed", "ddtree_logprobs", "ddtree_penalties", "ddtree_sync",
+        "dflash", "ddtree_sglanggdn", "ddtree_paths", "ddtree_sglangconv", "ddtree_full", "ddtree_sglangplan",
     ),
     "pair": (
-        "base", "ddtree", "ddtree_fixed", "ddtree_logprobs", "base_det", "ddtree_det",
+        "base", "ddtree", "ddtree_fixed", "ddtree_logprobs", "ddtree_penalties", "base_det",
+        "ddtree_det",
         "dflash_det", "dflash", "ddtree64",
         "ddtree_torch", "ddtree_paths", "ddtree_sglangconv", "ddtree_full", "ddtree_sglangplan",
         "ddtree_det_chunk", "ddtree_det_sglangconv", "ddtree_det_full",

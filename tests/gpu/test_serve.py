@@ -564,6 +564,7 @@ ENGAGED = {
     **{v: _engaged() for v in DEFAULT_DDTREE},
     "ddtree_fixed": _engaged(width="fixed"),
     "ddtree_logprobs": _engaged(),
+    "ddtree_penalties": _engaged(),
     # the deterministic mode's defaults: root-path verify, fixed width
     "ddtree_det": _engaged(verify="paths", width="fixed"),
     "ddtree_det_chunk": _engaged(width="fixed"),
@@ -585,6 +586,7 @@ NOT_ENGAGED = {
     **{v: (PATHS, WIDTH["fixed"]) for v in DEFAULT_DDTREE},
     "ddtree_fixed": (PATHS, WIDTH["auto"]),
     "ddtree_logprobs": (PATHS, WIDTH["fixed"]),
+    "ddtree_penalties": (PATHS, WIDTH["fixed"]),
     "ddtree_sglangplan": (PATHS, HOSTPLAN),
     **{
         v: (CHUNK,)
@@ -739,6 +741,69 @@ def _assert_greedy_logprob(token: int, chosen, top, where) -> None:
     assert abs(chosen[0] - top[0][0]) < 1e-5, (where, chosen, top)
     listed = [t[0] for t in top if t[1] == token]
     assert all(abs(x - chosen[0]) < 1e-5 for x in listed), (where, chosen, top)
+
+
+# Penalties per node (issue 14, part 2; SGLANG_DDTREE_PENALTIES=1, the `ddtree_penalties`
+# servers): greedy with each setting, every served token refereed in float32 in the penalised
+# distribution its own context gives (the reference engine on the CPU), against the plain
+# server's tokens under the same setting as the control for bf16 noise.
+PENALTY_CASES = {
+    "frequency+presence": {"frequency_penalty": 0.6, "presence_penalty": 0.4},
+    "repetition": {"repetition_penalty": 1.4},
+    "min_new_tokens": {"min_new_tokens": 40},
+}
+
+
+def _penalised_deficits(target, prompt_ids, tokens, setting, stops) -> list[float]:
+    """Per token: how far below the float32 argmax of the penalised logits it is, the penalties
+    counting the tokens before it (SGLang's order: tree.penalties.penalize), min_new_tokens
+    blocking `stops`."""
+    import torch
+
+    from sglang_ddtree.tree.penalties import penalize
+
+    logits, _ = target.prefill(torch.tensor(prompt_ids + tokens))
+    rows = logits[len(prompt_ids) - 1 : len(prompt_ids) - 1 + len(tokens)].float()
+    counts = torch.zeros(rows.shape[-1])
+    out = []
+    for i, token in enumerate(tokens):
+        x = penalize(rows[i], counts, counts > 0, setting.get("frequency_penalty", 0.0),
+                     setting.get("presence_penalty", 0.0), setting.get("repetition_penalty", 1.0))  # fmt: skip
+        if i < setting.get("min_new_tokens", 0):
+            x[list(stops)] = float("-inf")
+        lp = x.log_softmax(-1)
+        out.append(float(lp.max() - lp[token]))
+        counts[token] += 1
+    return out
+
+
+@pytest.mark.parametrize("case", PENALTY_CASES)
+@pytest.mark.parametrize("model", MODELS)
+def test_penalties_are_exact_inside_the_tree(servers, fp32_pair, model, case):
+    """Every greedy token DDTREE serves with the penalty is the argmax of the target's penalised
+    distribution given its own context, up to the bf16 noise the plain server shows under the
+    same setting (both refereed in float32); with min_new_tokens no output ends early."""
+    server, base = _up(servers, f"{model}-ddtree_penalties"), _up(servers, f"{model}-base")
+    target, _draft, tokenizer = fp32_pair(model)
+    setting = PENALTY_CASES[case]
+    stops = {tokenizer.eos_token_id} - {None}
+    worst = {"ddtree": 0.0, "plain": 0.0}
+    for prompt in harness.PROMPTS[:6]:
+        prompt_ids = base.tokenize(prompt)
+        for name, s in (("ddtree", server), ("plain", base)):
+            _flush(s)
+            status, out = harness.post(s.url + "/generate", {"text": prompt, "sampling_params": {
+                "max_new_tokens": 48, "temperature": 0, **setting}})  # fmt: skip
+            assert status == 200, out
+            tokens = out["output_ids"]
+            if case == "min_new_tokens":
+                assert len(tokens) >= setting["min_new_tokens"], (name, prompt, len(tokens))
+            deficits = _penalised_deficits(target, prompt_ids, tokens, setting, stops)
+            worst[name] = max(worst[name], max(deficits))
+    tol = max(TIE_TOL, 2 * worst["plain"])
+    print(f"{model} {case}: worst float32 deficit ddtree {worst['ddtree']:.3f}, plain "
+          f"{worst['plain']:.3f} (tolerance {tol:.3f})")  # fmt: skip
+    assert worst["ddtree"] <= tol, worst
 
 
 @pytest.mark.parametrize("model", MODELS)

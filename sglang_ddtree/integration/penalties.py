@@ -1,0 +1,142 @@
+"""Sampling penalties inside the tree, exactly (issue 14, part 2; opt-in until its GPU test passes:
+SGLANG_DDTREE_PENALTIES=1).
+
+SGLang 0.5.17's tree verify (`eagle_sample`) adds one penalty vector per request to every node,
+and that vector comes from a relaxed count (the scheduler cumulates one output token per round,
+`ScheduleBatch.cumulate_penalty_output_tokens`). A node's distribution must be the request's
+given the path to that node. So DDTREE keeps its own count of each request's output tokens on the
+device (`PenaltyTable`: one row per request slot, rebuilt from the request's output at each
+prefill, each round's emitted tokens added on the device), and around eagle_sample it penalises
+every node's logits from that count plus the node's own path (`tree.penalties.penalize_tree`:
+frequency, presence and repetition in SGLang's order; min_new_tokens's stop-token block by the
+node's depth), with SGLang's shared vectors off for the call. The per-request parameters come from
+the requests on the host as small pinned copies: no host sync.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sglang_ddtree.tree.penalties import penalize_tree
+
+_NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
+            "min_new_tokens": 0}  # fmt: skip
+_table: list = [None]  # the worker's PenaltyTable (activate), read by the eagle_sample hook
+
+
+class PenaltyTable:
+    """Output-token counts [rows, vocab] float32 on the device, a row per request slot
+    (req_pool_indices)."""
+
+    def __init__(self, rows: int, vocab: int, device) -> None:
+        self.counts = torch.zeros(rows, vocab, dtype=torch.float32, device=device)
+
+    def restart(self, reqs, req_pool_indices: torch.Tensor, first_tokens: torch.Tensor) -> None:
+        """An extend batch: each request's row from its output so far (empty for a new request;
+        the earlier output for one resumed after a retraction), plus the token this prefill
+        sampled, except for a request whose prefill is a chunk with more to come."""
+        rows = req_pool_indices.to(torch.int64)
+        self.counts.index_fill_(0, rows, 0.0)
+        at, tokens = [], []
+        for b, req in enumerate(reqs):
+            out = list(getattr(req, "output_ids", None) or [])
+            at += [b] * len(out)
+            tokens += out
+        if tokens:
+            self._add(rows[_device(at, rows.device)], _device(tokens, rows.device), None)
+        sampled = [not getattr(req, "is_chunked", 0) for req in reqs]
+        self._add(rows, first_tokens.reshape(-1)[: len(reqs)], _device(sampled, rows.device))
+
+    def observe(self, req_pool_indices: torch.Tensor, emitted: torch.Tensor,
+                accept_lens: torch.Tensor) -> None:  # fmt: skip
+        """A round's emitted tokens: emitted [bs, W], the first accept_lens[b] of row b."""
+        bs, W = emitted.shape
+        valid = torch.arange(W, device=emitted.device)[None, :] < accept_lens.reshape(-1, 1)
+        rows = req_pool_indices.to(torch.int64).reshape(-1, 1).expand(bs, W)
+        self._add(rows.reshape(-1), emitted.reshape(-1), valid.reshape(-1))
+
+    def _add(self, rows: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor | None) -> None:
+        tokens = tokens.to(torch.int64).clamp(0, self.counts.shape[1] - 1)
+        ones = torch.ones(rows.shape, dtype=torch.float32, device=rows.device)
+        self.counts.index_put_((rows, tokens), ones if valid is None else valid.to(ones.dtype),
+                               accumulate=True)  # fmt: skip
+
+    def penalized(self, logits: torch.Tensor, reqs, req_pool_indices: torch.Tensor,
+                  tree_tokens: torch.Tensor, visibility: torch.Tensor,
+                  depth: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """[bs, N, V] logits of every node's next token with its request's penalties given the
+        output so far and the node's own path (logits [bs, N, V] raw; the tree's tokens [bs, N],
+        visibility [bs, N, N] and depth [bs, N] as the round's verify holds them)."""
+        bs, N, V = logits.shape
+        dev = logits.device
+        counts = self.counts[req_pool_indices.to(torch.int64)]
+        if counts.shape[1] < V:  # a padded vocabulary: no output token lies beyond the table
+            counts = torch.nn.functional.pad(counts, (0, V - counts.shape[1]))
+        params = [[float(getattr(r.sampling_params, k)) for r in reqs] for k in _NEUTRAL]
+        f, p, r, floor = (_device(x, dev, torch.float32) for x in params)
+        out = penalize_tree(logits, tree_tokens, visibility, counts[:, :V], f, p, r)
+        if any(params[3]):  # min_new_tokens: no stop token while output + depth < the floor
+            early = counts.sum(-1, keepdim=True) + depth.to(torch.float32) < floor[:, None]
+            out = out.masked_fill(early[:, :, None] & _stop_mask(reqs, V, dev)[:, None, :],
+                                  float("-inf"))  # fmt: skip
+        return out
+
+
+def activate(table: PenaltyTable | None) -> None:
+    """The worker's table, for the eagle_sample hook (None: off)."""
+    _table[0] = table
+
+
+def wanted(reqs) -> bool:
+    """Whether any request of the batch asks for a penalty DDTREE applies per node."""
+    return any(getattr(r.sampling_params, k, v) != v for r in reqs for k, v in _NEUTRAL.items())
+
+
+def eagle_sample(original, verify_input, batch, logits_output, grammar_mask=None):
+    """AROUND SGLang's eagle_sample: for a DDTREE verify whose batch asks for penalties, every
+    node's logits penalised by its own path (in place), SGLang's shared penalty vectors hidden
+    from the call; every other call as it came."""
+    table = _table[0]
+    visibility = getattr(verify_input, "tree_visibility", None)
+    if table is None or visibility is None or not wanted(batch.reqs):
+        return original(verify_input, batch, logits_output, grammar_mask)
+    logits = logits_output.next_token_logits
+    bs, N = visibility.shape[:2]
+    shaped = logits.view(bs, N, -1)
+    shaped.copy_(table.penalized(shaped, batch.reqs, batch.req_pool_indices,
+                                 verify_input.tree_tokens, visibility, verify_input.tree_depth))  # fmt: skip
+    info = batch.sampling_info
+    saved = info.acc_additive_penalties, info.acc_scaling_penalties
+    info.acc_additive_penalties = info.acc_scaling_penalties = None
+    try:
+        return original(verify_input, batch, logits_output, grammar_mask)
+    finally:
+        info.acc_additive_penalties, info.acc_scaling_penalties = saved
+
+
+def _stop_mask(reqs, vocab: int, device) -> torch.Tensor:
+    """[bs, vocab] bool: each request's stop tokens as SGLang's min_new_tokens penalizer takes
+    them (stop_token_ids, the tokenizer's additional stop tokens and its EOS)."""
+    at, ids = [], []
+    for b, req in enumerate(reqs):
+        tok = getattr(req, "tokenizer", None)
+        stops = set(req.sampling_params.stop_token_ids or ())
+        stops |= set(getattr(tok, "additional_stop_token_ids", None) or ())
+        if getattr(tok, "eos_token_id", None) is not None:
+            stops.add(tok.eos_token_id)
+        stops = [s for s in stops if 0 <= s < vocab]
+        at += [b] * len(stops)
+        ids += stops
+    mask = torch.zeros(len(reqs), vocab, dtype=torch.bool, device=device)
+    if ids:
+        mask[_device(at, device), _device(ids, device)] = True
+    return mask
+
+
+def _device(values: list, device, dtype=torch.int64) -> torch.Tensor:
+    """A small host list on the device without a sync (pinned, non-blocking where there is a
+    GPU)."""
+    host = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)

@@ -1,0 +1,147 @@
+"""integration/penalties.py: the server's per-node penalties (SGLANG_DDTREE_PENALTIES=1): the
+device count table (prefill, retraction, chunks, each round's emitted tokens) and the
+eagle_sample hook, against tree.penalties' reference and a plain per-node loop."""
+
+from __future__ import annotations
+
+import inspect
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sglang_ddtree.integration import penalties
+from sglang_ddtree.integration.penalties import PenaltyTable
+from sglang_ddtree.tree import build_tree_reference
+from sglang_ddtree.tree.penalties import penalize
+from sglang_ddtree.tree.testing import random_build_inputs
+
+V = 29
+
+
+def _req(output=(), chunked=0, f=0.0, p=0.0, r=1.0, min_new=0, stops=None, eos=2):
+    params = SimpleNamespace(frequency_penalty=f, presence_penalty=p, repetition_penalty=r,
+                             min_new_tokens=min_new, stop_token_ids=stops)  # fmt: skip
+    tok = SimpleNamespace(eos_token_id=eos, additional_stop_token_ids=None)
+    return SimpleNamespace(output_ids=list(output), is_chunked=chunked, sampling_params=params,
+                           tokenizer=tok)  # fmt: skip
+
+
+def test_the_table_counts_each_requests_output_tokens():
+    table = PenaltyTable(rows=6, vocab=V, device="cpu")
+    table.counts.fill_(7.0)  # a previous occupant's counts: restart clears the rows it takes
+    reqs = [_req(), _req(output=[4, 4, 9]), _req(chunked=1)]  # new, resumed, mid-chunk
+    slots = torch.tensor([3, 0, 5])
+    table.restart(reqs, slots, torch.tensor([11, 12, 13]))
+    want = torch.zeros(6, V)
+    want[[1, 2, 4]] = 7.0  # rows no request took
+    want[3, 11] = 1
+    want[0, 4], want[0, 9], want[0, 12] = 2, 1, 1
+    assert torch.equal(table.counts, want)
+    # a round: the first accept_lens[b] emitted tokens of each row count, the rest do not
+    emitted = torch.tensor([[5, 5, 6, 0], [12, 1, 1, 1], [3, 8, 0, 0]])
+    table.observe(slots, emitted, torch.tensor([3, 1, 2]))
+    want[3, 5], want[3, 6] = 2, 1
+    want[0, 12] += 1
+    want[5, 3], want[5, 8] = 1, 1
+    assert torch.equal(table.counts, want)
+
+
+def _tree(bs, N, seed):
+    gen = torch.Generator().manual_seed(seed)
+    root, ids, lps = random_build_inputs(gen, bs, 5, 3, V, mode="continuous")
+    return build_tree_reference(root, ids, lps, N - 1)
+
+
+def _per_node(raw, tree, counts, req):
+    """A plain loop: node i's context = the output so far + the tokens of nodes 1..i on its path."""
+    out = torch.empty_like(raw)
+    N = raw.shape[0]
+    for i in range(N):
+        c = counts.clone()
+        for j in range(1, N):
+            if tree["visibility"][i, j]:
+                c[tree["tokens"][j]] += 1
+        sp = req.sampling_params
+        x = penalize(raw[i], c, c > 0, sp.frequency_penalty, sp.presence_penalty,
+                     sp.repetition_penalty)  # fmt: skip
+        if c.sum() < sp.min_new_tokens:  # no stop token yet (its EOS and stop_token_ids)
+            for s in {req.tokenizer.eos_token_id, *(sp.stop_token_ids or ())}:
+                x[s] = float("-inf")
+        out[i] = x
+    return out
+
+
+def test_the_hook_penalises_every_node_by_its_own_path_and_hides_sglangs_vectors():
+    bs, N = 3, 9
+    tree = _tree(bs, N, seed=4)
+    table = PenaltyTable(rows=5, vocab=V, device="cpu")
+    slots = torch.tensor([4, 1, 2])
+    reqs = [_req(output=[3, 3, 7], f=0.5, p=0.3, r=1.4),
+            _req(output=[1], min_new=5, stops=[6]),
+            _req()]  # fmt: skip
+    table.restart(reqs, slots, torch.tensor([8, 9, 10]))
+    gen = torch.Generator().manual_seed(1)
+    raw = torch.randn(bs * N, V, generator=gen) * 2
+    logits_output = SimpleNamespace(next_token_logits=raw.clone())
+    info = SimpleNamespace(acc_additive_penalties="sglang's", acc_scaling_penalties="sglang's")
+    batch = SimpleNamespace(reqs=reqs, req_pool_indices=slots, sampling_info=info)
+    verify = SimpleNamespace(tree_tokens=tree.tokens, tree_visibility=tree.visibility,
+                             tree_depth=tree.depth)  # fmt: skip
+    seen = []
+
+    def original(verify_input, batch_, output, grammar_mask=None):
+        seen.append((output.next_token_logits.clone(), info.acc_additive_penalties,
+                     info.acc_scaling_penalties, grammar_mask))  # fmt: skip
+        return "sampled"
+
+    penalties.activate(table)
+    try:
+        assert penalties.eagle_sample(original, verify, batch, logits_output, "mask") == "sampled"
+    finally:
+        penalties.activate(None)
+    got, add, scale, mask = seen[0]
+    assert add is None and scale is None and mask == "mask"  # SGLang's shared vectors hidden
+    assert info.acc_additive_penalties == "sglang's" == info.acc_scaling_penalties  # restored
+    for b in range(bs):
+        one = {"tokens": tree.tokens[b], "visibility": tree.visibility[b]}
+        want = _per_node(raw.view(bs, N, V)[b], one, table.counts[slots[b]], reqs[b])
+        torch.testing.assert_close(got.view(bs, N, V)[b], want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(got.view(bs, N, V)[2], raw.view(bs, N, V)[2])  # no penalties: untouched
+
+
+def test_the_hook_passes_everything_else_through():
+    calls = []
+
+    def original(*args):
+        calls.append(args)
+        return "sglang"
+
+    plain = SimpleNamespace(reqs=[_req()], sampling_info=None)
+    asked = SimpleNamespace(reqs=[_req(f=0.5)], sampling_info=None)
+    ddtree = SimpleNamespace(tree_visibility=torch.ones(1, 2, 2, dtype=torch.bool))
+    eagle = SimpleNamespace()  # another algorithm's verify input: no tree
+    assert penalties.eagle_sample(original, ddtree, asked, None) == "sglang"  # no table: off
+    penalties.activate(PenaltyTable(rows=2, vocab=V, device="cpu"))
+    try:
+        assert penalties.eagle_sample(original, eagle, asked, None) == "sglang"
+        assert penalties.eagle_sample(original, ddtree, plain, None) == "sglang"
+    finally:
+        penalties.activate(None)
+    assert len(calls) == 3
+
+
+def test_the_hook_target_has_the_signature_the_hook_assumes():
+    module = pytest.importorskip("sglang.srt.speculative.eagle_utils")
+    from sglang_ddtree.integration import compat, hooks
+
+    params = list(inspect.signature(module.eagle_sample).parameters)
+    assert params == ["verify_input", "batch", "logits_output", "grammar_mask"]
+    assert compat.EAGLE_SAMPLE == f"{module.__name__}.eagle_sample"
+    assert hooks.HOOKS[compat.EAGLE_SAMPLE] is penalties.eagle_sample
+    import dataclasses
+
+    from sglang_ddtree.integration.verify_input import DDTreeVerifyInput
+
+    fields = {f.name for f in dataclasses.fields(DDTreeVerifyInput)}
+    assert {"tree_tokens", "tree_visibility", "tree_depth"} <= fields
