@@ -268,6 +268,13 @@ class Options:
         """Whether the compact GDN verify scratch is in use (DDTREE's GDN path only)."""
         return self.gdn == "ddtree" and self.gdn_scratch == "compact"
 
+    @property
+    def conv_inputs(self) -> bool:
+        """Whether the tree conv1d stores each node's input once and the commit builds the
+        accepted window from them (DDTREE's conv on the compact pool, whose per-node conv
+        buffer is then [N, dim] per request and layer instead of [N, dim, K - 1])."""
+        return self.compact_scratch and self.conv == "ddtree"
+
     def _check(self, unified_memory: bool) -> None:
         if self.gdn == "sglang" and (self.gdn_verify, self.conv, self.gdn_scratch) != (
             "paths", "sglang", "full"

@@ -189,13 +189,13 @@ def conv_tree(x, conv_state, weight, bias, activation, *, conv_state_indices,
 
 
 def _check_rows(windows: torch.Tensor, N: int, dim: int, KW: int) -> None:
-    """The per-request rows of a window buffer [rows, >= N, dim, KW - 1] (or with a layer
-    dimension in front) are dense, so that a row's front holds N x dim inputs."""
+    """The per-request rows of a per-node conv buffer [rows, >= N, dim, K - 1 or 1] (or with a
+    layer dimension in front) are dense, so that a row's front holds N x dim inputs."""
     nodes, width, win = windows.shape[-3:]
     dense = (windows.stride(-1), windows.stride(-2), windows.stride(-3)) == (1, win, width * win)
-    if nodes < N or width != dim or win != KW - 1 or not dense:
-        raise ValueError(f"conv windows {tuple(windows.shape)} (strides {windows.stride()}) are "
-                         f"not dense [.., >= {N}, {dim}, {KW - 1}] rows")  # fmt: skip
+    if nodes < N or width != dim or win not in (1, KW - 1) or not dense:
+        raise ValueError(f"conv buffer {tuple(windows.shape)} (strides {windows.stride()}) is "
+                         f"not dense [.., >= {N}, {dim}, {KW - 1} or 1] rows")  # fmt: skip
 
 
 @triton.jit

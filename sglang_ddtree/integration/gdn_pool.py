@@ -9,9 +9,9 @@ but under --enable-unified-memory) two hooks size the pool for what DDTREE uses:
 
 - `init_mamba_pool` (around HybridReqToTokenPool._init_mamba_pool): SGLang builds the pool
   without speculative buffers; we add `intermediate_ssm` as float32 rows of `scratch_floats`
-  words [layers, requests + 1, words] and the per-node conv windows in SGLang's own dense tree
-  layout [layers, requests + 1, N, dim, K - 1] (SGLang's conv kernel and scatter use them as
-  they are).
+  words [layers, requests + 1, words] and the per-node conv buffer: with DDTREE's tree conv1d
+  each node's input once, [layers, requests + 1, N, dim, 1] (gdn/conv_tree.py's save_inputs and
+  commit_windows); with SGLang's conv, SGLang's dense per-node windows [.., N, dim, K - 1].
 - `size_mamba_pool` (around KVCacheConfigurator._handle_max_mamba_cache): SGLang charges the
   speculative buffers as N extra states per request; we run its solver with the number of
   states that covers the compact buffers instead, so the memory goes to more requests.
@@ -41,13 +41,20 @@ def compact_on() -> bool:
     return options().compact_scratch
 
 
+def conv_inputs_on() -> bool:
+    """Whether the per-node conv buffer holds each node's input once (config.Options.conv_inputs)."""
+    from sglang_ddtree.config import options
+
+    return options().conv_inputs
+
+
 def compact_bytes_per_request(cache_params, num_nodes: int) -> int:
     """Bytes of the compact speculative buffers per request, all GDN layers: the verify scratch
-    (float32) and the per-node conv windows (the conv dtype)."""
+    (float32) and the per-node conv buffer (the conv dtype; `conv_window`'s width)."""
     from sglang_ddtree.gdn.tree_verify import scratch_floats
 
     HV, V, K = cache_params.shape.temporal
-    conv = sum(math.prod(shape) for shape in cache_params.shape.conv)
+    conv = sum(math.prod(conv_window(shape)) for shape in cache_params.shape.conv)
     per_layer = 4 * scratch_floats(num_nodes, HV, K, V)
     per_layer += num_nodes * conv * cache_params.dtype.conv.itemsize
     return per_layer * len(cache_params.layers)
@@ -102,7 +109,8 @@ def attach_compact_scratch(pool, spec_state_size: int, num_nodes: int) -> None:
     HV, V, K = temporal.shape[2:]
     scratch = temporal.new_zeros((layers, rows, scratch_floats(num_nodes, HV, K, V)),
                                  dtype=torch.float32)  # fmt: skip
-    windows = [conv.new_zeros((layers, rows, num_nodes, *conv.shape[2:])) for conv in cache.conv]
+    windows = [conv.new_zeros((layers, rows, num_nodes, *conv_window(conv.shape[2:])))
+               for conv in cache.conv]  # fmt: skip
     fields = {f.name: getattr(cache, f.name) for f in dataclasses.fields(cache)}
     pool.mamba_cache = MambaPool.SpeculativeState(
         **fields, intermediate_ssm=scratch, intermediate_conv_window=windows
@@ -116,6 +124,12 @@ def attach_compact_scratch(pool, spec_state_size: int, num_nodes: int) -> None:
         spec_state_size, num_nodes, added / (1 << 30),
         layers * rows * num_nodes * temporal[0, 0].numel() * temporal.element_size() / (1 << 30),
     )  # fmt: skip
+
+
+def conv_window(shape) -> tuple:
+    """A node's share of the per-node conv buffer for a conv state of `shape` (dim, K - 1): its
+    input once (dim, 1) with DDTREE's conv, SGLang's whole window otherwise."""
+    return (*shape[:-1], 1) if conv_inputs_on() else tuple(shape)
 
 
 def is_compact(intermediate_ssm) -> bool:

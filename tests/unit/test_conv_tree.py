@@ -130,7 +130,9 @@ def inputs_case(bs, N, dim, seed, pad_last=False, device="cpu"):
     got = {}
     for name, fn, kw in (("sglang", causal_conv1d_update, {}),
                          ("ours", conv_tree, {"save_inputs": True})):  # fmt: skip
-        windows = torch.full((bs + 1, N, dim, KW - 1), float("nan"))
+        # ours: the compact pool's [.., N, dim, 1] buffer (one input per node)
+        width = 1 if name == "ours" else KW - 1
+        windows = torch.full((bs + 1, N, dim, width), float("nan"))
         par = torch.full((bs, N), 99, dtype=torch.int64)
         o = fn(x, state0.clone(), weight, bias, "silu", conv_state_indices=idx,
                intermediate_conv_window=windows, intermediate_state_indices=inter_idx,

@@ -54,9 +54,14 @@ def hybrid_pool(num_nodes, requests=3, slots=9):
                 speculative_eagle_topk=4)  # fmt: skip
 
 
-def test_compact_pool_holds_the_scratch_and_sglangs_dense_tree_conv_windows(compact):
+@pytest.mark.parametrize("inputs", [True, False], ids=["ddtree_conv", "sglang_conv"])
+def test_compact_pool_holds_the_scratch_and_the_per_node_conv_buffer(compact, monkeypatch,
+                                                                       inputs):  # fmt: skip
+    """With DDTREE's tree conv1d each node's input once ([.., N, dim, 1]); with SGLang's conv
+    SGLang's dense per-node windows ([.., N, dim, K - 1])."""
     from sglang.srt.mem_cache.memory_pool import MambaPool
 
+    monkeypatch.setattr(gdn_pool, "conv_inputs_on", lambda: inputs)
     N, requests, slots = 6, 3, 9
     pool = hybrid_pool(N, requests, slots)
     caches = pool.get_speculative_mamba2_params_all_layers()
@@ -67,10 +72,11 @@ def test_compact_pool_holds_the_scratch_and_sglangs_dense_tree_conv_windows(comp
     assert caches.intermediate_ssm.dtype == torch.float32
     (conv,) = caches.conv
     (windows,) = caches.intermediate_conv_window
-    assert windows.shape == (len(LAYERS), rows, N, *conv.shape[2:]) and windows.dtype == conv.dtype
+    node = (conv.shape[2], 1) if inputs else tuple(conv.shape[2:])
+    assert windows.shape == (len(LAYERS), rows, N, *node) and windows.dtype == conv.dtype
     layer = pool.mamba2_layer_cache(LAYERS[1])  # what the GDN backend hands the verify
     assert layer.intermediate_ssm.shape == (rows, scratch_floats(N, HV, K, V))
-    assert layer.intermediate_conv_window[0].shape == (rows, N, *conv.shape[2:])
+    assert layer.intermediate_conv_window[0].shape == (rows, N, *node)
     assert gdn_pool.is_compact(caches.intermediate_ssm)
     assert gdn_pool.is_compact(layer.intermediate_ssm)
     added = caches.intermediate_ssm.nbytes + windows.nbytes
