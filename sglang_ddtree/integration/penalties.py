@@ -11,13 +11,19 @@ every node's logits from that count plus the node's own path (`tree.penalties.pe
 frequency, presence and repetition in SGLang's order; min_new_tokens's stop-token block by the
 node's depth), with SGLang's shared vectors off for the call. The per-request parameters come from
 the requests on the host as small pinned copies: no host sync.
+
+The counts are exact, so DDTREE gives what SGLang's plain decoding gives without the overlap
+scheduler; with it (the default) SGLang 0.5.17's plain server counts a request's output one
+token late (its last token is cumulated before it is processed, the prompt's last token in its
+place). After a retraction DDTREE keeps the request's earlier output in its count, where SGLang
+restarts its penalties from zero.
 """
 
 from __future__ import annotations
 
 import torch
 
-from sglang_ddtree.tree.penalties import penalize_tree
+from sglang_ddtree.tree.penalties import penalize_tree_
 
 _NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
             "min_new_tokens": 0}  # fmt: skip
@@ -33,8 +39,10 @@ class PenaltyTable:
 
     def restart(self, reqs, req_pool_indices: torch.Tensor, first_tokens: torch.Tensor) -> None:
         """An extend batch: each request's row from its output so far (empty for a new request;
-        the earlier output for one resumed after a retraction), plus the token this prefill
-        sampled, except for a request whose prefill is a chunk with more to come."""
+        the earlier output for one resumed after a retraction: the true count, where SGLang's
+        plain server starts its penalties again from zero), plus the token this prefill sampled
+        (a chunk with more to come samples a throwaway one: the next chunk's restart clears it,
+        before any decode round reads the row)."""
         rows = req_pool_indices.to(torch.int64)
         self.counts.index_fill_(0, rows, 0.0)
         at, tokens = [], []
@@ -44,8 +52,7 @@ class PenaltyTable:
             tokens += out
         if tokens:
             self._add(rows[_device(at, rows.device)], _device(tokens, rows.device), None)
-        sampled = [not getattr(req, "is_chunked", 0) for req in reqs]
-        self._add(rows, first_tokens.reshape(-1)[: len(reqs)], _device(sampled, rows.device))
+        self._add(rows, first_tokens.reshape(-1)[: len(reqs)], None)
 
     def observe(self, req_pool_indices: torch.Tensor, emitted: torch.Tensor,
                 accept_lens: torch.Tensor) -> None:  # fmt: skip
@@ -61,12 +68,12 @@ class PenaltyTable:
         self.counts.index_put_((rows, tokens), ones if valid is None else valid.to(ones.dtype),
                                accumulate=True)  # fmt: skip
 
-    def penalized(self, logits: torch.Tensor, reqs, req_pool_indices: torch.Tensor,
+    def penalize_(self, logits: torch.Tensor, reqs, req_pool_indices: torch.Tensor,
                   tree_tokens: torch.Tensor, visibility: torch.Tensor,
                   depth: torch.Tensor) -> torch.Tensor:  # fmt: skip
-        """[bs, N, V] logits of every node's next token with its request's penalties given the
-        output so far and the node's own path (logits [bs, N, V] raw; the tree's tokens [bs, N],
-        visibility [bs, N, N] and depth [bs, N] as the round's verify holds them)."""
+        """In place: [bs, N, V] logits of every node's next token with its request's penalties
+        given the output so far and the node's own path (logits raw on entry; the tree's tokens
+        [bs, N], visibility [bs, N, N] and depth [bs, N] as the round's verify holds them)."""
         bs, N, V = logits.shape
         dev = logits.device
         counts = self.counts[req_pool_indices.to(torch.int64)]
@@ -74,12 +81,12 @@ class PenaltyTable:
             counts = torch.nn.functional.pad(counts, (0, V - counts.shape[1]))
         params = [[float(getattr(r.sampling_params, k)) for r in reqs] for k in _NEUTRAL]
         f, p, r, floor = (_device(x, dev, torch.float32) for x in params)
-        out = penalize_tree(logits, tree_tokens, visibility, counts[:, :V], f, p, r)
+        penalize_tree_(logits, tree_tokens, visibility, counts[:, :V], f, p, r)
         if any(params[3]):  # min_new_tokens: no stop token while output + depth < the floor
             early = counts.sum(-1, keepdim=True) + depth.to(torch.float32) < floor[:, None]
-            out = out.masked_fill(early[:, :, None] & _stop_mask(reqs, V, dev)[:, None, :],
-                                  float("-inf"))  # fmt: skip
-        return out
+            logits.masked_fill_(early[:, :, None] & _stop_mask(reqs, V, dev)[:, None, :],
+                                float("-inf"))  # fmt: skip
+        return logits
 
 
 def activate(table: PenaltyTable | None) -> None:
@@ -102,9 +109,8 @@ def eagle_sample(original, verify_input, batch, logits_output, grammar_mask=None
         return original(verify_input, batch, logits_output, grammar_mask)
     logits = logits_output.next_token_logits
     bs, N = visibility.shape[:2]
-    shaped = logits.view(bs, N, -1)
-    shaped.copy_(table.penalized(shaped, batch.reqs, batch.req_pool_indices,
-                                 verify_input.tree_tokens, visibility, verify_input.tree_depth))  # fmt: skip
+    table.penalize_(logits.view(bs, N, -1), batch.reqs, batch.req_pool_indices,
+                    verify_input.tree_tokens, visibility, verify_input.tree_depth)  # fmt: skip
     info = batch.sampling_info
     saved = info.acc_additive_penalties, info.acc_scaling_penalties
     info.acc_additive_penalties = info.acc_scaling_penalties = None

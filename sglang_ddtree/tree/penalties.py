@@ -97,7 +97,7 @@ def penalize(x: torch.Tensor, count: torch.Tensor, seen: torch.Tensor, frequency
              presence: torch.Tensor, repetition: torch.Tensor) -> torch.Tensor:  # fmt: skip
     """The penalties on logits x given each token's count and seen flag (broadcasting; the
     penalty tensors broadcast against x)."""
-    x = x - frequency * count - presence * (count > 0).to(x.dtype)
+    x = x - (frequency * count + presence * (count > 0).to(x.dtype))  # SGLang: one sum, added
     return torch.where(seen, torch.where(x < 0, x * repetition, x / repetition), x)
 
 
@@ -128,6 +128,35 @@ def penalize_tree(logits: torch.Tensor, tokens: torch.Tensor, visibility: torch.
     # every j with the same token writes the same value at (i, token), so the scatter is exact
     value = torch.where(m > 0, path_value, shared.gather(2, idx))
     return shared.scatter(2, idx, value)
+
+
+def penalize_tree_(logits: torch.Tensor, tokens: torch.Tensor, visibility: torch.Tensor,
+                   counts: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor,
+                   repetition: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """`penalize_tree` in place on logits (the server's float32 verify logits), the repetition
+    penalty over the output tokens (counts > 0): the path tokens' raw values gathered first, the
+    shared penalty as broadcast [bs, 1, V] operations, so that a round holds one float and one
+    bool [bs, N, V] temporary at a time instead of about ten."""
+    bs, N, _ = logits.shape
+    counts = counts.to(logits.dtype)
+    f, p, r = (t.to(logits.dtype)[:, None, None] for t in (frequency, presence, repetition))
+    on_path = visibility.clone()
+    on_path[:, :, 0] = False  # the root's token is in `counts` already
+    same = tokens[:, :, None] == tokens[:, None, :]
+    m = torch.bmm(on_path.to(logits.dtype), same.to(logits.dtype))
+    idx = tokens[:, None, :].expand(bs, N, N)
+    raw = logits.gather(2, idx)
+    seen = counts[:, None, :] > 0  # [bs, 1, V]
+    logits.sub_(f * counts[:, None, :] + p * seen.to(logits.dtype))
+    r_seen = torch.where(seen, r, torch.ones_like(r))
+    negative = logits < 0
+    logits.mul_(torch.where(negative, r_seen, 1.0))  # x * r below zero (x * 1 is exact)
+    logits.div_(torch.where(negative, 1.0, r_seen))  # x / r from zero up
+    del negative
+    path_value = penalize(raw, counts.gather(1, tokens)[:, None, :] + m,
+                          torch.ones_like(m, dtype=torch.bool), f, p, r)  # fmt: skip
+    logits.scatter_(2, idx, torch.where(m > 0, path_value, logits.gather(2, idx)))
+    return logits
 
 
 def suppress_eos_before_min_tokens(logits: torch.Tensor, depth: torch.Tensor,

@@ -72,6 +72,9 @@ def ddtree_args(model: str, draft: Path, nodes: int | None = None) -> list[str]:
 
 VARIANTS = {
     "base": lambda model, draft: [],
+    # plain decoding without the overlap scheduler: its penalties count every output token
+    # (with overlap, SGLang 0.5.17 counts them one token late), the per-node penalties' control
+    "base_sync": lambda model, draft: ["--disable-overlap-schedule"],
     "ddtree": ddtree_args,
     "ddtree_sync": lambda model, draft: [*ddtree_args(model, draft), "--disable-overlap-schedule"],
     "base_det": lambda model, draft: DETERMINISTIC,
@@ -116,19 +119,19 @@ VARIANT_ENV = {
     "ddtree_det_sglangconv": _SGLANGCONV,
     "ddtree_det_full": _FULL,
 }
-# Which variants each model runs (37 servers in all). Launch order interleaves the models, plain
+# Which variants each model runs (40 servers in all). Launch order interleaves the models, plain
 # servers first, so each model's tests can begin while the others still start. SGLang's own
 # chain DFLASH runs beside DDTREE on every model as the control for numerics.
 MODEL_VARIANTS = {
-    "qwen3": ("base", "ddtree", "ddtree_fixed", "ddtree_logprobs", "ddtree_penalties", "ddtree_sync",
-              "dflash"),
+    "qwen3": ("base", "base_sync", "ddtree", "ddtree_fixed", "ddtree_logprobs", "ddtree_penalties",
+              "ddtree_sync", "dflash"),
     "qwen35": (
-        "base", "ddtree", "ddtree_fixed", "ddtree_logprobs", "ddtree_penalties", "ddtree_sync",
-        "dflash", "ddtree_sglanggdn", "ddtree_paths", "ddtree_sglangconv", "ddtree_full", "ddtree_sglangplan",
+        "base", "base_sync", "ddtree", "ddtree_fixed", "ddtree_logprobs", "ddtree_penalties",
+        "ddtree_sync", "dflash", "ddtree_sglanggdn", "ddtree_paths", "ddtree_sglangconv", "ddtree_full", "ddtree_sglangplan",
     ),
     "pair": (
-        "base", "ddtree", "ddtree_fixed", "ddtree_logprobs", "ddtree_penalties", "base_det",
-        "ddtree_det",
+        "base", "base_sync", "ddtree", "ddtree_fixed", "ddtree_logprobs", "ddtree_penalties",
+        "base_det", "ddtree_det",
         "dflash_det", "dflash", "ddtree64",
         "ddtree_torch", "ddtree_paths", "ddtree_sglangconv", "ddtree_full", "ddtree_sglangplan",
         "ddtree_det_chunk", "ddtree_det_sglangconv", "ddtree_det_full",

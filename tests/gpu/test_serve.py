@@ -745,8 +745,10 @@ def _assert_greedy_logprob(token: int, chosen, top, where) -> None:
 
 # Penalties per node (issue 14, part 2; SGLANG_DDTREE_PENALTIES=1, the `ddtree_penalties`
 # servers): greedy with each setting, every served token refereed in float32 in the penalised
-# distribution its own context gives (the reference engine on the CPU), against the plain
-# server's tokens under the same setting as the control for bf16 noise.
+# distribution its own context gives (the reference engine on the CPU). The control for bf16
+# noise is the plain server without the overlap scheduler (`base_sync`): with it, SGLang 0.5.17
+# counts a request's output one token late (ScheduleBatch.cumulate_penalty_output_tokens runs
+# before the last token is processed), which the float32 referee would charge to the control.
 PENALTY_CASES = {
     "frequency+presence": {"frequency_penalty": 0.6, "presence_penalty": 0.4},
     "repetition": {"repetition_penalty": 1.4},
@@ -781,9 +783,10 @@ def _penalised_deficits(target, prompt_ids, tokens, setting, stops) -> list[floa
 @pytest.mark.parametrize("model", MODELS)
 def test_penalties_are_exact_inside_the_tree(servers, fp32_pair, model, case):
     """Every greedy token DDTREE serves with the penalty is the argmax of the target's penalised
-    distribution given its own context, up to the bf16 noise the plain server shows under the
-    same setting (both refereed in float32); with min_new_tokens no output ends early."""
-    server, base = _up(servers, f"{model}-ddtree_penalties"), _up(servers, f"{model}-base")
+    distribution given its own context, within TIE_TOL or the bf16 noise the plain server
+    without overlap shows under the same setting (both refereed in float32); with
+    min_new_tokens no output ends on a blocked stop token before the floor."""
+    server, base = _up(servers, f"{model}-ddtree_penalties"), _up(servers, f"{model}-base_sync")
     target, _draft, tokenizer = fp32_pair(model)
     setting = PENALTY_CASES[case]
     stops = {tokenizer.eos_token_id} - {None}
@@ -796,11 +799,11 @@ def test_penalties_are_exact_inside_the_tree(servers, fp32_pair, model, case):
                 "max_new_tokens": 48, "temperature": 0, **setting}})  # fmt: skip
             assert status == 200, out
             tokens = out["output_ids"]
-            if case == "min_new_tokens":
-                assert len(tokens) >= setting["min_new_tokens"], (name, prompt, len(tokens))
+            if case == "min_new_tokens" and len(tokens) < setting["min_new_tokens"]:
+                assert tokens[-1] not in stops, (name, prompt, len(tokens))
             deficits = _penalised_deficits(target, prompt_ids, tokens, setting, stops)
             worst[name] = max(worst[name], max(deficits))
-    tol = max(TIE_TOL, 2 * worst["plain"])
+    tol = max(TIE_TOL, 2 * worst["plain"])  # the control's own noise, never below TIE_TOL
     print(f"{model} {case}: worst float32 deficit ddtree {worst['ddtree']:.3f}, plain "
           f"{worst['plain']:.3f} (tolerance {tol:.3f})")  # fmt: skip
     assert worst["ddtree"] <= tol, worst

@@ -7,7 +7,12 @@ import pytest
 import torch
 
 from sglang_ddtree.tree import build_tree_reference
-from sglang_ddtree.tree.penalties import penalize, penalize_tree, suppress_eos_before_min_tokens
+from sglang_ddtree.tree.penalties import (
+    penalize,
+    penalize_tree,
+    penalize_tree_,
+    suppress_eos_before_min_tokens,
+)
 from sglang_ddtree.tree.testing import random_build_inputs
 
 
@@ -117,3 +122,21 @@ def test_one_position_is_penalised_as_sglangs_own_penalizers_do():
         ours[:, None], torch.zeros(len(reqs), 1, dtype=torch.long), torch.full((3,), 5),
         torch.tensor([x[3] for x in params]), torch.tensor([eos]))[:, 0]  # fmt: skip
     torch.testing.assert_close(ours, sglang, rtol=1e-6, atol=1e-6)
+
+
+def test_the_in_place_tree_penalties_are_penalize_tree():
+    """penalize_tree_ (the server's, in place, few temporaries) gives penalize_tree's logits,
+    repeated tokens on a path, negative and positive logits and every penalty at once."""
+    gen = torch.Generator().manual_seed(9)
+    bs, N, V = 3, 11, 17
+    tree = _trees(bs, N, V, gen)
+    logits = torch.randn(bs, N, V, generator=gen) * 3
+    counts = torch.randint(0, 3, (bs, V), generator=gen).float()
+    f, p, r = (
+        torch.tensor([0.5, -0.3, 0.0]),
+        torch.tensor([0.2, 0.4, 0.0]),
+        torch.tensor([1.3, 0.7, 1.0]),
+    )
+    want = penalize_tree(logits, tree.tokens, tree.visibility, counts, f, p, r)
+    got = penalize_tree_(logits.clone(), tree.tokens, tree.visibility, counts, f, p, r)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)

@@ -19,24 +19,24 @@ from sglang_ddtree.tree.testing import random_build_inputs
 V = 29
 
 
-def _req(output=(), chunked=0, f=0.0, p=0.0, r=1.0, min_new=0, stops=None, eos=2):
+def _req(output=(), f=0.0, p=0.0, r=1.0, min_new=0, stops=None, eos=2):
     params = SimpleNamespace(frequency_penalty=f, presence_penalty=p, repetition_penalty=r,
                              min_new_tokens=min_new, stop_token_ids=stops)  # fmt: skip
     tok = SimpleNamespace(eos_token_id=eos, additional_stop_token_ids=None)
-    return SimpleNamespace(output_ids=list(output), is_chunked=chunked, sampling_params=params,
-                           tokenizer=tok)  # fmt: skip
+    return SimpleNamespace(output_ids=list(output), sampling_params=params, tokenizer=tok)
 
 
 def test_the_table_counts_each_requests_output_tokens():
     table = PenaltyTable(rows=6, vocab=V, device="cpu")
     table.counts.fill_(7.0)  # a previous occupant's counts: restart clears the rows it takes
-    reqs = [_req(), _req(output=[4, 4, 9]), _req(chunked=1)]  # new, resumed, mid-chunk
+    reqs = [_req(), _req(output=[4, 4, 9]), _req()]  # new, resumed after a retraction, new
     slots = torch.tensor([3, 0, 5])
     table.restart(reqs, slots, torch.tensor([11, 12, 13]))
     want = torch.zeros(6, V)
     want[[1, 2, 4]] = 7.0  # rows no request took
     want[3, 11] = 1
     want[0, 4], want[0, 9], want[0, 12] = 2, 1, 1
+    want[5, 13] = 1
     assert torch.equal(table.counts, want)
     # a round: the first accept_lens[b] emitted tokens of each row count, the rest do not
     emitted = torch.tensor([[5, 5, 6, 0], [12, 1, 1, 1], [3, 8, 0, 0]])
