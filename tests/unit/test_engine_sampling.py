@@ -51,8 +51,7 @@ def model(tmp_path_factory):
 def exact_distribution(model, prompt: list[int], num_tokens: int,
                        penalties: Penalties | None = None) -> dict[tuple[int, ...], float]:  # fmt: skip
     """Plain definition: top-k of logits / T, renormalised, chained over num_tokens steps;
-    with `penalties`, each step's logits first penalised by the tokens before it (frequency and
-    presence: the output so far; repetition: the prompt too)."""
+    with `penalties`, each step's logits first penalised by the output tokens before it."""
     dist = {(): 1.0}
     for _ in range(num_tokens):
         prefixes = list(dist)
@@ -73,13 +72,13 @@ def exact_distribution(model, prompt: list[int], num_tokens: int,
 
 
 def _penalised(logits, prompt: list[int], output: list[int], pen: Penalties):
-    """One step's penalties, written out token by token (the definition, not the engine's)."""
+    """One step's penalties, written out token by token (the definition, not the engine's), as
+    SGLang 0.5.17 applies them: over the output tokens, the additive ones first, then the
+    repetition penalty on the result (`prompt` is not looked at)."""
     out = logits.clone()
-    for t in set(prompt) | set(output):
-        if pen.repetition != 1.0:
-            out[t] = out[t] / pen.repetition if out[t] > 0 else out[t] * pen.repetition
     for t in set(output):
         out[t] -= pen.frequency * output.count(t) + pen.presence
+        out[t] = out[t] * pen.repetition if out[t] < 0 else out[t] / pen.repetition
     return out
 
 
