@@ -890,6 +890,60 @@ def test_logprobs_are_the_plain_servers(servers, model):
           f"{abs(worst[2] - worst[3]):.3f} (tolerance {tol:.3f})")  # fmt: skip
 
 
+def _stream(url: str, payload: dict) -> list[dict]:
+    """The JSON chunks of an OpenAI streaming response (server-sent events)."""
+    import json
+    import urllib.request
+
+    req = urllib.request.Request(url, data=json.dumps({**payload, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    chunks = []
+    with urllib.request.urlopen(req, timeout=600) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if line.startswith("data:") and line[5:].strip() != "[DONE]":
+                chunks.append(json.loads(line[5:]))
+    return chunks
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_prompt_completion_and_streamed_logprobs_are_served(servers, model):
+    """SGLANG_DDTREE_LOGPROBS=1, the other ways to ask: prompt logprobs (logprob_start_len 0)
+    equal the plain server's (both are SGLang's own prefill of the target), /v1/completions
+    with logprobs has one entry per completion token, and a streamed chat's chunks carry one
+    logprob entry per token, each the chosen token's at the best of its top_logprobs."""
+    server, base = _up(servers, f"{model}-ddtree_logprobs"), _up(servers, f"{model}-base")
+    for prompt in harness.PROMPTS[:3]:
+        got = []
+        for s in (server, base):
+            _flush(s)
+            status, out = harness.post(s.url + "/generate", {
+                "text": prompt, "return_logprob": True, "logprob_start_len": 0,
+                "sampling_params": {"max_new_tokens": 4, "temperature": 0}})  # fmt: skip
+            assert status == 200, out
+            got.append([x[0] for x in out["meta_info"]["input_token_logprobs"][1:]])
+        assert len(got[0]) == len(got[1]) > 0
+        gap = max(abs(a - b) for a, b in zip(*got, strict=True))
+        assert gap <= TIE_TOL, (prompt, gap)
+    status, out = harness.post(server.url + "/v1/completions", {
+        "model": "x", "prompt": harness.PROMPTS[1], "max_tokens": 12, "temperature": 0,
+        "logprobs": 3, "ignore_eos": True})  # fmt: skip
+    assert status == 200, out
+    lp = out["choices"][0]["logprobs"]
+    assert len(lp["token_logprobs"]) == out["usage"]["completion_tokens"] == 12, lp
+    assert all(1 <= len(top) <= 3 for top in lp["top_logprobs"]), lp
+    chunks = _stream(server.url + "/v1/chat/completions", {
+        "model": "x", "messages": [{"role": "user", "content": harness.PROMPTS[2]}],
+        "max_tokens": 16, "temperature": 0, "logprobs": True, "top_logprobs": 2,
+        "ignore_eos": True, "stream_options": {"include_usage": True}})  # fmt: skip
+    entries = [c for ch in chunks for choice in ch.get("choices", [])
+               for c in ((choice.get("logprobs") or {}).get("content") or [])]  # fmt: skip
+    usage = next(ch["usage"] for ch in reversed(chunks) if ch.get("usage"))
+    assert len(entries) == usage["completion_tokens"] == 16, (len(entries), usage)
+    for c in entries:
+        assert abs(max(t["logprob"] for t in c["top_logprobs"]) - c["logprob"]) < 1e-5, c
+
+
 @pytest.mark.parametrize("model", MODELS)
 def test_automatic_widths_are_measured_and_chosen(servers, model):
     """The default server (SGLANG_DDTREE_WIDTH=auto): after 100 rounds or more (4 prompts alone,
