@@ -168,8 +168,8 @@ class Options:
                                               logprobs (SGLang's spec-v2 logprobs over the
                                               accepted path) instead of refusing them with 400
     penalties     SGLANG_DDTREE_PENALTIES     1 (opt-in, not yet verified on a GPU): serve
-                                              frequency / presence / repetition penalties and
-                                              min_new_tokens, each node penalised by its own
+                                              frequency / presence / repetition penalties,
+                                              min_new_tokens and min_p, each node by its own
                                               path (integration/penalties.py), instead of 400
     dump_rounds   SGLANG_DDTREE_DUMP_ROUNDS   a JSON-lines file for sampled rounds; None: off
     dump_every    SGLANG_DDTREE_DUMP_EVERY    every how many rounds (100)

@@ -6,6 +6,7 @@ release, read the call sites listed here against its source, then extend SUPPORT
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 from typing import Any
 
@@ -47,6 +48,26 @@ MAMBA_POOL_INIT = "sglang.srt.mem_cache.memory_pool.HybridReqToTokenPool._init_m
 MAMBA_POOL_SOLVER = (
     "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._handle_max_mamba_cache"
 )
+
+
+@contextlib.contextmanager
+def tree_sampling_probs(transform):
+    """For the duration: SGLang's eagle_sample (0.5.17) hands the target probs [bs, N, V] of its
+    target-only tree sampling through `transform` first (it imports
+    sgl_kernel.tree_speculative_sampling_target_only at call time, after its top-k / top-p
+    renormalisation)."""
+    import sgl_kernel
+
+    original = sgl_kernel.tree_speculative_sampling_target_only
+
+    def sample(*args, target_probs, **kwargs):
+        return original(*args, target_probs=transform(target_probs), **kwargs)
+
+    sgl_kernel.tree_speculative_sampling_target_only = sample
+    try:
+        yield
+    finally:
+        sgl_kernel.tree_speculative_sampling_target_only = original
 
 
 def scatter_mamba_states_after_mtp_verify():

@@ -152,9 +152,10 @@ def _penalties_on() -> bool:
     return options().penalties
 
 
-# what integration/penalties.py applies per node (min_p stays refused: SGLang's tree verify
-# does not apply it at all)
-PER_NODE = ("frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens")
+# what integration/penalties.py applies per node (SGLang's tree verify applies the penalties
+# with one relaxed count for the whole tree and min_p not at all)
+PER_NODE = ("frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens",
+            "min_p")  # fmt: skip
 
 
 def _logprobs_on() -> bool:

@@ -21,8 +21,12 @@ restarts its penalties from zero.
 
 from __future__ import annotations
 
+import contextlib
+from functools import partial
+
 import torch
 
+from sglang_ddtree.integration import compat
 from sglang_ddtree.tree.penalties import penalize_tree_
 
 _NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
@@ -102,22 +106,44 @@ def wanted(reqs) -> bool:
 def eagle_sample(original, verify_input, batch, logits_output, grammar_mask=None):
     """AROUND SGLang's eagle_sample: for a DDTREE verify whose batch asks for penalties, every
     node's logits penalised by its own path (in place), SGLang's shared penalty vectors hidden
-    from the call; every other call as it came."""
+    from the call; for one that asks for min_p at T > 0, every node's target probs filtered as
+    SGLang's plain sampler filters them (`min_p_filter`); every other call as it came."""
     table = _table[0]
     visibility = getattr(verify_input, "tree_visibility", None)
-    if table is None or visibility is None or not wanted(batch.reqs):
-        return original(verify_input, batch, logits_output, grammar_mask)
-    logits = logits_output.next_token_logits
-    bs, N = visibility.shape[:2]
-    table.penalize_(logits.view(bs, N, -1), batch.reqs, batch.req_pool_indices,
-                    verify_input.tree_tokens, visibility, verify_input.tree_depth)  # fmt: skip
     info = batch.sampling_info
-    saved = info.acc_additive_penalties, info.acc_scaling_penalties
-    info.acc_additive_penalties = info.acc_scaling_penalties = None
-    try:
+    penalise = table is not None and visibility is not None and wanted(batch.reqs)
+    min_p = (table is not None and visibility is not None
+             and bool(getattr(info, "need_min_p_sampling", False)))  # fmt: skip
+    if not (penalise or min_p):
         return original(verify_input, batch, logits_output, grammar_mask)
-    finally:
-        info.acc_additive_penalties, info.acc_scaling_penalties = saved
+    saved = info.acc_additive_penalties, info.acc_scaling_penalties
+    with contextlib.ExitStack() as stack:
+        if penalise:
+            bs, N = visibility.shape[:2]
+            table.penalize_(logits_output.next_token_logits.view(bs, N, -1), batch.reqs,
+                            batch.req_pool_indices, verify_input.tree_tokens, visibility,
+                            verify_input.tree_depth)  # fmt: skip
+            info.acc_additive_penalties = info.acc_scaling_penalties = None
+            stack.callback(_restore, info, saved)
+        if min_p:
+            stack.enter_context(compat.tree_sampling_probs(partial(min_p_filter,
+                                                                   min_ps=info.min_ps)))  # fmt: skip
+        return original(verify_input, batch, logits_output, grammar_mask)
+
+
+def min_p_filter(probs: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
+    """SGLang's min-p on every node's (top-k / top-p renormalised) target probs [bs, N, V]:
+    a token below min_p x its node's largest probability is dropped and the rest renormalised
+    (flashinfer's min_p_sampling_from_probs samples the same tokens in the same proportions);
+    requests with min_p 0 untouched."""
+    peak = probs.amax(-1, keepdim=True)
+    kept = torch.where(probs >= peak * min_ps.to(probs.dtype)[:, None, None], probs, 0.0)
+    filtered = kept / kept.sum(-1, keepdim=True)
+    return torch.where((min_ps > 0)[:, None, None], filtered, probs)
+
+
+def _restore(info, saved) -> None:
+    info.acc_additive_penalties, info.acc_scaling_penalties = saved
 
 
 def _stop_mask(reqs, vocab: int, device) -> torch.Tensor:

@@ -375,13 +375,15 @@ def test_acceptance_is_reported(servers, model):
 SAMPLE_POSITIONS, SAMPLES, SAMPLE_TOP_K = 3, 1500, 8
 
 
-def _samples(server, n: int, seeded: bool = True, draw: int = 0) -> list[list[int]]:
-    """n samples of SAMPLE_POSITIONS tokens at T=1, top-k 8. `seeded`: request i carries
-    sampling_seed=draw*n+i (SGLang then draws the verify coins from a hash of seed and
-    position); otherwise the coins come from torch's RNG. Draws are independent of each other."""
+def _samples(server, n: int, seeded: bool = True, draw: int = 0,
+             extra: dict | None = None) -> list[list[int]]:  # fmt: skip
+    """n samples of SAMPLE_POSITIONS tokens at T=1, top-k 8 (and the sampling options `extra`).
+    `seeded`: request i carries sampling_seed=draw*n+i (SGLang then draws the verify coins from
+    a hash of seed and position); otherwise the coins come from torch's RNG. Draws are
+    independent of each other."""
 
     def one(seed):
-        params = {"sampling_seed": seed} if seeded else {}
+        params = {**({"sampling_seed": seed} if seeded else {}), **(extra or {})}
         out = harness.generate(
             server,
             "def fibonacci(n):",
@@ -444,6 +446,33 @@ def test_sampling_distribution_matches(sampled, model, variant, seeded):
 
 
 CONFIRM_ALPHA = 1e-2
+# T > 0 with what SGLANG_DDTREE_PENALTIES=1 applies per node (`ddtree_penalties`), against the
+# plain server without the overlap scheduler (`base_sync`, whose penalties count every output
+# token); min_p unseeded (SGLang's flashinfer min-p sampler takes no seed)
+SAMPLING_OPTIONS = {
+    "min_p": ({"min_p": 0.2}, False),
+    "penalties": (
+        {"frequency_penalty": 0.8, "presence_penalty": 0.4, "repetition_penalty": 1.3},
+        True,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", SAMPLING_OPTIONS)
+@pytest.mark.parametrize("model", MODELS)
+def test_sampling_with_min_p_and_penalties_matches(servers, model, case):
+    """The chi-square of test_sampling_distribution_matches with min_p, and with the penalties,
+    each node's distribution the request's given its own path (the same confirmation rule)."""
+    extra, seeded = SAMPLING_OPTIONS[case]
+    base, spec = _up(servers, f"{model}-base_sync"), _up(servers, f"{model}-ddtree_penalties")
+    first = _chi2_p_values(_samples(base, SAMPLES, seeded, 0, extra),
+                           _samples(spec, SAMPLES, seeded, 0, extra))  # fmt: skip
+    print(f"{model} {case}: p per position {first}")
+    rejected = [pos for pos, p in enumerate(first) if p <= 1e-3]
+    if rejected:
+        again = _chi2_p_values(_samples(base, SAMPLES, seeded, 1, extra),
+                               _samples(spec, SAMPLES, seeded, 1, extra))  # fmt: skip
+        assert all(again[pos] > CONFIRM_ALPHA for pos in rejected), (first, again)
 
 
 def _chi2_p_values(base_samples, spec_samples) -> list[float]:

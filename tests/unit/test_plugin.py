@@ -282,19 +282,21 @@ def test_logprobs_are_served_only_when_opted_in(monkeypatch):
 
 
 def test_penalties_are_served_only_when_opted_in(monkeypatch):
-    """SGLANG_DDTREE_PENALTIES=1 lets frequency / presence / repetition penalties and
-    min_new_tokens through (integration/penalties.py applies them per node); min_p stays
-    refused; without it the refusal names the switch."""
+    """SGLANG_DDTREE_PENALTIES=1 lets frequency / presence / repetition penalties,
+    min_new_tokens and min_p through (integration/penalties.py applies them per node); the other
+    refusals stay; without it each refusal names the switch."""
     monkeypatch.setenv("SGLANG_DDTREE_PENALTIES", "1")
     asked = _request(max_new_tokens=8, frequency_penalty=0.5, presence_penalty=0.2,
-                     repetition_penalty=1.3, min_new_tokens=4)  # fmt: skip
+                     repetition_penalty=1.3, min_new_tokens=4, min_p=0.1)  # fmt: skip
     assert hooks._reject_unsupported(_tokenizer_manager("DDTREE"), asked, [1]) is None
-    with pytest.raises(ValueError, match="min_p=0.1"):
+    with pytest.raises(ValueError, match="at least 1"):
         hooks._reject_unsupported(_tokenizer_manager("DDTREE"),
-                                  _request(max_new_tokens=8, min_p=0.1), [1])  # fmt: skip
+                                  _request(max_new_tokens=0, min_p=0.1), [1])  # fmt: skip
     monkeypatch.setenv("SGLANG_DDTREE_PENALTIES", "0")
-    with pytest.raises(ValueError, match="SGLANG_DDTREE_PENALTIES=1"):
-        hooks._reject_unsupported(_tokenizer_manager("DDTREE"), asked, [1])
+    for name in ("frequency_penalty", "min_p"):
+        with pytest.raises(ValueError, match=f"{name}=.*SGLANG_DDTREE_PENALTIES=1"):
+            hooks._reject_unsupported(_tokenizer_manager("DDTREE"),
+                                      _request(max_new_tokens=8, **{name: 0.1}), [1])  # fmt: skip
 
 
 def test_front_end_accepts_plain_requests_and_other_algorithms():

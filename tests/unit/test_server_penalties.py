@@ -145,3 +145,51 @@ def test_the_hook_target_has_the_signature_the_hook_assumes():
 
     fields = {f.name for f in dataclasses.fields(DDTreeVerifyInput)}
     assert {"tree_tokens", "tree_visibility", "tree_depth"} <= fields
+
+
+def test_min_p_keeps_what_sglangs_plain_sampler_keeps_in_the_same_proportions():
+    """min_p_filter against SGLang's plain sampler's rule (sglang.srt.layers.sampler: a token
+    below min_p x its row's largest probability is zeroed, the rest sampled in proportion): the
+    kept set and the renormalised probabilities; min_p 0 leaves a request's rows alone."""
+    gen = torch.Generator().manual_seed(2)
+    probs = torch.rand(3, 4, 50, generator=gen) ** 4
+    probs /= probs.sum(-1, keepdim=True)
+    min_ps = torch.tensor([0.3, 0.0, 0.05])
+    got = penalties.min_p_filter(probs, min_ps)
+    assert torch.equal(got[1], probs[1])
+    for b in (0, 2):
+        rows = probs[b]
+        keep = rows >= rows.amax(-1, keepdim=True) * min_ps[b]
+        torch.testing.assert_close(
+            got[b], torch.where(keep, rows, 0) / (rows * keep).sum(-1, keepdim=True)
+        )
+
+
+def test_min_p_rides_on_sglangs_tree_sampling_for_the_call_only(monkeypatch):
+    """With min_p asked, the hook hands SGLang's target-only tree sampling (sgl_kernel, imported
+    at call time inside eagle_sample) the filtered probs, and puts SGLang's function back."""
+    import sys
+
+    seen = []
+    kernel = SimpleNamespace(tree_speculative_sampling_target_only=lambda **kw: seen.append(kw))
+    monkeypatch.setitem(sys.modules, "sgl_kernel", kernel)
+    original_kernel = kernel.tree_speculative_sampling_target_only
+    probs = torch.tensor([[[0.5, 0.3, 0.15, 0.05]]])
+
+    def eagle_sample(verify_input, batch_, output, grammar_mask=None):  # SGLang's shape of it
+        from sgl_kernel import tree_speculative_sampling_target_only
+
+        tree_speculative_sampling_target_only(predicts=None, target_probs=probs)
+        return "sampled"
+
+    info = SimpleNamespace(need_min_p_sampling=True, min_ps=torch.tensor([0.5]),
+                           acc_additive_penalties=None, acc_scaling_penalties=None)  # fmt: skip
+    batch = SimpleNamespace(reqs=[_req()], req_pool_indices=torch.tensor([0]), sampling_info=info)
+    verify = SimpleNamespace(tree_visibility=torch.ones(1, 1, 1, dtype=torch.bool))
+    penalties.activate(PenaltyTable(rows=1, vocab=4, device="cpu"))
+    try:
+        assert penalties.eagle_sample(eagle_sample, verify, batch, None) == "sampled"
+    finally:
+        penalties.activate(None)
+    torch.testing.assert_close(seen[0]["target_probs"], torch.tensor([[[0.625, 0.375, 0, 0]]]))
+    assert kernel.tree_speculative_sampling_target_only is original_kernel
