@@ -26,7 +26,10 @@
 #   [GDN_ARGS=... SERVING_ARGS=...] bash scripts/gpu_session.sh measure NAME [ARGS]  the same
 #                                                with the benchmarks first on the quiet GPU
 #                                                (bench_round.py ARGS, bench_gdn_tree.py), then
-#                                                the suite, then bench_serving.py on the pair
+#                                                the suite (soak.py and fuzz_requests.py on
+#                                                bench_serving.py's servers meanwhile), then
+#                                                bench_serving.py on the pair
+#   bash scripts/gpu_session.sh soak-serving DIR   the soak and fuzz on DIR's bench_serving servers
 #   bash scripts/gpu_session.sh bench-tree [ARGS]   scripts/bench_tree_build.py (no server)
 #   bash scripts/gpu_session.sh bench-gdn [ARGS]    scripts/bench_gdn_tree.py (no server)
 # Background processes (servers, tests) run in their own sessions; `collect` gathers their
@@ -173,15 +176,38 @@ case "${1:-}" in
         python3 -m tests.gpu.servers wait "$ROOT" 900 > "$DIR/suite_wait.log" 2>&1
         (unset DDTREE_GPU_SERVERS; python3 scripts/bench_serving.py --out "$DIR/serving" \
           --hold-until "$DIR/suite.done" $SERVING_ARGS > "$DIR/serving.log" 2>&1) &
+        # the soak and the fuzz against bench_serving'"'"'s ddtree and dflash servers (their URLs are
+        # its first lines) while the suite runs, before its measurement
+        (bash scripts/gpu_session.sh soak-serving "$DIR" > "$DIR/soak_driver.log" 2>&1
+         touch "$DIR/soak.done") &
         OUT="$DIR/suite" bash scripts/gpu_session.sh collect 1500 > "$DIR/suite.log" 2>&1
-        python3 -m tests.gpu.servers stop "$ROOT"; sleep 5; touch "$DIR/suite.done"
+        python3 -m tests.gpu.servers stop "$ROOT"; sleep 5
+        t=$SECONDS; until [ -e "$DIR/soak.done" ] || [ $((SECONDS - t)) -gt 600 ]; do sleep 3; done
+        touch "$DIR/suite.done"
         wait
         touch "$DIR/done"' measure "$@" < /dev/null > /dev/null 2>&1 &
     sleep 2; echo "measure $name started in $dir" ;;
+  soak-serving)  # soak-serving DIR: once DIR/serving.log names healthy ddtree and dflash
+    # servers (scripts/bench_serving.py), scripts/soak.py on both, then scripts/fuzz_requests.py
+    # on each; results in DIR/soak.json, DIR/fuzz_<name>.json
+    dir=$2; t0=$SECONDS
+    until grep -q "dflash: healthy" "$dir/serving.log" 2>/dev/null; do
+      [ $((SECONDS - t0)) -gt 900 ] && { echo "no healthy bench_serving servers"; exit 1; }
+      sleep 3
+    done
+    url() { sed -n "s/^$1: \(http[^ ]*\)$/\1/p" "$dir/serving.log" | head -n 1; }
+    python3 scripts/soak.py --server "ddtree=$(url ddtree)" --server "dflash=$(url dflash)" \
+      --log "ddtree=$dir/serving/server_ddtree.log" --log "dflash=$dir/serving/server_dflash.log" \
+      --requests 1000 --seconds 150 --concurrency 64 --context 4096 --out "$dir/soak.json"
+    echo "soak rc=$?"
+    for name in ddtree dflash; do
+      python3 scripts/fuzz_requests.py "$(url $name)" --context 4096 --out "$dir/fuzz_$name.json"
+      echo "fuzz $name rc=$?"
+    done ;;
   collect-all)  # collect-all NAME [WAIT_S]: wait for `all NAME` (up to WAIT_S), results to $OUT
     dir="$ROOT/$2"; t0=$SECONDS
     while [ ! -e "$dir/done" ] && [ $((SECONDS - t0)) -lt "${3:-540}" ]; do sleep 5; done
-    for f in unit_gpu.log gdn.log suite/summary.txt round.log serving/table.md; do
+    for f in unit_gpu.log gdn.log suite/summary.txt round.log soak_driver.log serving/table.md; do
       [ -f "$dir/$f" ] && { echo "== $f"; tail -n 40 "$dir/$f" | cut -c1-400; }
     done
     tar czf "$OUT/$2.tgz" -C "$dir" --exclude='trace_*' . 2>/dev/null
