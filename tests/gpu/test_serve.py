@@ -954,6 +954,21 @@ def test_prompt_completion_and_streamed_logprobs_are_served(servers, model):
         assert len(got[0]) == len(got[1]) > 0
         gap = max(abs(a - b) for a, b in zip(*got, strict=True))
         assert gap <= TIE_TOL, (prompt, gap)
+    # token_ids_logprob: the asked tokens' logprobs at every emitted position, as plain's where
+    # the two servers' tokens agree
+    asked = []
+    for s in (server, base):
+        _flush(s)
+        status, out = harness.post(s.url + "/generate", {
+            "text": harness.PROMPTS[0], "return_logprob": True, "token_ids_logprob": [5, 17],
+            "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}})  # fmt: skip
+        assert status == 200, out
+        asked.append((out["output_ids"], out["meta_info"]["output_token_ids_logprobs"]))
+    (ids, per_token), (plain_ids, plain_per_token) = asked
+    assert len(per_token) == len(ids) == 8 and all(len(e) == 2 for e in per_token), per_token
+    agree = harness.first_divergence(ids, plain_ids) or len(ids)
+    for mine, theirs in zip(per_token[:agree], plain_per_token[:agree], strict=True):
+        assert all(abs(a[0] - b[0]) <= TIE_TOL for a, b in zip(mine, theirs, strict=True))
     status, out = harness.post(server.url + "/v1/completions", {
         "model": "x", "prompt": harness.PROMPTS[1], "max_tokens": 12, "temperature": 0,
         "logprobs": 3, "ignore_eos": True})  # fmt: skip
