@@ -966,7 +966,8 @@ def test_prompt_completion_and_streamed_logprobs_are_served(servers, model):
         asked.append((out["output_ids"], out["meta_info"]["output_token_ids_logprobs"]))
     (ids, per_token), (plain_ids, plain_per_token) = asked
     assert len(per_token) == len(ids) == 8 and all(len(e) == 2 for e in per_token), per_token
-    agree = harness.first_divergence(ids, plain_ids) or len(ids)
+    agree = harness.first_divergence(ids, plain_ids)
+    agree = len(ids) if agree is None else agree
     for mine, theirs in zip(per_token[:agree], plain_per_token[:agree], strict=True):
         assert all(abs(a[0] - b[0]) <= TIE_TOL for a, b in zip(mine, theirs, strict=True))
     status, out = harness.post(server.url + "/v1/completions", {
