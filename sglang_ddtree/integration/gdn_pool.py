@@ -79,7 +79,21 @@ def size_mamba_pool(original, configurator, total_rest_memory):
     # The solver reads N from this leaf only; the scoped override restores it on return, before
     # the pool (which takes N from server_args) and anything else reads it.
     with spec.override(speculative_num_draft_tokens=states):
-        return original(configurator, total_rest_memory)
+        rest = original(configurator, total_rest_memory)
+    if rest <= 0:  # nothing left for the KV cache: refuse now, before any pool or graph
+        from sglang.srt.runtime_context import get_schedule
+
+        slots = get_schedule().max_mamba_cache_size
+        raise RuntimeError(
+            f"DDTREE: not enough GPU memory. Of {total_rest_memory:.2f} GB after the weights, "
+            f"{slots} Mamba state slots ({params.mamba_cache_per_req / (1 << 20):.0f} MB each) "
+            f"and the compact GDN verify scratch for N = {N} "
+            f"({compact_bytes_per_request(params, N) / (1 << 20):.0f} MB per running request) "
+            f"leave {rest:.2f} GB for the KV cache. Lower --max-mamba-cache-size or "
+            "--max-running-requests, lower --speculative-num-draft-tokens, or raise "
+            "--mem-fraction-static."
+        )
+    return rest
 
 
 def init_mamba_pool(original, req_pool, *args, **kwargs):

@@ -9,6 +9,7 @@ from scripts.harness import (  # noqa: F401 (re-exported)
     Server,
     chat,
     first_divergence,
+    free_port,
     generate,
     get,
     post,

@@ -1065,3 +1065,27 @@ def test_sglang_and_reference_engine_agree_round_for_round(servers, fp32_pair, m
           f"{rounds_equal}; parted (prompt, index, float32 deficit of SGLang's token, DFLASH "
           f"made the same choice): {parted}")  # fmt: skip
     assert all(d <= TIE_TOL or shared for _p, _i, d, shared in parted), parted
+
+
+def test_a_configuration_that_does_not_fit_is_refused_before_any_graph(tmp_path):
+    """Issue 15, part 3: DDTREE on the shipped pair asked for far more Mamba state slots than its
+    memory fraction holds stops during start-up, before any CUDA graph is captured, with the
+    memory in numbers and the flags that fix it (gdn_pool.size_mamba_pool), not with an OOM."""
+    from tests.gpu.servers import COMMON, DEMO, ENV, ddtree_args
+
+    args = list(COMMON)
+    args[args.index("--max-mamba-cache-size") + 1] = "1000000"
+    args[args.index("--mem-fraction-static") + 1] = "0.05"
+    server = harness.Server("pair-oversized", str(DEMO / "target"), harness.free_port(34500),
+                            [*args, *ddtree_args("pair", DEMO / "draft")], ENV,
+                            log_dir=tmp_path)  # fmt: skip
+    server.start()
+    try:
+        server.proc.wait(timeout=600)
+    finally:
+        server.stop()
+    log = server.log_text()
+    assert "DDTREE: not enough GPU memory" in log, log[-3000:]
+    for flag in ("--max-mamba-cache-size", "--mem-fraction-static"):
+        assert flag in log
+    assert "Capture cuda graph" not in log and "out of memory" not in log.lower(), log[-3000:]

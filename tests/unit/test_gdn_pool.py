@@ -107,7 +107,7 @@ def test_the_pool_hook_passes_sglangs_pool_through_unless_compact(monkeypatch):
     assert pool.mamba_pool.mamba_cache.__class__.__name__ == "State"
 
 
-def solve(hook: bool, total_gib: float, num_nodes=64, running=16):
+def solve(hook: bool, total_gib: float, num_nodes=64, running=16, mamba_slots=None):
     """SGLang's `_handle_max_mamba_cache` (through the hook or not) for cache_params() with the
     radix cache on: (the memory it leaves in GiB, max_mamba_cache_size, the solver's
     speculative_num_draft_tokens after it returns)."""
@@ -116,7 +116,8 @@ def solve(hook: bool, total_gib: float, num_nodes=64, running=16):
 
     with get_context().override_server_args(speculative_algorithm="DFLASH",
                                             speculative_num_draft_tokens=num_nodes,
-                                            max_running_requests=running):  # fmt: skip
+                                            max_running_requests=running,
+                                            max_mamba_cache_size=mamba_slots):  # fmt: skip
         cfg = SimpleNamespace(mambaish_config=SimpleNamespace(mamba2_cache_params=cache_params()),
                               server_args=get_context().server_args,
                               ps=SimpleNamespace(pp_size=1, attn_dp_size=1),
@@ -151,6 +152,24 @@ def test_the_solver_reserves_the_compact_scratch_and_gives_the_rest_to_requests(
     needed = ((slots + 1) * params.mamba_cache_per_req
               + (requests + 1) * gdn_pool.compact_bytes_per_request(params, N))  # fmt: skip
     assert needed <= (total - rest) * (1 << 30) <= 1.1 * needed + params.mamba_cache_per_req * 8
+
+
+def test_a_configuration_that_leaves_no_kv_cache_is_refused_with_the_numbers(compact):
+    """Through SGLang's own solver: state slots asked for (--max-mamba-cache-size) and the
+    compact scratch that leave nothing for the KV cache stop start-up with the memory in
+    numbers and the flags that fix it; the same memory with fewer slots is fine."""
+    params = cache_params()
+    total = 0.05  # GiB
+    too_many = int(total * (1 << 30) // params.mamba_cache_per_req) + 8
+    with pytest.raises(RuntimeError, match="DDTREE: not enough GPU memory") as err:
+        solve(True, total, mamba_slots=too_many)
+    message = str(err.value)
+    for flag in ("--max-mamba-cache-size", "--max-running-requests",
+                 "--speculative-num-draft-tokens", "--mem-fraction-static"):  # fmt: skip
+        assert flag in message, message
+    assert f"{too_many} Mamba state slots" in message and "N = 64" in message
+    rest, slots, _, _ = solve(True, total, mamba_slots=8)
+    assert rest > 0 and slots == 8
 
 
 def test_the_solver_is_sglangs_own_unless_compact(monkeypatch):
