@@ -38,8 +38,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=${DDTREE_GPU_ROOT:-/root/ddtree-gpu}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/pip.log" 2>&1 \
-  || { cat "$OUT/pip.log"; exit 1; }
+# (soak-serving runs beside `collect` inside `measure`: the package is installed already, and two
+# editable installs at once could race)
+[ "${1:-}" = soak-serving ] || python3 -m pip install -q --no-deps --no-build-isolation --no-index \
+  -e . >"$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
 MODELS="qwen3 qwen35 pair"
 N_MODELS=$(wc -w <<< "$MODELS")
 

@@ -85,11 +85,13 @@ def size_mamba_pool(original, configurator, total_rest_memory):
 
         slots = get_schedule().max_mamba_cache_size
         raise RuntimeError(
-            f"DDTREE: not enough GPU memory. Of {total_rest_memory:.2f} GB after the weights, "
-            f"{slots} Mamba state slots ({params.mamba_cache_per_req / (1 << 20):.0f} MB each) "
-            f"and the compact GDN verify scratch for N = {N} "
-            f"({compact_bytes_per_request(params, N) / (1 << 20):.0f} MB per running request) "
-            f"leave {rest:.2f} GB for the KV cache. Lower --max-mamba-cache-size or "
+            f"DDTREE: not enough GPU memory. Of the {total_rest_memory:.2f} GiB that "
+            f"--mem-fraction-static leaves after the weights, {slots} Mamba state slots (plus "
+            f"SGLang's padding slot; {params.mamba_cache_per_req / (1 << 20):.2f} MiB each) and "
+            f"the compact GDN verify scratch for N = {N} "
+            f"({compact_bytes_per_request(params, N) / (1 << 20):.2f} MiB per running request, "
+            f"reserved as {states} whole states) leave {rest:.2f} GiB for the KV cache. Lower "
+            "--max-mamba-cache-size or "
             "--max-running-requests, lower --speculative-num-draft-tokens, or raise "
             "--mem-fraction-static."
         )

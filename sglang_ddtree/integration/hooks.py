@@ -129,6 +129,11 @@ def _reject_unsupported(tokenizer_manager, obj, *args, **kwargs):
     if max_new_tokens is not None and max_new_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, got {max_new_tokens}.")
     per_node = _penalties_on()
+    min_p = sampling.get("min_p")
+    if min_p and getattr(server_args, "enable_deterministic_inference", False):
+        # SGLang's deterministic sampler (pytorch backend, seeded) asserts on min_p
+        raise ValueError(f"min_p={min_p} cannot be served with --enable-deterministic-inference "
+                         "(SGLang's seeded sampler does not take it); leave it at 0.")  # fmt: skip
     for name, neutral in LOSSY_SAMPLING_OPTIONS.items():
         value = sampling.get(name)
         if value is not None and value != neutral and not (per_node and name in PER_NODE):

@@ -292,6 +292,10 @@ def test_penalties_are_served_only_when_opted_in(monkeypatch):
     with pytest.raises(ValueError, match="at least 1"):
         hooks._reject_unsupported(_tokenizer_manager("DDTREE"),
                                   _request(max_new_tokens=0, min_p=0.1), [1])  # fmt: skip
+    deterministic = types.SimpleNamespace(server_args=types.SimpleNamespace(
+        speculative_algorithm="DDTREE", enable_deterministic_inference=True))  # fmt: skip
+    with pytest.raises(ValueError, match="min_p=0.1 cannot be served with --enable-determ"):
+        hooks._reject_unsupported(deterministic, _request(max_new_tokens=8, min_p=0.1), [1])
     monkeypatch.setenv("SGLANG_DDTREE_PENALTIES", "0")
     for name in ("frequency_penalty", "min_p"):
         with pytest.raises(ValueError, match=f"{name}=.*SGLANG_DDTREE_PENALTIES=1"):
