@@ -232,26 +232,27 @@ def commit(original, backend, last_correct_step_indices, mamba_track_indices,
     bs = last_correct_step_indices.shape[0]
     state_idx = meta.mamba_cache_indices[:bs]
     # this round's width: SGLang's parent buffer is [bs, w] (eager and graph); the pool's rows
-    # hold the widest tree ([layers, rows, N, dim, K - 1]), and a narrower round uses the front
+    # hold the widest tree ([layers, rows, N, dim, ...]), and a narrower round uses the front
     N = parents.shape[-1] if parents.dim() == 2 else caches.intermediate_conv_window[0].shape[2]
+    rows, links = linear.verify_intermediate_state_indices[:bs], _rows(parents, N)
+    track_node = mamba_steps_to_track if mamba_track_indices is not None else None
     commit_paths(
         caches.temporal,
         state_idx,
         as_scratch(caches.intermediate_ssm, 2),
-        linear.verify_intermediate_state_indices[:bs],
-        _rows(parents, N),
+        rows,
+        links,
         last_correct_step_indices,
         max_path=path.max_path,
         track_idx=mamba_track_indices,
-        track_node=mamba_steps_to_track if mamba_track_indices is not None else None,
+        track_node=track_node,
     )
     if path.conv_inputs:  # the accepted windows from the nodes' stored inputs
         from sglang_ddtree.gdn.conv_tree import commit_windows
 
         for conv, inputs in zip(caches.conv, caches.intermediate_conv_window, strict=True):
-            commit_windows(conv, inputs, state_idx, linear.verify_intermediate_state_indices[:bs],
-                           _rows(parents, N), last_correct_step_indices, mamba_track_indices,
-                           mamba_steps_to_track if mamba_track_indices is not None else None)  # fmt: skip
+            commit_windows(conv, inputs, state_idx, rows, links, last_correct_step_indices,
+                           mamba_track_indices, track_node)  # fmt: skip
         return
     # conv windows: SGLang's scatter, with an empty state pool so that it skips the states
     compat.scatter_mamba_states_after_mtp_verify()(

@@ -136,31 +136,21 @@ def _reject_unsupported(tokenizer_manager, obj, *args, **kwargs):
                          "(SGLang's seeded sampler does not take it); leave it at 0.")  # fmt: skip
     for name, neutral in LOSSY_SAMPLING_OPTIONS.items():
         value = sampling.get(name)
-        if value is not None and value != neutral and not (per_node and name in PER_NODE):
-            hint = (
-                ""
-                if name not in PER_NODE
-                else (" (SGLANG_DDTREE_PENALTIES=1 applies it per node, not yet verified on a GPU)")
-            )
+        if value is not None and value != neutral and not per_node:
             raise ValueError(
                 f"DDTREE cannot apply {name}={value} exactly inside a draft tree (the output "
-                f"distribution would differ from the target's); leave it at {neutral}{hint}."
+                f"distribution would differ from the target's); leave it at {neutral} "
+                "(SGLANG_DDTREE_PENALTIES=1 applies it per node, not yet verified on a GPU)."
             )
     return None
 
 
 def _penalties_on() -> bool:
-    """SGLANG_DDTREE_PENALTIES=1: the penalties of PER_NODE served, each node penalised by its
-    own path (integration/penalties.py); opt-in until its GPU test has passed."""
+    """SGLANG_DDTREE_PENALTIES=1: every option of LOSSY_SAMPLING_OPTIONS served, each node by
+    its own path (integration/penalties.py); opt-in until its GPU test has passed."""
     from sglang_ddtree.config import options
 
     return options().penalties
-
-
-# what integration/penalties.py applies per node (SGLang's tree verify applies the penalties
-# with one relaxed count for the whole tree and min_p not at all)
-PER_NODE = ("frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens",
-            "min_p")  # fmt: skip
 
 
 def _logprobs_on() -> bool:
@@ -175,15 +165,9 @@ def _logprobs_on() -> bool:
 
 # Options SGLang's tree verify applies only approximately (penalties, and min_new_tokens's EOS
 # block, are one vector for the whole tree: a node at depth d has d more tokens behind it) or not
-# at all (min_p): accepting them would break DDTREE's lossless guarantee. (logit_bias is the
-# same at every node, and SGLang's tree verify adds it to every node: exact.)
-LOSSY_SAMPLING_OPTIONS = {
-    "min_p": 0.0,
-    "frequency_penalty": 0.0,
-    "presence_penalty": 0.0,
-    "repetition_penalty": 1.0,
-    "min_new_tokens": 0,
-}
+# at all (min_p): refused unless integration/penalties.py applies them per node. (logit_bias is
+# the same at every node, and SGLang's tree verify adds it to every node: exact.)
+LOSSY_SAMPLING_OPTIONS = {"min_p": 0.0, **penalties.PENALTIES}
 
 
 def _internal_state(original, scheduler, *args, **kwargs):

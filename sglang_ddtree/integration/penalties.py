@@ -29,8 +29,10 @@ import torch
 from sglang_ddtree.integration import compat
 from sglang_ddtree.tree.penalties import penalize_tree_
 
-_NEUTRAL = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
-            "min_new_tokens": 0}  # fmt: skip
+# the penalties applied per node and their neutral values (the sampling-parameter names; min_p,
+# the other option applied here, acts on the probabilities, `min_p_filter`)
+PENALTIES = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
+             "min_new_tokens": 0}  # fmt: skip
 _table: list = [None]  # the worker's PenaltyTable (activate), read by the eagle_sample hook
 
 
@@ -83,7 +85,7 @@ class PenaltyTable:
         counts = self.counts[req_pool_indices.to(torch.int64)]
         if counts.shape[1] < V:  # a padded vocabulary: no output token lies beyond the table
             counts = torch.nn.functional.pad(counts, (0, V - counts.shape[1]))
-        params = [[float(getattr(r.sampling_params, k)) for r in reqs] for k in _NEUTRAL]
+        params = [[float(getattr(r.sampling_params, k)) for r in reqs] for k in PENALTIES]
         f, p, r, floor = (_device(x, dev, torch.float32) for x in params)
         penalize_tree_(logits, tree_tokens, visibility, counts[:, :V], f, p, r)
         if any(params[3]):  # min_new_tokens: no stop token while output + depth < the floor
@@ -100,7 +102,7 @@ def activate(table: PenaltyTable | None) -> None:
 
 def wanted(reqs) -> bool:
     """Whether any request of the batch asks for a penalty DDTREE applies per node."""
-    return any(getattr(r.sampling_params, k, v) != v for r in reqs for k, v in _NEUTRAL.items())
+    return any(getattr(r.sampling_params, k, v) != v for r in reqs for k, v in PENALTIES.items())
 
 
 def eagle_sample(original, verify_input, batch, logits_output, grammar_mask=None):
@@ -111,9 +113,9 @@ def eagle_sample(original, verify_input, batch, logits_output, grammar_mask=None
     table = _table[0]
     visibility = getattr(verify_input, "tree_visibility", None)
     info = batch.sampling_info
-    penalise = table is not None and visibility is not None and wanted(batch.reqs)
-    min_p = (table is not None and visibility is not None
-             and bool(getattr(info, "need_min_p_sampling", False)))  # fmt: skip
+    ddtree = table is not None and visibility is not None  # a DDTREE verify, the switch on
+    penalise = ddtree and wanted(batch.reqs)
+    min_p = ddtree and bool(getattr(info, "need_min_p_sampling", False))
     if not (penalise or min_p):
         return original(verify_input, batch, logits_output, grammar_mask)
     saved = info.acc_additive_penalties, info.acc_scaling_penalties

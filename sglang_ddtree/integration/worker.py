@@ -215,12 +215,10 @@ class DDTreeWorker(DFlashWorkerV2):
         verify_at = self._widths.use(width) if self._widths else contextlib.nullcontext()
         with record_function("ddtree.verify_accept_commit"), verify_at:
             result = self._verify_accept_commit(batch, grammar_barrier, width)
+        emitted = result.next_token_ids.view(bs, -1)[:, : self.cfg.block_size]  # a view
         if self._penalties is not None:  # the emitted tokens join each request's count
-            self._penalties.observe(batch.req_pool_indices,
-                                    result.next_token_ids.view(bs, -1)[:, : self.cfg.block_size],
-                                    result.accept_lens)  # fmt: skip
+            self._penalties.observe(batch.req_pool_indices, emitted, result.accept_lens)
         if self._round_dump is not None:  # device-to-pinned copies; a thread writes them
-            emitted = result.next_token_ids.view(bs, -1)[:, : self.cfg.block_size]
             self._round_dump.round(tree.tokens, tree.parents, tree.scores, emitted,
                                    result.accept_lens)  # fmt: skip
         batch.spec_info = draft_input

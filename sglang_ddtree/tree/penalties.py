@@ -110,24 +110,28 @@ def penalize_tree(logits: torch.Tensor, tokens: torch.Tensor, visibility: torch.
     [bs, N, N] bool, [b, i, j] = j is i or an ancestor of i (DraftTree.visibility); counts
     [bs, V] output-token counts so far (root included); frequency / presence / repetition [bs]
     (0, 0, 1: off); seen [bs, V] bool (default counts > 0)."""
-    bs, N, _ = logits.shape
     counts = counts.to(logits.dtype)
     seen = counts > 0 if seen is None else seen
     f, p, r = (t.to(logits.dtype)[:, None, None] for t in (frequency, presence, repetition))
     shared = penalize(logits, counts[:, None, :], seen[:, None, :], f, p, r)
+    m, idx, path_value = _on_paths(logits, tokens, visibility, counts, f, p, r)
+    # every j with the same token writes the same value at (i, token), so the scatter is exact
+    return shared.scatter(2, idx, torch.where(m > 0, path_value, shared.gather(2, idx)))
+
+
+def _on_paths(logits, tokens, visibility, counts, f, p, r):
+    """For penalize_tree(_): m [bs, N, N] (how often node j's token occurs on node i's path,
+    nodes 1..i), idx (node j's token at [b, i, j]) and the penalised value of each such token
+    at node i with its path's count, from the raw logits."""
+    bs, N, _ = logits.shape
     on_path = visibility.clone()
     on_path[:, :, 0] = False  # the root's token is in `counts` already
     same = tokens[:, :, None] == tokens[:, None, :]  # [bs, N, N]
-    # m[b, i, j]: how often node j's token occurs on node i's path (nodes 1..i)
     m = torch.bmm(on_path.to(logits.dtype), same.to(logits.dtype))
-    idx = tokens[:, None, :].expand(bs, N, N)  # [b, i, j] -> node j's token
-    raw = logits.gather(2, idx)
-    path_value = penalize(
-        raw, counts.gather(1, tokens)[:, None, :] + m, torch.ones_like(m, dtype=torch.bool), f, p, r
-    )
-    # every j with the same token writes the same value at (i, token), so the scatter is exact
-    value = torch.where(m > 0, path_value, shared.gather(2, idx))
-    return shared.scatter(2, idx, value)
+    idx = tokens[:, None, :].expand(bs, N, N)
+    path_value = penalize(logits.gather(2, idx), counts.gather(1, tokens)[:, None, :] + m,
+                          torch.ones_like(m, dtype=torch.bool), f, p, r)  # fmt: skip
+    return m, idx, path_value
 
 
 def penalize_tree_(logits: torch.Tensor, tokens: torch.Tensor, visibility: torch.Tensor,
@@ -137,15 +141,9 @@ def penalize_tree_(logits: torch.Tensor, tokens: torch.Tensor, visibility: torch
     penalty over the output tokens (counts > 0): the path tokens' raw values gathered first, the
     shared penalty as broadcast [bs, 1, V] operations, so that a round holds one float and one
     bool [bs, N, V] temporary at a time instead of about ten."""
-    bs, N, _ = logits.shape
     counts = counts.to(logits.dtype)
     f, p, r = (t.to(logits.dtype)[:, None, None] for t in (frequency, presence, repetition))
-    on_path = visibility.clone()
-    on_path[:, :, 0] = False  # the root's token is in `counts` already
-    same = tokens[:, :, None] == tokens[:, None, :]
-    m = torch.bmm(on_path.to(logits.dtype), same.to(logits.dtype))
-    idx = tokens[:, None, :].expand(bs, N, N)
-    raw = logits.gather(2, idx)
+    m, idx, path_value = _on_paths(logits, tokens, visibility, counts, f, p, r)  # raw logits
     seen = counts[:, None, :] > 0  # [bs, 1, V]
     logits.sub_(f * counts[:, None, :] + p * seen.to(logits.dtype))
     r_seen = torch.where(seen, r, torch.ones_like(r))
@@ -153,8 +151,6 @@ def penalize_tree_(logits: torch.Tensor, tokens: torch.Tensor, visibility: torch
     logits.mul_(torch.where(negative, r_seen, 1.0))  # x * r below zero (x * 1 is exact)
     logits.div_(torch.where(negative, 1.0, r_seen))  # x / r from zero up
     del negative
-    path_value = penalize(raw, counts.gather(1, tokens)[:, None, :] + m,
-                          torch.ones_like(m, dtype=torch.bool), f, p, r)  # fmt: skip
     logits.scatter_(2, idx, torch.where(m > 0, path_value, logits.gather(2, idx)))
     return logits
 

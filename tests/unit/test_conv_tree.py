@@ -42,11 +42,13 @@ def trees(bs: int, N: int, seed: int) -> torch.Tensor:
     return parents
 
 
-def run_both(parents, dim, dtype, pad_last=False, device="cpu", seed=0, **ours):
+def run_both(parents, dim, dtype, pad_last=False, device="cpu", seed=0, rows_reversed=False,
+             ours_width=None, **ours):  # fmt: skip
     """Ours (with the keyword arguments `ours`) and SGLang's on the same inputs:
-    {name: (o, windows, parents)}."""
-    from functools import partial
-
+    {name: (o, windows, parents), "setup": (x, the conv state before, slots, rows)}.
+    rows_reversed: the intermediate rows in the reverse of the batch order (they need not
+    follow it); ours_width: the last dimension of our window buffer (default K - 1; 1 for the
+    compact pool's inputs once)."""
     from sglang.kernels.ops.mamba.causal_conv1d_triton import causal_conv1d_update
 
     gen = torch.Generator().manual_seed(seed)
@@ -63,11 +65,14 @@ def run_both(parents, dim, dtype, pad_last=False, device="cpu", seed=0, **ours):
     if pad_last:
         idx[-1] = -1
     inter_idx = torch.arange(bs, dtype=torch.int32, device=device)
+    if rows_reversed:
+        inter_idx = inter_idx.flip(0)
     nxt, sib = (t.to(device) for t in eagle_links(parents))
-    out = {}
+    out = {"setup": (x, state0, idx, inter_idx)}
     for name, fn in (("sglang", causal_conv1d_update), ("ours", partial(conv_tree, **ours))):
         state = state0.clone()
-        windows = torch.zeros((bs + 1, N, dim, KW - 1), dtype=dtype, device=device)
+        width = KW - 1 if name == "sglang" or ours_width is None else ours_width
+        windows = torch.zeros((bs + 1, N, dim, width), dtype=dtype, device=device)
         par = torch.full((bs, N), 99, dtype=torch.int64, device=device)
         o = fn(x, state, weight, bias, "silu", conv_state_indices=idx,
                intermediate_conv_window=windows, intermediate_state_indices=inter_idx,
@@ -112,34 +117,12 @@ def test_conv_tree_on_deep_chains_reads_the_history_above_the_root(tiling):
     assert torch.equal(o, o_s) and torch.equal(win, win_s)
 
 
-def inputs_case(bs, N, dim, seed, pad_last=False, device="cpu"):
-    """SGLang's tree conv (windows) and ours with save_inputs on the same inputs."""
-    from sglang.kernels.ops.mamba.causal_conv1d_triton import causal_conv1d_update
-
-    gen = torch.Generator().manual_seed(seed)
-    parents = trees(bs, N, seed)
-    KW, slots = 4, bs + 3
-    x = torch.randn(bs, N, dim, generator=gen).transpose(1, 2).to(device)
-    weight, bias = torch.randn(dim, KW, generator=gen), torch.randn(dim, generator=gen)
-    state0 = torch.randn(slots, dim, KW - 1, generator=gen)
-    idx = torch.randperm(slots, generator=gen)[:bs].to(torch.int32)
-    if pad_last:
-        idx[-1] = -1
-    inter_idx = torch.arange(bs, dtype=torch.int32).flip(0)  # rows need not follow the batch
-    nxt, sib = eagle_links(parents)
-    got = {}
-    for name, fn, kw in (("sglang", causal_conv1d_update, {}),
-                         ("ours", conv_tree, {"save_inputs": True})):  # fmt: skip
-        # ours: the compact pool's [.., N, dim, 1] buffer (one input per node)
-        width = 1 if name == "ours" else KW - 1
-        windows = torch.full((bs + 1, N, dim, width), float("nan"))
-        par = torch.full((bs, N), 99, dtype=torch.int64)
-        o = fn(x, state0.clone(), weight, bias, "silu", conv_state_indices=idx,
-               intermediate_conv_window=windows, intermediate_state_indices=inter_idx,
-               retrieve_next_token=nxt, retrieve_next_sibling=sib, retrieve_parent_token=par,
-               **kw)  # fmt: skip
-        got[name] = (o, windows, par)
-    return got, x, state0, idx, inter_idx
+def inputs_case(bs, N, dim, seed, pad_last=False):
+    """SGLang's tree conv (windows) and ours with save_inputs into the compact pool's
+    [.., N, dim, 1] buffer, rows out of batch order: (results, x, conv state, slots, rows)."""
+    out = run_both(trees(bs, N, seed), dim, torch.float32, pad_last, seed=seed,
+                   rows_reversed=True, ours_width=1, save_inputs=True)  # fmt: skip
+    return out, *out.pop("setup")
 
 
 @interpreter_only
