@@ -182,16 +182,20 @@ def parse_chunk_tiles(text: str) -> list[tuple[int, int, str]]:
 
 
 def conv_tilings(text: str) -> dict[str, dict]:
-    """--conv-tilings "t16n256w4,t8n128w4tile,t4n256w4anc,t16n256w4nosave": name -> conv_tree
-    keywords (block_t, block_n, num_warps, window_tile, ancestor_table; "nosave" drops the
-    window stores)."""
+    """--conv-tilings "t16n256w4,t8n128w4tile,t4n256w4anc,t2n512w4in,t16n256w4nosave": name ->
+    conv_tree keywords (block_t, block_n, num_warps, window_tile, ancestor_table, save_inputs:
+    "in" stores each node's input once, as DDTREE's compact pool serves it; "nosave" drops the
+    stores)."""
     out = {}
     for name in (t for t in text.split(",") if t):
-        m = re.fullmatch(r"t(\d+)n(\d+)w(\d+)(tile)?(anc)?(nosave)?", name)
+        m = re.fullmatch(r"t(\d+)n(\d+)w(\d+)(tile)?(anc)?(in)?(nosave)?", name)
         if m is None:
-            raise ValueError(f"--conv-tilings {name}: expected tNnNwN[tile][anc][nosave]")
+            raise ValueError(f"--conv-tilings {name}: expected tNnNwN[tile][anc][in][nosave]")
+        if m[4] and m[6]:
+            raise ValueError(f"--conv-tilings {name}: 'in' stores no windows to tile")
         out[name] = dict(block_t=int(m[1]), block_n=int(m[2]), num_warps=int(m[3]),
-                         window_tile=m[4] is not None, ancestor_table=m[5] is not None)  # fmt: skip
+                         window_tile=m[4] is not None, ancestor_table=m[5] is not None,
+                         save_inputs=m[6] is not None)  # fmt: skip
     return out
 
 
@@ -279,9 +283,14 @@ def run_conv(bs: int, nodes: int, parents: torch.Tensor, iters: int, dim: int = 
             continue
         timed[tiling] = call(f"ours_{tiling}", partial(conv_tree, **kw))
         timed[tiling]()
+        stores = out[f"ours_{tiling}_win"][:bs]
+        if kw["save_inputs"]:  # the row fronts hold the inputs
+            stored = torch.equal(stores.reshape(bs, -1)[:, : nodes * dim].view(bs, nodes, dim),
+                                 x.transpose(1, 2))  # fmt: skip
+        else:
+            stored = torch.equal(stores, out["ours_win"][:bs])
         row[f"conv_{tiling}_equal"] = bool(
-            torch.equal(out[f"ours_{tiling}"], out["ours"])
-            and torch.equal(out[f"ours_{tiling}_win"][:bs], out["ours_win"][:bs])
+            torch.equal(out[f"ours_{tiling}"], out["ours"]) and stored
         )
     if dev == "cuda":
         from bench_tree_build import gpu_ms  # beside this script, so on sys.path when it runs
@@ -308,7 +317,69 @@ def run_conv(bs: int, nodes: int, parents: torch.Tensor, iters: int, dim: int = 
         row.update(_time_window_commits(bs, nodes, dim, KW, out["ours_par"], randn, iters))
         if chain_x is not None:
             row["sglang_chain_conv_same_tokens_ms"] = gpu_ms(sglang_chain, iters, graph=True)
+        served_tilings = {"": {}} | {t: kw for t, kw in conv_tilings(",".join(tilings)).items()
+                                     if kw["save_inputs"]}  # fmt: skip
+        row.update(_time_conv_rounds(bs, nodes, dim, KW, nxt, sib, randn, iters, served_tilings,
+                                     chain=whole))  # fmt: skip
 
+    return row
+
+
+def _time_conv_rounds(bs, nodes, dim, KW, nxt, sib, randn, iters, tilings, chain: bool,
+                      layers=48) -> dict:  # fmt: skip
+    """A round's conv1d as it runs in the server: `layers` GDN layers' calls back to back in one
+    CUDA graph, each layer with its own inputs, weights, conv states and stores (so no layer
+    reads another's data from L2), ms per round. Ours as DDTREE's compact pool serves it (the
+    parents kernel in the first layer, each node's input stored once; per tiling, "" the
+    default; and with SGLang's per-node windows stored, as on the full pool); SGLang's chain
+    conv (DFLASH's verify) over the same tokens in chains of BLOCK."""
+    from bench_tree_build import gpu_ms
+    from sglang.kernels.ops.mamba.causal_conv1d_triton import causal_conv1d_update
+
+    from sglang_ddtree.gdn.conv_tree import conv_tree
+
+    dev = nxt.device
+    xs = [randn(bs, nodes, dim).transpose(1, 2) for _ in range(layers)]
+    weights, biases = randn(layers, dim, KW), randn(layers, dim)
+    states = randn(layers, bs + 1, dim, KW - 1)
+    inputs = torch.zeros((layers, bs + 1, nodes, dim, 1), dtype=xs[0].dtype, device=dev)
+    parents = torch.zeros((bs, nodes), dtype=torch.int64, device=dev)
+    idx = torch.arange(bs, dtype=torch.int32, device=dev)
+
+    def ours(windows, **kw):
+        def run():
+            for layer in range(layers):
+                conv_tree(xs[layer], states[layer], weights[layer], biases[layer], "silu",
+                          conv_state_indices=idx, intermediate_conv_window=windows[layer],
+                          intermediate_state_indices=idx, retrieve_next_token=nxt,
+                          retrieve_next_sibling=sib, retrieve_parent_token=parents,
+                          fill_parents=layer == 0, **kw)  # fmt: skip
+
+        return run
+
+    row = {}
+    for tiling, kw in tilings.items():
+        name = f"conv_round_{tiling}_ms" if tiling else "ours_conv_round_ms"
+        row[name] = _timed(gpu_ms, ours(inputs, **{**kw, "save_inputs": True}), iters)
+    windows = torch.zeros((layers, bs + 1, nodes, dim, KW - 1), dtype=xs[0].dtype, device=dev)
+    row["ours_conv_round_windows_ms"] = _timed(gpu_ms, ours(windows), iters)
+    del windows
+    if chain:
+        chains = bs * nodes // BLOCK
+        chain_xs = [x.transpose(1, 2).reshape(chains, BLOCK, dim).transpose(1, 2) for x in xs]
+        chain_states = randn(layers, chains + 1, dim, KW - 1)
+        chain_windows = torch.zeros((layers, chains + 1, BLOCK, dim, KW - 1), dtype=xs[0].dtype,
+                                    device=dev)  # fmt: skip
+        chain_idx = torch.arange(chains, dtype=torch.int32, device=dev)
+
+        def sglang_chain():
+            for layer in range(layers):
+                causal_conv1d_update(chain_xs[layer], chain_states[layer], weights[layer],
+                                     biases[layer], "silu", conv_state_indices=chain_idx,
+                                     intermediate_conv_window=chain_windows[layer],
+                                     intermediate_state_indices=chain_idx)  # fmt: skip
+
+        row["sglang_chain_conv_round_ms"] = _timed(gpu_ms, sglang_chain, iters)
     return row
 
 
@@ -346,6 +417,7 @@ def main() -> int:
     p.add_argument("--chunk-tiles", default="", help="also time the chunked verify at these V "
                    "tiles x warps x precision, e.g. 64x8xsplit,128x8xtf32")  # fmt: skip
     p.add_argument("--conv", action="store_true", help="also time the tree conv1d (conv_tree)")
+    p.add_argument("--conv-only", action="store_true", help="the tree conv1d alone (no verify)")
     p.add_argument("--conv-tilings", default="", help="with --conv, also these conv_tree "
                    "tilings, e.g. t16n256w4,t8n128w4tile,t16n256w4nosave")  # fmt: skip
     args = p.parse_args()
@@ -355,9 +427,12 @@ def main() -> int:
     for bs in (int(x) for x in args.bs.split(",")):
         for nodes in (int(x) for x in args.nodes.split(",")):
             parents = trees(bs, nodes, seed=nodes)
-            rows.append(run_one(bs, nodes, parents, args.iters, tiles=tiles,
-                                chunk_tiles=chunk_tiles))  # fmt: skip
-            if args.conv:
+            if args.conv_only:
+                rows.append({})
+            else:
+                rows.append(run_one(bs, nodes, parents, args.iters, tiles=tiles,
+                                    chunk_tiles=chunk_tiles))  # fmt: skip
+            if args.conv or args.conv_only:
                 rows[-1].update(run_conv(bs, nodes, parents, args.iters,
                                          tilings=[t for t in args.conv_tilings.split(",") if t]))  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
@@ -365,6 +440,9 @@ def main() -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         with open(args.out / "bench_gdn_tree.jsonl", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
+    if args.conv_only:
+        _print_conv(rows)
+        return 0
     print(f"\n{'bs':>3} {'N':>4} {'SGLang verify':>13} {'commit':>7} {'chain same T':>12} "
           f"{'root paths':>10} {'chunk':>7} {'commit':>7} {'diff o':>7} {'chunk':>7} "
           f"{'diff state':>10}")  # fmt: skip
@@ -375,6 +453,22 @@ def main() -> int:
               f"{r['ours_commit_ms']:>7.3f} {r['max_abs_diff_o']:>7.4f} "
               f"{r.get('chunk_max_abs_diff_o', -1):>7.4f} {r['max_abs_diff_state']:>10.2e}")  # fmt: skip
     return 0
+
+
+def _print_conv(rows: list[dict]) -> None:
+    """The conv rows' per-round times (ms, 48 layers in one graph)."""
+    print(f"\n{'bs':>3} {'N':>4} {'ours':>8} {'windows':>8} {'chain':>8} {'best tiling':>20}")
+    for r in rows:
+        tiled = {k: v for k, v in r.items() if k.startswith("conv_round_") and isinstance(v, float)}
+        best = min(tiled, key=tiled.get, default="")
+        cells = [r.get(k) for k in ("ours_conv_round_ms", "ours_conv_round_windows_ms",
+                                    "sglang_chain_conv_round_ms")]  # fmt: skip
+        shown = " ".join(f"{c:>8.3f}" if isinstance(c, float) else f"{str(c)[:8]:>8}"
+                         for c in cells)  # fmt: skip
+        print(
+            f"{r['bs']:>3} {r['nodes']:>4} {shown} {best.removeprefix('conv_round_').removesuffix('_ms')} "
+            f"{tiled.get(best, -1):.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ QWEN36_TEXT = dict(  # Qwen3.6-27B text sizes (ddtree.md §3)
     num_attention_heads=24, num_key_value_heads=4, head_dim=256, attn_output_gate=True,
     linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
     linear_num_key_heads=16, linear_num_value_heads=48, full_attention_interval=4,
-    max_position_embeddings=32768, rms_norm_eps=1e-6, hidden_act="silu", partial_rotary_factor=0.25,
+    max_position_embeddings=262144, rms_norm_eps=1e-6, hidden_act="silu", partial_rotary_factor=0.25,
     rope_parameters={"rope_type": "default", "rope_theta": 1e7, "mrope_section": [11, 11, 10],
                      "mrope_interleaved": True, "partial_rotary_factor": 0.25},
     tie_word_embeddings=False, dtype="bfloat16", mtp_num_hidden_layers=1,
@@ -43,7 +43,7 @@ QWEN36_TEXT = dict(  # Qwen3.6-27B text sizes (ddtree.md §3)
 DRAFT = dict(  # a Qwen3.6-27B-DFlash-shaped draft: 5 layers, 4 sliding + 1 full, block 16
     architectures=["DFlashDraftModel"], model_type="qwen3", vocab_size=248320, hidden_size=5120,
     intermediate_size=17408, num_hidden_layers=5, num_attention_heads=32, num_key_value_heads=8,
-    head_dim=128, rms_norm_eps=1e-6, rope_theta=1e7, max_position_embeddings=32768,
+    head_dim=128, rms_norm_eps=1e-6, rope_theta=1e7, max_position_embeddings=262144,
     hidden_act="silu", use_sliding_window=True, sliding_window=2048,
     layer_types=["sliding_attention"] * 4 + ["full_attention"], num_target_layers=64,
     block_size=16, dflash_config={"target_layer_ids": [1, 16, 31, 46, 61]},
@@ -60,6 +60,7 @@ COMMON = ["--attention-backend", "flashinfer", "--load-format", "dummy", "--cont
 # bfloat16), for (running requests + 1) x verify width. This much of the H200 goes to it; the
 # rest holds the 27B weights (~56 GB with the draft), the KV cache and the live states.
 SCRATCH_GIB = 48
+VOCAB = 1024  # the written tokenizer's (the model's vocabulary is Qwen3.6's)
 GDN_STATE_MIB = 48 * 48 * 128 * 128 * 4 / 2**20
 MAMBA_SLOTS_PER_REQ = 6  # >= SGLang's mamba slots per running request (3, +2 with overlap)
 # SGLang's SSM-state dtype (SGLANG_MAMBA_SSM_DTYPE; float32 by default): the `_bf16ssm` variants
@@ -89,10 +90,10 @@ FIXED = {"SGLANG_DDTREE_WIDTH": "fixed"}
 OPT_OUTS = ("_full", "_sglangconv", "_paths", "_sglangplan")
 
 
-def max_requests(width: int, state_bytes: int = 4) -> int:
-    """Running requests whose verify scratch at `width` tokens fits SCRATCH_GIB (1 to 16)."""
+def max_requests(width: int, state_bytes: int = 4, cap: int = 16) -> int:
+    """Running requests whose verify scratch at `width` tokens fits SCRATCH_GIB (1 to cap)."""
     per_request_mib = GDN_STATE_MIB * state_bytes / 4 * width
-    return max(1, min(16, int(SCRATCH_GIB * 1024 / per_request_mib) - 1))
+    return max(1, min(cap, int(SCRATCH_GIB * 1024 / per_request_mib) - 1))
 
 
 def variant_env(name: str) -> dict[str, str]:
@@ -119,24 +120,24 @@ def width_table(log: str) -> dict | None:
     return {"widths": widths, "ms": ms, "chosen": chosen.removeprefix("widths chosen:").strip()}
 
 
-def variants(draft: Path) -> dict[str, list[str]]:
+def variants(draft: Path, cap: int = 16) -> dict[str, list[str]]:
     """Server flags per variant. Speculative variants size the Mamba pool explicitly
     (--max-mamba-cache-size) so SGLang's verify scratch is reserved for max_requests() requests
-    rather than solved from leftover memory."""
+    rather than solved from leftover memory; at most `cap` running requests (--max-running)."""
 
     def requests(n: int) -> list[str]:
         return ["--max-running-requests", str(n),
                 "--max-mamba-cache-size", str(MAMBA_SLOTS_PER_REQ * n)]  # fmt: skip
 
     def running(width: int, state_bytes: int = 4) -> list[str]:
-        return requests(max_requests(width, state_bytes))
+        return requests(max_requests(width, state_bytes, cap))
 
     spec = ["--speculative-draft-model-path", str(draft), "--speculative-draft-load-format",
             "dummy"]  # fmt: skip
     dd = ["--speculative-algorithm", "DDTREE", *spec, "--speculative-eagle-topk", "8"]
     dflash = ["--speculative-algorithm", "DFLASH", *spec]
     out = {
-        "none": ["--max-running-requests", "16"],
+        "none": ["--max-running-requests", str(cap)],
         "dflash": [*dflash, *running(16)],
         "dflash_bf16ssm": [*dflash, *running(16, 2)],
         "nextn": ["--speculative-algorithm", "NEXTN", "--speculative-eagle-topk", "4",
@@ -147,12 +148,12 @@ def variants(draft: Path) -> dict[str, list[str]]:
         width = [*dd, "--speculative-num-draft-tokens", str(n)]
         # the compact scratch (the default): SGLang's default 16 requests at every N
         out[f"ddtree{n}"] = out[f"ddtree{n}_torch"] = out[f"ddtree{n}_auto"] = [
-            *width, *requests(16)]  # fmt: skip
+            *width, *requests(cap)]  # fmt: skip
         out[f"ddtree{n}_sglanggdn"] = [*width, *running(n)]  # N states per request
         for mask in range(1, 2 ** len(OPT_OUTS)):
             chosen = [o for i, o in enumerate(OPT_OUTS) if mask >> i & 1]
             full = "_full" in chosen
-            out[f"ddtree{n}{''.join(chosen)}"] = [*width, *(running(n) if full else requests(16))]
+            out[f"ddtree{n}{''.join(chosen)}"] = [*width, *(running(n) if full else requests(cap))]
     out["ddtree64_full_bf16ssm"] = [*dd, "--speculative-num-draft-tokens", "64", *running(64, 2)]
     return out
 
@@ -167,7 +168,7 @@ def write_configs(root: Path) -> tuple[Path, Path]:
     from sglang_ddtree.checkpoints.tiny import PREPROCESSOR_CONFIG, write_tokenizer
 
     target, draft = root / "qwen36-27b-dummy", root / "qwen36-27b-dflash-dummy"
-    ids = write_tokenizer(target, 1024)
+    ids = write_tokenizer(target, VOCAB)
     draft.mkdir(parents=True, exist_ok=True)
     vision = dict(model_type="qwen3_5", depth=1, hidden_size=64, intermediate_size=128,
                   num_heads=2, out_hidden_size=5120, patch_size=16, spatial_merge_size=2,
@@ -226,6 +227,40 @@ def measure(server, bs: int, tokens: int) -> dict:
         "tokens_per_s": bs * tokens / max(r["latency"] for r in runs),
         "accept_len": statistics.mean(accept), "prefill_ms": 1e3 * prefill,
     }  # fmt: skip
+
+
+def long_prompts(server, lengths: list[int], vocab: int, tokens: int = 32) -> list[dict]:
+    """Issue 15, part 2: per prompt length, one request alone and then 4 at once, greedy, whose
+    token ids share their first three quarters (the radix cache serves it to the later ones).
+    Per request: HTTP status, latency, cached prompt tokens, completion tokens, or the error;
+    dummy weights, so the text is not compared."""
+    import random
+
+    rows = []
+    for length in lengths:
+        rnd = random.Random(length)
+        shared = [rnd.randrange(10, vocab) for _ in range(length * 3 // 4)]
+
+        def one(i, shared=shared, length=length, rnd_seed=length):
+            tail = random.Random(rnd_seed * 100 + i)
+            ids = shared + [tail.randrange(10, vocab) for _ in range(length - len(shared))]
+            t0 = time.perf_counter()
+            status, out = harness.post(server.url + "/generate", {
+                "input_ids": ids, "sampling_params": {"max_new_tokens": tokens,
+                                                      "temperature": 0, "ignore_eos": True}})  # fmt: skip
+            meta = out.get("meta_info", {}) if isinstance(out, dict) else {}
+            return {"status": status, "latency_s": round(time.perf_counter() - t0, 3),
+                    "cached_tokens": meta.get("cached_tokens"),
+                    "completion_tokens": meta.get("completion_tokens"),
+                    "error": None if status == 200 else str(out)[:300]}  # fmt: skip
+
+        for bs in (1, 4):
+            results = harness.run_all(one, list(range(bs)), bs)
+            rows.append({"prompt_tokens": length, "bs": bs, "requests": results,
+                         "served": all(r["status"] == 200 and r["completion_tokens"] == tokens
+                                       for r in results)})  # fmt: skip
+            print(json.dumps({"long_context": rows[-1]}), flush=True)
+    return rows
 
 
 def gdn_scratch_gb(log: str) -> float | None:
@@ -375,17 +410,36 @@ def main() -> int:
     p.add_argument("--profile", default="ddtree64", help="variants to profile at bs 1 and 8")
     p.add_argument("--graph-max-bs", type=int, help="--cuda-graph-max-bs (default: max --batch)")
     p.add_argument("--port-base", type=int, default=32000, help="variant i listens on base + i")
+    p.add_argument("--max-running", type=int, default=16, help="the most running requests a "
+                   "variant is started with (the Mamba pool sized for them)")  # fmt: skip
+    p.add_argument("--long-context", default="", help="after each variant's rounds, prompts of "
+                   "these token counts alone and 4 at once (e.g. 16384,32768); the context "
+                   "length becomes the largest + 1024")  # fmt: skip
     args = p.parse_args()
     graph_bs = args.graph_max_bs or max(int(b) for b in args.batch.split(","))
     args.out.mkdir(parents=True, exist_ok=True)
     target, draft = write_configs(args.work)
-    table = variants(draft)
+    table = variants(draft, args.max_running)
+    lengths = [int(n) for n in args.long_context.split(",") if n]
+    common = list(COMMON)
+    if lengths:
+        common[common.index("--context-length") + 1] = str(max(lengths) + 1024)
     import torch
 
     baseline = torch.cuda.mem_get_info()[0]  # free before any server (others may share the GPU)
     rows = []
-    for i, name in enumerate(args.variants.split(",")):
-        extra = [*COMMON, "--cuda-graph-max-bs", str(graph_bs), *table[name]]
+
+    def emit(row: dict) -> None:
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        with open(args.out / "bench_round.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    for i, spec in enumerate(args.variants.split(",")):
+        # NAME@B+B: that variant at those batch sizes only
+        name, _, only = spec.partition("@")
+        batches = [int(b) for b in (only.split("+") if only else args.batch.split(","))]
+        extra = [*common, "--cuda-graph-max-bs", str(graph_bs), *table[name]]
         server = harness.Server(name, str(target), args.port_base + i, extra,
                                 env=variant_env(name), log_dir=args.out)  # fmt: skip
         print(json.dumps({"variant": name, "gpu_free_gib": round(wait_gpu_free(baseline), 1)}))
@@ -395,8 +449,10 @@ def main() -> int:
             scratch = gdn_scratch_gb(server.log_text())
             max_req = int(table[name][table[name].index("--max-running-requests") + 1])
             max_req = min(max_req, effective_max_running(server.log_text()) or max_req)
-            for bs in (int(b) for b in args.batch.split(",")):
-                if bs > max_req:
+            for bs in batches:
+                if bs > max_req:  # what does not fit is a row too
+                    emit({"variant": name, "bs": bs, "max_running": max_req,
+                          "error": f"does not fit: at most {max_req} running requests"})  # fmt: skip
                     continue
                 row = {"variant": name, "gdn_scratch_gb": scratch, "max_running": max_req,
                        **measure(server, bs, args.tokens)}  # fmt: skip
@@ -404,13 +460,11 @@ def main() -> int:
                     row["profile"] = profile_parts(server, bs, args.work)
                 if "_auto" in name:
                     row["width_table"] = width_table(server.log_text())
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-                with open(args.out / "bench_round.jsonl", "a") as f:
-                    f.write(json.dumps(row) + "\n")
+                emit(row)
+            if lengths:
+                emit({"variant": name, "long_context": long_prompts(server, lengths, VOCAB)})
         except Exception as exc:  # a variant that does not fit is a result, not a crash
-            rows.append({"variant": name, "error": str(exc)[-500:]})
-            print(json.dumps(rows[-1]), flush=True)
+            emit({"variant": name, "error": str(exc)[-500:]})
         finally:
             server.stop()
     ok = [r for r in rows if "round_ms" in r]

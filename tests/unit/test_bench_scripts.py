@@ -382,13 +382,16 @@ def test_bench_gdn_tree_parses_its_sweeps_before_any_gpu_work():
     assert bench.parse_chunk_tiles("32x4xtf32,64x8xtf32x3,16x4xieee,64x4xsplit") == [
         (32, 4, "tf32"), (64, 8, "tf32x3"), (16, 4, "ieee"), (64, 4, "split")]  # fmt: skip
     assert bench.parse_tiles("16x1,32x2") == [(16, 1), (32, 2)]
-    off = dict(window_tile=False, ancestor_table=False)
-    assert bench.conv_tilings("t4n256w4,t8n128w4tile,t4n256w4anc,t16n256w4nosave") == {
+    off = dict(window_tile=False, ancestor_table=False, save_inputs=False)
+    assert bench.conv_tilings("t4n256w4,t8n128w4tile,t4n256w4anc,t16n256w4nosave,t2n512w8in") == {
         "t4n256w4": dict(block_t=4, block_n=256, num_warps=4, **off),
         "t8n128w4tile": dict(block_t=8, block_n=128, num_warps=4, **{**off, "window_tile": True}),
         "t4n256w4anc": dict(block_t=4, block_n=256, num_warps=4, **{**off, "ancestor_table": True}),
         "t16n256w4nosave": dict(block_t=16, block_n=256, num_warps=4, **off),
+        "t2n512w8in": dict(block_t=2, block_n=512, num_warps=8, **{**off, "save_inputs": True}),
     }
+    with pytest.raises(ValueError, match="no windows to tile"):
+        bench.conv_tilings("t8n128w4tilein")
     with pytest.raises(ValueError, match="precision must be"):
         bench.parse_chunk_tiles("32x4xfp8")
     with pytest.raises(ValueError, match="expected tNnNwN"):
