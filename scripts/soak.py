@@ -1,8 +1,9 @@
 """A bounded mixed soak of running servers (issue 15, part 1): seeded requests through the OpenAI
 chat API (streaming and not) and /generate, prompt lengths from one token to near the context,
 max_tokens 1-512, temperature 0 / 0.7 / 1.0 with top-p / top-k, n 1 and 2, stop strings, about
-30 % cancelled at a random moment, more requests in flight than the server runs at once. The
-same request list goes to every server, one server after another.
+a third with one client option (logprobs, penalties, a JSON schema or min_p), about 30 %
+cancelled at a random moment, more requests in flight than the server runs at once. The same
+request list goes to every server, one server after another.
 
     python scripts/soak.py --server ddtree=http://127.0.0.1:31010 \
         --server dflash=http://127.0.0.1:31050 [--requests 1000] [--seconds 300] \
@@ -11,8 +12,8 @@ same request list goes to every server, one server after another.
 Before and after each server's soak: a fixed greedy probe (its text must not change), /health,
 and /v1/loads (the KV pool back to idle); with --log NAME=PATH, the server log's new lines are
 searched for a Traceback or a leak report. Only 127.0.0.1 / localhost servers are accepted.
-Report per server: completed, cancelled, refused (4xx) and failed requests, p50 / p99 latency,
-generated tokens per second; exit 1 when a check fails.
+Report per server: completed, cancelled, refused (4xx) and failed requests (also per option),
+p50 / p99 latency, generated tokens per second; exit 1 when a check fails.
 """
 
 from __future__ import annotations
@@ -45,6 +46,14 @@ class Request:
     n: int = 1
     stop: list[str] = field(default_factory=list)
     cancel_after_s: float | None = None  # abort the HTTP request after this long
+    option: str | None = None  # one of OPTIONS: what clients send beside the prompt
+
+
+# per-request options clients send (issue 14): a server that does not serve one answers 4xx,
+# which counts as refused, not failed
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
+          "required": ["name", "n"]}  # fmt: skip
+OPTIONS = ("logprobs", "penalties", "json_schema", "min_p")
 
 
 def request_mix(count: int, context: int, seed: int = 0) -> list[Request]:
@@ -66,6 +75,7 @@ def request_mix(count: int, context: int, seed: int = 0) -> list[Request]:
             n=rng.choice([1, 1, 1, 2]),
             stop=rng.choice([[], [], ["\n\n"], ["return", "yield"]]),
             cancel_after_s=rng.uniform(0.05, 3.0) if rng.random() < 0.3 else None,
+            option=rng.choice([None] * 7 + list(OPTIONS)),
         ))  # fmt: skip
     return out
 
@@ -75,7 +85,16 @@ def payload(req: Request) -> tuple[str, dict]:
     if req.api == "generate":
         sp = {"max_new_tokens": req.max_tokens, "temperature": req.temperature,
               "top_p": req.top_p, "top_k": req.top_k, "n": req.n, "stop": req.stop}  # fmt: skip
-        return "/generate", {"text": req.prompt, "sampling_params": sp}
+        body = {"text": req.prompt, "sampling_params": sp}
+        if req.option == "logprobs":
+            body.update(return_logprob=True, top_logprobs_num=3)
+        elif req.option == "penalties":
+            sp.update(frequency_penalty=0.5, presence_penalty=0.3, repetition_penalty=1.1)
+        elif req.option == "json_schema":
+            sp["json_schema"] = json.dumps(SCHEMA)
+        elif req.option == "min_p":
+            sp["min_p"] = 0.05
+        return "/generate", body
     body = {"model": "default", "messages": [{"role": "user", "content": req.prompt}],
             "max_tokens": req.max_tokens, "temperature": req.temperature, "top_p": req.top_p,
             "n": req.n, "stream": req.api == "chat_stream"}  # fmt: skip
@@ -83,6 +102,15 @@ def payload(req: Request) -> tuple[str, dict]:
         body["top_k"] = req.top_k
     if req.stop:
         body["stop"] = req.stop
+    if req.option == "logprobs":
+        body.update(logprobs=True, top_logprobs=3)
+    elif req.option == "penalties":
+        body.update(frequency_penalty=0.5, presence_penalty=0.3)
+    elif req.option == "json_schema":
+        body["response_format"] = {"type": "json_schema",
+                                   "json_schema": {"name": "item", "schema": SCHEMA}}  # fmt: skip
+    elif req.option == "min_p":
+        body["min_p"] = 0.05
     return "/v1/chat/completions", body
 
 
@@ -196,11 +224,15 @@ def soak(url: str, reqs: list[Request], seconds: float, concurrency: int) -> dic
     t0 = time.time()
 
     def one(req):
-        return send(url, req) if time.time() < deadline else None
+        return {**send(url, req), "option": req.option} if time.time() < deadline else None
 
     with cf.ThreadPoolExecutor(max_workers=concurrency) as pool:
         rows = [r for r in pool.map(one, reqs) if r is not None]
-    return {**summarize(rows, time.time() - t0), "sent": len(rows)}
+    by_option = {}  # option -> outcome -> count
+    for r in rows:
+        counts = by_option.setdefault(r["option"] or "none", {})
+        counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
+    return {**summarize(rows, time.time() - t0), "sent": len(rows), "by_option": by_option}
 
 
 def log_problems(path: Path, start: int) -> list[str]:

@@ -1067,6 +1067,69 @@ def test_sglang_and_reference_engine_agree_round_for_round(servers, fp32_pair, m
     assert all(d <= TIE_TOL or shared for _p, _i, d, shared in parted), parted
 
 
+LONG_NEW = 64  # new tokens after a prompt at the context limit
+
+
+def _long_prompt_ids(base, count: int, context: int = 2048) -> list[list[int]]:
+    """`count` prompts of context - LONG_NEW - 8 tokens: the suite's prompts, each followed by
+    the others in turn until the length is reached (the servers' --context-length is 2048)."""
+    ids = [base.tokenize(p) for p in harness.PROMPTS]
+    out = []
+    for i in range(count):
+        row = []
+        for k in range(len(ids) * 64):
+            row += ids[(i + k) % len(ids)]
+            if len(row) >= context - LONG_NEW - 8:
+                break
+        out.append(row[: context - LONG_NEW - 8])
+    return out
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_prompts_at_the_context_limit_are_the_targets_greedy(servers, fp32_pair, model):
+    """Issue 15, part 2 on the small models: prompts 8 tokens short of the context limit once
+    LONG_NEW tokens are added, 4 at once, on the default DDTREE server: served, and every token
+    the target's own greedy choice up to the near-tie referee (the plain server's own greedy on
+    the same prompts is the control)."""
+    base = _up(servers, f"{model}-base")
+    spec_server = _up(servers, f"{model}-ddtree")
+    prompts = _long_prompt_ids(base, 4)
+
+    def greedy(server):
+        def one(ids):
+            status, out = harness.post(server.url + "/generate", {
+                "input_ids": ids, "sampling_params": {"max_new_tokens": LONG_NEW,
+                                                      "temperature": 0, "ignore_eos": True}})  # fmt: skip
+            assert status == 200, out
+            return out["output_ids"]
+
+        return harness.run_all(one, prompts, len(prompts))
+
+    def deficits(tokens_per_prompt):
+        out = []
+        for ids, tokens in zip(prompts, tokens_per_prompt, strict=True):
+            meta = _next_token_logprobs(base, ids + tokens, len(ids))
+            chosen = [lp for lp, _tok, *_ in meta["input_token_logprobs"][1:]]
+            best = [top[0][0] for top in meta["input_top_logprobs"][1:]]
+            out.append([b - c for c, b in zip(chosen, best, strict=True)])
+        return out
+
+    plain, spec = greedy(base), greedy(spec_server)
+    assert all(len(t) == LONG_NEW for t in spec)
+    control = max(max(d) for d in deficits(plain))
+    tol = max(TIE_TOL, control)
+    found = deficits(spec)
+    beyond = [(i, *row) for i, (ids, tokens, bf16) in enumerate(zip(prompts, spec, found))
+              for row in harness.beyond_tol_referee(fp32_pair(model)[0], ids, tokens, bf16, tol)]  # fmt: skip
+    verdicts = [harness.referee_verdict(row, TIE_TOL, bound=2 * tol) for row in beyond]
+    same = sum(a == b for a, b in zip(spec, plain, strict=True))
+    print(f"{model} long prompts ({len(prompts[0])} tokens): identical to plain {same}/"
+          f"{len(spec)}; max deficit {max(max(d) for d in found):.3f}, plain's {control:.3f}; "
+          f"beyond tol {beyond}, referee {verdicts}")  # fmt: skip
+    assert None not in verdicts and verdicts.count("unresolved") <= 1, beyond
+
+
+@pytest.mark.skipif("pair" not in MODELS, reason="runs with the pair's tests (one start-up)")
 def test_a_configuration_that_does_not_fit_is_refused_before_any_graph(tmp_path):
     """Issue 15, part 3: DDTREE on the shipped pair asked for far more Mamba state slots than its
     memory fraction holds stops during start-up, before any CUDA graph is captured, with the

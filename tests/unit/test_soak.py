@@ -85,6 +85,23 @@ def test_the_mix_is_seeded_and_covers_every_kind_of_request(soak):
     cancelled = sum(r.cancel_after_s is not None for r in a) / len(a)
     assert 0.2 < cancelled < 0.4 and any(r.stop for r in a)
     assert all(r.top_p == 1.0 and r.top_k == -1 for r in a if r.temperature == 0)
+    assert {r.option for r in a} == {None, *soak.OPTIONS}
+    assert 0.25 < sum(r.option is not None for r in a) / len(a) < 0.45
+
+
+def test_each_option_reaches_both_apis_as_its_client_sends_it(soak):
+    R = soak.Request
+    chat = {o: soak.payload(R("chat", "a", 5, 0.7, option=o))[1] for o in soak.OPTIONS}
+    assert chat["logprobs"]["logprobs"] is True and chat["logprobs"]["top_logprobs"] == 3
+    assert chat["penalties"]["frequency_penalty"] == 0.5
+    assert chat["json_schema"]["response_format"]["json_schema"]["schema"] == soak.SCHEMA
+    assert chat["min_p"]["min_p"] == 0.05
+    gen = {o: soak.payload(R("generate", "a", 5, 0.7, option=o))[1] for o in soak.OPTIONS}
+    assert gen["logprobs"]["return_logprob"] is True
+    assert gen["penalties"]["sampling_params"]["frequency_penalty"] == 0.5
+    assert json.loads(gen["json_schema"]["sampling_params"]["json_schema"]) == soak.SCHEMA
+    assert gen["min_p"]["sampling_params"]["min_p"] == 0.05
+    assert "logprobs" not in soak.payload(R("chat", "a", 5, 0.7))[1]
 
 
 def test_each_outcome_and_the_summary(soak, url):
