@@ -1119,7 +1119,7 @@ def test_prompts_at_the_context_limit_are_the_targets_greedy(servers, fp32_pair,
     control = max(max(d) for d in deficits(plain))
     tol = max(TIE_TOL, control)
     found = deficits(spec)
-    beyond = [(i, *row) for i, (ids, tokens, bf16) in enumerate(zip(prompts, spec, found))
+    beyond = [(i, *row) for i, (ids, tokens, bf16) in enumerate(zip(prompts, spec, found, strict=True))
               for row in harness.beyond_tol_referee(fp32_pair(model)[0], ids, tokens, bf16, tol)]  # fmt: skip
     verdicts = [harness.referee_verdict(row, TIE_TOL, bound=2 * tol) for row in beyond]
     same = sum(a == b for a, b in zip(spec, plain, strict=True))
