@@ -42,6 +42,9 @@ COMMON = [
     "--attention-backend", "flashinfer", "--dtype", "bfloat16", "--mem-fraction-static", "0.15",
     "--max-total-tokens", "65536", "--max-mamba-cache-size", "256",
     "--max-running-requests", "16", "--cuda-graph-max-bs", "16", "--context-length", "2048",
+    # SGLang 0.5.17 captures prefill graphs by default (about 70 s of each start-up); the decode
+    # rounds the tests compare do not use them
+    "--disable-prefill-cuda-graph",
     # JSON grammars without free whitespace between tokens: with it the tiny pairs' greedy
     # output can spend every token on whitespace (the grammar tests need outputs that finish)
     "--constrained-json-disable-any-whitespace",
