@@ -336,7 +336,7 @@ def _time_conv_rounds(bs, nodes, dim, KW, nxt, sib, randn, iters, tilings, chain
     from bench_tree_build import gpu_ms
     from sglang.kernels.ops.mamba.causal_conv1d_triton import causal_conv1d_update
 
-    from sglang_ddtree.gdn.conv_tree import conv_tree
+    from sglang_ddtree.gdn.conv_tree import conv_tree, tree_parents
 
     dev = nxt.device
     xs = [randn(bs, nodes, dim).transpose(1, 2) for _ in range(layers)]
@@ -346,14 +346,21 @@ def _time_conv_rounds(bs, nodes, dim, KW, nxt, sib, randn, iters, tilings, chain
     parents = torch.zeros((bs, nodes), dtype=torch.int64, device=dev)
     idx = torch.arange(bs, dtype=torch.int32, device=dev)
 
-    def ours(windows, **kw):
+    table = torch.zeros((bs, nodes, KW - 1), dtype=torch.int32, device=dev)
+
+    def ours(windows, ancestor_table=False, **kw):
+        # ancestor_table: the first layer's parents kernel also writes each node's K - 1
+        # ancestors, which every layer then reads instead of walking the parent links
         def run():
+            if ancestor_table:
+                tree_parents(nxt, sib, parents, table)
             for layer in range(layers):
                 conv_tree(xs[layer], states[layer], weights[layer], biases[layer], "silu",
                           conv_state_indices=idx, intermediate_conv_window=windows[layer],
                           intermediate_state_indices=idx, retrieve_next_token=nxt,
                           retrieve_next_sibling=sib, retrieve_parent_token=parents,
-                          fill_parents=layer == 0, **kw)  # fmt: skip
+                          fill_parents=layer == 0 and not ancestor_table,
+                          ancestors=table if ancestor_table else None, **kw)  # fmt: skip
 
         return run
 

@@ -137,7 +137,7 @@ def conv_tree(x, conv_state, weight, bias, activation, *, conv_state_indices,
               retrieve_next_sibling, retrieve_parent_token, block_t: int = 4,
               block_n: int = 256, window_tile: bool = False, num_warps: int = 4,
               ancestor_table: bool = False, fill_parents: bool = True,
-              save_inputs: bool = False) -> torch.Tensor:  # fmt: skip
+              save_inputs: bool = False, ancestors: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """SGLang's `causal_conv1d_update` for a tree verify (same arguments and outputs: x and the
     returned o are [bs, dim, N] views, conv_state [slots, dim, K - 1], weight [dim, K],
     intermediate_conv_window [slots', N, dim, K - 1]; retrieve_parent_token is filled), with
@@ -152,12 +152,19 @@ def conv_tree(x, conv_state, weight, bias, activation, *, conv_state_indices,
     same tree), so the parents kernel is skipped. save_inputs: instead of the per-node windows,
     each node's own input goes once to the front of its request's row of
     intermediate_conv_window, as [N, dim] (a third of the stores; `commit_windows` then builds
-    the accepted node's window from them: DDTREE's own pool, whose layout only DDTREE reads)."""
+    the accepted node's window from them: DDTREE's own pool, whose layout only DDTREE reads).
+    ancestors: a [bs, N, K - 1] int32 table tree_parents already wrote this round (an earlier
+    layer's), read as ancestor_table reads its own; with fill_parents=False."""
     bs, dim, N = x.shape
     KW = weight.shape[1]
     if conv_state.shape[-1] != KW - 1:
         raise ValueError(f"conv_state {tuple(conv_state.shape)} is not [.., dim, {KW - 1}]")
-    table = None
+    table = ancestors
+    if ancestors is not None and (ancestor_table or fill_parents
+                                  or tuple(ancestors.shape) != (bs, N, KW - 1)
+                                  or not ancestors.is_contiguous()):  # fmt: skip
+        raise ValueError(f"ancestors {tuple(ancestors.shape)}: a [{bs}, {N}, {KW - 1}] table "
+                         "from an earlier tree_parents, with fill_parents=False")  # fmt: skip
     if ancestor_table:
         if not fill_parents:
             raise ValueError("ancestor_table needs the parents kernel (fill_parents=True)")
@@ -181,7 +188,7 @@ def conv_tree(x, conv_state, weight, bias, activation, *, conv_state_indices,
         *in_strides, retrieve_parent_token.stride(0), *o.stride(),
         KW=KW, HAS_BIAS=bias is not None, SILU=activation in ("silu", "swish", True),
         SAVE=save, BLOCK_T=block_t, BLOCK_N=block_n, WINDOW_TILE=window_tile,
-        WIN=triton.next_power_of_2(KW - 1), ANCESTORS=ancestor_table,
+        WIN=triton.next_power_of_2(KW - 1), ANCESTORS=table is not None,
         ancestors=retrieve_parent_token if table is None else table, num_warps=num_warps,
         STORE_UP=0 if save_inputs else KW - 2,  # how many ancestors' inputs a node stores
     )  # fmt: skip

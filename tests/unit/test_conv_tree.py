@@ -25,7 +25,7 @@ torch.set_num_threads(1)
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interpreter_only = pytest.mark.skipif(not INTERPRETED, reason="runs in the interpreter process")
-INTERPRETER_TESTS = 13  # non-gpu tests the child process runs (all but this one)
+INTERPRETER_TESTS = 14  # non-gpu tests the child process runs (all but this one)
 
 
 def test_cpu_kernel_tests_under_triton_interpreter():
@@ -68,7 +68,7 @@ def run_both(parents, dim, dtype, pad_last=False, device="cpu", seed=0, rows_rev
     if rows_reversed:
         inter_idx = inter_idx.flip(0)
     nxt, sib = (t.to(device) for t in eagle_links(parents))
-    out = {"setup": (x, state0, idx, inter_idx)}
+    out = {"setup": (x, state0, idx, inter_idx), "weights": (weight, bias)}
     for name, fn in (("sglang", causal_conv1d_update), ("ours", partial(conv_tree, **ours))):
         state = state0.clone()
         width = KW - 1 if name == "sglang" or ours_width is None else ours_width
@@ -115,6 +115,39 @@ def test_conv_tree_on_deep_chains_reads_the_history_above_the_root(tiling):
     out = run_both(parents, dim=8, dtype=torch.float32, seed=3, **TILINGS[tiling])
     (o, win, _), (o_s, win_s, _) = out["ours"], out["sglang"]
     assert torch.equal(o, o_s) and torch.equal(win, win_s)
+
+
+@interpreter_only
+def test_an_ancestor_table_from_an_earlier_layer_serves_the_later_layers():
+    """conv_tree(ancestors=...): the table the first layer's tree_parents wrote, read by a later
+    layer with fill_parents=False, gives SGLang's outputs and windows; a table with the parents
+    kernel, of the wrong shape or not contiguous is refused."""
+    pytest.importorskip("sglang.kernels.ops.mamba.causal_conv1d_triton")
+    from sglang_ddtree.gdn.conv_tree import tree_parents
+
+    parents = trees(3, 13, seed=4)
+    out = run_both(parents, dim=40, dtype=torch.float32, pad_last=True, seed=4)
+    x, state0, idx, inter_idx = out["setup"]
+    bs, N = parents.shape
+    nxt, sib = eagle_links(parents)
+    par = torch.zeros((bs, N), dtype=torch.int64)
+    table = torch.zeros((bs, N, 3), dtype=torch.int32)
+    tree_parents(nxt, sib, par, table)
+    windows = torch.zeros((bs + 1, N, 40, 3))
+    o = conv_tree(x, state0.clone(), *out["weights"], "silu", conv_state_indices=idx,
+                  intermediate_conv_window=windows, intermediate_state_indices=inter_idx,
+                  retrieve_next_token=nxt, retrieve_next_sibling=sib, retrieve_parent_token=par,
+                  fill_parents=False, ancestors=table)  # fmt: skip
+    o_s, win_s, _ = out["sglang"]
+    assert torch.equal(o[:2], o_s[:2]) and torch.equal(windows[:2], win_s[:2])
+    call = partial(conv_tree, x, state0.clone(), *out["weights"], "silu", conv_state_indices=idx,
+                   intermediate_conv_window=windows, intermediate_state_indices=inter_idx,
+                   retrieve_next_token=nxt, retrieve_next_sibling=sib, retrieve_parent_token=par)  # fmt: skip
+    for bad in (dict(ancestors=table), dict(ancestors=table[:, :-1], fill_parents=False),
+                dict(ancestors=table.transpose(1, 2).contiguous().transpose(1, 2),
+                     fill_parents=False)):  # fmt: skip
+        with pytest.raises(ValueError, match="earlier tree_parents"):
+            call(**bad)
 
 
 def inputs_case(bs, N, dim, seed, pad_last=False):
