@@ -159,16 +159,7 @@ def conv_tree(x, conv_state, weight, bias, activation, *, conv_state_indices,
     KW = weight.shape[1]
     if conv_state.shape[-1] != KW - 1:
         raise ValueError(f"conv_state {tuple(conv_state.shape)} is not [.., dim, {KW - 1}]")
-    table = ancestors
-    if ancestors is not None and (ancestor_table or fill_parents
-                                  or tuple(ancestors.shape) != (bs, N, KW - 1)
-                                  or not ancestors.is_contiguous()):  # fmt: skip
-        raise ValueError(f"ancestors {tuple(ancestors.shape)}: a [{bs}, {N}, {KW - 1}] table "
-                         "from an earlier tree_parents, with fill_parents=False")  # fmt: skip
-    if ancestor_table:
-        if not fill_parents:
-            raise ValueError("ancestor_table needs the parents kernel (fill_parents=True)")
-        table = torch.empty((bs, N, KW - 1), dtype=torch.int32, device=x.device)
+    table = _ancestor_table(ancestors, ancestor_table, fill_parents, (bs, N, KW - 1), x.device)
     if fill_parents:
         tree_parents(retrieve_next_token, retrieve_next_sibling, retrieve_parent_token, table)
     o = torch.empty_like(x)
@@ -193,6 +184,21 @@ def conv_tree(x, conv_state, weight, bias, activation, *, conv_state_indices,
         STORE_UP=0 if save_inputs else KW - 2,  # how many ancestors' inputs a node stores
     )  # fmt: skip
     return o
+
+
+def _ancestor_table(given, own: bool, fill_parents: bool, shape, device) -> torch.Tensor | None:
+    """The ancestor table conv_tree reads: `given` (an earlier layer's), a new one the parents
+    kernel fills (`own`), or None (the kernel walks the parent links)."""
+    if given is not None:
+        if own or fill_parents or tuple(given.shape) != shape or not given.is_contiguous():
+            raise ValueError(f"ancestors {tuple(given.shape)}: a contiguous {list(shape)} table "
+                             "from an earlier tree_parents, with fill_parents=False")  # fmt: skip
+        return given
+    if not own:
+        return None
+    if not fill_parents:
+        raise ValueError("ancestor_table needs the parents kernel (fill_parents=True)")
+    return torch.empty(shape, dtype=torch.int32, device=device)
 
 
 def _check_rows(windows: torch.Tensor, N: int, dim: int, KW: int) -> None:
