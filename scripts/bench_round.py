@@ -123,14 +123,17 @@ def width_table(log: str) -> dict | None:
 def variants(draft: Path, cap: int = 16) -> dict[str, list[str]]:
     """Server flags per variant. Speculative variants size the Mamba pool explicitly
     (--max-mamba-cache-size) so SGLang's verify scratch is reserved for max_requests() requests
-    rather than solved from leftover memory; at most `cap` running requests (--max-running)."""
+    rather than solved from leftover memory; the compact-scratch DDTREE variants and plain
+    decoding run at most `cap` requests (--max-running), the others at most 16."""
 
     def requests(n: int) -> list[str]:
         return ["--max-running-requests", str(n),
                 "--max-mamba-cache-size", str(MAMBA_SLOTS_PER_REQ * n)]  # fmt: skip
 
     def running(width: int, state_bytes: int = 4) -> list[str]:
-        return requests(max_requests(width, state_bytes, cap))
+        # SGLang's per-node scratch: at most 16 requests whatever `cap` (more leave the KV
+        # cache too little memory on one H200)
+        return requests(max_requests(width, state_bytes))
 
     spec = ["--speculative-draft-model-path", str(draft), "--speculative-draft-load-format",
             "dummy"]  # fmt: skip
@@ -245,9 +248,13 @@ def long_prompts(server, lengths: list[int], vocab: int, tokens: int = 32) -> li
             tail = random.Random(rnd_seed * 100 + i)
             ids = shared + [tail.randrange(10, vocab) for _ in range(length - len(shared))]
             t0 = time.perf_counter()
-            status, out = harness.post(server.url + "/generate", {
-                "input_ids": ids, "sampling_params": {"max_new_tokens": tokens,
-                                                      "temperature": 0, "ignore_eos": True}})  # fmt: skip
+            try:
+                status, out = harness.post(server.url + "/generate", {
+                    "input_ids": ids, "sampling_params": {"max_new_tokens": tokens,
+                                                          "temperature": 0, "ignore_eos": True}},
+                    timeout=180)  # fmt: skip
+            except OSError as exc:  # a timeout or a dropped connection: a result
+                status, out = None, repr(exc)
             meta = out.get("meta_info", {}) if isinstance(out, dict) else {}
             return {"status": status, "latency_s": round(time.perf_counter() - t0, 3),
                     "cached_tokens": meta.get("cached_tokens"),
@@ -416,7 +423,8 @@ def main() -> int:
                    "these token counts alone and 4 at once (e.g. 16384,32768); the context "
                    "length becomes the largest + 1024")  # fmt: skip
     args = p.parse_args()
-    graph_bs = args.graph_max_bs or max(int(b) for b in args.batch.split(","))
+    sizes = [b for v in args.variants.split(",") if "@" in v for b in v.split("@")[1].split("+")]
+    graph_bs = args.graph_max_bs or max(int(b) for b in [*args.batch.split(","), *sizes])
     args.out.mkdir(parents=True, exist_ok=True)
     target, draft = write_configs(args.work)
     table = variants(draft, args.max_running)

@@ -133,7 +133,11 @@ def send(url: str, req: Request, timeout: float = 600) -> dict:
                         continue
                     chunk = json.loads(line[6:])
                     if "error" in chunk:  # SGLang streams an error with status 200
-                        return _row("failed", 200, t0, tokens, str(chunk["error"])[:300])
+                        error = chunk["error"]
+                        code = error.get("code") if isinstance(error, dict) else None
+                        refused = isinstance(code, int) and 400 <= code < 500  # e.g. a 400
+                        return _row("refused" if refused else "failed", code or 200, t0, tokens,
+                                    str(error)[:300])  # fmt: skip
                     tokens += sum(bool((c.get("delta") or {}).get("content"))
                                   for c in chunk.get("choices", []))  # fmt: skip
             else:

@@ -105,6 +105,9 @@ def _dummy_verify_input(
     return make_dummy_verify_input(_config(), custom_mask, num_tokens_per_req)
 
 
+MAX_SAMPLES = 128  # n per request, as the OpenAI API bounds it
+
+
 def register_request_hook() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -122,12 +125,21 @@ def _reject_unsupported(tokenizer_manager, obj, *args, **kwargs):
             "or serve this request without speculative decoding (SGLANG_DDTREE_LOGPROBS=1 "
             "serves them, not yet verified against plain decoding)."
         )
+    ids = args[0] if args else None
+    if ids and min(ids) < 0:  # SGLang 0.5.17 checks the vocabulary's end only
+        raise ValueError(f"input_ids holds a negative token id ({min(ids)}); token ids start "
+                         "at 0.")  # fmt: skip
     sampling = getattr(obj, "sampling_params", None) or {}
     if not isinstance(sampling, dict):
         return None
     max_new_tokens = sampling.get("max_new_tokens")
     if max_new_tokens is not None and max_new_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, got {max_new_tokens}.")
+    samples = sampling.get("n")
+    if isinstance(samples, int) and not 1 <= samples <= MAX_SAMPLES:
+        # SGLang 0.5.17 expands n into n requests with no bound (n=5000: 5,000 requests)
+        raise ValueError(f"n={samples}: between 1 and {MAX_SAMPLES} samples per request "
+                         "(OpenAI's bound); send several requests for more.")  # fmt: skip
     per_node = _penalties_on()
     min_p = sampling.get("min_p")
     if min_p and getattr(server_args, "enable_deterministic_inference", False):

@@ -38,10 +38,17 @@ def selected(request):
 
 def test_a_mixed_soak_and_fuzzed_bad_requests_leave_ddtree_and_dflash_serving(selected,
                                                                               tmp_path):  # fmt: skip
-    from tests.gpu.servers import COMMON, DEMO, ENV, ddtree_args, dflash_args
+    """The soak on DDTREE and DFLASH (default options each), then the fuzz on each of them and on
+    a deterministic DDTREE server, where the good requests' greedy text must not change (on the
+    others bf16 near-ties may flip with the batch, so their text is reported). DDTREE must answer
+    every malformed request with a 4xx and serve on; SGLang's DFLASH is the control, whose fuzz
+    verdicts (SGLang's own request checks) are reported, not asserted."""
+    from tests.gpu.servers import COMMON, DEMO, DETERMINISTIC, ENV, ddtree_args, dflash_args
 
     soak, fuzz = load_script("soak"), load_script("fuzz_requests")
-    flags = {"ddtree": ddtree_args("pair", DEMO / "draft"), "dflash": dflash_args(DEMO / "draft")}
+    ddtree = ddtree_args("pair", DEMO / "draft")
+    flags = {"ddtree": ddtree, "dflash": dflash_args(DEMO / "draft"),
+             "ddtree_det": [*ddtree, *DETERMINISTIC]}  # fmt: skip
     servers = {name: harness.Server(f"soak-{name}", str(DEMO / "target"),
                                     harness.free_port(35000 + 100 * i), [*COMMON, *extra], ENV,
                                     log_dir=tmp_path)
@@ -53,35 +60,42 @@ def test_a_mixed_soak_and_fuzzed_bad_requests_leave_ddtree_and_dflash_serving(se
             server.start()
         for name, server in servers.items():
             server.wait_healthy(timeout=600)
-            url = server.url
+            url, row = server.url, {}
+            if name != "ddtree_det":
+                start = server.log_path.stat().st_size
+                before = soak.health(url)
+                row = soak.soak(url, reqs, SOAK_S, CONCURRENCY)
+                time.sleep(2)  # aborted requests drain
+                after = soak.health(url)
+                row["checks"] = {"probe_unchanged": before["probe"] is not None
+                                 and after["probe"] == before["probe"],
+                                 "healthy": after["healthy"],
+                                 "kv_idle": after["kv_tokens_in_use"] == 0,
+                                 "log_problems": soak.log_problems(server.log_path, start)}  # fmt: skip
             start = server.log_path.stat().st_size
-            before = soak.health(url)
-            result = soak.soak(url, reqs, SOAK_S, CONCURRENCY)
-            time.sleep(2)  # aborted requests drain
-            fuzzed = fuzz.run(url, rounds=2, context=CONTEXT, seed=0)
-            time.sleep(2)
-            after = soak.health(url)
-            report[name] = {
-                **result, "fuzz": fuzzed,
-                "checks": {"probe_unchanged": before["probe"] is not None
-                           and after["probe"] == before["probe"],
-                           "healthy": after["healthy"],
-                           "kv_idle": after["kv_tokens_in_use"] == 0,
-                           "log_problems": soak.log_problems(server.log_path, start)},
-            }  # fmt: skip
-            print(name, json.dumps({k: v for k, v in report[name].items() if k != "fuzz"}))
-            print(name, "fuzz", json.dumps({k: fuzzed[k] for k in ("cases", "bad",
-                  "good_text_unchanged", "alive_after", "ok")}))  # fmt: skip
+            row["fuzz"] = fuzz.run(url, rounds=2, context=CONTEXT, seed=0)
+            row["fuzz_log_problems"] = soak.log_problems(server.log_path, start)
+            report[name] = row
+            print(name, json.dumps({k: v for k, v in row.items() if k != "fuzz"}))
+            print(name, "fuzz", json.dumps({k: row["fuzz"][k] for k in ("cases", "bad",
+                  "ignored_with_200", "good_text_unchanged", "alive_after", "ok")}))  # fmt: skip
     finally:
         for server in servers.values():
             server.stop()
         out = Path(os.environ.get("OUT", "/tmp")) / "soak_report.json"
         out.write_text(json.dumps(report, indent=1))
-    for name, r in report.items():
-        checks = r["checks"]
-        assert r["failed"] == 0, (name, r["errors"])
-        assert r["completed"] >= 100 and r["cancelled"] > 0, (name, r)
-        assert checks["probe_unchanged"] and checks["healthy"] and checks["kv_idle"], (name, checks)
-        assert checks["log_problems"] == [], (name, checks)
-        assert r["fuzz"]["ok"], (name, r["fuzz"]["bad"][:5])
     assert set(report) == set(servers)
+    for name, r in report.items():
+        fuzzed = r["fuzz"]
+        if "checks" in r:  # the soak
+            checks = r["checks"]
+            assert r["failed"] == 0, (name, r["errors"])
+            assert r["completed"] >= 100 and r["cancelled"] > 0, (name, r)
+            assert checks["probe_unchanged"] and checks["healthy"] and checks["kv_idle"], (name,
+                                                                                          checks)  # fmt: skip
+            assert checks["log_problems"] == [], (name, checks)
+        if name.startswith("ddtree"):  # DFLASH's fuzz is SGLang's own, reported above
+            assert fuzzed["alive_after"], name
+            assert "leak" not in r["fuzz_log_problems"], name
+            assert fuzzed["bad"] == [], (name, fuzzed["bad"])  # a 4xx with a message for each
+    assert report["ddtree_det"]["fuzz"]["good_text_unchanged"], report["ddtree_det"]["fuzz"]

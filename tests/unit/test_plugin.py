@@ -260,11 +260,22 @@ def _request(**sampling):
         (dict(max_new_tokens=8, repetition_penalty=1.2), "repetition_penalty=1.2"),
         (dict(max_new_tokens=8, frequency_penalty=0.5), "frequency_penalty=0.5"),
         (dict(max_new_tokens=8, min_new_tokens=4), "min_new_tokens=4"),
+        (dict(max_new_tokens=8, n=5000), "n=5000: between 1 and 128 samples"),
+        (dict(max_new_tokens=8, n=0), "n=0: between 1 and 128"),
     ],
 )
 def test_front_end_rejects_what_ddtree_cannot_serve_exactly(request_kwargs, words):
     with pytest.raises(ValueError, match=words):
         hooks._reject_unsupported(_tokenizer_manager("DDTREE"), _request(**request_kwargs), [1])
+
+
+def test_up_to_128_samples_per_request_pass_and_negative_token_ids_do_not():
+    assert hooks._reject_unsupported(_tokenizer_manager("DDTREE"),
+                                     _request(max_new_tokens=8, n=128), [1]) is None  # fmt: skip
+    with pytest.raises(ValueError, match="negative token id"):  # an embedding row -7: a crash
+        hooks._reject_unsupported(_tokenizer_manager("DDTREE"), _request(max_new_tokens=8),
+                                  [1, -7, 3])  # fmt: skip
+    assert hooks._reject_unsupported(_tokenizer_manager("DFLASH"), _request(n=5000), [-1]) is None
 
 
 def test_logprobs_are_served_only_when_opted_in(monkeypatch):

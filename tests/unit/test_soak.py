@@ -57,6 +57,9 @@ class _Handler(BaseHTTPRequestHandler):
             if body["max_tokens"] == 7:  # SGLang streams an error with status 200
                 self.wfile.write(b'data: {"error": {"message": "boom"}}\n\n')
                 return None
+            if body["max_tokens"] == 9:  # a request the scheduler refused, streamed
+                self.wfile.write(b'data: {"error": {"message": "no logprobs", "code": 400}}\n\n')
+                return None
             for _ in range(4):
                 self.wfile.write(b'data: {"choices": [{"delta": {"content": "a"}}]}\n\n')
                 self.wfile.flush()
@@ -125,6 +128,9 @@ def test_each_outcome_and_the_summary(soak, url):
     # a stream that reports an error, a server that is gone (even for a request meant to be
     # cancelled): failures, not completions or cancellations
     assert soak.send(url, R("chat_stream", "a", 7, 0.0))["outcome"] == "failed"
+    # a streamed error with a 4xx code is a refusal (SGLang's scheduler-side 400s stream so)
+    refused = soak.send(url, R("chat_stream", "a", 9, 0.0))
+    assert (refused["outcome"], refused["status"]) == ("refused", 400)
     gone = "http://127.0.0.1:9"  # nothing listens on the discard port here
     assert soak.send(gone, R("generate", "a", 5, 0.0, cancel_after_s=0.5))["outcome"] == "failed"
     assert soak.health(gone) == {"probe": None, "healthy": False, "kv_tokens_in_use": None}
