@@ -267,8 +267,12 @@ class DDTreeWorker(DFlashWorkerV2):
         (integration/penalties.py), made the eagle_sample hook's."""
         if not options().penalties:
             return None
-        rows = self.model_runner.req_to_token_pool.req_to_token.shape[0]
-        table = PenaltyTable(rows, self.model_runner.model_config.vocab_size, self.device)
+        # the target's pool and vocabulary: when the worker is built, its own (the draft's)
+        # runner has no request pool yet (None in 0.5.17), and the penalised logits are the
+        # target's
+        target = self.target_worker.model_runner
+        rows = target.req_to_token_pool.req_to_token.shape[0]
+        table = PenaltyTable(rows, target.model_config.vocab_size, self.device)
         penalties.activate(table)
         return table
 

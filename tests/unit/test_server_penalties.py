@@ -193,3 +193,26 @@ def test_min_p_rides_on_sglangs_tree_sampling_for_the_call_only(monkeypatch):
         penalties.activate(None)
     torch.testing.assert_close(seen[0]["target_probs"], torch.tensor([[[0.625, 0.375, 0, 0]]]))
     assert kernel.tree_speculative_sampling_target_only is original_kernel
+
+
+def test_the_worker_sizes_its_table_from_the_targets_pool_and_vocabulary(monkeypatch):
+    """Session 12's GPU run: every penalties server died at start-up reading the draft runner's
+    request pool, which SGLang 0.5.17 has not attached when the worker is built (None). The
+    table takes the target's pool rows and vocabulary."""
+    pytest.importorskip("sglang.srt.speculative.dflash_worker_v2")
+    from sglang_ddtree import config
+    from sglang_ddtree.integration.worker import DDTreeWorker
+
+    monkeypatch.setenv("SGLANG_DDTREE_PENALTIES", "1")
+    config.activate(None)  # the environment's options
+    activated = []
+    monkeypatch.setattr(penalties, "activate", activated.append)
+    pool = SimpleNamespace(req_to_token=torch.zeros((7, 64), dtype=torch.int32))
+    target = SimpleNamespace(req_to_token_pool=pool, model_config=SimpleNamespace(vocab_size=V))
+    worker = SimpleNamespace(
+        model_runner=SimpleNamespace(req_to_token_pool=None,
+                                     model_config=SimpleNamespace(vocab_size=3)),
+        target_worker=SimpleNamespace(model_runner=target), device="cpu")  # fmt: skip
+    table = DDTreeWorker._penalty_table(worker)
+    assert activated == [table]
+    assert table is not None and tuple(table.counts.shape) == (7, V)
