@@ -108,6 +108,20 @@ def _dummy_verify_input(
 MAX_SAMPLES = 128  # n per request, as the OpenAI API bounds it
 
 
+def _check_token_ids(tokenizer_manager, ids) -> None:
+    """A prompt's token ids lie in [0, vocab): SGLang 0.5.17 defines that check
+    (_validate_input_ids_in_vocab) but never calls it, and the embedding lookup of an id
+    outside takes the scheduler down (session 12's fuzz, on DDTREE and DFLASH alike)."""
+    if not ids:
+        return
+    vocab = getattr(getattr(tokenizer_manager, "model_config", None), "vocab_size", None)
+    low, high = min(ids), max(ids)
+    if low < 0 or (vocab is not None and high >= vocab):
+        bad = low if low < 0 else high
+        raise ValueError(f"input_ids holds token id {bad}, outside the vocabulary [0, "
+                         f"{vocab if vocab is not None else 'vocab'}).")  # fmt: skip
+
+
 def register_request_hook() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -125,10 +139,7 @@ def _reject_unsupported(tokenizer_manager, obj, *args, **kwargs):
             "or serve this request without speculative decoding (SGLANG_DDTREE_LOGPROBS=1 "
             "serves them, not yet verified against plain decoding)."
         )
-    ids = args[0] if args else None
-    if ids and min(ids) < 0:  # SGLang 0.5.17 checks the vocabulary's end only
-        raise ValueError(f"input_ids holds a negative token id ({min(ids)}); token ids start "
-                         "at 0.")  # fmt: skip
+    _check_token_ids(tokenizer_manager, args[0] if args else None)
     sampling = getattr(obj, "sampling_params", None) or {}
     if not isinstance(sampling, dict):
         return None

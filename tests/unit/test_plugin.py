@@ -269,12 +269,17 @@ def test_front_end_rejects_what_ddtree_cannot_serve_exactly(request_kwargs, word
         hooks._reject_unsupported(_tokenizer_manager("DDTREE"), _request(**request_kwargs), [1])
 
 
-def test_up_to_128_samples_per_request_pass_and_negative_token_ids_do_not():
+def test_up_to_128_samples_per_request_pass_and_token_ids_outside_the_vocabulary_do_not():
     assert hooks._reject_unsupported(_tokenizer_manager("DDTREE"),
                                      _request(max_new_tokens=8, n=128), [1]) is None  # fmt: skip
-    with pytest.raises(ValueError, match="negative token id"):  # an embedding row -7: a crash
+    with pytest.raises(ValueError, match="token id -7, outside"):  # embedding row -7: a crash
         hooks._reject_unsupported(_tokenizer_manager("DDTREE"), _request(max_new_tokens=8),
                                   [1, -7, 3])  # fmt: skip
+    manager = _tokenizer_manager("DDTREE")
+    manager.model_config = types.SimpleNamespace(vocab_size=100)
+    with pytest.raises(ValueError, match=r"token id 100, outside the vocabulary \[0, 100\)"):
+        hooks._reject_unsupported(manager, _request(max_new_tokens=8), [1, 100])
+    assert hooks._reject_unsupported(manager, _request(max_new_tokens=8), [0, 99]) is None
     assert hooks._reject_unsupported(_tokenizer_manager("DFLASH"), _request(n=5000), [-1]) is None
 
 
