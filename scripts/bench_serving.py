@@ -168,8 +168,7 @@ def main() -> int:
     rows = []
     try:
         for server in servers:  # staggered: SGLang sizes its pools from the free memory it sees
-            server.start()
-            server.wait_for_log("Memory pool end", timeout=600)
+            server.start_once_more_on_exit("Memory pool end", timeout=600)
         for server in servers:
             print(f"{server.name}: healthy after {server.wait_healthy(900):.0f} s", flush=True)
         while args.hold_until is not None and not args.hold_until.exists():

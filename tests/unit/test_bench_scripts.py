@@ -445,3 +445,28 @@ def test_the_harness_skips_a_port_something_listens_on():
         taken = held.getsockname()[1]
         got = harness.free_port(taken, step=1)
         assert got != taken and got > taken
+
+
+def test_a_server_that_exits_during_start_up_is_started_once_more(tmp_path, monkeypatch):
+    """harness.Server.start_once_more_on_exit: the first start exits (as the pair's tokenizer
+    load has under load), the second prints the awaited line; the first log is kept. Two exits
+    in a row raise."""
+    import sys
+
+    harness = _script("harness")
+    flag = tmp_path / "started_once"
+    program = (f"import pathlib, sys, time; f = pathlib.Path({str(flag)!r})\n"
+               "if not f.exists():\n    f.touch(); sys.exit(1)\n"
+               "print('Memory pool ' + 'end', flush=True); time.sleep(30)")  # fmt: skip
+    server = harness.Server("fake", "m", 1, [], log_dir=tmp_path)
+    monkeypatch.setattr(server, "command", lambda: [sys.executable, "-c", program])
+    try:
+        server.start_once_more_on_exit("Memory pool end", timeout=30)
+        assert "Memory pool end" in server.log_text().split("\n", 1)[1]  # past the command
+        assert (tmp_path / "server_fake.first_try.log").exists()
+    finally:
+        server.stop()
+    failing = harness.Server("bad", "m", 2, [], log_dir=tmp_path)
+    monkeypatch.setattr(failing, "command", lambda: [sys.executable, "-c", "raise SystemExit(3)"])
+    with pytest.raises(RuntimeError, match="exited"):
+        failing.start_once_more_on_exit("Memory pool end", timeout=30)
