@@ -135,15 +135,18 @@ def tree_parents(next_token: torch.Tensor, next_sibling: torch.Tensor, out: torc
 def conv_tree(x, conv_state, weight, bias, activation, *, conv_state_indices,
               intermediate_conv_window, intermediate_state_indices, retrieve_next_token,
               retrieve_next_sibling, retrieve_parent_token, block_t: int = 4,
-              block_n: int = 256, window_tile: bool = False, num_warps: int = 4,
+              block_n: int = 128, window_tile: bool = False, num_warps: int = 2,
               ancestor_table: bool = False, fill_parents: bool = True,
               save_inputs: bool = False, ancestors: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """SGLang's `causal_conv1d_update` for a tree verify (same arguments and outputs: x and the
     returned o are [bs, dim, N] views, conv_state [slots, dim, K - 1], weight [dim, K],
     intermediate_conv_window [slots', N, dim, K - 1]; retrieve_parent_token is filled), with
     every node computed in parallel. The conv state is read, not rolled (module docstring).
-    block_t = 4 nodes x 256 channels per program was the fastest tiling of bench_gdn_tree's H200
-    sweep (0.027 ms per layer at bs 8 / N = 32 against 0.087 for 16 x 256: the program's chain of
+    4 nodes x 128 channels per program, 2 warps: the fastest tiling of session 12's H200 sweep
+    of a round as served (48 layers in one graph, inputs stored once: 0.702 ms at bs 8 / N 32
+    against 0.723 for 4 x 256 x 4 warps, 1.19 against 1.24 at bs 16 / N 32; smaller node blocks
+    were slower). Session 7's sweep had moved it from 16 nodes to 4 (0.027 ms per layer at bs 8 /
+    N = 32 against 0.087 for 16 x 256: the program's chain of
     dependent parent loads is its latency, so more programs hide more of it). ancestor_table:
     the parents kernel also writes each node's K - 1 ancestors, and this kernel reads them
     instead of walking the parent links (the same values; 1.33 against 1.27 ms per round at
@@ -154,7 +157,8 @@ def conv_tree(x, conv_state, weight, bias, activation, *, conv_state_indices,
     intermediate_conv_window, as [N, dim] (a third of the stores; `commit_windows` then builds
     the accepted node's window from them: DDTREE's own pool, whose layout only DDTREE reads).
     ancestors: a [bs, N, K - 1] int32 table tree_parents already wrote this round (an earlier
-    layer's), read as ancestor_table reads its own; with fill_parents=False."""
+    layer's), read as ancestor_table reads its own; with fill_parents=False (session 12: 0.700
+    against 0.723 ms per round at bs 8 / N 32, no better than the 4 x 128 tiling without it)."""
     bs, dim, N = x.shape
     KW = weight.shape[1]
     if conv_state.shape[-1] != KW - 1:
