@@ -216,17 +216,33 @@ def wait_gpu_free(baseline: int, timeout: float = 120) -> float:
         time.sleep(2)
 
 
+def _rounds(runs: list[dict]) -> list[int]:
+    return [r["meta"].get("spec_verify_ct") or r["meta"]["completion_tokens"] for r in runs]
+
+
 def measure(server, bs: int, tokens: int) -> dict:
-    _latencies(server, bs, 8)  # warm-up
+    """One batch size's round cost. round_ms: the difference between `bs` requests of `tokens`
+    and of `tokens // 2` new tokens (median latencies), over the difference of their rounds, so
+    that the prefill and whatever else both runs share cancel out, after a warm-up at `tokens`
+    (the graphs, and an automatic server's calibration of every width at this batch's graph
+    bucket). round_ms_from_prefill: sessions 4-12's figure, (latency - the batch's 1-token
+    latency) / (rounds - 1), which a slow 1-token batch (session 12: DDTREE's at bs 8 and 16)
+    makes too small."""
+    _latencies(server, bs, tokens)  # warm-up
     prefill = statistics.median(r["latency"] for r in _latencies(server, bs, 1))
+    half = _latencies(server, bs, max(2, tokens // 2))
     runs = _latencies(server, bs, tokens)
-    rounds = [r["meta"].get("spec_verify_ct") or r["meta"]["completion_tokens"] for r in runs]
+    rounds, half_rounds = _rounds(runs), _rounds(half)
     per_round = [
         (r["latency"] - prefill) / max(n - 1, 1) for r, n in zip(runs, rounds, strict=True)
     ]
+    extra = statistics.median(rounds) - statistics.median(half_rounds)
+    span = statistics.median(r["latency"] for r in runs) - statistics.median(
+        r["latency"] for r in half)  # fmt: skip
     accept = [r["meta"].get("spec_accept_length", 1.0) for r in runs]
     return {
-        "bs": bs, "round_ms": 1e3 * statistics.median(per_round),
+        "bs": bs, "round_ms": 1e3 * span / extra if extra > 0 else None,
+        "round_ms_from_prefill": 1e3 * statistics.median(per_round),
         "tokens_per_s": bs * tokens / max(r["latency"] for r in runs),
         "accept_len": statistics.mean(accept), "prefill_ms": 1e3 * prefill,
     }  # fmt: skip
@@ -475,7 +491,7 @@ def main() -> int:
             emit({"variant": name, "error": str(exc)[-500:]})
         finally:
             server.stop()
-    ok = [r for r in rows if "round_ms" in r]
+    ok = [r for r in rows if r.get("round_ms") is not None]
     print(f"\n{'variant':<10} {'bs':>3} {'ms/round':>9} {'tok/s':>8} {'accept':>7} {'GDN GB':>7}")
     for r in ok:
         print(f"{r['variant']:<10} {r['bs']:>3} {r['round_ms']:>9.2f} {r['tokens_per_s']:>8.1f} "

@@ -470,3 +470,23 @@ def test_a_server_that_exits_during_start_up_is_started_once_more(tmp_path, monk
     monkeypatch.setattr(failing, "command", lambda: [sys.executable, "-c", "raise SystemExit(3)"])
     with pytest.raises(RuntimeError, match="exited"):
         failing.start_once_more_on_exit("Memory pool end", timeout=30)
+
+
+def test_bench_round_takes_a_round_from_two_decode_lengths(monkeypatch):
+    """bench_round.measure: 20 ms rounds after a 150 ms prefill, and a 1-token batch that took
+    900 ms (session 12's DDTREE at bs 16): the two-length difference gives 20 ms, the old
+    prefill-subtracted figure less."""
+    bench = _script("bench_round")
+    calls = []
+
+    def latencies(server, bs, tokens):
+        calls.append(tokens)
+        latency = 0.9 if tokens == 1 else 0.15 + 0.02 * tokens
+        return [{"latency": latency, "meta": {"spec_verify_ct": tokens, "completion_tokens": tokens,
+                                              "spec_accept_length": 1.0}}] * bs  # fmt: skip
+
+    monkeypatch.setattr(bench, "_latencies", latencies)
+    row = bench.measure(None, 4, 48)
+    assert calls == [48, 1, 24, 48]
+    assert abs(row["round_ms"] - 20.0) < 1e-9
+    assert row["round_ms_from_prefill"] < 10
