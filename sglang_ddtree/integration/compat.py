@@ -21,6 +21,10 @@ DFLASH_REQUEST_VALIDATOR = "sglang.srt.speculative.dflash_utils.validate_dflash_
 TOKENIZER_REQUEST_VALIDATOR = (
     "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
 )
+# The OpenAI chat endpoint's per-token logprob entries (streamed and not): hooks.py.
+CHAT_LOGPROB_TOKENS = (
+    "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._process_logprobs_tokens"
+)
 # Gated DeltaNet tree verify (per layer) and state commit (per round): integration/gdn.py.
 GDN_TARGET_VERIFY = (
     "sglang.srt.layers.attention.linear.gdn_backend.GDNKernelDispatcher.target_verify"

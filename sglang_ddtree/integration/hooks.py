@@ -126,6 +126,20 @@ def register_request_hook() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(compat.TOKENIZER_REQUEST_VALIDATOR, _reject_unsupported, HookType.BEFORE)
+    HookRegistry.register(compat.CHAT_LOGPROB_TOKENS, _top_logprobs_by_token, HookType.AROUND)
+
+
+def _top_logprobs_by_token(original, serving, logprobs, use_token_index=False, **kwargs):
+    """AROUND OpenAIServingChat._process_logprobs_tokens: on a DDTREE server each token of a
+    streamed chunk gets its own top_logprobs. SGLang 0.5.17 gives every token of a streamed
+    chunk the first one's (use_token_index=False indexes 0; upstream sgl-project/sglang#39260),
+    while its streaming caller passes token-aligned slices, so indexing by position is right
+    there too; a DDTREE round streams several tokens per chunk (session 12's GPU run found
+    each streamed entry paired with another position's list)."""
+    server_args = getattr(getattr(serving, "tokenizer_manager", None), "server_args", None)
+    if getattr(server_args, "speculative_algorithm", None) == "DDTREE":
+        use_token_index = True
+    return original(serving, logprobs, use_token_index, **kwargs)
 
 
 def _reject_unsupported(tokenizer_manager, obj, *args, **kwargs):

@@ -491,3 +491,46 @@ def test_the_prefill_lift_fits_sglangs_own_dflash_prefill(monkeypatch):
     monkeypatch.setenv("SGLANG_DDTREE_LOGPROBS", "0")
     with pytest.raises(ValueError, match="return_logprob"):
         w.forward_batch_generation(batch)
+
+
+def _resolve(target: str):
+    import importlib
+
+    parts = target.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for name in parts[i:]:
+            obj = getattr(obj, name)
+        return obj
+    raise ImportError(target)
+
+
+def test_a_streamed_chunks_tokens_each_get_their_own_top_logprobs(monkeypatch):
+    """The chat endpoint's logprob entries on a DDTREE server: each token of a chunk carries its
+    own top list (SGLang 0.5.17 gives a streamed chunk's every token the first one's: session
+    12's GPU run found DDTREE's several-token chunks paired with other positions' lists); other
+    servers keep SGLang's behaviour. Both request hooks are registered."""
+    from sglang.srt.entrypoints.openai.protocol import LogProbs
+
+    original = _resolve(compat.CHAT_LOGPROB_TOKENS)
+    chunk = LogProbs(tokens=["a", "b"], token_logprobs=[-0.1, -0.2],
+                     top_logprobs=[{"a": -0.1, "x": -3.0}, {"b": -0.2, "y": -2.0}])  # fmt: skip
+
+    def serving(algorithm):
+        return types.SimpleNamespace(tokenizer_manager=_tokenizer_manager(algorithm))
+
+    ours = hooks._top_logprobs_by_token(original, serving("DDTREE"), chunk, use_token_index=False)
+    assert [[t.token for t in e.top_logprobs] for e in ours] == [["a", "x"], ["b", "y"]]
+    theirs = hooks._top_logprobs_by_token(original, serving("DFLASH"), chunk, False)
+    assert [[t.token for t in e.top_logprobs] for e in theirs] == [["a", "x"], ["a", "x"]]
+    registered = []
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    monkeypatch.setattr(HookRegistry, "register",
+                        lambda target, fn, kind: registered.append((target, fn)))  # fmt: skip
+    hooks.register_request_hook()
+    assert registered == [(compat.TOKENIZER_REQUEST_VALIDATOR, hooks._reject_unsupported),
+                          (compat.CHAT_LOGPROB_TOKENS, hooks._top_logprobs_by_token)]  # fmt: skip
