@@ -163,7 +163,9 @@ def _tokens(out) -> int:
 
 
 def _row(outcome, status, t0, tokens, error=None) -> dict:
-    row = {"outcome": outcome, "status": status, "latency_s": time.time() - t0, "tokens": tokens}
+    now = time.time()
+    row = {"outcome": outcome, "status": status, "latency_s": now - t0, "tokens": tokens,
+           "t_end": now}  # fmt: skip
     return {**row, "error": error} if error else row
 
 
@@ -228,7 +230,9 @@ def soak(url: str, reqs: list[Request], seconds: float, concurrency: int) -> dic
     t0 = time.time()
 
     def one(req):
-        return {**send(url, req), "option": req.option} if time.time() < deadline else None
+        if time.time() >= deadline:
+            return None
+        return {**send(url, req), "option": req.option}
 
     with cf.ThreadPoolExecutor(max_workers=concurrency) as pool:
         rows = [r for r in pool.map(one, reqs) if r is not None]
@@ -236,7 +240,20 @@ def soak(url: str, reqs: list[Request], seconds: float, concurrency: int) -> dic
     for r in rows:
         counts = by_option.setdefault(r["option"] or "none", {})
         counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
-    return {**summarize(rows, time.time() - t0), "sent": len(rows), "by_option": by_option}
+    return {**summarize(rows, time.time() - t0), "sent": len(rows), "by_option": by_option,
+            "completed_per_10s": completion_timeline(rows, t0)}  # fmt: skip
+
+
+def completion_timeline(rows: list[dict], t0: float, step: float = 10.0) -> list[int]:
+    """Completed requests per `step` seconds since t0: a stalled server shows as empty
+    buckets followed by a burst."""
+    ends = [r["t_end"] - t0 for r in rows if r["outcome"] == "completed"]
+    if not ends:
+        return []
+    counts = [0] * (int(max(ends) // step) + 1)
+    for e in ends:
+        counts[int(e // step)] += 1
+    return counts
 
 
 def log_problems(path: Path, start: int) -> list[str]:

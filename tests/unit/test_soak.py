@@ -150,3 +150,10 @@ def test_only_local_servers(soak):
     assert soak.check_local("http://127.0.0.1:30000/") == "http://127.0.0.1:30000"
     with pytest.raises(SystemExit, match="127.0.0.1 / localhost only"):
         soak.check_local("http://10.0.0.5:30000")
+
+
+def test_the_completion_timeline_shows_a_stall(soak):
+    rows = [{"outcome": "completed", "t_end": 100.0 + t} for t in (1, 2, 35, 36, 37)]
+    rows.append({"outcome": "cancelled", "t_end": 105.0})
+    assert soak.completion_timeline(rows, 100.0) == [2, 0, 0, 3]
+    assert soak.completion_timeline([], 0.0) == []
