@@ -125,6 +125,10 @@ class Server:
             except RuntimeError:
                 if attempt == 2:
                     raise
+                try:  # whatever the first attempt left behind (a scheduler child)
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
                 self.log_path.replace(self.log_path.with_suffix(".first_try.log"))
                 print(f"{self.name}: exited during start-up; starting it once more", flush=True)
 

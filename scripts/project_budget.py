@@ -25,7 +25,7 @@ def load(rounds: Path, acceptance: Path, temperature: float, variants=None):
     """(CostTable, {width or CHAIN: tokens per round}). Rows of automatic-width servers
     (`_auto`) have no one width and are left out; `variants` keeps only those names."""
     rows = [json.loads(line) for line in rounds.read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if "round_ms" in r and "_auto" not in r["variant"]]
+    rows = [r for r in rows if r.get("round_ms") is not None and "_auto" not in r["variant"]]
     if variants:
         rows = [r for r in rows if r["variant"] in variants]
     width_of = {}

@@ -111,7 +111,9 @@ class DDTreeWorker(DFlashWorkerV2):
         self._round_dump = RoundDump.from_options(options()) if self.ps.tp_rank == 0 else None
         self._widths: VerifyWidths | None = None  # SGLANG_DDTREE_WIDTH=auto (init_cuda_graphs)
         self._readings: RoundReadings | None = None
-        self._penalties = self._penalty_table()  # SGLANG_DDTREE_PENALTIES=1, else None
+        # SGLANG_DDTREE_PENALTIES=1: the count table, made in alloc_memory_pool (the scheduler
+        # builds this worker before any request pool exists)
+        self._penalties: PenaltyTable | None = None
         if self.ps.tp_rank == 0:
             logger.info(
                 "DDTREE worker ready: B=%d, N=%d (budget %d), K=%d, draft head for bs<=%d",
@@ -262,14 +264,20 @@ class DDTreeWorker(DFlashWorkerV2):
                 target.forward_batch_generation = shadowed
             batch.return_logprob = True
 
+    def alloc_memory_pool(self, *args, **kwargs):
+        """DFlashWorkerV2's (the draft's pools, sharing the target's request pool), then the
+        penalty table, which sizes its rows from that pool."""
+        out = super().alloc_memory_pool(*args, **kwargs)
+        self._penalties = self._penalty_table()
+        return out
+
     def _penalty_table(self) -> PenaltyTable | None:
         """SGLANG_DDTREE_PENALTIES=1: the output-token counts per request slot on the device
         (integration/penalties.py), made the eagle_sample hook's."""
         if not options().penalties:
             return None
-        # the target's pool and vocabulary: when the worker is built, its own (the draft's)
-        # runner has no request pool yet (None in 0.5.17), and the penalised logits are the
-        # target's
+        # the target's pool (this worker's model_runner is the target's in 0.5.17) and
+        # vocabulary, the penalised logits' width
         target = self.target_worker.model_runner
         rows = target.req_to_token_pool.req_to_token.shape[0]
         table = PenaltyTable(rows, target.model_config.vocab_size, self.device)

@@ -964,6 +964,7 @@ def test_prompt_completion_and_streamed_logprobs_are_served(servers, model):
             "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}})  # fmt: skip
         assert status == 200, out
         asked.append((out["output_ids"], out["meta_info"]["output_token_ids_logprobs"]))
+        prompt_tokens = out["meta_info"]["prompt_tokens"]
     (ids, per_token), (plain_ids, plain_per_token) = asked
     assert len(per_token) == len(ids) == 8 and all(len(e) == 2 for e in per_token), per_token
     agree = harness.first_divergence(ids, plain_ids)
@@ -971,6 +972,8 @@ def test_prompt_completion_and_streamed_logprobs_are_served(servers, model):
     # the control: plain's decode values against its own prefill of the same tokens (the asked
     # tokens sit far in the tail, where bf16 moves a logprob by more than near the top)
     prompt_ids = base.tokenize(harness.PROMPTS[0])
+    assert len(prompt_ids) == prompt_tokens, (len(prompt_ids), prompt_tokens)  # aligned
+    assert agree >= 1, (ids, plain_ids)
     _flush(base)
     status, forced = harness.post(base.url + "/generate", {
         "input_ids": prompt_ids + plain_ids, "return_logprob": True, "token_ids_logprob": [5, 17],
@@ -982,6 +985,9 @@ def test_prompt_completion_and_streamed_logprobs_are_served(servers, model):
     teacher = forced["meta_info"]["input_token_ids_logprobs"][1 : len(plain_ids) + 1]
     control = max(abs(a[0] - b[0]) for d, f in zip(plain_per_token, teacher, strict=True)
                   for a, b in zip(d, f, strict=True))  # fmt: skip
+    assert control <= CONTROL_MAX, (
+        f"plain's decode and prefill token_ids logprobs differ by {control}"
+    )
     tol = max(TIE_TOL, 2 * control)
     gaps = [abs(a[0] - b[0]) for mine, theirs in zip(per_token[:agree], plain_per_token[:agree],
                                                      strict=True)

@@ -63,6 +63,7 @@ def test_a_mixed_soak_and_fuzzed_bad_requests_leave_ddtree_and_dflash_serving(se
             server.start_once_more_on_exit("Memory pool end", timeout=600)
         for server in servers.values():
             server.wait_healthy(timeout=600)
+        starts = {n: s.log_path.stat().st_size for n, s in servers.items()}  # warm-up included
         # a warm-up mix on every server before any is measured: the first requests of a new
         # shape compile Triton kernels into a cache the servers share, so the first server
         # measured would pay the compiles for the others
@@ -72,7 +73,6 @@ def test_a_mixed_soak_and_fuzzed_bad_requests_leave_ddtree_and_dflash_serving(se
         for name, server in servers.items():
             url, row = server.url, {}
             if name != "ddtree_det":
-                start = server.log_path.stat().st_size
                 before = soak.health(url)
                 row = soak.soak(url, reqs, SOAK_S, CONCURRENCY)
                 time.sleep(2)  # aborted requests drain
@@ -81,7 +81,10 @@ def test_a_mixed_soak_and_fuzzed_bad_requests_leave_ddtree_and_dflash_serving(se
                                  and after["probe"] == before["probe"],
                                  "healthy": after["healthy"],
                                  "kv_idle": after["kv_tokens_in_use"] == 0,
-                                 "log_problems": soak.log_problems(server.log_path, start)}  # fmt: skip
+                                 "log_problems": soak.log_problems(server.log_path,
+                                                                   starts[name])}  # fmt: skip
+            else:  # its warm-up's window
+                row["warm_up_log_problems"] = soak.log_problems(server.log_path, starts[name])
             start = server.log_path.stat().st_size
             row["fuzz"] = fuzz.run(url, rounds=2, context=CONTEXT, seed=0)
             row["fuzz_log_problems"] = soak.log_problems(server.log_path, start)
@@ -104,6 +107,7 @@ def test_a_mixed_soak_and_fuzzed_bad_requests_leave_ddtree_and_dflash_serving(se
             assert checks["probe_unchanged"] and checks["healthy"] and checks["kv_idle"], (name,
                                                                                           checks)  # fmt: skip
             assert checks["log_problems"] == [], (name, checks)
+        assert r.get("warm_up_log_problems", []) == [], (name, r["warm_up_log_problems"])
         if name.startswith("ddtree"):  # DFLASH's fuzz is SGLang's own, reported above
             assert fuzzed["alive_after"], name
             assert "leak" not in r["fuzz_log_problems"], name

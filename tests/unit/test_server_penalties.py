@@ -195,11 +195,15 @@ def test_min_p_rides_on_sglangs_tree_sampling_for_the_call_only(monkeypatch):
     assert kernel.tree_speculative_sampling_target_only is original_kernel
 
 
-def test_the_worker_sizes_its_table_from_the_targets_pool_and_vocabulary(monkeypatch):
-    """Session 12's GPU run: every penalties server died at start-up reading the draft runner's
-    request pool, which SGLang 0.5.17 has not attached when the worker is built (None). The
-    table takes the target's pool rows and vocabulary."""
+def test_the_worker_makes_its_table_once_the_request_pool_exists(monkeypatch):
+    """Session 12's GPU run: every penalties server died at start-up, its worker reading the
+    request pool in __init__, which SGLang 0.5.17's scheduler runs before it allocates any pool
+    (the pool is None then; the worker's model_runner is the target's). The table is made in
+    alloc_memory_pool, after DFlashWorkerV2's allocation, from the target's pool rows and
+    vocabulary."""
     pytest.importorskip("sglang.srt.speculative.dflash_worker_v2")
+    from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
+
     from sglang_ddtree import config
     from sglang_ddtree.integration.worker import DDTreeWorker
 
@@ -207,12 +211,18 @@ def test_the_worker_sizes_its_table_from_the_targets_pool_and_vocabulary(monkeyp
     config.activate(None)  # the environment's options
     activated = []
     monkeypatch.setattr(penalties, "activate", activated.append)
-    pool = SimpleNamespace(req_to_token=torch.zeros((7, 64), dtype=torch.int32))
-    target = SimpleNamespace(req_to_token_pool=pool, model_config=SimpleNamespace(vocab_size=V))
-    worker = SimpleNamespace(
-        model_runner=SimpleNamespace(req_to_token_pool=None,
-                                     model_config=SimpleNamespace(vocab_size=3)),
-        target_worker=SimpleNamespace(model_runner=target), device="cpu")  # fmt: skip
-    table = DDTreeWorker._penalty_table(worker)
-    assert activated == [table]
-    assert table is not None and tuple(table.counts.shape) == (7, V)
+    runner = SimpleNamespace(req_to_token_pool=None, model_config=SimpleNamespace(vocab_size=V))
+    worker = object.__new__(DDTreeWorker)  # the attributes the two methods read, no __init__
+    worker.model_runner, worker.device = runner, "cpu"
+    worker._target_worker = SimpleNamespace(model_runner=runner)  # behind target_worker
+    with pytest.raises(AttributeError):  # what __init__ met: no pool yet
+        DDTreeWorker._penalty_table(worker)
+
+    def allocate(self, **kwargs):  # the scheduler's pools, as SGLang's allocation leaves them
+        runner.req_to_token_pool = SimpleNamespace(req_to_token=torch.zeros((7, 64)))
+        return "allocated"
+
+    monkeypatch.setattr(DFlashWorkerV2, "alloc_memory_pool", allocate)
+    assert worker.alloc_memory_pool(memory_pool_config=None) == "allocated"
+    assert activated == [worker._penalties]
+    assert tuple(worker._penalties.counts.shape) == (7, V)
