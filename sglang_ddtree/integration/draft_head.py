@@ -8,11 +8,15 @@ When the draft ran eagerly the worker calls the head itself on the same inputs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from sglang_ddtree.config import DDTreeConfig, options
 from sglang_ddtree.tree import DraftTree, build_tree, topk_logprobs_from_logits
+from sglang_ddtree.tree.shard_topk import merge_topk, shard_topk
 
 
 def tree_builder(name: str | None = None, device: torch.device | None = None):
@@ -32,18 +36,31 @@ def tree_builder(name: str | None = None, device: torch.device | None = None):
     raise ValueError(f"SGLANG_DDTREE_TREE_BUILDER must be 'torch' or 'triton', got {name!r}")
 
 
+@dataclass(frozen=True)
+class VocabShard:
+    """This rank's slice of a vocabulary-parallel LM head (issue 18; tensor parallelism stays
+    refused at start-up until a multi-GPU run has verified it): its rows are global token ids
+    offset, offset + 1, ...; gather(t) -> [ranks, *t.shape], every rank's t in rank order (the
+    TP group's all-gather)."""
+
+    offset: int
+    gather: Callable[[torch.Tensor], torch.Tensor]
+
+
 class DraftTreeHead:
     def __init__(
         self,
         *,
-        lm_head_weight: torch.Tensor,  # [V_padded, H] target LM head (tp = 1)
+        lm_head_weight: torch.Tensor,  # [V_padded, H] target LM head (this rank's rows)
         vocab_size: int,  # V: rows of lm_head_weight that are real tokens
         cfg: DDTreeConfig,
         max_bs: int,
+        shard: VocabShard | None = None,  # None: the whole vocabulary (tp = 1)
     ):
         self.weight = lm_head_weight
         self.vocab_size = int(vocab_size)
         self.cfg = cfg
+        self.shard = shard
         self.build = tree_builder(device=lm_head_weight.device)
         N, dev = cfg.num_nodes, lm_head_weight.device
         self.tokens = torch.zeros((max_bs, N), dtype=torch.int64, device=dev)
@@ -63,15 +80,24 @@ class DraftTreeHead:
         B = self.cfg.block_size
         bs = hidden_states.shape[0] // B
         hidden = hidden_states.view(bs, B, -1)[:, 1:, :]  # [bs, B-1, H]: draft positions 1..B-1
-        # One 2-D GEMM over the real vocabulary rows (a batched matmul against the transposed
-        # weight got cuBLAS's slow kernel at 27B: 3.6 ms at batch 8 against 1.0 at batch 1).
-        rows = hidden.reshape(bs * (B - 1), -1).to(self.weight.dtype)
-        logits = F.linear(rows, self.weight[: self.vocab_size]).view(bs, B - 1, -1)
-        ids, logprobs = topk_logprobs_from_logits(logits.float(), self.cfg.topk)  # [bs, B-1, K]
+        logits = self.logits(hidden)
+        if self.shard is None:
+            ids, logprobs = topk_logprobs_from_logits(logits.float(), self.cfg.topk)  # [bs, B-1, K]
+        else:  # every rank merges the same gathered bytes: the same top-K, the same tree
+            parts = shard_topk(logits, self.cfg.topk, self.shard.offset)
+            ids, logprobs = merge_topk(*(self.shard.gather(p) for p in parts), self.cfg.topk)
         root = input_ids.view(bs, B)[:, 0]
         tree = self.build(root, ids, logprobs, self.cfg.budget)
         for name, value in tree._asdict().items():
             getattr(self, name)[:bs].copy_(value)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[bs, L, H] draft hidden states -> [bs, L, V] logits over this head's real rows: one
+        2-D GEMM (a batched matmul against the transposed weight got cuBLAS's slow kernel at
+        27B: 3.6 ms at batch 8 against 1.0 at batch 1)."""
+        bs, L = hidden.shape[:2]
+        rows = hidden.reshape(bs * L, -1).to(self.weight.dtype)
+        return F.linear(rows, self.weight[: self.vocab_size]).view(bs, L, -1)
 
     def tree(self, bs: int) -> DraftTree:
         """The last built trees of the first `bs` requests (views of the static buffers)."""

@@ -86,3 +86,54 @@ def test_tree_builder_is_selectable_and_checked(monkeypatch):
     monkeypatch.setenv("SGLANG_DDTREE_TREE_BUILDER", "heap")
     with pytest.raises(ValueError, match="'torch' or 'triton', got 'heap'"):
         tree_builder()
+
+
+def test_ranks_of_a_vocabulary_sharded_lm_head_build_the_single_rank_tree():
+    """Issue 18, part 1: three ranks holding uneven slices of the LM head (each with padding
+    rows), each reducing its slice to its top-K and merging what the (simulated) all-gather
+    returns, build the tree the single-rank head builds, identical on every rank."""
+    from sglang_ddtree.integration.draft_head import VocabShard
+
+    torch.manual_seed(3)
+    cfg = DDTreeConfig(block_size=6, num_nodes=12, topk=3)
+    V, H, bs = 40, 16, 3
+    weight = torch.randn(V, H)
+    hidden = torch.randn(bs * cfg.block_size, H)
+    input_ids = torch.randint(0, V, (bs * cfg.block_size,))
+    whole = DraftTreeHead(lm_head_weight=weight, vocab_size=V, cfg=cfg, max_bs=bs)
+    whole(hidden, input_ids)
+    bounds = [0, 7, 25, 40]
+    slices = [torch.cat([weight[a:b], torch.randn(2, H)]) for a, b in zip(bounds, bounds[1:])]  # noqa: B905
+    block = hidden.view(bs, cfg.block_size, H)[:, 1:]
+    from sglang_ddtree.tree.shard_topk import shard_topk
+
+    parts = [shard_topk(block @ w[: b - a].T, cfg.topk, a)
+             for w, a, b in zip(slices, bounds, bounds[1:])]  # noqa: B905  # fmt: skip
+
+    def gather_for(rank):
+        calls = []
+
+        def gather(t):
+            i = len(calls) % len(parts[0])
+            calls.append(i)
+            assert torch.equal(t, parts[rank][i])  # this rank's own part, in order
+            return torch.stack([p[i] for p in parts])
+
+        return gather
+
+    trees = []
+    for rank, (w, a, b) in enumerate(zip(slices, bounds, bounds[1:])):  # noqa: B905
+        head = DraftTreeHead(lm_head_weight=w, vocab_size=b - a, cfg=cfg, max_bs=bs,
+                             shard=VocabShard(offset=a, gather=gather_for(rank)))  # fmt: skip
+        head(hidden, input_ids)
+        trees.append(head.tree(bs))
+    single = whole.tree(bs)
+    for tree in trees:
+        for name in single._fields:  # the same tree; the scores up to the log-sum-exp's rounding
+            got, want = getattr(tree, name), getattr(single, name)
+            same = (
+                torch.allclose(got, want, atol=1e-5) if name == "scores" else torch.equal(got, want)
+            )
+            assert same, (name, got, want)
+        for name in single._fields:  # and bit-identical on every rank
+            assert torch.equal(getattr(tree, name), getattr(trees[0], name)), name
