@@ -20,14 +20,14 @@ LAYERS = [0, 2, 3]
 HV, V, K = 4, 32, 32  # value heads, head dims (the state dwarfs a node's inputs, as at 27B)
 
 
-def cache_params():
+def cache_params(tp: int = 1):
     from sglang.srt.configs.mamba_utils import (
         Mamba2CacheParams,
         Mamba2StateDType,
         Mamba2StateShape,
     )
 
-    shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=HV * V, n_groups=2,
+    shape = Mamba2StateShape.create(tp_world_size=tp, intermediate_size=HV * V, n_groups=2,
                                     num_heads=HV, head_dim=V, state_size=K, conv_kernel=4)  # fmt: skip
     dtype = Mamba2StateDType(conv=torch.bfloat16, temporal=torch.float32)
     return Mamba2CacheParams(shape=shape, layers=LAYERS, dtype=dtype)
@@ -503,3 +503,11 @@ def test_configure_says_when_the_chunked_switches_cannot_apply(monkeypatch, capl
     with pytest.raises(ValueError, match="checks the chunked verify"):
         config.Options.from_env(deterministic=True)
     assert config.Options.from_env().gdn_check == "/tmp/x"
+
+
+def test_the_compact_scratch_is_sized_per_tensor_parallel_rank():
+    """Issue 18, part 3: SGLang's cache shapes are per rank (heads and conv channels divided by
+    the TP size), and the compact buffers are sized from them: at TP 2 a rank holds half."""
+    one, two = (gdn_pool.compact_bytes_per_request(cache_params(tp), num_nodes=16) for tp in (1, 2))
+    assert cache_params(2).shape.temporal[0] == HV // 2
+    assert two * 2 == one
