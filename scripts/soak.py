@@ -256,6 +256,31 @@ def completion_timeline(rows: list[dict], t0: float, step: float = 10.0) -> list
     return counts
 
 
+def checked_soak(
+    url: str,
+    reqs: list[Request],
+    seconds: float,
+    concurrency: int,
+    log: Path | None = None,
+    start: int = 0,
+    loads_required: bool = False,
+) -> dict:
+    """`soak` between two `health` probes: its summary plus "checks" (the probe's text
+    unchanged, /health, the KV cache idle (with loads_required, /v1/loads must answer), no
+    Traceback or leak in `log` past byte `start`), "log_problems" and the KV tokens in use."""
+    before = health(url)
+    result = soak(url, reqs, seconds, concurrency)
+    time.sleep(2)  # let aborted requests drain
+    after = health(url)
+    problems = log_problems(log, start) if log is not None else []
+    idle = (0,) if loads_required else (0, None)
+    checks = {"probe_unchanged": before["probe"] is not None and after["probe"] == before["probe"],
+              "healthy": after["healthy"], "kv_idle": after["kv_tokens_in_use"] in idle,
+              "log_clean": not problems}  # fmt: skip
+    return {**result, "checks": checks, "log_problems": problems,
+            "kv_tokens_in_use_after": after["kv_tokens_in_use"]}  # fmt: skip
+
+
 def log_problems(path: Path, start: int) -> list[str]:
     """Traceback / leak in the log past byte `start`."""
     with open(path, "rb") as f:
@@ -280,18 +305,10 @@ def main() -> int:
     reqs = request_mix(args.requests, args.context, args.seed)
     report, ok = {}, True
     for name, url in servers.items():
-        start = logs[name].stat().st_size if name in logs else 0
-        before = health(url)
-        result = soak(url, reqs, args.seconds, args.concurrency)
-        time.sleep(2)  # let aborted requests drain
-        after = health(url)
-        problems = log_problems(logs[name], start) if name in logs else []
-        checks = {"probe_unchanged": before["probe"] is not None and after["probe"] == before["probe"],
-                  "healthy": after["healthy"], "kv_idle": after["kv_tokens_in_use"] in (0, None),
-                  "log_clean": not problems}  # fmt: skip
-        ok &= all(checks.values()) and result["failed"] == 0
-        report[name] = {**result, "checks": checks, "log_problems": problems,
-                        "kv_tokens_in_use_after": after["kv_tokens_in_use"]}  # fmt: skip
+        log = logs.get(name)
+        report[name] = checked_soak(url, reqs, args.seconds, args.concurrency, log,
+                                    log.stat().st_size if log else 0)  # fmt: skip
+        ok &= all(report[name]["checks"].values()) and report[name]["failed"] == 0
         print(name, json.dumps(report[name]), flush=True)
     report["mix"] = [asdict(r) for r in reqs[:3]]
     if args.out:

@@ -157,3 +157,17 @@ def test_the_completion_timeline_shows_a_stall(soak):
     rows.append({"outcome": "cancelled", "t_end": 105.0})
     assert soak.completion_timeline(rows, 100.0) == [2, 0, 0, 3]
     assert soak.completion_timeline([], 0.0) == []
+
+
+def test_a_checked_soak_reports_its_checks_and_reads_the_log_window(soak, url, tmp_path):
+    log = tmp_path / "server.log"
+    log.write_text("Traceback (before the soak)\n")
+    start = log.stat().st_size
+    R = soak.Request
+    row = soak.checked_soak(url, [R("generate", "a", 5, 0.0)], 10, 2, log, start,
+                            loads_required=True)  # fmt: skip
+    assert row["completed"] == 1 and row["log_problems"] == []
+    assert row["checks"] == {"probe_unchanged": True, "healthy": True, "kv_idle": True,
+                             "log_clean": True}  # fmt: skip
+    log.write_text(log.read_text() + "a memory leak\n")
+    assert soak.checked_soak(url, [], 10, 2, log, start)["log_problems"] == ["leak"]
