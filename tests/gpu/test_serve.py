@@ -158,14 +158,16 @@ def _next_token_logprobs(base, input_ids: list[int], start: int, top: int = 1) -
 
 def _deficits(base, tokens_per_prompt: list[list[int]], prompts=harness.PROMPTS) -> list[float]:
     """Per generated token: how far below the target's own best log-prob it is (0 = argmax)."""
-    out = []
-    for prompt, tokens in zip(prompts, tokens_per_prompt, strict=True):
-        prompt_ids = base.tokenize(prompt)
-        meta = _next_token_logprobs(base, prompt_ids + tokens, len(prompt_ids))
-        chosen = [lp for lp, _tok, *_ in meta["input_token_logprobs"][1:]]
-        best = [top[0][0] for top in meta["input_top_logprobs"][1:]]
-        out += [b - c for c, b in zip(chosen, best, strict=True)]
-    return out
+    return [d for prompt, tokens in zip(prompts, tokens_per_prompt, strict=True)
+            for d in _token_deficits(base, base.tokenize(prompt), tokens)]  # fmt: skip
+
+
+def _token_deficits(base, prompt_ids: list[int], tokens: list[int]) -> list[float]:
+    """_deficits for one sequence given as token ids."""
+    meta = _next_token_logprobs(base, prompt_ids + tokens, len(prompt_ids))
+    chosen = [lp for lp, _tok, *_ in meta["input_token_logprobs"][1:]]
+    best = [top[0][0] for top in meta["input_top_logprobs"][1:]]
+    return [b - c for c, b in zip(chosen, best, strict=True)]
 
 
 @pytest.fixture(scope="module")
@@ -187,12 +189,13 @@ def fp32_pair(servers):
     return get
 
 
-def _beyond_tol_refereed(base, target, spec, deficits, tol) -> list[tuple]:
-    """harness.beyond_tol_referee over every prompt: (prompt index, position, bf16 deficit, float32
-    deficit, bf16 error on that sequence)."""
+def _beyond_tol_refereed(base, target, spec, deficits, tol, prompts=None) -> list[tuple]:
+    """harness.beyond_tol_referee over every prompt (`prompts`: their token ids; default the
+    suite's prompts): (prompt index, position, bf16 deficit, float32 deficit, bf16 error on that
+    sequence)."""
     out, k = [], 0
     for i, tokens in enumerate(spec):
-        prompt_ids = base.tokenize(harness.PROMPTS[i])
+        prompt_ids = base.tokenize(harness.PROMPTS[i]) if prompts is None else prompts[i]
         bf16 = deficits[k : k + len(tokens)]
         out += [(i, *r) for r in harness.beyond_tol_referee(target, prompt_ids, tokens, bf16, tol)]
         k += len(tokens)
@@ -1131,25 +1134,19 @@ def test_prompts_at_the_context_limit_are_the_targets_greedy(servers, fp32_pair,
         return harness.run_all(one, prompts, len(prompts))
 
     def deficits(tokens_per_prompt):
-        out = []
-        for ids, tokens in zip(prompts, tokens_per_prompt, strict=True):
-            meta = _next_token_logprobs(base, ids + tokens, len(ids))
-            chosen = [lp for lp, _tok, *_ in meta["input_token_logprobs"][1:]]
-            best = [top[0][0] for top in meta["input_top_logprobs"][1:]]
-            out.append([b - c for c, b in zip(chosen, best, strict=True)])
-        return out
+        return [d for ids, tokens in zip(prompts, tokens_per_prompt, strict=True)
+                for d in _token_deficits(base, ids, tokens)]  # fmt: skip
 
     plain, spec = greedy(base), greedy(spec_server)
     assert all(len(t) == LONG_NEW for t in spec)
-    control = max(max(d) for d in deficits(plain))
+    control = max(deficits(plain))
     tol = max(TIE_TOL, control)
     found = deficits(spec)
-    beyond = [(i, *row) for i, (ids, tokens, bf16) in enumerate(zip(prompts, spec, found, strict=True))
-              for row in harness.beyond_tol_referee(fp32_pair(model)[0], ids, tokens, bf16, tol)]  # fmt: skip
+    beyond = _beyond_tol_refereed(base, fp32_pair(model)[0], spec, found, tol, prompts)
     verdicts = [harness.referee_verdict(row, TIE_TOL, bound=2 * tol) for row in beyond]
     same = sum(a == b for a, b in zip(spec, plain, strict=True))
     print(f"{model} long prompts ({len(prompts[0])} tokens): identical to plain {same}/"
-          f"{len(spec)}; max deficit {max(max(d) for d in found):.3f}, plain's {control:.3f}; "
+          f"{len(spec)}; max deficit {max(found):.3f}, plain's {control:.3f}; "
           f"beyond tol {beyond}, referee {verdicts}")  # fmt: skip
     assert None not in verdicts and verdicts.count("unresolved") <= 1, beyond
 
