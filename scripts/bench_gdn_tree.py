@@ -263,15 +263,18 @@ def run_conv(bs: int, nodes: int, parents: torch.Tensor, iters: int, dim: int = 
                              intermediate_state_indices=chain_idx)  # fmt: skip
 
     # as served on DDTREE's compact pool: each node's input once, the commit builds the window
-    stored = call("ours_in", partial(conv_tree, save_inputs=True))
-    stored()
-    front = out["ours_in_win"][:bs].reshape(bs, -1)[:, : nodes * dim].view(bs, nodes, dim)
+    call("ours_in", partial(conv_tree, save_inputs=True))()
+
+    def fronts_hold_inputs(buffer) -> bool:  # each live request's row begins with its inputs
+        front = buffer[:bs].reshape(bs, -1)[:, : nodes * dim].view(bs, nodes, dim)
+        return torch.equal(front, x.transpose(1, 2))
+
     row = {"bs": bs, "nodes": nodes, "conv_dim": dim,
            "conv_max_abs_diff_o": float((out["ours"].float() - out["sglang"].float()).abs().max()),
            "conv_windows_equal": bool(torch.equal(out["ours_win"][:bs], out["sglang_win"][:bs])),
            "conv_parents_equal": bool(torch.equal(out["ours_par"], out["sglang_par"])),
            "conv_inputs_equal": bool(torch.equal(out["ours_in"], out["ours"])
-                                     and torch.equal(front, x.transpose(1, 2)))}  # fmt: skip
+                                     and fronts_hold_inputs(out["ours_in_win"]))}  # fmt: skip
     timed = {}
     for tiling, kw in conv_tilings(",".join(tilings)).items():
         if "nosave" in tiling:  # the same kernel without the window stores (a bound)
@@ -283,12 +286,11 @@ def run_conv(bs: int, nodes: int, parents: torch.Tensor, iters: int, dim: int = 
             continue
         timed[tiling] = call(f"ours_{tiling}", partial(conv_tree, **kw))
         timed[tiling]()
-        stores = out[f"ours_{tiling}_win"][:bs]
-        if kw["save_inputs"]:  # the row fronts hold the inputs
-            stored = torch.equal(stores.reshape(bs, -1)[:, : nodes * dim].view(bs, nodes, dim),
-                                 x.transpose(1, 2))  # fmt: skip
+        stores = out[f"ours_{tiling}_win"]
+        if kw["save_inputs"]:
+            stored = fronts_hold_inputs(stores)
         else:
-            stored = torch.equal(stores, out["ours_win"][:bs])
+            stored = torch.equal(stores[:bs], out["ours_win"][:bs])
         row[f"conv_{tiling}_equal"] = bool(
             torch.equal(out[f"ours_{tiling}"], out["ours"]) and stored
         )
