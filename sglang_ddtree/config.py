@@ -164,13 +164,14 @@ class Options:
                                               fixed under --enable-deterministic-inference
     widths        SGLANG_DDTREE_WIDTHS        comma-separated verify widths for auto, each in
                                               [B, N]; None: B, 2B, 4B ... below N, and N
-    logprobs      SGLANG_DDTREE_LOGPROBS      1 (opt-in, not yet verified on a GPU): serve
-                                              logprobs (SGLang's spec-v2 logprobs over the
-                                              accepted path) instead of refusing them with 400
-    penalties     SGLANG_DDTREE_PENALTIES     1 (opt-in, not yet verified on a GPU): serve
-                                              frequency / presence / repetition penalties,
-                                              min_new_tokens and min_p, each node by its own
-                                              path (integration/penalties.py), instead of 400
+    logprobs      SGLANG_DDTREE_LOGPROBS      1 | 0: 1 serves logprobs (SGLang's spec-v2
+                                              logprobs over the accepted path; equal to plain
+                                              decoding's on the GPU); 0 refuses them with 400
+    penalties     SGLANG_DDTREE_PENALTIES     1 | 0: 1 serves frequency / presence /
+                                              repetition penalties, min_new_tokens and min_p,
+                                              each node by its own path
+                                              (integration/penalties.py; exact on the GPU);
+                                              0 refuses them with 400
     dump_rounds   SGLANG_DDTREE_DUMP_ROUNDS   a JSON-lines file for sampled rounds; None: off
     dump_every    SGLANG_DDTREE_DUMP_EVERY    every how many rounds (100)
     verify_plan   SGLANG_DDTREE_VERIFY_PLAN   host | sglang: host plans FlashInfer's tree verify
@@ -206,8 +207,8 @@ class Options:
     gdn_precision: str = "split"
     width: str = "auto"
     widths: tuple[int, ...] | None = None
-    logprobs: bool = False
-    penalties: bool = False
+    logprobs: bool = True
+    penalties: bool = True
 
     @classmethod
     def from_env(cls, unified_memory: bool = False, deterministic: bool = False) -> Options:
@@ -257,8 +258,8 @@ class Options:
                 default="fixed" if deterministic else "auto",
             ),  # fmt: skip
             widths=_widths("SGLANG_DDTREE_WIDTHS"),
-            logprobs=env_choice("SGLANG_DDTREE_LOGPROBS", ("0", "1")) == "1",
-            penalties=env_choice("SGLANG_DDTREE_PENALTIES", ("0", "1")) == "1",
+            logprobs=env_choice("SGLANG_DDTREE_LOGPROBS", ("1", "0")) == "1",
+            penalties=env_choice("SGLANG_DDTREE_PENALTIES", ("1", "0")) == "1",
         )
         opts._check(unified_memory)
         return opts

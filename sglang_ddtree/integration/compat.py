@@ -25,6 +25,11 @@ TOKENIZER_REQUEST_VALIDATOR = (
 CHAT_LOGPROB_TOKENS = (
     "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._process_logprobs_tokens"
 )
+# The tokenizer manager, made in the HTTP server's process before uvicorn starts the app: then
+# json_bodies.py's middleware goes on the app (the HTTP server's module and the app's name in it).
+TOKENIZER_MANAGER_INIT = "sglang.srt.managers.tokenizer_manager.TokenizerManager.__init__"
+HTTP_SERVER_MODULE = "sglang.srt.entrypoints.http_server"
+HTTP_APP = "app"
 # Gated DeltaNet tree verify (per layer) and state commit (per round): integration/gdn.py.
 GDN_TARGET_VERIFY = (
     "sglang.srt.layers.attention.linear.gdn_backend.GDNKernelDispatcher.target_verify"
@@ -35,7 +40,7 @@ MAMBA_STATE_COMMIT = (
     ".update_mamba_state_after_mtp_verify"
 )
 
-# The tree verify's sampling (per-node penalties, opt-in): integration/penalties.py.
+# The tree verify's sampling (per-node penalties, the default): integration/penalties.py.
 EAGLE_SAMPLE = "sglang.srt.speculative.eagle_utils.eagle_sample"
 
 # The scheduler's internal state (/server_info's internal_states): DDTREE's resolved options.

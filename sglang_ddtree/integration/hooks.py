@@ -24,17 +24,21 @@
 | FlashInferIndicesUpdaterPrefill         | the verify's masked plan from host lengths and a      |
 |   .call_begin_forward                   | device-packed mask, no read-back (verify_plan.py;     |
 |                                         | off: SGLANG_DDTREE_VERIFY_PLAN=sglang)                |
+| OpenAIServingChat._process_logprobs_tokens | (front end) each streamed token its own top list  |
+| TokenizerManager.__init__               | (front end) a JSON body that is not an object gets a  |
+|                                         | 400, not SGLang's 500 (json_bodies.py)                |
 
-All but the front-end one are installed from the worker factory (scheduler process only, before
-any graph capture), so other processes never import those heavy modules; the front-end one is
+All but the front-end ones are installed from the worker factory (scheduler process only, before
+any graph capture), so other processes never import those heavy modules; the front-end ones are
 registered at plugin load and applied by SGLang's load_plugins() in the server's main process.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 
-from sglang_ddtree.integration import compat, gdn, gdn_pool, penalties, verify_plan
+from sglang_ddtree.integration import compat, gdn, gdn_pool, json_bodies, penalties, verify_plan
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +131,22 @@ def register_request_hook() -> None:
 
     HookRegistry.register(compat.TOKENIZER_REQUEST_VALIDATOR, _reject_unsupported, HookType.BEFORE)
     HookRegistry.register(compat.CHAT_LOGPROB_TOKENS, _top_logprobs_by_token, HookType.AROUND)
+    HookRegistry.register(compat.TOKENIZER_MANAGER_INIT, _guard_json_bodies, HookType.AFTER)
+
+
+def _guard_json_bodies(result, manager, server_args, *args, **kwargs):
+    """AFTER TokenizerManager.__init__: on a DDTREE server whose process has SGLang's HTTP server
+    (imported, its app not started yet), JSON bodies that are not objects get a 400
+    (json_bodies.py; SGLang 0.5.17 answers a JSON array with a 500). Nothing is imported here:
+    the offline engine and other processes are left alone."""
+    http = sys.modules.get(compat.HTTP_SERVER_MODULE)
+    if http is None or getattr(server_args, "speculative_algorithm", None) != "DDTREE":
+        return None
+    try:
+        json_bodies.add_to(getattr(http, compat.HTTP_APP))
+    except (AttributeError, RuntimeError) as exc:  # an app already started, or none
+        logger.warning("sglang_ddtree: no JSON-object check on the HTTP app: %s", exc)
+    return None
 
 
 def _top_logprobs_by_token(original, serving, logprobs, use_token_index=False, **kwargs):
@@ -150,8 +170,8 @@ def _reject_unsupported(tokenizer_manager, obj, *args, **kwargs):
     if getattr(obj, "return_logprob", False) and not _logprobs_on():
         raise ValueError(
             "DDTREE speculative decoding does not return logprobs; drop logprobs/return_logprob "
-            "or serve this request without speculative decoding (SGLANG_DDTREE_LOGPROBS=1 "
-            "serves them, not yet verified against plain decoding)."
+            "or serve this request without speculative decoding (this server was started with "
+            "SGLANG_DDTREE_LOGPROBS=0; SGLANG_DDTREE_LOGPROBS=1, the default, serves them)."
         )
     _check_token_ids(tokenizer_manager, args[0] if args else None)
     sampling = getattr(obj, "sampling_params", None) or {}
@@ -177,14 +197,16 @@ def _reject_unsupported(tokenizer_manager, obj, *args, **kwargs):
             raise ValueError(
                 f"DDTREE cannot apply {name}={value} exactly inside a draft tree (the output "
                 f"distribution would differ from the target's); leave it at {neutral} "
-                "(SGLANG_DDTREE_PENALTIES=1 applies it per node, not yet verified on a GPU)."
+                "(this server was started with SGLANG_DDTREE_PENALTIES=0; SGLANG_DDTREE_PENALTIES=1, "
+                "the default, applies it per node)."
             )
     return None
 
 
 def _penalties_on() -> bool:
     """SGLANG_DDTREE_PENALTIES=1: every option of LOSSY_SAMPLING_OPTIONS served, each node by
-    its own path (integration/penalties.py); opt-in until its GPU test has passed."""
+    its own path (integration/penalties.py); the default since its GPU tests passed (session
+    13: exact greedy and chi-square against plain decoding on qwen3, qwen35 and the pair)."""
     from sglang_ddtree.config import options
 
     return options().penalties
@@ -193,8 +215,9 @@ def _penalties_on() -> bool:
 def _logprobs_on() -> bool:
     """SGLANG_DDTREE_LOGPROBS=1: SGLang's own spec-v2 logprobs (run_eagle_verify's
     compute_spec_v2_logprobs: the target's log-softmax at each accepted node, the bonus token's
-    included), served instead of refused; opt-in until the GPU suite's comparison with plain
-    decoding has passed (test_logprobs_are_the_plain_servers)."""
+    included), served instead of refused; the default since the GPU suite's comparison with
+    plain decoding passed (session 13, test_logprobs_are_the_plain_servers and the streamed /
+    prompt / completion test, on qwen3, qwen35 and the pair)."""
     from sglang_ddtree.config import options
 
     return options().logprobs

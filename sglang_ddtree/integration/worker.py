@@ -218,7 +218,10 @@ class DDTreeWorker(DFlashWorkerV2):
         with record_function("ddtree.verify_accept_commit"), verify_at:
             result = self._verify_accept_commit(batch, grammar_barrier, width)
         emitted = result.next_token_ids.view(bs, -1)[:, : self.cfg.block_size]  # a view
-        if self._penalties is not None:  # the emitted tokens join each request's count
+        # the emitted tokens join each request's count in rounds whose batch asks for a penalty:
+        # only a penalised request's row changes any logit (a neutral one's leaves them as they
+        # are, whatever it holds), and a penalised request is in every round from its prefill on
+        if self._penalties is not None and penalties.wanted(batch.reqs):
             self._penalties.observe(batch.req_pool_indices, emitted, result.accept_lens)
         if self._round_dump is not None:  # device-to-pinned copies; a thread writes them
             self._round_dump.round(tree.tokens, tree.parents, tree.scores, emitted,
@@ -281,6 +284,10 @@ class DDTreeWorker(DFlashWorkerV2):
         target = self.target_worker.model_runner
         rows = target.req_to_token_pool.req_to_token.shape[0]
         table = PenaltyTable(rows, target.model_config.vocab_size, self.device)
+        if self.ps.tp_rank == 0:  # beside SGLang's pools, which were sized without it
+            logger.info("DDTREE penalty counts: %d request slots x %d tokens, %.2f GB (off: "
+                        "SGLANG_DDTREE_PENALTIES=0)", rows, target.model_config.vocab_size,
+                        table.counts.numel() * 4 / 1e9)  # fmt: skip
         penalties.activate(table)
         return table
 

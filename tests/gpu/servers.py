@@ -96,8 +96,10 @@ VARIANTS = {
     "ddtree_full": ddtree_args,  # SGLang's per-node verify states instead of the compact scratch
     "ddtree_sglangplan": ddtree_args,  # SGLang's FlashInfer plan for the verify (not verify_plan.py)
     "ddtree_fixed": ddtree_args,  # every round at N (the default, auto, picks a width per round)
-    "ddtree_logprobs": ddtree_args,  # logprobs served (opt-in until test_logprobs_... passes)
-    "ddtree_penalties": ddtree_args,  # per-node penalties (opt-in until its test passes)
+    # logprobs served and per-node penalties, each switch named (both are the defaults since
+    # session 13's GPU run of these servers' tests)
+    "ddtree_logprobs": ddtree_args,
+    "ddtree_penalties": ddtree_args,
     # the same in deterministic mode, whose GDN verify defaults to the root paths (session 9: the
     # chunked one was not batch-invariant there); ddtree_det_chunk asks for the chunked one
     "ddtree_det_chunk": lambda model, draft: [*ddtree_args(model, draft), *DETERMINISTIC],

@@ -264,7 +264,11 @@ def _request(**sampling):
         (dict(max_new_tokens=8, n=0), "n=0: between 1 and 128"),
     ],
 )
-def test_front_end_rejects_what_ddtree_cannot_serve_exactly(request_kwargs, words):
+def test_front_end_rejects_what_ddtree_cannot_serve_exactly(request_kwargs, words, monkeypatch):
+    """With logprobs and penalties switched off (both are served by default), each refusal
+    names its option; the other refusals hold whatever the switches."""
+    monkeypatch.setenv("SGLANG_DDTREE_LOGPROBS", "0")
+    monkeypatch.setenv("SGLANG_DDTREE_PENALTIES", "0")
     with pytest.raises(ValueError, match=words):
         hooks._reject_unsupported(_tokenizer_manager("DDTREE"), _request(**request_kwargs), [1])
 
@@ -283,10 +287,21 @@ def test_up_to_128_samples_per_request_pass_and_token_ids_outside_the_vocabulary
     assert hooks._reject_unsupported(_tokenizer_manager("DFLASH"), _request(n=5000), [-1]) is None
 
 
-def test_logprobs_are_served_only_when_opted_in(monkeypatch):
+def test_logprobs_and_penalties_are_served_by_default(monkeypatch):
+    """With neither switch set, logprob and penalty requests pass the front end (both switches
+    default to 1 since their GPU tests passed)."""
+    monkeypatch.delenv("SGLANG_DDTREE_LOGPROBS", raising=False)
+    monkeypatch.delenv("SGLANG_DDTREE_PENALTIES", raising=False)
+    asked = _request(logprob=True, max_new_tokens=8, frequency_penalty=0.5, min_new_tokens=2,
+                     min_p=0.1)  # fmt: skip
+    assert hooks._reject_unsupported(_tokenizer_manager("DDTREE"), asked, [1]) is None
+
+
+def test_logprobs_are_refused_when_switched_off(monkeypatch):
     """SGLANG_DDTREE_LOGPROBS=1 lets logprob requests through (to SGLang's spec-v2 logprobs);
-    the other refusals stay."""
+    the other refusals stay; =0 refuses them, naming the switch."""
     monkeypatch.setenv("SGLANG_DDTREE_LOGPROBS", "1")
+    monkeypatch.setenv("SGLANG_DDTREE_PENALTIES", "0")
     asked = _request(logprob=True, max_new_tokens=8)
     assert hooks._reject_unsupported(_tokenizer_manager("DDTREE"), asked, [1]) is None
     with pytest.raises(ValueError, match="min_p=0.1"):
@@ -297,7 +312,7 @@ def test_logprobs_are_served_only_when_opted_in(monkeypatch):
         hooks._reject_unsupported(_tokenizer_manager("DDTREE"), asked, [1])
 
 
-def test_penalties_are_served_only_when_opted_in(monkeypatch):
+def test_penalties_are_refused_when_switched_off(monkeypatch):
     """SGLANG_DDTREE_PENALTIES=1 lets frequency / presence / repetition penalties,
     min_new_tokens and min_p through (integration/penalties.py applies them per node); the other
     refusals stay; without it each refusal names the switch."""
@@ -407,7 +422,7 @@ def test_worker_drops_only_dflashs_width_mismatch_warning():
     assert drop.filter(record("Initialized DFLASH draft runner. block_size=%s %s"))
 
 
-def test_the_scheduler_check_lets_logprobs_through_only_when_opted_in(monkeypatch):
+def test_the_scheduler_check_lets_logprobs_through_unless_switched_off(monkeypatch):
     """validate_dflash_request (DDTREE is of the DFlash family) refuses return_logprob first;
     with SGLANG_DDTREE_LOGPROBS=1 the hook hides that one check and keeps the others."""
     seen = []
@@ -421,6 +436,7 @@ def test_the_scheduler_check_lets_logprobs_through_only_when_opted_in(monkeypatc
         return None
 
     req = types.SimpleNamespace(return_logprob=True, return_hidden_states=False)
+    monkeypatch.setenv("SGLANG_DDTREE_LOGPROBS", "0")
     assert "DDTREE" in hooks._validate_request(original, req, True)
     monkeypatch.setenv("SGLANG_DDTREE_LOGPROBS", "1")
     assert hooks._validate_request(original, req, True) is None
@@ -431,7 +447,7 @@ def test_the_scheduler_check_lets_logprobs_through_only_when_opted_in(monkeypatc
 
 def test_the_prefill_shows_the_target_its_logprob_flag(monkeypatch):
     """DFlashWorkerV2's prefill refuses a batch with return_logprob before it runs the target;
-    with SGLANG_DDTREE_LOGPROBS=1 the worker hides the flag from that check and the target
+    with SGLANG_DDTREE_LOGPROBS=1 (the default) the worker hides the flag from that check and the target
     forward sees it again; both are restored afterwards, also when the prefill fails."""
     from sglang_ddtree import config
     from sglang_ddtree.integration import worker as worker_mod
@@ -449,9 +465,10 @@ def test_the_prefill_shows_the_target_its_logprob_flag(monkeypatch):
         return w.target_worker.forward_batch_generation(batch, capture_hidden_mode="FULL")
 
     monkeypatch.setattr(worker_mod, "options", lambda: config.Options.from_env())
+    monkeypatch.setenv("SGLANG_DDTREE_LOGPROBS", "0")
     batch = types.SimpleNamespace(return_logprob=True)
     with pytest.raises(ValueError, match="return_logprob"), w._logprobs_through_prefill(batch):
-        dflash_prefill(batch)  # not opted in: SGLang's refusal stands
+        dflash_prefill(batch)  # switched off: SGLang's refusal stands
     monkeypatch.setenv("SGLANG_DDTREE_LOGPROBS", "1")
     with w._logprobs_through_prefill(batch):
         assert dflash_prefill(batch) == ("target saw", True)
@@ -512,7 +529,7 @@ def test_a_streamed_chunks_tokens_each_get_their_own_top_logprobs(monkeypatch):
     """The chat endpoint's logprob entries on a DDTREE server: each token of a chunk carries its
     own top list (SGLang 0.5.17 gives a streamed chunk's every token the first one's: session
     12's GPU run found DDTREE's several-token chunks paired with other positions' lists); other
-    servers keep SGLang's behaviour. Both request hooks are registered."""
+    servers keep SGLang's behaviour. The three request hooks are registered."""
     from sglang.srt.entrypoints.openai.protocol import LogProbs
 
     original = _resolve(compat.CHAT_LOGPROB_TOKENS)
@@ -533,4 +550,5 @@ def test_a_streamed_chunks_tokens_each_get_their_own_top_logprobs(monkeypatch):
                         lambda target, fn, kind: registered.append((target, fn)))  # fmt: skip
     hooks.register_request_hook()
     assert registered == [(compat.TOKENIZER_REQUEST_VALIDATOR, hooks._reject_unsupported),
-                          (compat.CHAT_LOGPROB_TOKENS, hooks._top_logprobs_by_token)]  # fmt: skip
+                          (compat.CHAT_LOGPROB_TOKENS, hooks._top_logprobs_by_token),
+                          (compat.TOKENIZER_MANAGER_INIT, hooks._guard_json_bodies)]  # fmt: skip

@@ -47,6 +47,26 @@ def test_the_table_counts_each_requests_output_tokens():
     assert torch.equal(table.counts, want)
 
 
+def test_a_neutral_requests_row_changes_no_logit():
+    """The worker counts a round's tokens only when its batch asks for a penalty, so a neutral
+    request's row may be stale: whatever it holds, its nodes' logits stay raw, and a penalised
+    request's beside it are the same as with that row empty."""
+    tree = _tree(2, 6, seed=3)
+    raw = torch.randn(2, 6, V, generator=torch.Generator().manual_seed(4))
+    reqs = [_req(f=0.5, p=0.3, r=1.2, min_new=3), _req()]
+    slots = torch.tensor([1, 0])
+    outs = []
+    for stale in (0.0, 5.0):
+        table = PenaltyTable(rows=2, vocab=V, device="cpu")
+        table.counts[1, 4] = 2.0  # the penalised request's output so far
+        table.counts[0].fill_(stale)  # the neutral one's row, never observed
+        outs.append(table.penalize_(raw.clone(), reqs, slots, tree.tokens, tree.visibility,
+                                    tree.depth))  # fmt: skip
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[1][1], raw[1])
+    assert not torch.equal(outs[1][0], raw[0])
+
+
 def _tree(bs, N, seed):
     gen = torch.Generator().manual_seed(seed)
     root, ids, lps = random_build_inputs(gen, bs, 5, 3, V, mode="continuous")
@@ -214,6 +234,7 @@ def test_the_worker_makes_its_table_once_the_request_pool_exists(monkeypatch):
     runner = SimpleNamespace(req_to_token_pool=None, model_config=SimpleNamespace(vocab_size=V))
     worker = object.__new__(DDTreeWorker)  # the attributes the two methods read, no __init__
     worker.model_runner, worker.device = runner, "cpu"
+    worker.ps = SimpleNamespace(tp_rank=0)  # the table's size goes to the log on rank 0
     worker._target_worker = SimpleNamespace(model_runner=runner)  # behind target_worker
     with pytest.raises(AttributeError):  # what __init__ met: no pool yet
         DDTreeWorker._penalty_table(worker)

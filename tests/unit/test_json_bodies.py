@@ -1,0 +1,146 @@
+"""integration/json_bodies.py: a JSON body that is not an object gets a 400 on the OpenAI
+endpoints (SGLang 0.5.17 answers `[1, 2, 3]` with a 500: issue 15's fuzz on the GPU, session
+13), every other body reaches the app byte for byte, and the hook adds the middleware to the
+HTTP server's app on DDTREE servers only."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+
+import pytest
+
+pytest.importorskip("starlette")
+from starlette.applications import Starlette  # noqa: E402
+from starlette.responses import JSONResponse  # noqa: E402
+from starlette.routing import Route  # noqa: E402
+from starlette.testclient import TestClient  # noqa: E402
+
+from sglang_ddtree.integration import compat, hooks, json_bodies  # noqa: E402
+
+
+def _app() -> Starlette:
+    async def echo(request):
+        body = await request.body()
+        return JSONResponse({"got": body.decode(), "parsed": type(json.loads(body)).__name__})
+
+    routes = [Route(p, echo, methods=["POST"]) for p in ("/v1/chat/completions", "/generate")]
+    app = Starlette(routes=routes)
+    assert json_bodies.add_to(app)
+    assert not json_bodies.add_to(app)  # once
+    return app
+
+
+@pytest.mark.parametrize("body", [b"[1, 2, 3]", b"  \n 5", b'"text"', b"null", b"true"])
+def test_a_body_that_is_not_an_object_gets_a_400(body):
+    r = TestClient(_app()).post("/v1/chat/completions", content=body,
+                                headers={"content-type": "application/json"})  # fmt: skip
+    assert r.status_code == 400
+    assert r.json()["code"] == 400 and "must be a JSON object" in r.json()["message"]
+
+
+def test_objects_and_other_paths_reach_the_app_unchanged():
+    client = TestClient(_app())
+    body = b'  {"model": "x", "messages": [{"role": "user", "content": "hi"}]}'
+    r = client.post("/v1/chat/completions", content=body)
+    assert r.status_code == 200 and r.json() == {"got": body.decode(), "parsed": "dict"}
+    # the same array elsewhere is not this middleware's to judge
+    r = client.post("/generate", content=b"[1, 2]")
+    assert r.status_code == 200 and r.json()["parsed"] == "list"
+
+
+def test_it_sits_inside_the_apps_own_middlewares_and_under_a_root_path():
+    """Innermost: SGLang's decompression and CORS middlewares (added before it) run first, so a
+    compressed body is judged after decompression and the 400 carries the CORS headers; a root
+    path (uvicorn puts it in front of the path) does not hide the endpoint."""
+    from starlette.middleware.cors import CORSMiddleware
+
+    class Unzip:  # stands in for SGLang's RequestDecompressionMiddleware: "(" + body -> body
+        def __init__(self, app):
+            self.app = app
+
+        async def __call__(self, scope, receive, send):
+            async def unzipped():
+                message = await receive()
+                if message.get("type") == "http.request":
+                    message = {**message, "body": message.get("body", b"").removeprefix(b"(")}
+                return message
+
+            return await self.app(scope, unzipped, send)
+
+    async def echo(request):
+        return JSONResponse({"got": (await request.body()).decode()})
+
+    app = Starlette(routes=[Route("/v1/chat/completions", echo, methods=["POST"])])
+    app.add_middleware(Unzip)
+    app.add_middleware(CORSMiddleware, allow_origins=["*"])
+    assert json_bodies.add_to(app)
+    client = TestClient(app)
+    cors = {"origin": "http://example.com"}
+    r = client.post("/v1/chat/completions", content=b'({"a": 1}', headers=cors)
+    assert r.status_code == 200 and r.json() == {"got": '{"a": 1}'}
+    r = client.post("/v1/chat/completions", content=b"([1]", headers=cors)
+    assert r.status_code == 400 and r.headers["access-control-allow-origin"] == "*"
+    rooted = TestClient(_app(), root_path="/api")
+    assert rooted.post("/v1/chat/completions", content=b"[1]").status_code == 400
+    started = _plain_app()
+    TestClient(started).post("/v1/chat/completions", content=b"{}")
+    with pytest.raises(RuntimeError, match="has started"):
+        json_bodies.add_to(started)
+
+
+def _plain_app() -> Starlette:
+    async def ok(request):
+        return JSONResponse({})
+
+    return Starlette(routes=[Route("/v1/chat/completions", ok, methods=["POST"])])
+
+
+def test_a_body_in_chunks_is_replayed_whole():
+    def chunks():  # a streamed request body: one ASGI message per part
+        yield from (b"", b"  ", b'{"a"', b": 1}")
+
+    r = TestClient(_app()).post("/v1/chat/completions", content=chunks())
+    assert r.status_code == 200 and r.json()["got"] == '  {"a": 1}'
+
+
+def test_the_hook_guards_ddtree_http_servers_only(monkeypatch):
+    calls = []
+    monkeypatch.setattr(json_bodies, "add_to", calls.append)
+    dflash = types.SimpleNamespace(speculative_algorithm="DFLASH")
+    ddtree = types.SimpleNamespace(speculative_algorithm="DDTREE")
+    monkeypatch.delitem(sys.modules, compat.HTTP_SERVER_MODULE, raising=False)
+    assert hooks._guard_json_bodies(None, "manager", ddtree, "port args") is None
+    assert calls == []  # no HTTP server in this process (the offline engine): nothing
+    monkeypatch.setitem(sys.modules, compat.HTTP_SERVER_MODULE, types.SimpleNamespace(app="app"))
+    assert hooks._guard_json_bodies(None, "manager", dflash, "port args") is None and calls == []
+    assert hooks._guard_json_bodies(None, "manager", ddtree, "port args") is None
+    assert calls == ["app"]
+
+
+def test_an_app_that_has_started_is_left_as_it_is(monkeypatch, caplog):
+    app = _plain_app()
+    TestClient(app).post("/v1/chat/completions", content=b"{}")  # builds the middleware stack
+    monkeypatch.setitem(sys.modules, compat.HTTP_SERVER_MODULE, types.SimpleNamespace(app=app))
+    ddtree = types.SimpleNamespace(speculative_algorithm="DDTREE")
+    assert hooks._guard_json_bodies(None, "manager", ddtree) is None
+    assert "no JSON-object check" in caplog.text
+
+
+def test_the_hook_targets_sglangs_tokenizer_manager():
+    """TokenizerManager.__init__(self, server_args, port_args, ...) in SGLang's source (read, not
+    imported: its module needs uvloop, which the CPU stack leaves out)."""
+    import ast
+    import importlib.util
+
+    module, cls, method = compat.TOKENIZER_MANAGER_INIT.rsplit(".", 2)
+    spec = importlib.util.find_spec(module)
+    if spec is None:
+        pytest.skip("sglang is not installed")
+    tree = ast.parse(open(spec.origin).read())
+    init = next(f for c in tree.body if isinstance(c, ast.ClassDef) and c.name == cls
+                for f in c.body if isinstance(f, ast.FunctionDef) and f.name == method)  # fmt: skip
+    assert [a.arg for a in init.args.args][:3] == ["self", "server_args", "port_args"]
+    http = importlib.util.find_spec(compat.HTTP_SERVER_MODULE)
+    assert f"\n{compat.HTTP_APP} = FastAPI(" in open(http.origin).read()
