@@ -46,7 +46,7 @@ EAGLE_SAMPLE = "sglang.srt.speculative.eagle_utils.eagle_sample"
 # The scheduler's internal state (/server_info's internal_states): DDTREE's resolved options.
 SCHEDULER_INTERNAL_STATE = "sglang.srt.managers.scheduler.Scheduler.get_internal_state"
 
-# FlashInfer's masked prefill plan for the tree verify (opt-in host plan): integration/verify_plan.py.
+# FlashInfer's masked prefill plan for the tree verify (the host plan, the default): integration/verify_plan.py.
 FLASHINFER_PREFILL_PLAN = (
     "sglang.srt.layers.attention.flashinfer_backend.FlashInferIndicesUpdaterPrefill"
     ".call_begin_forward"
