@@ -283,13 +283,33 @@ class DDTreeWorker(DFlashWorkerV2):
         # vocabulary, the penalised logits' width
         target = self.target_worker.model_runner
         rows = target.req_to_token_pool.req_to_token.shape[0]
-        table = PenaltyTable(rows, target.model_config.vocab_size, self.device)
+        vocab = target.model_config.vocab_size
+        self._check_penalty_table_fits(rows, vocab)
+        table = PenaltyTable(rows, vocab, self.device)
         if self.ps.tp_rank == 0:  # beside SGLang's pools, which were sized without it
             logger.info("DDTREE penalty counts: %d request slots x %d tokens, %.2f GB (off: "
-                        "SGLANG_DDTREE_PENALTIES=0)", rows, target.model_config.vocab_size,
-                        table.counts.numel() * 4 / 1e9)  # fmt: skip
+                        "SGLANG_DDTREE_PENALTIES=0)", rows, vocab, rows * vocab * 4 / 1e9)  # fmt: skip
         penalties.activate(table)
         return table
+
+    def _check_penalty_table_fits(self, rows: int, vocab: int) -> None:
+        """The count table comes after SGLang has sized its pools from --mem-fraction-static:
+        one that cannot be allocated stops the start-up here with the numbers and the ways out,
+        not with an out-of-memory error; one that leaves under 1 GiB free is logged."""
+        if torch.device(self.device).type != "cuda":
+            return
+        need = rows * vocab * 4 / (1 << 30)
+        free = get_available_gpu_memory(self.device, self.gpu_id)
+        if need > free:
+            raise RuntimeError(
+                f"DDTREE: the per-node penalty counts need {need:.2f} GiB ({rows} request slots "
+                f"x {vocab} tokens x 4 bytes) and {free:.2f} GiB are free after SGLang's "
+                "pools. Lower --max-running-requests or --mem-fraction-static, or set "
+                "SGLANG_DDTREE_PENALTIES=0 (requests with penalties or min_p then get a 400)."
+            )
+        if free - need < 1.0:
+            logger.warning("DDTREE: the penalty counts (%.2f GiB) leave %.2f GiB free for the "
+                           "CUDA graphs", need, free - need)  # fmt: skip
 
     # -- step 1 + 2: draft the block, build the tree -----------------------------------------
     def _draft(self, batch, draft_input) -> tuple[torch.Tensor, torch.Tensor]:

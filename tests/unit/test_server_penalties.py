@@ -247,3 +247,22 @@ def test_the_worker_makes_its_table_once_the_request_pool_exists(monkeypatch):
     assert worker.alloc_memory_pool(memory_pool_config=None) == "allocated"
     assert activated == [worker._penalties]
     assert tuple(worker._penalties.counts.shape) == (7, V)
+
+
+def test_a_count_table_that_does_not_fit_stops_the_start_up_with_the_numbers(monkeypatch):
+    """On a GPU the table is checked against the free memory SGLang's pools left: one that
+    cannot be allocated is refused with its size, the free memory and the ways out."""
+    from sglang_ddtree.integration import worker as worker_mod
+
+    worker = object.__new__(worker_mod.DDTreeWorker)
+    worker.device, worker.gpu_id = "cuda:0", 0
+    monkeypatch.setattr(worker_mod, "get_available_gpu_memory", lambda device, gpu: 0.5)
+    with pytest.raises(
+        RuntimeError,
+        match=r"need 0\.93 GiB \(1000 request slots x 248320 .*"
+        r"0\.50 GiB are free.*SGLANG_DDTREE_PENALTIES=0",
+    ):
+        worker._check_penalty_table_fits(1000, 248320)
+    worker._check_penalty_table_fits(100, 248320)  # 0.09 GiB: fits (with a warning)
+    worker.device = "cpu"
+    worker._check_penalty_table_fits(10**6, 248320)  # no GPU: nothing to check
