@@ -64,6 +64,13 @@ def _is_ddtree(spec_algorithm) -> bool:
     return getattr(spec_algorithm, "name", None) == ALGORITHM
 
 
+def _serves_ddtree(server_args) -> bool:
+    """Whether these server arguments (the front end's: the algorithm as its name) are DDTREE's."""
+    from sglang_ddtree.integration.spec import ALGORITHM
+
+    return getattr(server_args, "speculative_algorithm", None) == ALGORITHM
+
+
 def _config():
     from sglang.srt.runtime_context import get_spec
 
@@ -140,7 +147,7 @@ def _guard_json_bodies(result, manager, server_args, *args, **kwargs):
     (json_bodies.py; SGLang 0.5.17 answers a JSON array with a 500). Nothing is imported here:
     the offline engine and other processes are left alone."""
     http = sys.modules.get(compat.HTTP_SERVER_MODULE)
-    if http is None or getattr(server_args, "speculative_algorithm", None) != "DDTREE":
+    if http is None or not _serves_ddtree(server_args):
         return None
     try:
         json_bodies.add_to(getattr(http, compat.HTTP_APP))
@@ -156,8 +163,7 @@ def _top_logprobs_by_token(original, serving, logprobs, use_token_index=False, *
     while its streaming caller passes token-aligned slices, so indexing by position is right
     there too; a DDTREE round streams several tokens per chunk (session 12's GPU run found
     each streamed entry paired with another position's list)."""
-    server_args = getattr(getattr(serving, "tokenizer_manager", None), "server_args", None)
-    if getattr(server_args, "speculative_algorithm", None) == "DDTREE":
+    if _serves_ddtree(getattr(getattr(serving, "tokenizer_manager", None), "server_args", None)):
         use_token_index = True
     return original(serving, logprobs, use_token_index, **kwargs)
 
@@ -165,7 +171,7 @@ def _top_logprobs_by_token(original, serving, logprobs, use_token_index=False, *
 def _reject_unsupported(tokenizer_manager, obj, *args, **kwargs):
     """BEFORE TokenizerManager._validate_one_request: raise ValueError (HTTP 400) for DDTREE."""
     server_args = getattr(tokenizer_manager, "server_args", None)
-    if getattr(server_args, "speculative_algorithm", None) != "DDTREE":
+    if not _serves_ddtree(server_args):
         return None
     if getattr(obj, "return_logprob", False) and not _logprobs_on():
         raise ValueError(
