@@ -284,21 +284,22 @@ class DDTreeWorker(DFlashWorkerV2):
         target = self.target_worker.model_runner
         rows = target.req_to_token_pool.req_to_token.shape[0]
         vocab = target.model_config.vocab_size
-        self._check_penalty_table_fits(rows, vocab)
+        gib = self._check_penalty_table_fits(rows, vocab)
         table = PenaltyTable(rows, vocab, self.device)
         if self.ps.tp_rank == 0:  # beside SGLang's pools, which were sized without it
-            logger.info("DDTREE penalty counts: %d request slots x %d tokens, %.2f GB (off: "
-                        "SGLANG_DDTREE_PENALTIES=0)", rows, vocab, rows * vocab * 4 / 1e9)  # fmt: skip
+            logger.info("DDTREE penalty counts: %d request slots x %d tokens, %.2f GiB (off: "
+                        "SGLANG_DDTREE_PENALTIES=0)", rows, vocab, gib)  # fmt: skip
         penalties.activate(table)
         return table
 
-    def _check_penalty_table_fits(self, rows: int, vocab: int) -> None:
-        """The count table comes after SGLang has sized its pools from --mem-fraction-static:
-        one that cannot be allocated stops the start-up here with the numbers and the ways out,
-        not with an out-of-memory error; one that leaves under 1 GiB free is logged."""
-        if torch.device(self.device).type != "cuda":
-            return
+    def _check_penalty_table_fits(self, rows: int, vocab: int) -> float:
+        """The count table's GiB (float32 counts). It comes after SGLang has sized its pools
+        from --mem-fraction-static: one that cannot be allocated stops the start-up here with
+        the numbers and the ways out, not with an out-of-memory error; one that leaves under
+        1 GiB free is logged."""
         need = rows * vocab * 4 / (1 << 30)
+        if torch.device(self.device).type != "cuda":
+            return need
         free = get_available_gpu_memory(self.device, self.gpu_id)
         if need > free:
             raise RuntimeError(
@@ -310,6 +311,7 @@ class DDTreeWorker(DFlashWorkerV2):
         if free - need < 1.0:
             logger.warning("DDTREE: the penalty counts (%.2f GiB) leave %.2f GiB free for the "
                            "CUDA graphs", need, free - need)  # fmt: skip
+        return need
 
     # -- step 1 + 2: draft the block, build the tree -----------------------------------------
     def _draft(self, batch, draft_input) -> tuple[torch.Tensor, torch.Tensor]:
