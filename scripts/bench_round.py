@@ -316,6 +316,7 @@ def profile_parts(server, bs: int, out_dir: Path, tokens: int = 48) -> dict:
         "gpu_ms": parse_trace(events),
         "host": parse_trace_host(events),
         "top_kernels": top_kernels(events),
+        "host_functions": host_functions(events),
     }
 
 
@@ -350,14 +351,16 @@ def parse_trace_host(events: list[dict]) -> dict:
             host.setdefault(e["name"], []).append(e["dur"] / 1e3)
     frames = [e for e in events if e.get("cat") == "python_function"]
     syncs = [e for e in events if e.get("cat") == "cuda_runtime" and "Synchronize" in e["name"]]
-    own = 0
+    own, where = 0, {}
     for s in syncs:
         around = [
             f for f in frames
             if f["tid"] == s["tid"] and f["ts"] <= s["ts"] <= f["ts"] + f["dur"]
             and ("sglang/" in f["name"] or "sglang_ddtree/" in f["name"])
         ]  # fmt: skip
-        if around and "sglang_ddtree/" in max(around, key=lambda f: f["ts"])["name"]:
+        inner = max(around, key=lambda f: f["ts"])["name"] if around else "(no sglang frame)"
+        where[inner] = where.get(inner, 0) + 1
+        if "sglang_ddtree/" in inner:
             own += 1
     rounds = max(len(starts), 1)
     return {
@@ -365,7 +368,26 @@ def parse_trace_host(events: list[dict]) -> dict:
         "host_ms": {k: statistics.mean(v) for k, v in host.items()},
         "syncs_per_round": len(syncs) / rounds,
         "own_syncs_per_round": own / rounds,
+        # the innermost sglang / sglang_ddtree frame of each sync: which function waits
+        "syncs_by_frame": {k: v / rounds for k, v in sorted(where.items(), key=lambda kv: -kv[1])},
     }
+
+
+def host_functions(events: list[dict], n: int = 40) -> list[tuple[str, float]]:
+    """The n sglang / sglang_ddtree Python functions with the most host time, as (frame, ms per
+    round; inclusive: a caller's time holds its callees'): where a round's host time goes."""
+    rounds = max(len(_round_starts(events)), 1)
+    total: dict[str, float] = {}
+    for e in events:
+        name = e.get("name", "")
+        if (
+            e.get("ph") == "X"
+            and e.get("cat") == "python_function"
+            and ("sglang/" in name or "sglang_ddtree/" in name)
+        ):
+            total[name] = total.get(name, 0.0) + e["dur"]
+    ranked = sorted(total.items(), key=lambda kv: -kv[1])[:n]
+    return [(name, round(us / rounds / 1e3, 4)) for name, us in ranked]
 
 
 def top_kernels(events: list[dict], n: int = 15) -> list[tuple[str, float]]:

@@ -132,6 +132,23 @@ def table(summary: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def profile(servers: list, names: list[str], out: Path) -> None:
+    """bench_round.profile_parts on the named servers at batch 1 and 4, after the measured runs
+    (a profiled run is slower, so it is never one of them): OUT/profile.jsonl."""
+    import bench_round  # beside this script
+
+    for server in (s for s in servers if s.name in names):
+        for bs in (1, 4):
+            row = {"server": server.name, "bs": bs,
+                   **bench_round.profile_parts(server, bs, out / "profiles")}  # fmt: skip
+            with open(out / "profile.jsonl", "a") as f:
+                f.write(json.dumps(row) + "\n")
+            host = row.get("host", {})
+            print(json.dumps({"server": server.name, "bs": bs,
+                              "round_period_ms": host.get("round_period_ms"),
+                              "syncs_per_round": host.get("syncs_per_round")}), flush=True)  # fmt: skip
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, required=True)
@@ -143,6 +160,10 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--port-base", type=int, default=33000)
+    p.add_argument("--profile", default="",
+                   help="servers to profile after the runs (SGLang's torch profiler, batch 1 "
+                        "and 4): host ms per round by function, syncs by frame, GPU ms per "
+                        "part, into OUT/profile.jsonl")  # fmt: skip
     p.add_argument("--hold-until", type=Path,
                    help="start the servers, then wait for this file before measuring (the GPU "
                         "to itself: e.g. another job's end)")  # fmt: skip
@@ -153,6 +174,9 @@ def main() -> int:
     unknown = [n for n in names if n not in table_]
     if unknown:
         raise SystemExit(f"unknown servers {unknown}; choose from {sorted(table_)}")
+    profiled = [n for n in args.profile.split(",") if n]
+    if set(profiled) - set(names):
+        raise SystemExit(f"--profile {args.profile}: profile only servers in --servers {names}")
     servers = []
     for i, name in enumerate(names):
         flags, env = table_[name]
@@ -189,6 +213,7 @@ def main() -> int:
                         print(json.dumps(row), flush=True)
                         with open(rows_path, "a") as f:
                             f.write(json.dumps(row) + "\n")
+        profile(servers, profiled, args.out)
     finally:
         for server in servers:
             server.stop()

@@ -27,7 +27,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 WORDS = ("def return self value list data item index result config print while import "
@@ -78,6 +78,12 @@ def request_mix(count: int, context: int, seed: int = 0) -> list[Request]:
             option=rng.choice([None] * 7 + list(OPTIONS)),
         ))  # fmt: skip
     return out
+
+
+def without(reqs: list[Request], option: str) -> list[Request]:
+    """The same requests with `option` left out (they go without any): for a server that does
+    not serve that option at all, so that its soak measures what it does serve."""
+    return [replace(r, option=None) if r.option == option else r for r in reqs]
 
 
 def payload(req: Request) -> tuple[str, dict]:

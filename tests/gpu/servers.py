@@ -96,10 +96,6 @@ VARIANTS = {
     "ddtree_full": ddtree_args,  # SGLang's per-node verify states instead of the compact scratch
     "ddtree_sglangplan": ddtree_args,  # SGLang's FlashInfer plan for the verify (not verify_plan.py)
     "ddtree_fixed": ddtree_args,  # every round at N (the default, auto, picks a width per round)
-    # logprobs served and per-node penalties, each switch named (both are the defaults since
-    # session 13's GPU run of these servers' tests)
-    "ddtree_logprobs": ddtree_args,
-    "ddtree_penalties": ddtree_args,
     # the same in deterministic mode, whose GDN verify defaults to the root paths (session 9: the
     # chunked one was not batch-invariant there); ddtree_det_chunk asks for the chunked one
     "ddtree_det_chunk": lambda model, draft: [*ddtree_args(model, draft), *DETERMINISTIC],
@@ -118,24 +114,21 @@ VARIANT_ENV = {
     "ddtree_full": _FULL,
     "ddtree_sglangplan": {"SGLANG_DDTREE_VERIFY_PLAN": "sglang"},
     "ddtree_fixed": {"SGLANG_DDTREE_WIDTH": "fixed"},
-    "ddtree_logprobs": {"SGLANG_DDTREE_LOGPROBS": "1"},
-    "ddtree_penalties": {"SGLANG_DDTREE_PENALTIES": "1"},
     "ddtree_det_chunk": {"SGLANG_DDTREE_GDN_VERIFY": "chunk"},
     "ddtree_det_sglangconv": _SGLANGCONV,
     "ddtree_det_full": _FULL,
 }
-# Which variants each model runs (40 servers in all). Launch order interleaves the models, plain
+# Which variants each model runs (34 servers in all). Launch order interleaves the models, plain
 # servers first, so each model's tests can begin while the others still start. SGLang's own
 # chain DFLASH runs beside DDTREE on every model as the control for numerics.
 MODEL_VARIANTS = {
-    "qwen3": ("base", "base_sync", "ddtree", "ddtree_fixed", "ddtree_logprobs", "ddtree_penalties",
-              "ddtree_sync", "dflash"),
+    "qwen3": ("base", "base_sync", "ddtree", "ddtree_fixed", "ddtree_sync", "dflash"),
     "qwen35": (
-        "base", "base_sync", "ddtree", "ddtree_fixed", "ddtree_logprobs", "ddtree_penalties",
+        "base", "base_sync", "ddtree", "ddtree_fixed",
         "ddtree_sync", "dflash", "ddtree_sglanggdn", "ddtree_paths", "ddtree_sglangconv", "ddtree_full", "ddtree_sglangplan",
     ),
     "pair": (
-        "base", "base_sync", "ddtree", "ddtree_fixed", "ddtree_logprobs", "ddtree_penalties",
+        "base", "base_sync", "ddtree", "ddtree_fixed",
         "base_det", "ddtree_det",
         "dflash_det", "dflash", "ddtree64",
         "ddtree_torch", "ddtree_paths", "ddtree_sglangconv", "ddtree_full", "ddtree_sglangplan",

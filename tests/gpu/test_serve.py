@@ -449,7 +449,7 @@ def test_sampling_distribution_matches(sampled, model, variant, seeded):
 
 
 CONFIRM_ALPHA = 1e-2
-# T > 0 with what SGLANG_DDTREE_PENALTIES=1 applies per node (`ddtree_penalties`), against the
+# T > 0 with what DDTREE applies per node (SGLANG_DDTREE_PENALTIES=1, the default), against the
 # plain server without the overlap scheduler (`base_sync`, whose penalties count every output
 # token); min_p unseeded (SGLang's flashinfer min-p sampler takes no seed)
 SAMPLING_OPTIONS = {
@@ -467,7 +467,7 @@ def test_sampling_with_min_p_and_penalties_matches(servers, model, case):
     """The chi-square of test_sampling_distribution_matches with min_p, and with the penalties,
     each node's distribution the request's given its own path (the same confirmation rule)."""
     extra, seeded = SAMPLING_OPTIONS[case]
-    base, spec = _up(servers, f"{model}-base_sync"), _up(servers, f"{model}-ddtree_penalties")
+    base, spec = _up(servers, f"{model}-base_sync"), _up(servers, f"{model}-ddtree")
     first = _chi2_p_values(_samples(base, SAMPLES, seeded, 0, extra),
                            _samples(spec, SAMPLES, seeded, 0, extra))  # fmt: skip
     print(f"{model} {case}: p per position {first}")
@@ -594,8 +594,6 @@ DEFAULT_DDTREE = ("ddtree", "ddtree_sync", "ddtree_torch")
 ENGAGED = {
     **{v: _engaged() for v in DEFAULT_DDTREE},
     "ddtree_fixed": _engaged(width="fixed"),
-    "ddtree_logprobs": _engaged(),
-    "ddtree_penalties": _engaged(),
     # the deterministic mode's defaults: root-path verify, fixed width
     "ddtree_det": _engaged(verify="paths", width="fixed"),
     "ddtree_det_chunk": _engaged(width="fixed"),
@@ -616,8 +614,6 @@ NOT_ENGAGED = {
     "ddtree_sglanggdn": (PATHS, CHUNK, COMMIT, CONV, *COMPACT),
     **{v: (PATHS, WIDTH["fixed"]) for v in DEFAULT_DDTREE},
     "ddtree_fixed": (PATHS, WIDTH["auto"]),
-    "ddtree_logprobs": (PATHS, WIDTH["fixed"]),
-    "ddtree_penalties": (PATHS, WIDTH["fixed"]),
     "ddtree_sglangplan": (PATHS, HOSTPLAN),
     **{
         v: (CHUNK,)
@@ -774,7 +770,7 @@ def _assert_greedy_logprob(token: int, chosen, top, where) -> None:
     assert all(abs(x - chosen[0]) < 1e-5 for x in listed), (where, chosen, top)
 
 
-# Penalties per node (issue 14, part 2; SGLANG_DDTREE_PENALTIES=1, the `ddtree_penalties`
+# Penalties per node (issue 14, part 2; SGLANG_DDTREE_PENALTIES=1, the default `ddtree`
 # servers): greedy with each setting, every served token refereed in float32 in the penalised
 # distribution its own context gives (the reference engine on the CPU). The control for bf16
 # noise is the plain server without the overlap scheduler (`base_sync`): with it, SGLang 0.5.17
@@ -817,7 +813,7 @@ def test_penalties_are_exact_inside_the_tree(servers, fp32_pair, model, case):
     distribution given its own context, within TIE_TOL or the bf16 noise the plain server
     without overlap shows under the same setting (both refereed in float32); with
     min_new_tokens no output ends on a blocked stop token before the floor."""
-    server, base = _up(servers, f"{model}-ddtree_penalties"), _up(servers, f"{model}-base_sync")
+    server, base = _up(servers, f"{model}-ddtree"), _up(servers, f"{model}-base_sync")
     target, _draft, tokenizer = fp32_pair(model)
     setting = PENALTY_CASES[case]
     stops = {tokenizer.eos_token_id} - {None}
@@ -842,7 +838,7 @@ def test_penalties_are_exact_inside_the_tree(servers, fp32_pair, model, case):
 
 @pytest.mark.parametrize("model", MODELS)
 def test_logprobs_are_the_plain_servers(servers, model):
-    """SGLANG_DDTREE_LOGPROBS=1 (`ddtree_logprobs`; the default since this passed): greedy /generate
+    """SGLANG_DDTREE_LOGPROBS=1 (the default `ddtree` server): greedy /generate
     with return_logprob and top_logprobs_num=5, one request at a time from a flushed cache,
     against the plain server. Where the tokens agree, every token's logprob (the prefill's
     first token and each round's bonus token included) is plain's within a tolerance set by
@@ -850,7 +846,7 @@ def test_logprobs_are_the_plain_servers(servers, model):
     tokens, at least TIE_TOL), and every token plain ranks in its top 5 by more than TIE_TOL
     above the 5th is in DDTREE's top 5. Then the OpenAI shape: chat with logprobs and
     top_logprobs=3 has one entry per completion token."""
-    server, base = _up(servers, f"{model}-ddtree_logprobs"), _up(servers, f"{model}-base")
+    server, base = _up(servers, f"{model}-ddtree"), _up(servers, f"{model}-base")
     agreed, control, pairs = 0, 0.0, []
     for prompt in harness.PROMPTS[:6]:
         payload = {"text": prompt, "return_logprob": True, "top_logprobs_num": 5,
@@ -943,7 +939,7 @@ def test_prompt_completion_and_streamed_logprobs_are_served(servers, model):
     equal the plain server's (both are SGLang's own prefill of the target), /v1/completions
     with logprobs has one entry per completion token, and a streamed chat's chunks carry one
     logprob entry per token, each the chosen token's at the best of its top_logprobs."""
-    server, base = _up(servers, f"{model}-ddtree_logprobs"), _up(servers, f"{model}-base")
+    server, base = _up(servers, f"{model}-ddtree"), _up(servers, f"{model}-base")
     for prompt in harness.PROMPTS[:3]:
         got = []
         for s in (server, base):

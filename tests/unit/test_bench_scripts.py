@@ -327,6 +327,12 @@ def test_host_trace_parser_counts_rounds_parts_and_own_syncs():
     assert host["host_ms"] == {"ddtree.draft": 3.0}
     assert host["syncs_per_round"] == 2 / 3
     assert host["own_syncs_per_round"] == 1 / 3
+    assert host["syncs_by_frame"] == {"sglang/srt/y.py(2): g": 1 / 3,
+                                      "sglang_ddtree/x.py(9): h": 1 / 3}  # fmt: skip
+    # host time per round by function, inclusive, sglang's and ours only
+    funcs = bench.host_functions([*events, _span("python_function", "torch/z.py(3): t", 4, 9)])
+    assert funcs == [("sglang_ddtree/x.py(1): f", 0.0017), ("sglang_ddtree/x.py(9): h", 0.001),
+                     ("sglang/srt/y.py(2): g", 0.0007)]  # fmt: skip
 
 
 def test_project_budget_leaves_out_automatic_servers_and_names_clashes(tmp_path):

@@ -92,6 +92,18 @@ def test_the_mix_is_seeded_and_covers_every_kind_of_request(soak):
     assert 0.25 < sum(r.option is not None for r in a) / len(a) < 0.45
 
 
+def test_a_mix_without_an_option_changes_only_the_requests_that_carried_it(soak):
+    mix = soak.request_mix(200, 2048, seed=3)
+    kept = soak.without(mix, "logprobs")
+    assert len(kept) == len(mix) and "logprobs" not in {r.option for r in kept}
+    for before, after in zip(mix, kept, strict=True):
+        if before.option == "logprobs":
+            assert after.option is None and after.prompt == before.prompt
+        else:
+            assert after == before
+    assert any(r.option == "logprobs" for r in mix)  # the mix had some to leave out
+
+
 def test_each_option_reaches_both_apis_as_its_client_sends_it(soak):
     R = soak.Request
     chat = {o: soak.payload(R("chat", "a", 5, 0.7, option=o))[1] for o in soak.OPTIONS}
