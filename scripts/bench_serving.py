@@ -213,13 +213,13 @@ def main() -> int:
                         print(json.dumps(row), flush=True)
                         with open(rows_path, "a") as f:
                             f.write(json.dumps(row) + "\n")
+        text = table(summarize(rows))  # before the profiles: the measured runs' table
+        (args.out / "table.md").write_text(text + "\n")
+        print(text, flush=True)
         profile(servers, profiled, args.out)
     finally:
         for server in servers:
             server.stop()
-    text = table(summarize(rows))
-    (args.out / "table.md").write_text(text + "\n")
-    print(text)
     return 0
 
 
