@@ -52,6 +52,24 @@ FLASHINFER_PREFILL_PLAN = (
     ".call_begin_forward"
 )
 
+# The width of a request's req_to_token row beyond the context length (hooks.py).
+REQ_TO_TOKEN_HEADROOM = (
+    "sglang.srt.mem_cache.kv_cache_configurator.get_req_to_token_extra_context_len"
+)
+
+
+def decode_reserve_headroom(server_args: Any) -> int:
+    """The req_to_token row headroom DDTREE's decode rounds need beyond the context length.
+    SGLang 0.5.17's DFlashDraftInputV2.prepare_for_decode reserves `committed + 2 x
+    speculative_num_draft_tokens` KV slots per running request (the overlap scheduler's double
+    buffer), while its rows hold `context + 4 + speculative_num_draft_tokens` (page size 1):
+    a request near the context limit then has slots written past its row's end (into the next
+    row) that are never freed. A running request has committed at most context - 1 tokens, so
+    rows of context + 2N + 4 hold every reserve (one page more where pages are larger)."""
+    n = int(server_args.max_speculative_num_draft_tokens or 0)
+    return 4 + 2 * n + max(int(server_args.page_size or 1) - 1, 0)
+
+
 # Compact GDN verify scratch (the default): integration/gdn_pool.py.
 MAMBA_POOL_INIT = "sglang.srt.mem_cache.memory_pool.HybridReqToTokenPool._init_mamba_pool"
 MAMBA_POOL_SOLVER = (

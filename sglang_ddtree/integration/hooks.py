@@ -16,6 +16,10 @@
 |   .update_mamba_state_after_mtp_verify  | (integration/gdn.py; SGLANG_DDTREE_GDN=sglang: off)   |
 | gdn_backend.causal_conv1d_update        | the tree conv1d, every node in parallel (off:         |
 |                                         | SGLANG_DDTREE_CONV=sglang)                            |
+| kv_cache_configurator                   | req_to_token rows wide enough for DFlash v2's decode  |
+|   .get_req_to_token_extra_context_len   | reserve (2N past the committed length): at the        |
+|                                         | context limit it overran the rows (KV slots leaked,   |
+|                                         | the next row's first entries overwritten)             |
 | HybridReqToTokenPool._init_mamba_pool   | the compact GDN verify scratch and the Mamba pool     |
 | KVCacheConfigurator                     | sized for it (integration/gdn_pool.py; off:           |
 |   ._handle_max_mamba_cache              | SGLANG_DDTREE_GDN_SCRATCH=full)                       |
@@ -257,6 +261,15 @@ def report() -> dict:
             "engaged": gdn.engaged()}  # fmt: skip
 
 
+def _row_headroom(original, server_args):
+    """AROUND get_req_to_token_extra_context_len (the req_to_token rows' width beyond the
+    context): for DDTREE at least the decode rounds' reserve (compat.decode_reserve_headroom)."""
+    extra = original(server_args)
+    if not _serves_ddtree(server_args):
+        return extra
+    return max(extra, compat.decode_reserve_headroom(server_args))
+
+
 def _validate_request(original, req, enable_overlap):
     """AROUND validate_dflash_request (the scheduler's per-request check for the DFlash family):
     DFLASH's messages in DDTREE's name; with SGLANG_DDTREE_LOGPROBS=1 a logprob request passes
@@ -279,6 +292,7 @@ HOOKS = {
     compat.GDN_TARGET_VERIFY: gdn.target_verify,
     compat.MAMBA_STATE_COMMIT: gdn.commit,
     compat.GDN_CONV_UPDATE: gdn.conv_update,
+    compat.REQ_TO_TOKEN_HEADROOM: _row_headroom,
     compat.MAMBA_POOL_INIT: gdn_pool.init_mamba_pool,
     compat.MAMBA_POOL_SOLVER: gdn_pool.size_mamba_pool,
     compat.FLASHINFER_PREFILL_PLAN: verify_plan.call_begin_forward,

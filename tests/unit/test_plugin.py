@@ -552,3 +552,44 @@ def test_a_streamed_chunks_tokens_each_get_their_own_top_logprobs(monkeypatch):
     assert registered == [(compat.TOKENIZER_REQUEST_VALIDATOR, hooks._reject_unsupported),
                           (compat.CHAT_LOGPROB_TOKENS, hooks._top_logprobs_by_token),
                           (compat.TOKENIZER_MANAGER_INIT, hooks._guard_json_bodies)]  # fmt: skip
+
+
+def _row_args(algorithm: str, nodes: int, page_size: int = 1) -> types.SimpleNamespace:
+    """The server arguments SGLang's get_req_to_token_extra_context_len reads."""
+    return types.SimpleNamespace(speculative_algorithm=algorithm, page_size=page_size,
+                                 max_speculative_num_draft_tokens=nodes,
+                                 speculative_num_steps=15, speculative_eagle_topk=8)  # fmt: skip
+
+
+def test_request_rows_hold_the_decode_reserve_at_the_context_limit(registered):
+    """Session 14's GPU suite: 4 prompts at the context limit on a DDTREE server left 57-72 KV
+    slots allocated and the scheduler stopped on its idle leak check. DFlash v2 reserves
+    committed + 2N slots per running request, SGLang's rows hold context + 4 + N: past the row's
+    end the slots go into the next row and are never freed. DDTREE's rows hold the reserve at
+    the largest committed length a running request has (context - 1); other algorithms keep
+    SGLang's width."""
+    import pkgutil
+
+    from sglang.srt.mem_cache import allocation_sizing
+    from sglang.srt.speculative.dflash_info_v2 import DFlashDraftInputV2
+
+    # the reserve as SGLang 0.5.17 computes it (a later release that changes it fails here)
+    source = inspect.getsource(DFlashDraftInputV2.prepare_for_decode)
+    assert "committed_len + 2 * block_size" in source
+    assert "block_size = int(get_spec().speculative_num_draft_tokens)" in source
+    original = allocation_sizing.get_req_to_token_extra_context_len
+    assert pkgutil.resolve_name(compat.REQ_TO_TOKEN_HEADROOM) is original  # what the hook wraps
+    assert hooks.HOOKS[compat.REQ_TO_TOKEN_HEADROOM] is hooks._row_headroom
+    context = 2048
+    for nodes, page in ((32, 1), (31, 1), (64, 1), (32, 16)):
+        sglang_rows = original(_row_args("DDTREE", nodes, page))
+        rows = hooks._row_headroom(original, _row_args("DDTREE", nodes, page))
+        reserve_end = (context - 1) + 2 * nodes  # a running request's last reserve
+        if page > 1:  # SGLang page-aligns the reserve
+            reserve_end = -(-reserve_end // page) * page
+        assert context + rows >= reserve_end, (nodes, page, rows)
+        assert rows >= sglang_rows
+    assert original(_row_args("DDTREE", 32)) == 36  # SGLang's own: too narrow by 27 slots
+    for other in ("DFLASH", "EAGLE", None):
+        args = _row_args(other, 16)
+        assert hooks._row_headroom(original, args) == original(args)
