@@ -50,6 +50,7 @@ def server_table(draft: str) -> dict[str, tuple[list[str], dict[str, str]]]:
         "dflash": (["--speculative-algorithm", "DFLASH", *spec], {}),
         "ddtree": ([*dd, *nodes(NODES)], {}),  # automatic widths among 16 and 32
         "ddtree64": ([*dd, *nodes(64)], {}),  # automatic among 16, 32 and 64
+        "ddtree_pack": ([*dd, *nodes(NODES)], {"SGLANG_DDTREE_MASK_PACK": "triton"}),
         "ddtree16": ([*dd, *nodes(16)], fixed),
         "ddtree32": ([*dd, *nodes(32)], fixed),
     }

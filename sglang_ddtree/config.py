@@ -177,6 +177,9 @@ class Options:
     verify_plan   SGLANG_DDTREE_VERIFY_PLAN   host | sglang: host plans FlashInfer's tree verify
                                               from host lengths with no read-back
                                               (integration/verify_plan.py); sglang: SGLang's plan
+    mask_pack     SGLANG_DDTREE_MASK_PACK     torch | triton: how the host plan packs the tree
+                                              mask (triton: one launch, integration/mask_pack.py;
+                                              opt-in until its GPU tests have run)
     gdn_check     SGLANG_DDTREE_GDN_CHECK     a directory: without CUDA graphs, every chunked GDN
                                               verify is checked against the root-path kernel and
                                               the inputs of one that differs are saved there
@@ -200,6 +203,7 @@ class Options:
     dump_rounds: str | None = None
     dump_every: int = 100
     verify_plan: str = "host"
+    mask_pack: str = "torch"
     gdn_check: str | None = None
     gdn_check_serve: str = "chunk"
     gdn_check_save: int = 0
@@ -247,6 +251,7 @@ class Options:
             dump_rounds=env_value("SGLANG_DDTREE_DUMP_ROUNDS") or None,
             dump_every=int(every),
             verify_plan=env_choice("SGLANG_DDTREE_VERIFY_PLAN", ("host", "sglang")),
+            mask_pack=env_choice("SGLANG_DDTREE_MASK_PACK", ("torch", "triton")),
             gdn_check=env_value("SGLANG_DDTREE_GDN_CHECK") or None,
             gdn_check_serve=env_choice("SGLANG_DDTREE_GDN_CHECK_SERVE", ("chunk", "paths")),
             gdn_check_save=_count("SGLANG_DDTREE_GDN_CHECK_SAVE"),
@@ -292,6 +297,10 @@ class Options:
         if (self.gdn_check_serve != "chunk" or self.gdn_check_save) and not self.gdn_check:
             raise ValueError("SGLANG_DDTREE_GDN_CHECK_SERVE / _SAVE belong to the GDN check; "
                              "set SGLANG_DDTREE_GDN_CHECK=DIR too.")  # fmt: skip
+        if self.mask_pack != "torch" and self.verify_plan != "host":
+            raise ValueError(f"SGLANG_DDTREE_MASK_PACK={self.mask_pack} packs the host plan's "
+                             "mask (SGLANG_DDTREE_VERIFY_PLAN=host, the default), which "
+                             "SGLANG_DDTREE_VERIFY_PLAN=sglang turns off; drop one of the two.")  # fmt: skip
         if self.widths is not None and self.width != "auto":
             raise ValueError("SGLANG_DDTREE_WIDTHS lists the widths SGLANG_DDTREE_WIDTH=auto "
                              "chooses among; drop it, or set SGLANG_DDTREE_WIDTH=auto.")  # fmt: skip

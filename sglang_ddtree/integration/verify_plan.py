@@ -37,6 +37,7 @@ class HostPlan:
     mask_starts: torch.Tensor  # [bs + 1] int32, host: mask bits before each request
     total_bits: int
     packed_bytes: int  # sum over requests of ceil(bits / 8)
+    max_request_bits: int  # the longest request's mask bits
 
 
 def host_plan(seq_lens_cpu: torch.Tensor, num_nodes: int) -> HostPlan:
@@ -54,6 +55,7 @@ def host_plan(seq_lens_cpu: torch.Tensor, num_nodes: int) -> HostPlan:
         mask_starts=starts.to(torch.int32),
         total_bits=int(starts[-1]),
         packed_bytes=int(((N * kv + 7) // 8).sum()),
+        max_request_bits=int((N * kv).max()) if bs else 0,
     )
 
 
@@ -105,10 +107,10 @@ def call_begin_forward(original, updater, wrapper_ragged, wrapper_paged, req_poo
     starts = plan.mask_starts.to(seq_lens.device, non_blocking=True)
     planned = wrapper_paged.begin_forward
     own = "begin_forward" in vars(wrapper_paged)
+    pack = _packer(options().mask_pack)
 
     def begin_forward(qo, kv, kv_indices, last, *rest, custom_mask=None, **kw):
-        packed = pack_at_bit_offsets(custom_mask.reshape(-1), starts, plan.total_bits,
-                                     plan.packed_bytes)  # fmt: skip
+        packed = pack(custom_mask.reshape(-1), starts, plan)
         return planned(plan.qo_indptr, plan.kv_indptr, kv_indices, plan.last_page_len, *rest,
                        packed_custom_mask=packed, **kw)  # fmt: skip
 
@@ -123,6 +125,23 @@ def call_begin_forward(original, updater, wrapper_ragged, wrapper_paged, req_poo
             wrapper_paged.begin_forward = planned
         else:
             del wrapper_paged.begin_forward
+
+
+def _packer(name: str):
+    """mask, starts, plan -> the packed mask: SGLANG_DDTREE_MASK_PACK=torch (this module's) or
+    triton (integration/mask_pack.py, one launch)."""
+    if name == "triton":
+        from sglang_ddtree.integration import mask_pack
+        from sglang_ddtree.integration.gdn import first_use
+
+        def triton_pack(mask, starts, plan):
+            first_use("verify mask packed by integration/mask_pack.py")
+            return mask_pack.pack_at_bit_offsets(mask, starts, plan.total_bits,
+                                                 plan.max_request_bits)  # fmt: skip
+
+        return triton_pack
+    return lambda mask, starts, plan: pack_at_bit_offsets(mask, starts, plan.total_bits,
+                                                          plan.packed_bytes)  # fmt: skip
 
 
 def _applies(wrapper_paged, seq_lens, seq_lens_cpu, use_ragged, spec_info, args, kwargs) -> bool:

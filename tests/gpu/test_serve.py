@@ -51,6 +51,7 @@ assert set(MODELS) <= set(ALL_MODELS), MODELS
 WAIT_S = float(os.environ.get("DDTREE_GPU_WAIT", "0"))  # how long a test waits for its server
 SPEC_VARIANTS = (
     "ddtree",
+    "ddtree_maskpack",
     "ddtree_sync",
     "ddtree_det",
     "ddtree_torch",
@@ -575,6 +576,7 @@ CHUNK = "first GDN tree verify through sglang_ddtree.gdn.chunk_tree.chunk_tree_v
 CONV = "first tree conv1d through sglang_ddtree.gdn.conv_tree"
 COMPACT = ("Mamba pool sized for", "compact GDN verify scratch for")  # solver and pool hooks
 HOSTPLAN = "first verify plan from host lengths"
+MASKPACK = "first verify mask packed by integration/mask_pack.py"
 WIDTH = {"auto": "DDTREE verify width: auto among", "fixed": "DDTREE verify width: fixed at"}
 
 
@@ -608,13 +610,15 @@ ENGAGED = {
     "ddtree_full": _engaged(compact=False),
     "ddtree_det_full": _engaged(verify="paths", compact=False, width="fixed"),
     "ddtree_sglangplan": _engaged(plan=False),
+    "ddtree_maskpack": (*_engaged(), MASKPACK),
 }
 # what must not be in a log: the other verify kernel, hooks that are off
 NOT_ENGAGED = {
     "ddtree_sglanggdn": (PATHS, CHUNK, COMMIT, CONV, *COMPACT),
-    **{v: (PATHS, WIDTH["fixed"]) for v in DEFAULT_DDTREE},
+    **{v: (PATHS, WIDTH["fixed"], MASKPACK) for v in DEFAULT_DDTREE},
     "ddtree_fixed": (PATHS, WIDTH["auto"]),
-    "ddtree_sglangplan": (PATHS, HOSTPLAN),
+    "ddtree_sglangplan": (PATHS, HOSTPLAN, MASKPACK),
+    "ddtree_maskpack": (PATHS, WIDTH["fixed"]),
     **{
         v: (CHUNK,)
         for v in ("ddtree_paths", "ddtree_det", "ddtree_det_sglangconv", "ddtree_det_full")

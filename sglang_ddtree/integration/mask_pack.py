@@ -1,0 +1,45 @@
+"""The tree verify's custom mask packed for FlashInfer in one Triton launch
+(SGLANG_DDTREE_MASK_PACK=triton; the default, torch, is verify_plan.pack_at_bit_offsets).
+
+Same bytes as `pack_at_bit_offsets`: request b's mask bits, the flat unpacked mask's
+[starts[b], starts[b + 1]), packed little-endian from byte starts[b] (the plan's bit offset,
+which FlashInfer 0.6.15's kernel adds to its byte pointer), every other byte zero. The torch
+packer takes about 35 small kernels a round, each a host launch; on the host-bound shipped pair
+the profiler put it at 1.8 ms of a 13.9 ms DDTREE round (docs/benchmarks.md, session 14). Here
+one program packs BLOCK bytes of one request: grid (requests, blocks of the longest request).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 512  # packed bytes per program
+
+
+@triton.jit
+def _pack_kernel(mask, starts, out, BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    start = tl.load(starts + b).to(tl.int64)
+    bits = tl.load(starts + b + 1).to(tl.int64) - start
+    byte_at = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    packed = tl.zeros([BLOCK], dtype=tl.int32)
+    for k in tl.static_range(8):
+        bit_at = byte_at * 8 + k
+        bit = tl.load(mask + start + bit_at, mask=bit_at < bits, other=0).to(tl.int32)
+        packed |= (bit & 1) << k
+    tl.store(out + start + byte_at, packed.to(tl.uint8), mask=byte_at * 8 < bits)
+
+
+def pack_at_bit_offsets(mask: torch.Tensor, starts: torch.Tensor, total_bits: int,
+                        max_request_bits: int) -> torch.Tensor:  # fmt: skip
+    """uint8 [total_bits], as verify_plan.pack_at_bit_offsets: mask the flat unpacked bool mask
+    (at least total_bits long), starts [bs + 1] int32 on its device, max_request_bits the
+    longest request's bits (host-known: it sizes the grid). Sync-free."""
+    out = torch.zeros(total_bits, dtype=torch.uint8, device=mask.device)
+    bs = starts.numel() - 1
+    blocks = triton.cdiv(triton.cdiv(max_request_bits, 8), BLOCK)
+    if bs > 0 and blocks > 0:
+        _pack_kernel[(bs, blocks)](mask.view(torch.uint8), starts, out, BLOCK=BLOCK)
+    return out
