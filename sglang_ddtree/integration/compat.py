@@ -58,6 +58,17 @@ REQ_TO_TOKEN_HEADROOM = (
 )
 
 
+# The same rows under --enable-unified-memory, sized by the caller (keyword-only arguments).
+UNIFIED_MAMBA_POOLS = "sglang.srt.mem_cache.unified_memory_pool.init_unified_mamba_pools"
+
+
+def current_server_args() -> Any:
+    """This process's ServerArgs (SGLang's runtime context)."""
+    from sglang.srt.runtime_context import get_server_args
+
+    return get_server_args()
+
+
 def decode_reserve_headroom(server_args: Any) -> int:
     """The req_to_token row headroom DDTREE's decode rounds need beyond the context length.
     SGLang 0.5.17's DFlashDraftInputV2.prepare_for_decode reserves `committed + 2 x

@@ -17,7 +17,8 @@
 | gdn_backend.causal_conv1d_update        | the tree conv1d, every node in parallel (off:         |
 |                                         | SGLANG_DDTREE_CONV=sglang)                            |
 | kv_cache_configurator                   | req_to_token rows wide enough for DFlash v2's decode  |
-|   .get_req_to_token_extra_context_len   | reserve (2N past the committed length): at the        |
+|   .get_req_to_token_extra_context_len,  | reserve (2N past the committed length): at the        |
+| init_unified_mamba_pools                |                                                       |
 |                                         | context limit it overran the rows (KV slots leaked,   |
 |                                         | the next row's first entries overwritten)             |
 | HybridReqToTokenPool._init_mamba_pool   | the compact GDN verify scratch and the Mamba pool     |
@@ -270,6 +271,16 @@ def _row_headroom(original, server_args):
     return max(extra, compat.decode_reserve_headroom(server_args))
 
 
+def _unified_row_headroom(original, *args, **kwargs):
+    """AROUND init_unified_mamba_pools (--enable-unified-memory), whose caller computes the rows'
+    width itself: the same headroom as _row_headroom for DDTREE."""
+    server_args = compat.current_server_args()
+    if _serves_ddtree(server_args) and "extra_max_context_len" in kwargs:
+        kwargs["extra_max_context_len"] = max(kwargs["extra_max_context_len"],
+                                              compat.decode_reserve_headroom(server_args))  # fmt: skip
+    return original(*args, **kwargs)
+
+
 def _validate_request(original, req, enable_overlap):
     """AROUND validate_dflash_request (the scheduler's per-request check for the DFlash family):
     DFLASH's messages in DDTREE's name; with SGLANG_DDTREE_LOGPROBS=1 a logprob request passes
@@ -293,6 +304,7 @@ HOOKS = {
     compat.MAMBA_STATE_COMMIT: gdn.commit,
     compat.GDN_CONV_UPDATE: gdn.conv_update,
     compat.REQ_TO_TOKEN_HEADROOM: _row_headroom,
+    compat.UNIFIED_MAMBA_POOLS: _unified_row_headroom,
     compat.MAMBA_POOL_INIT: gdn_pool.init_mamba_pool,
     compat.MAMBA_POOL_SOLVER: gdn_pool.size_mamba_pool,
     compat.FLASHINFER_PREFILL_PLAN: verify_plan.call_begin_forward,

@@ -41,5 +41,6 @@ def pack_at_bit_offsets(mask: torch.Tensor, starts: torch.Tensor, total_bits: in
     bs = starts.numel() - 1
     blocks = triton.cdiv(triton.cdiv(max_request_bits, 8), BLOCK)
     if bs > 0 and blocks > 0:
-        _pack_kernel[(bs, blocks)](mask.view(torch.uint8), starts, out, BLOCK=BLOCK)
+        _pack_kernel[(bs, blocks)](mask.contiguous().view(torch.uint8), starts, out,
+                                   BLOCK=BLOCK)  # fmt: skip
     return out

@@ -593,3 +593,25 @@ def test_request_rows_hold_the_decode_reserve_at_the_context_limit(registered):
     for other in ("DFLASH", "EAGLE", None):
         args = _row_args(other, 16)
         assert hooks._row_headroom(original, args) == original(args)
+
+
+def test_unified_memory_rows_get_the_same_headroom(registered, monkeypatch):
+    """--enable-unified-memory: SGLang's configurator passes the rows' headroom (4 + N) to
+    init_unified_mamba_pools itself; DDTREE's is raised to the decode reserve's there too."""
+    import pkgutil
+
+    from sglang.srt.mem_cache import unified_memory_pool
+
+    assert pkgutil.resolve_name(compat.UNIFIED_MAMBA_POOLS) is (
+        unified_memory_pool.init_unified_mamba_pools
+    )
+    assert hooks.HOOKS[compat.UNIFIED_MAMBA_POOLS] is hooks._unified_row_headroom
+    params = inspect.signature(unified_memory_pool.init_unified_mamba_pools).parameters
+    assert params["extra_max_context_len"].kind is inspect.Parameter.KEYWORD_ONLY
+
+    def sized(**kwargs):
+        return kwargs["extra_max_context_len"]
+
+    for algorithm, expected in (("DDTREE", 4 + 2 * 32), ("DFLASH", 36)):
+        monkeypatch.setattr(compat, "current_server_args", lambda a=algorithm: _row_args(a, 32))
+        assert hooks._unified_row_headroom(sized, extra_max_context_len=36) == expected
