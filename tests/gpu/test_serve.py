@@ -784,6 +784,9 @@ PENALTY_CASES = {
     "frequency+presence": {"frequency_penalty": 0.6, "presence_penalty": 0.4},
     "repetition": {"repetition_penalty": 1.4},
     "min_new_tokens": {"min_new_tokens": 40},
+    # the binary pairs' two tokens (100, 101) and an ordinary one: the same bias at every node,
+    # added after the penalties, as SGLang's plain sampler adds it
+    "logit_bias": {"logit_bias": {"100": 1.5, "101": -1.0, "17": 2.5}},
 }
 
 
@@ -802,6 +805,8 @@ def _penalised_deficits(target, prompt_ids, tokens, setting, stops) -> list[floa
     for i, token in enumerate(tokens):
         x = penalize(rows[i], counts, counts > 0, setting.get("frequency_penalty", 0.0),
                      setting.get("presence_penalty", 0.0), setting.get("repetition_penalty", 1.0))  # fmt: skip
+        for token_id, bias in setting.get("logit_bias", {}).items():
+            x[int(token_id)] += bias
         if i < setting.get("min_new_tokens", 0):
             x[list(stops)] = float("-inf")
         lp = x.log_softmax(-1)
