@@ -333,6 +333,9 @@ def test_host_trace_parser_counts_rounds_parts_and_own_syncs():
     funcs = bench.host_functions([*events, _span("python_function", "torch/z.py(3): t", 4, 9)])
     assert funcs == [("sglang_ddtree/x.py(1): f", 0.0017), ("sglang_ddtree/x.py(9): h", 0.001),
                      ("sglang/srt/y.py(2): g", 0.0007)]  # fmt: skip
+    # beyond the first n, only ours are kept
+    assert [f for f, _ in bench.host_functions(events, n=1)] == [
+        "sglang_ddtree/x.py(1): f", "sglang_ddtree/x.py(9): h"]  # fmt: skip
 
 
 def test_project_budget_leaves_out_automatic_servers_and_names_clashes(tmp_path):
