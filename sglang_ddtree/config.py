@@ -178,8 +178,9 @@ class Options:
                                               from host lengths with no read-back
                                               (integration/verify_plan.py); sglang: SGLang's plan
     mask_pack     SGLANG_DDTREE_MASK_PACK     torch | triton: how the host plan packs the tree
-                                              mask (triton: one launch, integration/mask_pack.py;
-                                              opt-in until its GPU tests have run)
+                                              mask (triton: one launch from the tree, no
+                                              unpacked mask, integration/mask_pack.py; opt-in
+                                              until its GPU tests have run)
     gdn_check     SGLANG_DDTREE_GDN_CHECK     a directory: without CUDA graphs, every chunked GDN
                                               verify is checked against the root-path kernel and
                                               the inputs of one that differs are saved there

@@ -1,5 +1,7 @@
 """The tree verify's custom mask packed for FlashInfer in one Triton launch
 (SGLANG_DDTREE_MASK_PACK=triton; the default, torch, is verify_plan.pack_at_bit_offsets).
+With it the verify input does not write the unpacked mask at all (`pack_tree_mask` reads the
+tree's visibility), unless the plan falls back to SGLang's, which then gets it written.
 
 Same bytes as `pack_at_bit_offsets`: request b's mask bits, the flat unpacked mask's
 [starts[b], starts[b + 1]), packed little-endian from byte starts[b] (the plan's bit offset,
@@ -43,4 +45,45 @@ def pack_at_bit_offsets(mask: torch.Tensor, starts: torch.Tensor, total_bits: in
     if bs > 0 and blocks > 0:
         _pack_kernel[(bs, blocks)](mask.contiguous().view(torch.uint8), starts, out,
                                    BLOCK=BLOCK)  # fmt: skip
+    return out
+
+
+@triton.jit
+def _tree_pack_kernel(vis, starts, out, bs_tree, N, stride_b, stride_i, stride_j,
+                      BLOCK: tl.constexpr):  # fmt: skip
+    b = tl.program_id(0)
+    start = tl.load(starts + b).to(tl.int64)
+    bits = tl.load(starts + b + 1).to(tl.int64) - start
+    row = tl.maximum(bits // N, 1)  # S + N: the committed prefix, then the tree's N nodes
+    prefix = row - N
+    byte_at = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    packed = tl.zeros([BLOCK], dtype=tl.int32)
+    for k in tl.static_range(8):
+        bit_at = byte_at * 8 + k
+        inside = bit_at < bits
+        node = bit_at // row
+        col = bit_at - node * row - prefix  # the tree column (negative: the prefix)
+        in_tree = inside & (col >= 0) & (b < bs_tree)
+        seen = tl.load(vis + b * stride_b + node * stride_i + col * stride_j, mask=in_tree,
+                       other=0).to(tl.int32)  # fmt: skip
+        bit = tl.where(in_tree, seen & 1, inside.to(tl.int32))
+        packed |= bit << k
+    tl.store(out + start + byte_at, packed.to(tl.uint8), mask=byte_at * 8 < bits)
+
+
+def pack_tree_mask(visibility: torch.Tensor, starts: torch.Tensor, total_bits: int,
+                   max_request_bits: int) -> torch.Tensor:  # fmt: skip
+    """The bytes `pack_at_bit_offsets` gives for the FULL_MASK tree_layout.write_full_mask
+    writes, straight from the tree: visibility [bs_tree, N, N] bool (any strides: a truncated
+    tree's is a view), starts [bs + 1] int32, bs >= bs_tree (requests past bs_tree, a CUDA
+    graph's padding, see everything, as SGLang pads the unpacked mask with True). Request b's
+    row i: its S_b committed tokens visible, then visibility[b, i]; S_b from the plan's bits
+    (N x (S_b + N)). Sync-free."""
+    out = torch.zeros(total_bits, dtype=torch.uint8, device=visibility.device)
+    bs, (bs_tree, N, _) = starts.numel() - 1, visibility.shape
+    blocks = triton.cdiv(triton.cdiv(max_request_bits, 8), BLOCK)
+    if bs > 0 and blocks > 0:
+        vis = visibility.view(torch.uint8)
+        _tree_pack_kernel[(bs, blocks)](vis, starts, out, bs_tree, N, *vis.stride(),
+                                        BLOCK=BLOCK)  # fmt: skip
     return out

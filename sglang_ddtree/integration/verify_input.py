@@ -27,6 +27,10 @@ class DDTreeVerifyInput(EagleVerifyInput):
     tree_tokens: torch.Tensor | None = None
     tree_visibility: torch.Tensor | None = None
     tree_depth: torch.Tensor | None = None
+    # False: custom_mask is allocated, not written (the host plan packs it from the tree;
+    # verify_plan.write_mask writes it where SGLang's plan runs instead); the committed lengths
+    tree_mask_written: bool = True
+    tree_seq_lens: torch.Tensor | None = None
 
 
 def make_verify_input(
@@ -38,12 +42,14 @@ def make_verify_input(
     visibility: torch.Tensor,  # [bs, N, N] bool
     seq_lens: torch.Tensor,  # [bs] committed lengths (device)
     seq_lens_sum: int,  # host upper bound of seq_lens.sum(), sizes the mask only
+    write_mask: bool = True,  # False: the host plan packs the mask from the tree itself
 ) -> DDTreeVerifyInput:
     bs, N = tokens.shape
     mask = torch.empty(
         tree_layout.full_mask_size(N, bs, seq_lens_sum), dtype=torch.bool, device=tokens.device
     )
-    tree_layout.write_full_mask(visibility, seq_lens, mask)
+    if write_mask:
+        tree_layout.write_full_mask(visibility, seq_lens, mask)
     return _verify_input(
         cfg,
         N,
@@ -51,6 +57,8 @@ def make_verify_input(
         tree_tokens=tokens,
         tree_visibility=visibility,
         tree_depth=depth,
+        tree_mask_written=write_mask,
+        tree_seq_lens=seq_lens,
         draft_token=tokens.reshape(-1),
         positions=tree_layout.node_positions(depth, seq_lens),
         retrieve_index=tree_layout.retrieve_index(bs, N, tokens.device),

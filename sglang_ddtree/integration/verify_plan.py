@@ -99,18 +99,27 @@ def call_begin_forward(original, updater, wrapper_ragged, wrapper_paged, req_poo
     if options().verify_plan != "host" or not _applies(
         wrapper_paged, seq_lens, seq_lens_cpu, use_ragged, spec_info, args, kwargs
     ):
+        write_mask(spec_info)
         return original(*call, **kwargs)
     plan = host_plan(seq_lens_cpu, int(spec_info.draft_token_num))
     capacity = compat.flashinfer_mask_capacity(wrapper_paged)  # CUDA-graph buffer, bytes
     if capacity is not None and plan.total_bits > capacity:  # the bit-offset layout is 8x
+        write_mask(spec_info)
         return original(*call, **kwargs)
     starts = plan.mask_starts.to(seq_lens.device, non_blocking=True)
     planned = wrapper_paged.begin_forward
     own = "begin_forward" in vars(wrapper_paged)
     pack = _packer(options().mask_pack)
+    from_tree = not spec_info.tree_mask_written
 
     def begin_forward(qo, kv, kv_indices, last, *rest, custom_mask=None, **kw):
-        packed = pack(custom_mask.reshape(-1), starts, plan)
+        if from_tree:  # the unpacked mask was never written: pack the tree's visibility
+            from sglang_ddtree.integration import mask_pack
+
+            packed = mask_pack.pack_tree_mask(spec_info.tree_visibility, starts,
+                                              plan.total_bits, plan.max_request_bits)  # fmt: skip
+        else:
+            packed = pack(custom_mask.reshape(-1), starts, plan)
         return planned(plan.qo_indptr, plan.kv_indptr, kv_indices, plan.last_page_len, *rest,
                        packed_custom_mask=packed, **kw)  # fmt: skip
 
@@ -125,6 +134,27 @@ def call_begin_forward(original, updater, wrapper_ragged, wrapper_paged, req_poo
             wrapper_paged.begin_forward = planned
         else:
             del wrapper_paged.begin_forward
+
+
+def packs_from_tree() -> bool:
+    """Whether the verify input may leave its unpacked mask unwritten: the host plan with the
+    Triton packer, which packs from the tree (SGLANG_DDTREE_MASK_PACK=triton)."""
+    from sglang_ddtree.config import options
+
+    opts = options()
+    return opts.verify_plan == "host" and opts.mask_pack == "triton"
+
+
+def write_mask(spec_info) -> None:
+    """A DDTREE verify input whose unpacked mask was left unwritten, about to be planned by
+    SGLang's plan (which reads it): written now (tree_layout.write_full_mask)."""
+    from sglang_ddtree.integration import tree_layout
+    from sglang_ddtree.integration.verify_input import DDTreeVerifyInput
+
+    if isinstance(spec_info, DDTreeVerifyInput) and not spec_info.tree_mask_written:
+        tree_layout.write_full_mask(spec_info.tree_visibility, spec_info.tree_seq_lens,
+                                    spec_info.custom_mask)  # fmt: skip
+        spec_info.tree_mask_written = True
 
 
 def _packer(name: str):

@@ -42,7 +42,7 @@ from sglang.srt.utils import get_available_gpu_memory
 from torch.profiler import record_function
 
 from sglang_ddtree.config import DDTreeConfig, options
-from sglang_ddtree.integration import compat, penalties
+from sglang_ddtree.integration import compat, penalties, verify_plan
 from sglang_ddtree.integration.draft_head import DraftTreeHead
 from sglang_ddtree.integration.penalties import PenaltyTable
 from sglang_ddtree.integration.round_dump import RoundDump
@@ -213,6 +213,7 @@ class DDTreeWorker(DFlashWorkerV2):
                 tree.visibility,
                 batch.seq_lens,
                 self._seq_lens_sum_bound(batch, draft_input),
+                write_mask=not verify_plan.packs_from_tree(),
             )
         verify_at = self._widths.use(width) if self._widths else contextlib.nullcontext()
         with record_function("ddtree.verify_accept_commit"), verify_at:

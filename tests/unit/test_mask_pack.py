@@ -18,7 +18,7 @@ from tests.fixtures import run_cpu_tests_under_triton_interpreter
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interpreter_only = pytest.mark.skipif(not INTERPRETED, reason="runs in the interpreter process")
-INTERPRETER_TESTS = 8  # non-gpu tests the child process runs (all but this one)
+INTERPRETER_TESTS = 16  # non-gpu tests the child process runs (all but this one)
 
 
 def test_cpu_kernel_tests_under_triton_interpreter():
@@ -81,6 +81,118 @@ def test_the_plan_hook_packs_with_the_chosen_packer():
         mask, plan.mask_starts, plan.total_bits, plan.packed_bytes))  # fmt: skip
 
 
+def _tree(bs: int, N: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.rand(bs, N, N, generator=gen) < 0.5) | torch.eye(N, dtype=torch.bool)
+
+
+def _written(vis: torch.Tensor, seq: torch.Tensor) -> torch.Tensor:
+    """The unpacked FULL_MASK of len(seq) requests, the first len(vis) from the tree, the rest
+    all True (a CUDA graph's padded requests, as SGLang pads the mask)."""
+    N = vis.shape[1]
+    out = torch.empty(tree_layout.full_mask_size(N, len(seq), int(seq.sum())), dtype=torch.bool)
+    return tree_layout.write_full_mask(vis, seq[: len(vis)], out)
+
+
+@interpreter_only
+@pytest.mark.parametrize(
+    "seq,N,padded",
+    [([5, 1, 17], 5, 0), ([1], 4, 0), ([37, 5, 120], 16, 0), ([3, 1021], 4, 0),
+     ([9, 2, 31, 1, 1], 8, 2)],
+)  # fmt: skip
+def test_the_tree_packer_gives_the_bytes_of_the_written_mask(seq, N, padded):
+    from sglang_ddtree.integration import mask_pack
+
+    seq = torch.tensor(seq)
+    vis = _tree(len(seq) - padded, N, seed=N)
+    plan = verify_plan.host_plan(seq, N)
+    want = verify_plan.pack_at_bit_offsets(_written(vis, seq), plan.mask_starts, plan.total_bits,
+                                           plan.packed_bytes)  # fmt: skip
+    got = mask_pack.pack_tree_mask(vis, plan.mask_starts, plan.total_bits,
+                                   plan.max_request_bits)  # fmt: skip
+    assert torch.equal(got, want)
+
+
+@interpreter_only
+def test_the_tree_packer_reads_a_truncated_trees_view():
+    from sglang_ddtree.integration import mask_pack
+
+    seq, wide, N = torch.tensor([12, 3]), _tree(2, 32, seed=1), 16
+    vis = wide[:, :N, :N]  # tree.budget.truncate's visibility: a strided view
+    assert not vis.is_contiguous()
+    plan = verify_plan.host_plan(seq, N)
+    want = verify_plan.pack_at_bit_offsets(_written(vis.contiguous(), seq), plan.mask_starts,
+                                           plan.total_bits, plan.packed_bytes)  # fmt: skip
+    got = mask_pack.pack_tree_mask(vis, plan.mask_starts, plan.total_bits, plan.max_request_bits)
+    assert torch.equal(got, want)
+
+
+class _Wrapper:
+    def begin_forward(self, qo, kv, kv_indices, last, *rest, **kw):
+        self.kw = kw
+
+
+def _sglang_call(updater, wrapper_ragged, wrapper_paged, req_pool_indices, paged_kernel_lens,
+                 paged_kernel_lens_sum, seq_lens, prefix_lens, kv_start_idx, kv_indptr,
+                 qo_indptr, use_ragged, spec_info, **kwargs):  # fmt: skip
+    """SGLang's call_begin_forward, reduced to what reaches the wrapper: the unpacked mask."""
+    wrapper_paged.begin_forward("qo", "kv", "kv_indices", "last", custom_mask=spec_info.custom_mask)
+    return spec_info.custom_mask.clone()  # what SGLang's plan would have read
+
+
+def _unwritten_verify(seq: torch.Tensor, N: int):
+    from sglang_ddtree.config import DDTreeConfig
+    from sglang_ddtree.integration.verify_input import make_verify_input
+
+    bs = len(seq)
+    vis = _tree(bs, N, seed=7)
+    links = torch.full((bs, N), -1, dtype=torch.int64)
+    info = make_verify_input(DDTreeConfig(block_size=4, num_nodes=N, topk=2),
+                             torch.zeros(bs, N, dtype=torch.int64), torch.zeros(bs, N, dtype=torch.int64),
+                             links, links, vis, seq, int(seq.sum()), write_mask=False)  # fmt: skip
+    return info, vis
+
+
+def _plan_call(info, seq, seq_lens_cpu):
+    from sglang_ddtree.integration.verify_plan import call_begin_forward
+
+    wrapper = _Wrapper()
+    out = call_begin_forward(_sglang_call, "updater", None, wrapper, None, seq, int(seq.sum()),
+                             seq, None, None, None, None, False, info, seq_lens_cpu=seq_lens_cpu)  # fmt: skip
+    return out, wrapper.kw
+
+
+@interpreter_only
+def test_the_plan_packs_an_unwritten_mask_from_the_tree(monkeypatch):
+    from sglang_ddtree import config
+
+    monkeypatch.setattr(config, "_active", config.Options(mask_pack="triton"))
+    seq, N = torch.tensor([6, 2, 11]), 4
+    info, vis = _unwritten_verify(seq, N)
+    assert not info.tree_mask_written and verify_plan.packs_from_tree()
+    _, kw = _plan_call(info, seq, seq.clone())
+    plan = verify_plan.host_plan(seq, N)
+    want = verify_plan.pack_at_bit_offsets(_written(vis, seq), plan.mask_starts, plan.total_bits,
+                                           plan.packed_bytes)  # fmt: skip
+    assert "custom_mask" not in kw and torch.equal(kw["packed_custom_mask"], want)
+    assert not info.tree_mask_written  # never needed
+
+
+def test_an_unwritten_mask_is_written_before_sglangs_plan_reads_it(monkeypatch):
+    """Where the host plan does not apply (here: no host lengths), SGLang's plan reads the
+    unpacked mask: it is written first, as make_verify_input would have written it."""
+    from sglang_ddtree import config
+
+    monkeypatch.setattr(config, "_active", config.Options(mask_pack="triton"))
+    seq, N = torch.tensor([6, 2, 11]), 4
+    info, vis = _unwritten_verify(seq, N)
+    read, kw = _plan_call(info, seq, None)
+    assert "packed_custom_mask" not in kw and info.tree_mask_written
+    assert torch.equal(read, _written(vis, seq))
+    monkeypatch.setattr(config, "_active", config.Options())  # torch packer: masks are written
+    assert not verify_plan.packs_from_tree()
+
+
 def test_the_switch_selects_the_packer_and_checks_the_plan(monkeypatch):
     from sglang_ddtree.config import Options
 
@@ -99,6 +211,16 @@ def test_the_switch_selects_the_packer_and_checks_the_plan(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_triton_packer_gives_the_torch_packers_bytes_on_the_gpu():
+    from sglang_ddtree.integration import mask_pack
+
     for seq, N in (([37, 5, 120], 16), ([2000, 1, 64, 900], 64), ([1], 128)):
         torch_packed, triton_packed = _both(seq, N, seed=N, device="cuda")
         assert torch.equal(triton_packed, torch_packed), (seq, N)
+        seq = torch.tensor(seq)
+        vis = _tree(len(seq) - 1, N, seed=N)  # the last request a graph's padding
+        plan = verify_plan.host_plan(seq, N)
+        want = verify_plan.pack_at_bit_offsets(_written(vis, seq), plan.mask_starts,
+                                               plan.total_bits, plan.packed_bytes)  # fmt: skip
+        got = mask_pack.pack_tree_mask(vis.cuda(), plan.mask_starts.cuda(), plan.total_bits,
+                                       plan.max_request_bits)  # fmt: skip
+        assert torch.equal(got.cpu(), want), (seq, N)
