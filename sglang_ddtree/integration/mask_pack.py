@@ -81,6 +81,8 @@ def pack_tree_mask(visibility: torch.Tensor, starts: torch.Tensor, total_bits: i
     (N x (S_b + N)). Sync-free."""
     out = torch.zeros(total_bits, dtype=torch.uint8, device=visibility.device)
     bs, (bs_tree, N, _) = starts.numel() - 1, visibility.shape
+    if bs_tree > bs:
+        raise ValueError(f"the plan covers {bs} requests, the tree {bs_tree}")
     blocks = triton.cdiv(triton.cdiv(max_request_bits, 8), BLOCK)
     if bs > 0 and blocks > 0:
         vis = visibility.view(torch.uint8)

@@ -103,6 +103,13 @@ def validate_server_args(server_args: Any) -> None:
             f"DDTREE's automatic verify widths do not support --{flag.replace('_', '-')}; "
             "set SGLANG_DDTREE_WIDTH=fixed or drop the flag.",
         )
+    # two-batch overlap splits the verify input by slicing its mask; the tree packer reads the
+    # whole batch's tree instead
+    _require(
+        opts.mask_pack != "triton" or not getattr(view, "enable_two_batch_overlap", False),
+        "SGLANG_DDTREE_MASK_PACK=triton packs the whole batch's tree mask, which "
+        "--enable-two-batch-overlap splits; drop one of the two.",
+    )
 
 
 def _validate_sampling_and_parallelism(view: Any) -> None:

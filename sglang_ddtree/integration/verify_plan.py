@@ -111,6 +111,8 @@ def call_begin_forward(original, updater, wrapper_ragged, wrapper_paged, req_poo
     own = "begin_forward" in vars(wrapper_paged)
     pack = _packer(options().mask_pack)
     from_tree = not spec_info.tree_mask_written
+    if from_tree and spec_info.tree_visibility.shape[1] != int(spec_info.draft_token_num):
+        raise RuntimeError("DDTREE: the verify's tree and its width disagree")  # a bug, loudly
 
     def begin_forward(qo, kv, kv_indices, last, *rest, custom_mask=None, **kw):
         if from_tree:  # the unpacked mask was never written: pack the tree's visibility

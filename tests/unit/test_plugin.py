@@ -206,6 +206,11 @@ def test_width_switches_are_checked_against_the_flags_at_startup(draft_dir, monk
     monkeypatch.delenv("SGLANG_DDTREE_WIDTHS")
     monkeypatch.setenv("SGLANG_DDTREE_WIDTH", "fixed")
     spec.validate_server_args(_server_args(draft_dir, enable_two_batch_overlap=True))
+    # two-batch overlap slices the verify's mask; the tree packer reads the whole batch's tree
+    monkeypatch.setenv("SGLANG_DDTREE_MASK_PACK", "triton")
+    with pytest.raises(DDTreeConfigError, match="MASK_PACK=triton.*--enable-two-batch-overlap"):
+        spec.validate_server_args(_server_args(draft_dir, enable_two_batch_overlap=True))
+    spec.validate_server_args(_server_args(draft_dir))
 
 
 def test_serve_command_flags_parse_into_the_fields_we_read(draft_dir):
