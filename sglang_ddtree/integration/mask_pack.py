@@ -6,9 +6,10 @@ tree's visibility), unless the plan falls back to SGLang's, which then gets it w
 Same bytes as `pack_at_bit_offsets`: request b's mask bits, the flat unpacked mask's
 [starts[b], starts[b + 1]), packed little-endian from byte starts[b] (the plan's bit offset,
 which FlashInfer 0.6.15's kernel adds to its byte pointer), every other byte zero. The torch
-packer takes about 110 small torch operations a round (counted on the CPU), each a host launch; on the host-bound shipped pair
-the profiler put it at 1.8 ms of a 13.9 ms DDTREE round (docs/benchmarks.md, session 14). Here
-one program packs BLOCK bytes of one request: grid (requests, blocks of the longest request).
+packer takes about 110 small torch operations a round (counted on the CPU), each a host
+launch; on the host-bound shipped pair the profiler put it at 1.8 ms of a 13.9 ms DDTREE round
+(docs/benchmarks.md, session 14). Here one program packs BLOCK bytes of one request: grid
+(requests, blocks of the longest request).
 """
 
 from __future__ import annotations
