@@ -134,13 +134,29 @@ def _on_paths(logits, tokens, visibility, counts, f, p, r):
     return m, idx, path_value
 
 
+# the most bytes penalize_tree_'s [requests, N, V] temporaries (a float and a bool) may take:
+# larger batches are penalised a few requests at a time (Qwen3.6-27B's 248,320-token vocabulary
+# at N = 64 is 79 MB per request; 16 requests at once would be 1.3 GB beside SGLang's logits)
+TEMP_BYTES = 256 << 20
+
+
 def penalize_tree_(logits: torch.Tensor, tokens: torch.Tensor, visibility: torch.Tensor,
                    counts: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor,
-                   repetition: torch.Tensor) -> torch.Tensor:  # fmt: skip
+                   repetition: torch.Tensor, temp_bytes: int = TEMP_BYTES) -> torch.Tensor:  # fmt: skip
     """`penalize_tree` in place on logits (the server's float32 verify logits), the repetition
     penalty over the output tokens (counts > 0): the path tokens' raw values gathered first, the
     shared penalty as broadcast [bs, 1, V] operations, so that a round holds one float and one
-    bool [bs, N, V] temporary at a time instead of about ten."""
+    bool [requests, N, V] temporary at a time instead of about ten, over as many requests at
+    once as `temp_bytes` holds (at least one; every element's arithmetic is the same either
+    way)."""
+    bs, N, V = logits.shape
+    step = max(1, temp_bytes // max(N * V * (logits.element_size() + 1), 1))
+    if bs > step:
+        for lo in range(0, bs, step):
+            hi = min(lo + step, bs)
+            penalize_tree_(logits[lo:hi], tokens[lo:hi], visibility[lo:hi], counts[lo:hi],
+                           frequency[lo:hi], presence[lo:hi], repetition[lo:hi], temp_bytes)  # fmt: skip
+        return logits
     counts = counts.to(logits.dtype)
     f, p, r = (t.to(logits.dtype)[:, None, None] for t in (frequency, presence, repetition))
     m, idx, path_value = _on_paths(logits, tokens, visibility, counts, f, p, r)  # raw logits

@@ -124,7 +124,7 @@ def test_one_position_is_penalised_as_sglangs_own_penalizers_do():
     torch.testing.assert_close(ours, sglang, rtol=1e-6, atol=1e-6)
 
 
-def test_the_in_place_tree_penalties_are_penalize_tree():
+def test_the_in_place_tree_penalties_are_penalize_tree(monkeypatch):
     """penalize_tree_ (the server's, in place, few temporaries) gives penalize_tree's logits,
     repeated tokens on a path, negative and positive logits and every penalty at once."""
     gen = torch.Generator().manual_seed(9)
@@ -140,3 +140,21 @@ def test_the_in_place_tree_penalties_are_penalize_tree():
     want = penalize_tree(logits, tree.tokens, tree.visibility, counts, f, p, r)
     got = penalize_tree_(logits.clone(), tree.tokens, tree.visibility, counts, f, p, r)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    # a temporary budget below the batch: a request or two at a time, the same bits
+    per_request = N * V * 5
+    for budget in (1, per_request, 2 * per_request + 1):
+        chunked = penalize_tree_(logits.clone(), tree.tokens, tree.visibility, counts, f, p, r,
+                                 temp_bytes=budget)  # fmt: skip
+        assert torch.equal(chunked, got), budget
+    from sglang_ddtree.tree import penalties as module
+
+    sizes = []
+
+    def counted(x, *args, **kwargs):
+        sizes.append(x.shape[0])
+        return penalize_tree_(x, *args, **kwargs)
+
+    monkeypatch.setattr(module, "penalize_tree_", counted)  # the chunks' own calls
+    penalize_tree_(logits.clone(), tree.tokens, tree.visibility, counts, f, p, r,
+                   temp_bytes=2 * per_request)  # fmt: skip
+    assert sizes == [2, 1]
