@@ -10,6 +10,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import torch
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
@@ -54,6 +55,24 @@ def shared_penalties_for_every_node(state, logits, tokens, visibility, depth):
     """A wrong `PenaltyState.tree` for negative controls: the output so far's penalties on every
     node (SGLang's linear penalizers on a tree), not each node's own path."""
     return state._min_tokens(state._shared(logits[None]), depth)[0]
+
+
+# Triton kernels on the CPU: a test file's CPU tests run again in a child process under Triton's
+# interpreter (`interpreter_process_test`); the ones that need it are `interpreter_only`.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+interpreter_only = pytest.mark.skipif(not INTERPRETED, reason="runs in the interpreter process")
+
+
+def interpreter_process_test(test_file: str, expected_passed: int):
+    """The test that runs `test_file`'s non-GPU tests under the interpreter (skipped inside that
+    process), requiring exactly `expected_passed` passes there; assign it to a test_ name."""
+
+    def test_cpu_kernel_tests_under_triton_interpreter():
+        if INTERPRETED:
+            pytest.skip("already inside the interpreter process")
+        run_cpu_tests_under_triton_interpreter(test_file, expected_passed)
+
+    return test_cpu_kernel_tests_under_triton_interpreter
 
 
 def run_cpu_tests_under_triton_interpreter(test_file: str, expected_passed: int) -> None:

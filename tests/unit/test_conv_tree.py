@@ -7,7 +7,6 @@ Directly: TRITON_INTERPRET=1 python -m pytest tests/unit/test_conv_tree.py -m "n
 
 from __future__ import annotations
 
-import os
 from functools import partial
 
 import pytest
@@ -19,19 +18,17 @@ from sglang_ddtree.tree.testing import (
     eagle_links,
     random_build_inputs,
 )
-from tests.fixtures import conv_window_reference, run_cpu_tests_under_triton_interpreter
+from tests.fixtures import (
+    INTERPRETED,
+    conv_window_reference,
+    interpreter_only,
+    interpreter_process_test,
+)
 
 torch.set_num_threads(1)
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-interpreter_only = pytest.mark.skipif(not INTERPRETED, reason="runs in the interpreter process")
-INTERPRETER_TESTS = 14  # non-gpu tests the child process runs (all but this one)
-
-
-def test_cpu_kernel_tests_under_triton_interpreter():
-    if INTERPRETED:
-        pytest.skip("already inside the interpreter process")
-    run_cpu_tests_under_triton_interpreter(__file__, INTERPRETER_TESTS)
+# the non-GPU tests the interpreter process runs (all but this one); it must pass all
+test_cpu_kernel_tests_under_triton_interpreter = interpreter_process_test(__file__, 14)
 
 
 def trees(bs: int, N: int, seed: int) -> torch.Tensor:

@@ -8,23 +8,14 @@ Directly: TRITON_INTERPRET=1 python -m pytest tests/unit/test_mask_pack.py -m "n
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from sglang_ddtree.integration import tree_layout, verify_plan
-from tests.fixtures import run_cpu_tests_under_triton_interpreter
+from tests.fixtures import interpreter_only, interpreter_process_test
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-interpreter_only = pytest.mark.skipif(not INTERPRETED, reason="runs in the interpreter process")
-INTERPRETER_TESTS = 16  # non-gpu tests the child process runs (all but this one)
-
-
-def test_cpu_kernel_tests_under_triton_interpreter():
-    if INTERPRETED:
-        pytest.skip("already inside the interpreter process")
-    run_cpu_tests_under_triton_interpreter(__file__, INTERPRETER_TESTS)
+# the non-GPU tests the interpreter process runs (all but this one); it must pass all
+test_cpu_kernel_tests_under_triton_interpreter = interpreter_process_test(__file__, 16)
 
 
 def _mask(seq: torch.Tensor, N: int, seed: int, device="cpu") -> torch.Tensor:
