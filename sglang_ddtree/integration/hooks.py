@@ -262,22 +262,25 @@ def report() -> dict:
             "engaged": gdn.engaged()}  # fmt: skip
 
 
-def _row_headroom(original, server_args):
-    """AROUND get_req_to_token_extra_context_len (the req_to_token rows' width beyond the
-    context): for DDTREE at least the decode rounds' reserve (compat.decode_reserve_headroom)."""
-    extra = original(server_args)
+def _ddtree_headroom(server_args, extra: int) -> int:
+    """The req_to_token rows' width beyond the context: SGLang's `extra`, and for DDTREE at
+    least the decode rounds' reserve (compat.decode_reserve_headroom)."""
     if not _serves_ddtree(server_args):
         return extra
     return max(extra, compat.decode_reserve_headroom(server_args))
 
 
+def _row_headroom(original, server_args):
+    """AROUND get_req_to_token_extra_context_len: _ddtree_headroom of SGLang's."""
+    return _ddtree_headroom(server_args, original(server_args))
+
+
 def _unified_row_headroom(original, *args, **kwargs):
     """AROUND init_unified_mamba_pools (--enable-unified-memory), whose caller computes the rows'
-    width itself: the same headroom as _row_headroom for DDTREE."""
-    server_args = compat.current_server_args()
-    if _serves_ddtree(server_args) and "extra_max_context_len" in kwargs:
-        kwargs["extra_max_context_len"] = max(kwargs["extra_max_context_len"],
-                                              compat.decode_reserve_headroom(server_args))  # fmt: skip
+    width itself: _ddtree_headroom of that."""
+    if "extra_max_context_len" in kwargs:
+        kwargs["extra_max_context_len"] = _ddtree_headroom(compat.current_server_args(),
+                                                           kwargs["extra_max_context_len"])  # fmt: skip
     return original(*args, **kwargs)
 
 

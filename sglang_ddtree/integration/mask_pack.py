@@ -1,15 +1,15 @@
-"""The tree verify's custom mask packed for FlashInfer in one Triton launch
-(SGLANG_DDTREE_MASK_PACK=triton; the default, torch, is verify_plan.pack_at_bit_offsets).
-With it the verify input does not write the unpacked mask at all (`pack_tree_mask` reads the
-tree's visibility), unless the plan falls back to SGLang's, which then gets it written.
+"""The tree verify's custom mask packed for FlashInfer in one Triton launch straight from the
+tree (SGLANG_DDTREE_MASK_PACK=triton; the default, torch, writes the unpacked mask and packs it
+with verify_plan.pack_at_bit_offsets). With it the verify input does not write the unpacked mask
+at all, unless the plan falls back to SGLang's, which then gets it written.
 
-Same bytes as `pack_at_bit_offsets`: request b's mask bits, the flat unpacked mask's
-[starts[b], starts[b + 1]), packed little-endian from byte starts[b] (the plan's bit offset,
-which FlashInfer 0.6.15's kernel adds to its byte pointer), every other byte zero. The torch
-packer takes about 110 small torch operations a round (counted on the CPU), each a host
-launch; on the host-bound shipped pair the profiler put it at 1.8 ms of a 13.9 ms DDTREE round
-(docs/benchmarks.md, session 14). Here one program packs BLOCK bytes of one request: grid
-(requests, blocks of the longest request).
+Same bytes as `pack_at_bit_offsets` of the written mask: request b's mask bits packed
+little-endian from byte starts[b] (the plan's bit offset, which FlashInfer 0.6.15's kernel adds
+to its byte pointer), every other byte zero. The torch path takes about 110 small torch
+operations a round (counted on the CPU), each a host launch; on the host-bound shipped pair the
+profiler put the packing at 1.8 ms of a 13.9 ms DDTREE round (docs/benchmarks.md, session 14).
+Here one program packs BLOCK bytes of one request: grid (requests, blocks of the longest
+request).
 """
 
 from __future__ import annotations
@@ -19,34 +19,6 @@ import triton
 import triton.language as tl
 
 BLOCK = 512  # packed bytes per program
-
-
-@triton.jit
-def _pack_kernel(mask, starts, out, BLOCK: tl.constexpr):
-    b = tl.program_id(0)
-    start = tl.load(starts + b).to(tl.int64)
-    bits = tl.load(starts + b + 1).to(tl.int64) - start
-    byte_at = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    packed = tl.zeros([BLOCK], dtype=tl.int32)
-    for k in tl.static_range(8):
-        bit_at = byte_at * 8 + k
-        bit = tl.load(mask + start + bit_at, mask=bit_at < bits, other=0).to(tl.int32)
-        packed |= (bit & 1) << k
-    tl.store(out + start + byte_at, packed.to(tl.uint8), mask=byte_at * 8 < bits)
-
-
-def pack_at_bit_offsets(mask: torch.Tensor, starts: torch.Tensor, total_bits: int,
-                        max_request_bits: int) -> torch.Tensor:  # fmt: skip
-    """uint8 [total_bits], as verify_plan.pack_at_bit_offsets: mask the flat unpacked bool mask
-    (at least total_bits long), starts [bs + 1] int32 on its device, max_request_bits the
-    longest request's bits (host-known: it sizes the grid). Sync-free."""
-    out = torch.zeros(total_bits, dtype=torch.uint8, device=mask.device)
-    bs = starts.numel() - 1
-    blocks = triton.cdiv(triton.cdiv(max_request_bits, 8), BLOCK)
-    if bs > 0 and blocks > 0:
-        _pack_kernel[(bs, blocks)](mask.contiguous().view(torch.uint8), starts, out,
-                                   BLOCK=BLOCK)  # fmt: skip
-    return out
 
 
 @triton.jit
@@ -74,8 +46,8 @@ def _tree_pack_kernel(vis, starts, out, bs_tree, N, stride_b, stride_i, stride_j
 
 def pack_tree_mask(visibility: torch.Tensor, starts: torch.Tensor, total_bits: int,
                    max_request_bits: int) -> torch.Tensor:  # fmt: skip
-    """The bytes `pack_at_bit_offsets` gives for the FULL_MASK tree_layout.write_full_mask
-    writes, straight from the tree: visibility [bs_tree, N, N] bool (any strides: a truncated
+    """The bytes verify_plan.pack_at_bit_offsets gives for the FULL_MASK
+    tree_layout.write_full_mask writes, straight from the tree: visibility [bs_tree, N, N] bool (any strides: a truncated
     tree's is a view), starts [bs + 1] int32, bs >= bs_tree (requests past bs_tree, a CUDA
     graph's padding, see everything, as SGLang pads the unpacked mask with True). Request b's
     row i: its S_b committed tokens visible, then visibility[b, i]; S_b from the plan's bits

@@ -109,23 +109,25 @@ def call_begin_forward(original, updater, wrapper_ragged, wrapper_paged, req_poo
     starts = plan.mask_starts.to(seq_lens.device, non_blocking=True)
     planned = wrapper_paged.begin_forward
     own = "begin_forward" in vars(wrapper_paged)
-    pack = _packer(options().mask_pack)
-    from_tree = not spec_info.tree_mask_written
-    if from_tree and spec_info.tree_visibility.shape[1] != int(spec_info.draft_token_num):
-        raise RuntimeError("DDTREE: the verify's tree and its width disagree")  # a bug, loudly
+    from sglang_ddtree.integration.gdn import first_use
+
+    from_tree = not spec_info.tree_mask_written  # SGLANG_DDTREE_MASK_PACK=triton
+    if from_tree:
+        from sglang_ddtree.integration import mask_pack
+
+        if spec_info.tree_visibility.shape[1] != int(spec_info.draft_token_num):
+            raise RuntimeError("DDTREE: the verify's tree and its width disagree")  # a bug
+        first_use("verify mask packed by integration/mask_pack.py")
 
     def begin_forward(qo, kv, kv_indices, last, *rest, custom_mask=None, **kw):
         if from_tree:  # the unpacked mask was never written: pack the tree's visibility
-            from sglang_ddtree.integration import mask_pack
-
             packed = mask_pack.pack_tree_mask(spec_info.tree_visibility, starts,
                                               plan.total_bits, plan.max_request_bits)  # fmt: skip
         else:
-            packed = pack(custom_mask.reshape(-1), starts, plan)
+            packed = pack_at_bit_offsets(custom_mask.reshape(-1), starts, plan.total_bits,
+                                         plan.packed_bytes)  # fmt: skip
         return planned(plan.qo_indptr, plan.kv_indptr, kv_indices, plan.last_page_len, *rest,
                        packed_custom_mask=packed, **kw)  # fmt: skip
-
-    from sglang_ddtree.integration.gdn import first_use
 
     first_use("verify plan from host lengths (integration/verify_plan.py)")
     wrapper_paged.begin_forward = begin_forward
@@ -157,23 +159,6 @@ def write_mask(spec_info) -> None:
         tree_layout.write_full_mask(spec_info.tree_visibility, spec_info.tree_seq_lens,
                                     spec_info.custom_mask)  # fmt: skip
         spec_info.tree_mask_written = True
-
-
-def _packer(name: str):
-    """mask, starts, plan -> the packed mask: SGLANG_DDTREE_MASK_PACK=torch (this module's) or
-    triton (integration/mask_pack.py, one launch)."""
-    if name == "triton":
-        from sglang_ddtree.integration import mask_pack
-        from sglang_ddtree.integration.gdn import first_use
-
-        def triton_pack(mask, starts, plan):
-            first_use("verify mask packed by integration/mask_pack.py")
-            return mask_pack.pack_at_bit_offsets(mask, starts, plan.total_bits,
-                                                 plan.max_request_bits)  # fmt: skip
-
-        return triton_pack
-    return lambda mask, starts, plan: pack_at_bit_offsets(mask, starts, plan.total_bits,
-                                                          plan.packed_bytes)  # fmt: skip
 
 
 def _applies(wrapper_paged, seq_lens, seq_lens_cpu, use_ragged, spec_info, args, kwargs) -> bool:
