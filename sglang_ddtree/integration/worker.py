@@ -111,6 +111,8 @@ class DDTreeWorker(DFlashWorkerV2):
         self._round_dump = RoundDump.from_options(options()) if self.ps.tp_rank == 0 else None
         self._widths: VerifyWidths | None = None  # SGLANG_DDTREE_WIDTH=auto (init_cuda_graphs)
         self._readings: RoundReadings | None = None
+        self._graphs_on = False  # the target's decode CUDA graphs (init_cuda_graphs)
+        self._eager_warned: set[int] = set()
         # SGLANG_DDTREE_PENALTIES=1: the count table, made in alloc_memory_pool (the scheduler
         # builds this worker before any request pool exists)
         self._penalties: PenaltyTable | None = None
@@ -148,6 +150,7 @@ class DDTreeWorker(DFlashWorkerV2):
             )
         compat.init_draft_cuda_graphs(self, capture)
         self._init_widths(capture)
+        self._graphs_on = compat.target_verify_state(self.target_worker.model_runner)[1] is not None
 
     def _init_widths(self, capture: bool) -> None:
         """SGLANG_DDTREE_WIDTH=auto: the target's verify graphs at every width and the policy
@@ -218,6 +221,8 @@ class DDTreeWorker(DFlashWorkerV2):
         verify_at = self._widths.use(width) if self._widths else contextlib.nullcontext()
         with record_function("ddtree.verify_accept_commit"), verify_at:
             result = self._verify_accept_commit(batch, grammar_barrier, width)
+        if not result.can_run_cuda_graph:
+            self._note_eager_verify(bs, width)
         emitted = result.next_token_ids.view(bs, -1)[:, : self.cfg.block_size]  # a view
         # the emitted tokens join each request's count in rounds whose batch asks for a penalty:
         # only a penalised request's row changes any logit (a neutral one's leaves them as they
@@ -239,6 +244,16 @@ class DDTreeWorker(DFlashWorkerV2):
             if self._readings is not None:
                 self._readings.finish(built.scores, result.accept_lens)
         return result
+
+    def _note_eager_verify(self, bs: int, width: int) -> None:
+        """A verify that ran without the target's CUDA graph (a host cost of a few ms on a small
+        target): warned once per width while graphs are on, counted in the widths table."""
+        if self._readings is not None:
+            self._readings.policy.eager[width] += 1
+        if self._graphs_on and width not in self._eager_warned and self.ps.tp_rank == 0:
+            self._eager_warned.add(width)
+            logger.warning("DDTREE: a verify at width %d, batch %d, ran without CUDA graphs "
+                           "(later ones are counted in the widths table)", width, bs)  # fmt: skip
 
     @contextlib.contextmanager
     def _logprobs_through_prefill(self, batch):

@@ -197,6 +197,7 @@ class WidthPolicy:
         self.bucket_rounds: collections.Counter = collections.Counter()  # bucket -> rounds
         self.burst: dict[int, list] = {}  # bucket -> [width, rounds left] of a refresh
         self.chosen: collections.Counter = collections.Counter()  # width -> rounds
+        self.eager: collections.Counter = collections.Counter()  # width -> rounds without graphs
         self.calibrated: list[int] = []  # buckets just calibrated (newly_calibrated)
         self.announced: set[int] = set()
 
@@ -278,5 +279,9 @@ class WidthPolicy:
                 for b in buckets]  # fmt: skip
         tokens = " ".join(f"{w}: {self.tokens(w):.2f}" for w in self.widths)
         chosen = ", ".join(f"{w} x {n}" for w, n in sorted(self.chosen.items()))
-        return "\n".join([head, *rows, f"tokens per request and round: {tokens}",
-                          f"widths chosen: {chosen or 'none yet'}"])  # fmt: skip
+        lines = [head, *rows, f"tokens per request and round: {tokens}",
+                 f"widths chosen: {chosen or 'none yet'}"]  # fmt: skip
+        if self.eager:
+            eager = ", ".join(f"{w} x {n}" for w, n in sorted(self.eager.items()))
+            lines.append(f"verified without CUDA graphs: {eager}")
+        return "\n".join(lines)

@@ -97,6 +97,8 @@ def test_the_table_names_every_width_and_what_was_chosen():
     assert lines[0].split()[1:] == ["16", "32", "64"]
     assert lines[1].split() == ["1", "20.00", "21.00", "22.00"]
     assert lines[-1] == "widths chosen: 16 x 2, 32 x 2, 64 x 2"
+    policy.eager[16] += 3
+    assert policy.table().splitlines()[-1] == "verified without CUDA graphs: 16 x 3"
     with pytest.raises(ValueError, match="increasing"):
         WidthPolicy((32, 16))
     with pytest.raises(ValueError, match="explore, refresh and window"):
@@ -336,3 +338,30 @@ def test_a_width_that_does_not_fit_is_dropped_and_any_other_failure_stops_startu
     monkeypatch.setattr(compat, "build_target_verify_state", broken)
     with pytest.raises(RuntimeError, match="illegal memory access"):
         widths.VerifyWidths(runner, (16, 64))
+
+
+def test_a_verify_without_cuda_graphs_is_warned_once_per_width_and_counted(monkeypatch, caplog):
+    """An eager verify costs a small target a few ms of host time a round: the first at each
+    width is logged while graphs are on, and every one is counted in the widths table."""
+    from sglang_ddtree import config
+
+    worker_mod, w = _worker()
+    monkeypatch.setattr(worker_mod, "options", lambda: config.Options.from_env())
+    monkeypatch.setattr(worker_mod, "RoundReadings",
+                        lambda policy, max_bs, device: RoundReadingsOnCpu(policy, max_bs))  # fmt: skip
+    w._init_widths(capture=False)
+    w._graphs_on, w._eager_warned = True, set()
+    with caplog.at_level("WARNING", logger=worker_mod.logger.name):
+        for bs, width in [(3, 16), (2, 16), (1, 32)]:
+            w._note_eager_verify(bs, width)
+    warned = [r.getMessage() for r in caplog.records if "without CUDA graphs" in r.getMessage()]
+    assert warned == ["DDTREE: a verify at width 16, batch 3, ran without CUDA graphs (later "
+                      "ones are counted in the widths table)",
+                      "DDTREE: a verify at width 32, batch 1, ran without CUDA graphs (later "
+                      "ones are counted in the widths table)"]  # fmt: skip
+    assert w._readings.policy.eager == {16: 2, 32: 1}
+    w._graphs_on = False  # no graphs at all: counted, not warned
+    caplog.clear()
+    w._eager_warned = set()
+    w._note_eager_verify(1, 16)
+    assert not caplog.records and w._readings.policy.eager[16] == 3
