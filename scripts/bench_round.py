@@ -18,6 +18,7 @@ the trace parsers on CPU.
 from __future__ import annotations
 
 import argparse
+import bisect
 import glob
 import gzip
 import json
@@ -363,8 +364,12 @@ def parse_trace_host(events: list[dict]) -> dict:
         if "sglang_ddtree/" in inner:
             own += 1
     rounds = max(len(starts), 1)
+    launches = [e for e in events if e.get("cat") == "cuda_runtime" and "Launch" in e["name"]]
     return {
         "round_period_ms": statistics.median(gaps) if gaps else None,
+        # kernel and graph launches from the host: each one's host cost, whoever issues it
+        "launches_per_round": len(launches) / rounds,
+        "launches_by_range": _launches_by_range(ann, launches, rounds),
         "host_ms": {k: statistics.mean(v) for k, v in host.items()},
         "syncs_per_round": len(syncs) / rounds,
         "own_syncs_per_round": own / rounds,
@@ -373,7 +378,20 @@ def parse_trace_host(events: list[dict]) -> dict:
     }
 
 
-def host_functions(events: list[dict], n: int = 60) -> list[tuple[str, float]]:
+def _launches_by_range(ann: list[dict], launches: list[dict], rounds: int) -> dict[str, float]:
+    """Launches per round inside each `ddtree.*` range (same thread; the ranges do not nest)."""
+    ranges = sorted((e["ts"], e["ts"] + e["dur"], e["tid"], e["name"]) for e in ann
+                    if e["name"].startswith("ddtree."))  # fmt: skip
+    starts = [r[0] for r in ranges]
+    out: dict[str, float] = {}
+    for e in launches:
+        i = bisect.bisect_right(starts, e["ts"]) - 1
+        if i >= 0 and e["ts"] <= ranges[i][1] and e["tid"] == ranges[i][2]:
+            out[ranges[i][3]] = out.get(ranges[i][3], 0) + 1
+    return {k: v / rounds for k, v in sorted(out.items())}
+
+
+def host_functions(events: list[dict], n: int = 150) -> list[tuple[str, float]]:
     """The n sglang / sglang_ddtree Python functions with the most host time, and every other
     sglang_ddtree one, as (frame, ms per round; inclusive: a caller's time holds its callees'):
     where a round's host time goes."""

@@ -321,8 +321,14 @@ def test_host_trace_parser_counts_rounds_parts_and_own_syncs():
         # a sync in our own frame: ours
         _span("python_function", "sglang_ddtree/x.py(9): h", 12, 3),
         _span("cuda_runtime", "cudaStreamSynchronize", 13, 1),
+        # launches: two inside a ddtree range, one outside any
+        _span("cuda_runtime", "cudaLaunchKernel", 4, 1),
+        _span("cuda_runtime", "cudaGraphLaunch", 14, 1),
+        _span("cuda_runtime", "cudaLaunchKernel", 5000, 1),
     ]
     host = bench.parse_trace_host(events)
+    assert host["launches_per_round"] == 1.0
+    assert host["launches_by_range"] == {"ddtree.draft": 2 / 3}
     assert host["round_period_ms"] == 0.011  # median of 10 us and 12 us
     assert host["host_ms"] == {"ddtree.draft": 3.0}
     assert host["syncs_per_round"] == 2 / 3
