@@ -45,14 +45,13 @@ def server_table(draft: str) -> dict[str, tuple[list[str], dict[str, str]]]:
         return ["--speculative-num-draft-tokens", str(n)]
 
     fixed = {"SGLANG_DDTREE_WIDTH": "fixed"}
-    pack = {"SGLANG_DDTREE_MASK_PACK": "triton"}  # the verify mask packed by one Triton kernel
+    torch_pack = {"SGLANG_DDTREE_MASK_PACK": "torch"}  # the mask written, then packed by torch
     return {
         "none": ([], {}),
         "dflash": (["--speculative-algorithm", "DFLASH", *spec], {}),
         "ddtree": ([*dd, *nodes(NODES)], {}),  # automatic widths among 16 and 32
         "ddtree64": ([*dd, *nodes(64)], {}),  # automatic among 16, 32 and 64
-        "ddtree_pack": ([*dd, *nodes(NODES)], pack),
-        "ddtree32_pack": ([*dd, *nodes(32)], {**fixed, **pack}),  # fixed N = 32, Triton packer
+        "ddtree_torchpack": ([*dd, *nodes(NODES)], torch_pack),
         "ddtree16": ([*dd, *nodes(16)], fixed),
         "ddtree32": ([*dd, *nodes(32)], fixed),
     }

@@ -177,10 +177,12 @@ class Options:
     verify_plan   SGLANG_DDTREE_VERIFY_PLAN   host | sglang: host plans FlashInfer's tree verify
                                               from host lengths with no read-back
                                               (integration/verify_plan.py); sglang: SGLang's plan
-    mask_pack     SGLANG_DDTREE_MASK_PACK     torch | triton: how the host plan packs the tree
-                                              mask (triton: one launch from the tree, no
-                                              unpacked mask, integration/mask_pack.py; opt-in
-                                              until its GPU tests have run)
+    mask_pack     SGLANG_DDTREE_MASK_PACK     triton | torch: how the host plan packs the tree
+                                              mask (triton, the default: one launch from the
+                                              tree, no unpacked mask, integration/mask_pack.py;
+                                              torch: the mask written, then packed by ~130 torch
+                                              ops; the default with the SGLang plan and under
+                                              --enable-two-batch-overlap)
     gdn_check     SGLANG_DDTREE_GDN_CHECK     a directory: without CUDA graphs, every chunked GDN
                                               verify is checked against the root-path kernel and
                                               the inputs of one that differs are saved there
@@ -204,7 +206,7 @@ class Options:
     dump_rounds: str | None = None
     dump_every: int = 100
     verify_plan: str = "host"
-    mask_pack: str = "torch"
+    mask_pack: str = "triton"
     gdn_check: str | None = None
     gdn_check_serve: str = "chunk"
     gdn_check_save: int = 0
@@ -216,11 +218,14 @@ class Options:
     penalties: bool = True
 
     @classmethod
-    def from_env(cls, unified_memory: bool = False, deterministic: bool = False) -> Options:
+    def from_env(cls, unified_memory: bool = False, deterministic: bool = False,
+                 split_batches: bool = False) -> Options:  # fmt: skip
         """Parse and check every switch; an error names the switch and the fix. deterministic
         (--enable-deterministic-inference): the GDN verify defaults to the root paths, whose
         served tokens are batch-invariant (the chunked verify's were not in the GPU suite,
-        docs/benchmarks.md session 9; SGLANG_DDTREE_GDN_VERIFY=chunk still picks it)."""
+        docs/benchmarks.md session 9; SGLANG_DDTREE_GDN_VERIFY=chunk still picks it).
+        split_batches (--enable-two-batch-overlap, which slices the verify's mask): the mask is
+        written and packed by torch, as with SGLang's plan."""
         builder = env_value("SGLANG_DDTREE_TREE_BUILDER")
         if builder is not None:
             builder = env_choice("SGLANG_DDTREE_TREE_BUILDER", ("torch", "triton"))
@@ -242,6 +247,7 @@ class Options:
             # SGLang's unified pool allocates the per-node states itself: full there
             scratch = env_choice("SGLANG_DDTREE_GDN_SCRATCH", ("compact", "full"),
                                  default="full" if unified_memory else "compact")  # fmt: skip
+        plan = env_choice("SGLANG_DDTREE_VERIFY_PLAN", ("host", "sglang"))
         opts = cls(
             tree_builder=builder,
             sync_check=env_choice("SGLANG_DDTREE_SYNC_CHECK", ("0", "1")) == "1",
@@ -251,8 +257,12 @@ class Options:
             gdn_scratch=scratch,
             dump_rounds=env_value("SGLANG_DDTREE_DUMP_ROUNDS") or None,
             dump_every=int(every),
-            verify_plan=env_choice("SGLANG_DDTREE_VERIFY_PLAN", ("host", "sglang")),
-            mask_pack=env_choice("SGLANG_DDTREE_MASK_PACK", ("torch", "triton")),
+            verify_plan=plan,
+            mask_pack=env_choice(
+                "SGLANG_DDTREE_MASK_PACK",
+                ("triton", "torch"),
+                default="torch" if plan == "sglang" or split_batches else "triton",
+            ),  # fmt: skip
             gdn_check=env_value("SGLANG_DDTREE_GDN_CHECK") or None,
             gdn_check_serve=env_choice("SGLANG_DDTREE_GDN_CHECK_SERVE", ("chunk", "paths")),
             gdn_check_save=_count("SGLANG_DDTREE_GDN_CHECK_SAVE"),

@@ -1,5 +1,5 @@
 """The tree verify's custom mask packed for FlashInfer in one Triton launch straight from the
-tree (SGLANG_DDTREE_MASK_PACK=triton; the default, torch, writes the unpacked mask and packs it
+tree (SGLANG_DDTREE_MASK_PACK=triton, the default; torch writes the unpacked mask and packs it
 with verify_plan.pack_at_bit_offsets). With it the verify input does not write the unpacked mask
 at all, unless the plan falls back to SGLang's, which then gets it written.
 

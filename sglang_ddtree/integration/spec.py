@@ -108,7 +108,8 @@ def validate_server_args(server_args: Any) -> None:
     _require(
         opts.mask_pack != "triton" or not getattr(view, "enable_two_batch_overlap", False),
         "SGLANG_DDTREE_MASK_PACK=triton packs the whole batch's tree mask, which "
-        "--enable-two-batch-overlap splits; drop one of the two.",
+        "--enable-two-batch-overlap splits; drop the switch (the mask is then packed by "
+        "torch) or the flag.",
     )
 
 

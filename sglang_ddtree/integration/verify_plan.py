@@ -111,7 +111,7 @@ def call_begin_forward(original, updater, wrapper_ragged, wrapper_paged, req_poo
     own = "begin_forward" in vars(wrapper_paged)
     from sglang_ddtree.integration.gdn import first_use
 
-    from_tree = not spec_info.tree_mask_written  # SGLANG_DDTREE_MASK_PACK=triton
+    from_tree = not spec_info.tree_mask_written  # SGLANG_DDTREE_MASK_PACK=triton (the default)
     if from_tree:
         from sglang_ddtree.integration import mask_pack
 
@@ -142,7 +142,7 @@ def call_begin_forward(original, updater, wrapper_ragged, wrapper_paged, req_poo
 
 def packs_from_tree() -> bool:
     """Whether the verify input may leave its unpacked mask unwritten: the host plan with the
-    Triton packer, which packs from the tree (SGLANG_DDTREE_MASK_PACK=triton)."""
+    Triton packer, which packs from the tree (SGLANG_DDTREE_MASK_PACK=triton, the default)."""
     from sglang_ddtree.config import options
 
     opts = options()

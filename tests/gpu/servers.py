@@ -96,7 +96,7 @@ VARIANTS = {
     "ddtree_full": ddtree_args,  # SGLang's per-node verify states instead of the compact scratch
     "ddtree_sglangplan": ddtree_args,  # SGLang's FlashInfer plan for the verify (not verify_plan.py)
     "ddtree_fixed": ddtree_args,  # every round at N (the default, auto, picks a width per round)
-    "ddtree_maskpack": ddtree_args,  # with VARIANT_ENV: the verify mask packed by one Triton kernel
+    "ddtree_torchpack": ddtree_args,  # with VARIANT_ENV: the verify mask written, packed by torch
     # the same in deterministic mode, whose GDN verify defaults to the root paths (session 9: the
     # chunked one was not batch-invariant there); ddtree_det_chunk asks for the chunked one
     "ddtree_det_chunk": lambda model, draft: [*ddtree_args(model, draft), *DETERMINISTIC],
@@ -115,7 +115,7 @@ VARIANT_ENV = {
     "ddtree_full": _FULL,
     "ddtree_sglangplan": {"SGLANG_DDTREE_VERIFY_PLAN": "sglang"},
     "ddtree_fixed": {"SGLANG_DDTREE_WIDTH": "fixed"},
-    "ddtree_maskpack": {"SGLANG_DDTREE_MASK_PACK": "triton"},
+    "ddtree_torchpack": {"SGLANG_DDTREE_MASK_PACK": "torch"},
     "ddtree_det_chunk": {"SGLANG_DDTREE_GDN_VERIFY": "chunk"},
     "ddtree_det_sglangconv": _SGLANGCONV,
     "ddtree_det_full": _FULL,
@@ -128,14 +128,14 @@ MODEL_VARIANTS = {
     "qwen35": (
         "base", "base_sync", "ddtree", "ddtree_fixed",
         "ddtree_sync", "dflash", "ddtree_sglanggdn", "ddtree_paths", "ddtree_sglangconv", "ddtree_full", "ddtree_sglangplan",
-        "ddtree_maskpack",
+        "ddtree_torchpack",
     ),
     "pair": (
         "base", "base_sync", "ddtree", "ddtree_fixed",
         "base_det", "ddtree_det",
         "dflash_det", "dflash", "ddtree64",
         "ddtree_torch", "ddtree_paths", "ddtree_sglangconv", "ddtree_full", "ddtree_sglangplan",
-        "ddtree_maskpack", "ddtree_det_chunk", "ddtree_det_sglangconv", "ddtree_det_full",
+        "ddtree_torchpack", "ddtree_det_chunk", "ddtree_det_sglangconv", "ddtree_det_full",
     ),
 }  # fmt: skip
 # Started for scripts/bench_e2e.py --attach, not tested by tests/gpu.

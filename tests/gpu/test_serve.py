@@ -51,7 +51,7 @@ assert set(MODELS) <= set(ALL_MODELS), MODELS
 WAIT_S = float(os.environ.get("DDTREE_GPU_WAIT", "0"))  # how long a test waits for its server
 SPEC_VARIANTS = (
     "ddtree",
-    "ddtree_maskpack",
+    "ddtree_torchpack",
     "ddtree_sync",
     "ddtree_det",
     "ddtree_torch",
@@ -581,14 +581,16 @@ WIDTH = {"auto": "DDTREE verify width: auto among", "fixed": "DDTREE verify widt
 
 
 def _engaged(verify: str = "chunk", conv: bool = True, compact: bool = True,
-             width: str = "auto", plan: bool = True) -> tuple:  # fmt: skip
+             width: str = "auto", plan: bool = True, pack: bool = True) -> tuple:  # fmt: skip
     """The startup lines and first-use lines of a GDN path (the defaults: chunked verify, tree
     conv1d, compact scratch), of the verify width (auto, but in deterministic mode) and of the
-    verify's FlashInfer plan from host lengths (the default)."""
+    verify's FlashInfer plan from host lengths with the mask packed from the tree (the
+    defaults)."""
     shown = f"{verify} (split)" if verify == "chunk" else verify
     line = (f"GDN path: ddtree (verify: {shown}; commit: replay; tree conv1d: "
             f"{'ddtree' if conv else 'sglang'}; scratch: {'compact' if compact else 'full'})")  # fmt: skip
-    uses = [CHUNK if verify == "chunk" else PATHS, COMMIT, *([HOSTPLAN] if plan else [])]
+    uses = [CHUNK if verify == "chunk" else PATHS, COMMIT, *([HOSTPLAN] if plan else []),
+            *([MASKPACK] if plan and pack else [])]  # fmt: skip
     return (line, WIDTH[width], *uses, *([CONV] if conv else []), *(COMPACT if compact else ()))
 
 
@@ -603,6 +605,7 @@ ENGAGED = {
         "GDN path: sglang (verify, commit, conv1d, per-node states)",
         WIDTH["auto"],
         HOSTPLAN,
+        MASKPACK,
     ),  # fmt: skip
     "ddtree_paths": _engaged(verify="paths"),
     "ddtree_sglangconv": _engaged(conv=False),
@@ -610,15 +613,15 @@ ENGAGED = {
     "ddtree_full": _engaged(compact=False),
     "ddtree_det_full": _engaged(verify="paths", compact=False, width="fixed"),
     "ddtree_sglangplan": _engaged(plan=False),
-    "ddtree_maskpack": (*_engaged(), MASKPACK),
+    "ddtree_torchpack": _engaged(pack=False),
 }
 # what must not be in a log: the other verify kernel, hooks that are off
 NOT_ENGAGED = {
     "ddtree_sglanggdn": (PATHS, CHUNK, COMMIT, CONV, *COMPACT),
-    **{v: (PATHS, WIDTH["fixed"], MASKPACK) for v in DEFAULT_DDTREE},
+    **{v: (PATHS, WIDTH["fixed"]) for v in DEFAULT_DDTREE},
     "ddtree_fixed": (PATHS, WIDTH["auto"]),
     "ddtree_sglangplan": (PATHS, HOSTPLAN, MASKPACK),
-    "ddtree_maskpack": (PATHS, WIDTH["fixed"]),
+    "ddtree_torchpack": (PATHS, WIDTH["fixed"], MASKPACK),
     **{
         v: (CHUNK,)
         for v in ("ddtree_paths", "ddtree_det", "ddtree_det_sglangconv", "ddtree_det_full")

@@ -422,10 +422,10 @@ def test_bench_serving_servers_dataset_and_summary(tmp_path):
         if importlib.util.find_spec("sglang.srt.server_args") is not None:
             ns = _parse_cli(["--model-path", "x", *bench.COMMON, *flags])
             assert ns.max_running_requests == 32, name
-        fixed = name in ("ddtree16", "ddtree32", "ddtree32_pack")
+        fixed = name in ("ddtree16", "ddtree32")
         assert env.get("SGLANG_DDTREE_WIDTH") == ("fixed" if fixed else None), name
-        packed = name.endswith("_pack")
-        assert env.get("SGLANG_DDTREE_MASK_PACK") == ("triton" if packed else None), name
+        torch_pack = name == "ddtree_torchpack"  # the Triton packer is the default
+        assert env.get("SGLANG_DDTREE_MASK_PACK") == ("torch" if torch_pack else None), name
     path = bench.write_dataset(tmp_path / "d.jsonl", 5)
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(rows) == 5 and all(len(r["conversations"]) == 2 for r in rows)

@@ -127,7 +127,7 @@ def test_an_unwritten_mask_is_written_before_sglangs_plan_reads_it(monkeypatch):
     read, kw = _plan_call(info, seq, None)
     assert "packed_custom_mask" not in kw and info.tree_mask_written
     assert torch.equal(read, _written(vis, seq))
-    monkeypatch.setattr(config, "_active", config.Options())  # torch packer: masks are written
+    monkeypatch.setattr(config, "_active", config.Options(mask_pack="torch"))  # masks written
     assert not verify_plan.packs_from_tree()
 
 
@@ -135,12 +135,19 @@ def test_the_switch_selects_the_packer_and_checks_the_plan(monkeypatch):
     from sglang_ddtree.config import Options
 
     monkeypatch.delenv("SGLANG_DDTREE_MASK_PACK", raising=False)
-    assert Options.from_env().mask_pack == "torch"  # opt-in until its GPU tests have run
-    monkeypatch.setenv("SGLANG_DDTREE_MASK_PACK", "triton")
-    assert Options.from_env().mask_pack == "triton"
+    monkeypatch.delenv("SGLANG_DDTREE_VERIFY_PLAN", raising=False)
+    assert Options.from_env().mask_pack == "triton"  # the default since session 15's GPU run
+    # two-batch overlap slices the mask, SGLang's plan reads it unpacked: torch by default there
+    assert Options.from_env(split_batches=True).mask_pack == "torch"
     monkeypatch.setenv("SGLANG_DDTREE_VERIFY_PLAN", "sglang")
+    assert Options.from_env().mask_pack == "torch"
+    monkeypatch.setenv("SGLANG_DDTREE_MASK_PACK", "torch")
+    assert Options.from_env().mask_pack == "torch"
+    monkeypatch.setenv("SGLANG_DDTREE_MASK_PACK", "triton")
     with pytest.raises(ValueError, match="SGLANG_DDTREE_MASK_PACK=triton.*VERIFY_PLAN"):
         Options.from_env()
+    monkeypatch.delenv("SGLANG_DDTREE_VERIFY_PLAN")
+    assert Options.from_env(split_batches=True).mask_pack == "triton"  # asked: spec.py refuses
     monkeypatch.setenv("SGLANG_DDTREE_MASK_PACK", "numpy")
     with pytest.raises(ValueError, match="SGLANG_DDTREE_MASK_PACK"):
         Options.from_env()

@@ -205,6 +205,7 @@ def test_width_switches_are_checked_against_the_flags_at_startup(draft_dir, monk
     spec.validate_server_args(_server_args(draft_dir))
     monkeypatch.delenv("SGLANG_DDTREE_WIDTHS")
     monkeypatch.setenv("SGLANG_DDTREE_WIDTH", "fixed")
+    # (the mask packer's default is torch under two-batch overlap: served, not refused)
     spec.validate_server_args(_server_args(draft_dir, enable_two_batch_overlap=True))
     # two-batch overlap slices the verify's mask; the tree packer reads the whole batch's tree
     monkeypatch.setenv("SGLANG_DDTREE_MASK_PACK", "triton")
