@@ -224,8 +224,7 @@ class Options:
         (--enable-deterministic-inference): the GDN verify defaults to the root paths, whose
         served tokens are batch-invariant (the chunked verify's were not in the GPU suite,
         docs/benchmarks.md session 9; SGLANG_DDTREE_GDN_VERIFY=chunk still picks it).
-        split_batches (--enable-two-batch-overlap, which slices the verify's mask): the mask is
-        written and packed by torch, as with SGLang's plan."""
+        split_batches: --enable-two-batch-overlap (_mask_pack)."""
         builder = env_value("SGLANG_DDTREE_TREE_BUILDER")
         if builder is not None:
             builder = env_choice("SGLANG_DDTREE_TREE_BUILDER", ("torch", "triton"))
@@ -258,11 +257,7 @@ class Options:
             dump_rounds=env_value("SGLANG_DDTREE_DUMP_ROUNDS") or None,
             dump_every=int(every),
             verify_plan=plan,
-            mask_pack=env_choice(
-                "SGLANG_DDTREE_MASK_PACK",
-                ("triton", "torch"),
-                default="torch" if plan == "sglang" or split_batches else "triton",
-            ),  # fmt: skip
+            mask_pack=_mask_pack(plan, split_batches),
             gdn_check=env_value("SGLANG_DDTREE_GDN_CHECK") or None,
             gdn_check_serve=env_choice("SGLANG_DDTREE_GDN_CHECK_SERVE", ("chunk", "paths")),
             gdn_check_save=_count("SGLANG_DDTREE_GDN_CHECK_SAVE"),
@@ -348,6 +343,14 @@ def _widths(name: str) -> tuple[int, ...] | None:
         raise ValueError(f"{name} must be comma-separated widths >= 1 (e.g. 16,32,64), "
                          f"got {text!r}")  # fmt: skip
     return tuple(sorted({int(part) for part in parts}))
+
+
+def _mask_pack(plan: str, split_batches: bool) -> str:
+    """SGLANG_DDTREE_MASK_PACK: triton by default, but torch (the mask written, then packed)
+    with SGLang's plan, which reads the unpacked mask, and under two-batch overlap
+    (split_batches), which slices it per micro-batch."""
+    default = "torch" if plan == "sglang" or split_batches else "triton"
+    return env_choice("SGLANG_DDTREE_MASK_PACK", ("triton", "torch"), default=default)
 
 
 def _count(name: str) -> int:

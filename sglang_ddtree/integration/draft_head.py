@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from sglang_ddtree.config import DDTreeConfig, options
 from sglang_ddtree.tree import DraftTree, build_tree, topk_logprobs_from_logits
+from sglang_ddtree.tree.budget import expected_tokens
 from sglang_ddtree.tree.shard_topk import merge_topk, shard_topk
 
 
@@ -70,6 +71,20 @@ class DraftTreeHead:
         self.next_sibling = torch.zeros((max_bs, N), dtype=torch.int64, device=dev)
         self.visibility = torch.zeros((max_bs, N, N), dtype=torch.bool, device=dev)
         self.scores = torch.zeros((max_bs, N), dtype=torch.float32, device=dev)
+        # automatic widths (read_widths): per request, the drafter's expected tokens at each
+        # width, then one column the width policy's readings fill (integration/widths.py)
+        self.readings: torch.Tensor | None = None
+        self.reading_widths: tuple[int, ...] = ()
+
+    def read_widths(self, widths) -> None:
+        """From the next build on (before the draft graphs are captured, so that the graphs
+        compute them), the expected tokens at these widths: 1 + sum of q over the first w
+        nodes of each tree (tree.budget.expected_tokens) into `readings[:, :len(widths)]`."""
+        widths = tuple(int(w) for w in widths)
+        expected_tokens(self.scores[:1], widths)  # widths outside [1, N]: an error now
+        self.readings = torch.zeros((self.max_bs, len(widths) + 1), dtype=torch.float32,
+                                    device=self.scores.device)  # fmt: skip
+        self.reading_widths = widths
 
     @property
     def max_bs(self) -> int:
@@ -90,6 +105,8 @@ class DraftTreeHead:
         tree = self.build(root, ids, logprobs, self.cfg.budget)
         for name, value in tree._asdict().items():
             getattr(self, name)[:bs].copy_(value)
+        if self.readings is not None:
+            self.readings[:bs, :-1].copy_(expected_tokens(tree.scores, self.reading_widths))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[bs, L, H] draft hidden states -> [bs, L, V] logits over this head's real rows: one

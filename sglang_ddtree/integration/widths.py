@@ -5,8 +5,9 @@
   captured at that width (as SGLang's adaptive EAGLE builds one per step count,
   compat.build_target_verify_state); `use(width)` swaps them in for one verify and back.
 - `RoundReadings`: per round, on the device, the drafter's expected tokens at every width
-  (1 + sum of q over the first w nodes, from the tree's scores) and the accepted lengths, copied
-  into pinned host memory, with CUDA events at the round's start and end. A later round reads
+  (1 + sum of q over the first w nodes, from the tree's scores: the draft head writes them
+  inside the draft's CUDA graph) and the accepted lengths, copied into pinned host memory in one
+  copy, with CUDA events at the round's start and end. A later round reads
   a slot once its end event has completed (`Event.query`, which never waits), so the host
   never waits on the device; a reading not ready by the time its slot comes round is dropped.
 
@@ -24,7 +25,7 @@ import time
 import torch
 
 from sglang_ddtree.integration import compat
-from sglang_ddtree.tree.budget import WidthPolicy, expected_tokens
+from sglang_ddtree.tree.budget import WidthPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -101,15 +102,24 @@ class _Slot:
 
 
 class RoundReadings:
-    """Readings of past rounds for the policy, one round late or more, without host waits."""
+    """Readings of past rounds for the policy, one round late or more, without host waits.
 
-    def __init__(self, policy: WidthPolicy, max_bs: int, device, slots: int = 4,
+    buffer [max_bs, len(widths) + 1] float32 on the device (the draft head's `readings`): each
+    round's expected tokens per request at `widths` (the configured ones; the policy's are those
+    whose graphs were captured), written by the draft head; `finish` adds the accepted lengths
+    in the last column and copies the rows to the host."""
+
+    def __init__(self, policy: WidthPolicy, buffer: torch.Tensor, widths, slots: int = 4,
                  event=None) -> None:  # fmt: skip
-        self.policy, self.widths = policy, policy.widths
-        pin = torch.cuda.is_available() and torch.device(device).type == "cuda"
+        self.policy, self.buffer = policy, buffer
+        if buffer.shape[1] != len(widths) + 1 or not set(policy.widths) <= set(widths):
+            raise ValueError(f"readings of widths {list(widths)} ({buffer.shape[1]} columns) "
+                             f"cannot serve the policy's {list(policy.widths)}")  # fmt: skip
+        self.columns = [list(widths).index(w) for w in policy.widths]
+        pin = torch.cuda.is_available() and buffer.device.type == "cuda"
         event = event or (lambda: torch.cuda.Event(enable_timing=True))
         self.slots = [
-            _Slot(torch.zeros((max_bs, len(self.widths) + 1), pin_memory=pin), event(), event())
+            _Slot(torch.zeros(tuple(buffer.shape), pin_memory=pin), event(), event())
             for _ in range(slots)
         ]
         self.next = 0
@@ -126,7 +136,8 @@ class RoundReadings:
                 slot.pending = False
                 rows = slot.host[: slot.bs]
                 mean = rows.mean(0).tolist()  # host memory: no device work
-                self.policy.observe_tokens(slot.width, mean[:-1], mean[-1])
+                predicted = [mean[c] for c in self.columns]
+                self.policy.observe_tokens(slot.width, predicted, mean[-1])
                 self.policy.observe_cost(slot.bs, slot.width, slot.start.elapsed_time(slot.end))
                 done += 1
         return done
@@ -142,15 +153,15 @@ class RoundReadings:
         slot.start.record()
         self.current = slot
 
-    def finish(self, scores: torch.Tensor, accept_lens: torch.Tensor) -> None:
-        """At the round's end: the tree's scores [bs, N] (log q) and accepted lengths [bs]."""
+    def finish(self, accept_lens: torch.Tensor) -> None:
+        """At the round's end, its accepted lengths [bs] (the buffer holds its expected tokens):
+        one column write and one device-to-host copy."""
         slot = self.current
         if slot is None:
             return
-        reading = torch.cat(
-            [expected_tokens(scores, self.widths), accept_lens.view(-1, 1).float()], dim=1
-        )
-        slot.host[: slot.bs].copy_(reading, non_blocking=True)
+        rows = self.buffer[: slot.bs]
+        rows[:, -1].copy_(accept_lens)
+        slot.host[: slot.bs].copy_(rows, non_blocking=True)
         slot.end.record()
         slot.pending = True
         self.current = None

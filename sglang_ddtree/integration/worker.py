@@ -143,6 +143,10 @@ class DDTreeWorker(DFlashWorkerV2):
         if capture and get_available_gpu_memory(self.device, self.gpu_id) < 1.0:
             capture = False
             logger.warning("DDTREE: draft CUDA graphs disabled (less than 1 GB free).")
+        opts = options()
+        widths = verify_widths(self.cfg.block_size, self.cfg.num_nodes, opts.widths)
+        if opts.width == "auto" and len(widths) > 1:  # the policy's expected tokens, in-graph
+            self._tree_head.read_widths(widths)
         if capture:
             # Fold top-K + tree build into the draft graph (runs after the draft forward).
             self.draft_model_runner.capture_tail_hooks.append(
@@ -156,7 +160,7 @@ class DDTreeWorker(DFlashWorkerV2):
         """SGLANG_DDTREE_WIDTH=auto: the target's verify graphs at every width and the policy
         (capture: whether decode CUDA graphs are on and memory was left for the draft's)."""
         opts = options()
-        widths = verify_widths(self.cfg.block_size, self.cfg.num_nodes, opts.widths)
+        configured = widths = verify_widths(self.cfg.block_size, self.cfg.num_nodes, opts.widths)
         if opts.width == "auto" and len(widths) > 1:
             self._widths = VerifyWidths(self.target_worker.model_runner, widths, capture)
             widths = self._widths.widths  # what was captured
@@ -166,7 +170,10 @@ class DDTreeWorker(DFlashWorkerV2):
                 logger.info("DDTREE verify width: fixed at %d", self.cfg.num_nodes)
             return
         policy = WidthPolicy(widths, buckets=self._widths.buckets)
-        self._readings = RoundReadings(policy, self._tree_head.max_bs, self.device)
+        head = self._tree_head
+        if head.readings is None:  # (init_cuda_graphs asks for them before any capture)
+            head.read_widths(configured)
+        self._readings = RoundReadings(policy, head.readings, head.reading_widths)
         if self.ps.tp_rank == 0:
             logger.info("DDTREE verify width: auto among %s (graph batch sizes %s)",
                         ", ".join(map(str, widths)), list(self._widths.buckets) or "eager")  # fmt: skip
@@ -242,7 +249,7 @@ class DDTreeWorker(DFlashWorkerV2):
                 new_seq_lens=result.new_seq_lens,
             )
             if self._readings is not None:
-                self._readings.finish(built.scores, result.accept_lens)
+                self._readings.finish(result.accept_lens)
         return result
 
     def _note_eager_verify(self, bs: int, width: int) -> None:

@@ -115,6 +115,46 @@ def test_expected_tokens_at_widths_read_no_device_value():
         expected_tokens(scores, (5,))
 
 
+class _Head:
+    """The draft head's readings buffer (integration/draft_head.DraftTreeHead.read_widths and
+    the lines of its build that fill it), without a model."""
+
+    def __init__(self, max_bs: int, num_nodes: int = 64):
+        from sglang_ddtree.integration.draft_head import DraftTreeHead
+
+        self.scores = torch.zeros((max_bs, num_nodes))
+        self.max_bs, self.readings = max_bs, None
+        self.read_widths = DraftTreeHead.read_widths.__get__(self)
+
+    def build(self, scores: torch.Tensor) -> None:
+        bs = scores.shape[0]
+        self.readings[:bs, :-1].copy_(expected_tokens(scores, self.reading_widths))
+
+
+def test_the_draft_head_computes_the_expected_tokens_in_its_build():
+    """The readings' expected tokens come from the draft head's build (inside the draft's CUDA
+    graph): the same numbers as expected_tokens of the built tree's scores, and the column for
+    the accepted lengths left to the readings."""
+    from sglang_ddtree.config import DDTreeConfig
+    from sglang_ddtree.integration.draft_head import DraftTreeHead
+
+    torch.manual_seed(0)
+    cfg = DDTreeConfig(block_size=4, num_nodes=8, topk=2)
+    weight = torch.randn(50, 16)
+    head = DraftTreeHead(lm_head_weight=weight, vocab_size=50, cfg=cfg, max_bs=3)
+    hidden, ids = torch.randn(2 * 4, 16), torch.randint(0, 50, (2 * 4,))
+    head(hidden, ids)
+    assert head.readings is None  # fixed widths: nothing computed
+    with pytest.raises(ValueError, match="must be in"):
+        head.read_widths((4, 9))
+    head.read_widths((4, 8))
+    head.readings.fill_(-1.0)
+    head(hidden, ids)
+    want = expected_tokens(head.tree(2).scores, (4, 8))
+    assert torch.equal(head.readings[:2, :2], want)
+    assert (head.readings[:2, 2] == -1).all() and (head.readings[2] == -1).all()
+
+
 class FakeEvent:
     """A CUDA event stand-in: completes when the test says so; 'times' in ms."""
 
@@ -139,10 +179,13 @@ def test_readings_reach_the_policy_only_when_their_round_has_completed():
     from sglang_ddtree.integration.widths import RoundReadings
 
     policy = WidthPolicy(WIDTHS, buckets=(4,))
-    readings = RoundReadings(policy, max_bs=4, device="cpu", slots=2, event=FakeEvent)
+    head = _Head(max_bs=4)
+    head.read_widths(WIDTHS)
+    readings = RoundReadings(policy, head.readings, head.reading_widths, slots=2, event=FakeEvent)
     scores = torch.log(torch.tensor([[1.0] + [0.5] * 63] * 3))  # 3 requests, q = 0.5 each
+    head.build(scores)  # what the draft head writes inside the draft graph
     readings.start(3, 64)
-    readings.finish(scores, torch.tensor([3, 4, 5], dtype=torch.int32))
+    readings.finish(torch.tensor([3, 4, 5], dtype=torch.int32))
     assert readings.poll() == 0 and policy.predicted is None  # the round is still out
     first = readings.slots[0]
     first.start.done = first.end.done = True
@@ -155,13 +198,33 @@ def test_readings_reach_the_policy_only_when_their_round_has_completed():
     assert readings.poll() == 0  # read once
     # both slots out: the third round is not measured (no wait, no overwrite)
     readings.start(3, 32)
-    readings.finish(scores, torch.tensor([1, 1, 1], dtype=torch.int32))
+    readings.finish(torch.tensor([1, 1, 1], dtype=torch.int32))
     readings.start(3, 32)
-    readings.finish(scores, torch.tensor([1, 1, 1], dtype=torch.int32))
+    readings.finish(torch.tensor([1, 1, 1], dtype=torch.int32))
     readings.start(3, 16)
     assert readings.current is None
-    readings.finish(scores, torch.tensor([1, 1, 1], dtype=torch.int32))  # dropped
+    readings.finish(torch.tensor([1, 1, 1], dtype=torch.int32))  # dropped
     assert sum(slot.pending for slot in readings.slots) == 2
+
+
+def test_readings_serve_a_policy_whose_widths_lost_one_to_memory():
+    """A width whose graphs did not fit is dropped from the policy, not from the draft graph's
+    readings (captured before): the policy reads its own widths' columns."""
+    from sglang_ddtree.integration.widths import RoundReadings
+
+    head = _Head(max_bs=2)
+    head.read_widths(WIDTHS)
+    policy = WidthPolicy((16, 64), buckets=(2,))
+    readings = RoundReadings(policy, head.readings, head.reading_widths, event=FakeEvent)
+    head.build(torch.log(torch.tensor([[1.0] + [0.5] * 63] * 2)))
+    readings.start(2, 16)
+    readings.finish(torch.tensor([2, 2], dtype=torch.int32))
+    readings.slots[0].start.done = readings.slots[0].end.done = True
+    assert readings.poll() == 1
+    assert policy.predicted == pytest.approx([8.5, 32.5])
+    assert policy.ratio[16].ratio == pytest.approx(2 / 8.5)
+    with pytest.raises(ValueError, match="cannot serve"):
+        RoundReadings(WidthPolicy((16, 48)), head.readings, WIDTHS)
 
 
 @pytest.mark.parametrize(
@@ -252,7 +315,7 @@ def _worker(N: int = 32, B: int = 16):
     w = worker_mod.DDTreeWorker.__new__(worker_mod.DDTreeWorker)
     w.cfg = DDTreeConfig(block_size=B, num_nodes=N, topk=8)
     w.ps = SimpleNamespace(tp_rank=0)
-    w._tree_head = SimpleNamespace(max_bs=4)
+    w._tree_head = _Head(max_bs=4, num_nodes=N)
     w._target_worker = SimpleNamespace(model_runner=SimpleNamespace(
         attn_backend="backend N", decode_cuda_graph_runner=None))  # fmt: skip
     w.device = "cpu"
@@ -283,17 +346,17 @@ def test_the_worker_chooses_among_the_widths_without_graphs(monkeypatch):
     worker_mod, w = _worker(N=64)
     monkeypatch.setattr(worker_mod, "options", lambda: config.Options.from_env())
     monkeypatch.setattr(worker_mod, "RoundReadings",
-                        lambda policy, max_bs, device: RoundReadingsOnCpu(policy, max_bs))  # fmt: skip
+                        lambda policy, buffer, widths: RoundReadingsOnCpu(policy, buffer, widths))  # fmt: skip
     w._init_widths(capture=False)
     assert w._widths.widths == (16, 32, 64)
     assert {w._widths.states[x] for x in (16, 32, 64)} == {("backend N", None)}
     assert w._choose_width(3) == 64 and w.speculative_num_draft_tokens == 64
 
 
-def RoundReadingsOnCpu(policy, max_bs):  # noqa: N802 - stands in for the class
+def RoundReadingsOnCpu(policy, buffer, widths):  # noqa: N802 - stands in for the class
     from sglang_ddtree.integration.widths import RoundReadings
 
-    return RoundReadings(policy, max_bs, "cpu", event=FakeEvent)
+    return RoundReadings(policy, buffer, widths, event=FakeEvent)
 
 
 def test_each_bucket_gets_its_own_refreshes():
@@ -348,7 +411,7 @@ def test_a_verify_without_cuda_graphs_is_warned_once_per_width_and_counted(monke
     worker_mod, w = _worker()
     monkeypatch.setattr(worker_mod, "options", lambda: config.Options.from_env())
     monkeypatch.setattr(worker_mod, "RoundReadings",
-                        lambda policy, max_bs, device: RoundReadingsOnCpu(policy, max_bs))  # fmt: skip
+                        lambda policy, buffer, widths: RoundReadingsOnCpu(policy, buffer, widths))  # fmt: skip
     w._init_widths(capture=False)
     w._graphs_on, w._eager_warned = True, set()
     with caplog.at_level("WARNING", logger=worker_mod.logger.name):
