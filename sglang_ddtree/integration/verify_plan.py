@@ -23,6 +23,7 @@ that), and each request reads its own bytes (`pack_at_bit_offsets`).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import torch
 
@@ -42,20 +43,21 @@ class HostPlan:
 
 def host_plan(seq_lens_cpu: torch.Tensor, num_nodes: int) -> HostPlan:
     """The verify's FlashInfer layout from the committed lengths on the host: N query rows per
-    request; S + N keys (EagleVerifyInput.generate_attn_arg_prefill's); page size 1."""
-    seq = seq_lens_cpu.to(torch.int64)
-    bs, N = len(seq), num_nodes
-    kv = seq + N
-    zero = torch.zeros(1, dtype=torch.int64)
-    starts = torch.cat([zero, torch.cumsum(N * kv, 0)])
+    request; S + N keys (EagleVerifyInput.generate_attn_arg_prefill's); page size 1. The sums
+    in Python integers (a host tensor's values, no device): four tensors made, where torch ops
+    on the lengths took about fifteen host calls a round."""
+    N = num_nodes
+    kv = [s + N for s in seq_lens_cpu.tolist()]  # host memory
+    bits = [N * k for k in kv]
+    bs = len(kv)
     return HostPlan(
         qo_indptr=torch.arange(0, (bs + 1) * N, N, dtype=torch.int32),
-        kv_indptr=torch.cat([zero, torch.cumsum(kv, 0)]).to(torch.int32),
+        kv_indptr=torch.tensor([0, *itertools.accumulate(kv)], dtype=torch.int32),
         last_page_len=torch.ones(bs, dtype=torch.int32),
-        mask_starts=starts.to(torch.int32),
-        total_bits=int(starts[-1]),
-        packed_bytes=int(((N * kv + 7) // 8).sum()),
-        max_request_bits=int((N * kv).max()) if bs else 0,
+        mask_starts=torch.tensor([0, *itertools.accumulate(bits)], dtype=torch.int32),
+        total_bits=sum(bits),
+        packed_bytes=sum((b + 7) // 8 for b in bits),
+        max_request_bits=max(bits, default=0),
     )
 
 

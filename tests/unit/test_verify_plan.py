@@ -34,6 +34,11 @@ def test_the_host_layout_is_the_eagle_verify_layout():
     assert plan.mask_starts.tolist() == [0, 36, 56, 140] and plan.total_bits == 140
     assert plan.packed_bytes == 5 + 3 + 11  # ceil(36 / 8) + ceil(20 / 8) + ceil(84 / 8)
     assert plan.total_bits == tree_layout.full_mask_size(4, 3, int(seq.sum()))
+    assert plan.max_request_bits == 84
+    fields = (plan.qo_indptr, plan.kv_indptr, plan.last_page_len, plan.mask_starts)
+    assert all(t.dtype == torch.int32 and t.device.type == "cpu" for t in fields)
+    empty = host_plan(torch.tensor([], dtype=torch.int64), 4)
+    assert empty.kv_indptr.tolist() == [0] and (empty.total_bits, empty.max_request_bits) == (0, 0)
 
 
 @pytest.mark.parametrize("seq", [[5, 1, 17], [1], [8, 8], [3, 30, 2, 7]])
