@@ -181,8 +181,7 @@ class Options:
                                               mask (triton, the default: one launch from the
                                               tree, no unpacked mask, integration/mask_pack.py;
                                               torch: the mask written, then packed by ~130 torch
-                                              ops; the default with the SGLang plan and under
-                                              --enable-two-batch-overlap)
+                                              ops; the default with the SGLang plan)
     gdn_check     SGLANG_DDTREE_GDN_CHECK     a directory: without CUDA graphs, every chunked GDN
                                               verify is checked against the root-path kernel and
                                               the inputs of one that differs are saved there
@@ -218,13 +217,11 @@ class Options:
     penalties: bool = True
 
     @classmethod
-    def from_env(cls, unified_memory: bool = False, deterministic: bool = False,
-                 split_batches: bool = False) -> Options:  # fmt: skip
+    def from_env(cls, unified_memory: bool = False, deterministic: bool = False) -> Options:
         """Parse and check every switch; an error names the switch and the fix. deterministic
         (--enable-deterministic-inference): the GDN verify defaults to the root paths, whose
         served tokens are batch-invariant (the chunked verify's were not in the GPU suite,
-        docs/benchmarks.md session 9; SGLANG_DDTREE_GDN_VERIFY=chunk still picks it).
-        split_batches: --enable-two-batch-overlap (_mask_pack)."""
+        docs/benchmarks.md session 9; SGLANG_DDTREE_GDN_VERIFY=chunk still picks it)."""
         builder = env_value("SGLANG_DDTREE_TREE_BUILDER")
         if builder is not None:
             builder = env_choice("SGLANG_DDTREE_TREE_BUILDER", ("torch", "triton"))
@@ -257,7 +254,11 @@ class Options:
             dump_rounds=env_value("SGLANG_DDTREE_DUMP_ROUNDS") or None,
             dump_every=int(every),
             verify_plan=plan,
-            mask_pack=_mask_pack(plan, split_batches),
+            mask_pack=env_choice(
+                "SGLANG_DDTREE_MASK_PACK",
+                ("triton", "torch"),
+                default="torch" if plan == "sglang" else "triton",
+            ),  # fmt: skip
             gdn_check=env_value("SGLANG_DDTREE_GDN_CHECK") or None,
             gdn_check_serve=env_choice("SGLANG_DDTREE_GDN_CHECK_SERVE", ("chunk", "paths")),
             gdn_check_save=_count("SGLANG_DDTREE_GDN_CHECK_SAVE"),
@@ -343,14 +344,6 @@ def _widths(name: str) -> tuple[int, ...] | None:
         raise ValueError(f"{name} must be comma-separated widths >= 1 (e.g. 16,32,64), "
                          f"got {text!r}")  # fmt: skip
     return tuple(sorted({int(part) for part in parts}))
-
-
-def _mask_pack(plan: str, split_batches: bool) -> str:
-    """SGLANG_DDTREE_MASK_PACK: triton by default, but torch (the mask written, then packed)
-    with SGLang's plan, which reads the unpacked mask, and under two-batch overlap
-    (split_batches), which slices it per micro-batch."""
-    default = "torch" if plan == "sglang" or split_batches else "triton"
-    return env_choice("SGLANG_DDTREE_MASK_PACK", ("triton", "torch"), default=default)
 
 
 def _count(name: str) -> int:

@@ -157,12 +157,11 @@ def resolved(server_args: Any) -> Any:
 
 def option_modes(server_args: Any) -> dict[str, bool]:
     """The server modes DDTREE's option defaults depend on (config.Options.from_env's keywords):
-    --enable-unified-memory, --enable-deterministic-inference and --enable-two-batch-overlap."""
+    --enable-unified-memory and --enable-deterministic-inference."""
     args = resolved(server_args)
     return {
         "unified_memory": bool(getattr(args, "enable_unified_memory", False)),
         "deterministic": bool(getattr(args, "enable_deterministic_inference", False)),
-        "split_batches": bool(getattr(args, "enable_two_batch_overlap", False)),
     }
 
 

@@ -106,7 +106,12 @@ class DraftTreeHead:
         for name, value in tree._asdict().items():
             getattr(self, name)[:bs].copy_(value)
         if self.readings is not None:
-            self.readings[:bs, :-1].copy_(expected_tokens(tree.scores, self.reading_widths))
+            self.write_readings(tree.scores)
+
+    def write_readings(self, scores: torch.Tensor) -> None:
+        """readings[:bs, :-1] = the expected tokens at the read widths of trees with these
+        scores [bs, N] (log q); the last column is left to the readings (accepted lengths)."""
+        self.readings[: scores.shape[0], :-1].copy_(expected_tokens(scores, self.reading_widths))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[bs, L, H] draft hidden states -> [bs, L, V] logits over this head's real rows: one

@@ -187,8 +187,8 @@ def conv_update(original, x, conv_state, weight, bias=None, activation=None, *re
     # whose conv state (a per-layer slice of the pool, fixed once allocated) this process saw
     # first; any other layer fills the buffer too when it is not the one the first filled.
     # It rests on every forward running its first GDN layer's tree conv before the others'
-    # (what SGLang does; pipeline parallelism, which could break it, is refused, and two
-    # micro-batches sharing one parent buffer, as two-batch overlap might, are untested).
+    # (what SGLang does; pipeline parallelism and two-batch overlap, whose micro-batches
+    # could share one parent buffer, are refused at start-up).
     parents = kwargs["retrieve_parent_token"]
     if _first_conv_state[0] is None:
         _first_conv_state[0] = conv_state.data_ptr()

@@ -95,25 +95,25 @@ def validate_server_args(server_args: Any) -> None:
         widths = verify_widths(cfg.block_size, cfg.num_nodes, opts.widths)
     except ValueError as exc:
         raise DDTreeConfigError(str(exc)) from None
-    for flag in ("enable_two_batch_overlap", "enable_pdmux"):
-        # both share attention backends between graph runners, which one backend per width
-        # (integration/widths.py) does not: name the way out
-        _require(
-            opts.width != "auto" or len(widths) == 1 or not getattr(view, flag, False),
-            f"DDTREE's automatic verify widths do not support --{flag.replace('_', '-')}; "
-            "set SGLANG_DDTREE_WIDTH=fixed or drop the flag.",
-        )
-    # two-batch overlap splits the verify input by slicing its mask; the tree packer reads the
-    # whole batch's tree instead
+    # pdmux shares attention backends between graph runners, which one backend per width
+    # (integration/widths.py) does not: name the way out
     _require(
-        opts.mask_pack != "triton" or not getattr(view, "enable_two_batch_overlap", False),
-        "SGLANG_DDTREE_MASK_PACK=triton packs the whole batch's tree mask, which "
-        "--enable-two-batch-overlap splits; drop the switch (the mask is then packed by "
-        "torch) or the flag.",
+        opts.width != "auto" or len(widths) == 1 or not getattr(view, "enable_pdmux", False),
+        "DDTREE's automatic verify widths do not support --enable-pdmux; "
+        "set SGLANG_DDTREE_WIDTH=fixed or drop the flag.",
     )
 
 
 def _validate_sampling_and_parallelism(view: Any) -> None:
+    # SGLang 0.5.17's two-batch overlap splits a verify input field by field
+    # (two_batch_overlap.split_spec_info): the mask, the tokens, the tree links, but not the
+    # tree DDTREE's own fields carry (the mask packer reads its visibility), and the split has
+    # never run with DDTREE on a GPU
+    _require(
+        not getattr(view, "enable_two_batch_overlap", False),
+        "DDTREE does not support --enable-two-batch-overlap (SGLang splits a verify batch "
+        "into micro-batches field by field, and not DDTREE's tree); drop the flag.",
+    )
     _require(
         not view.speculative_use_rejection_sampling,
         "DDTREE verifies with target-only tree sampling; drop "

@@ -143,10 +143,7 @@ class DDTreeWorker(DFlashWorkerV2):
         if capture and get_available_gpu_memory(self.device, self.gpu_id) < 1.0:
             capture = False
             logger.warning("DDTREE: draft CUDA graphs disabled (less than 1 GB free).")
-        opts = options()
-        widths = verify_widths(self.cfg.block_size, self.cfg.num_nodes, opts.widths)
-        if opts.width == "auto" and len(widths) > 1:  # the policy's expected tokens, in-graph
-            self._tree_head.read_widths(widths)
+        self._ask_for_readings()  # before the capture: the draft graphs compute them
         if capture:
             # Fold top-K + tree build into the draft graph (runs after the draft forward).
             self.draft_model_runner.capture_tail_hooks.append(
@@ -156,11 +153,19 @@ class DDTreeWorker(DFlashWorkerV2):
         self._init_widths(capture)
         self._graphs_on = compat.target_verify_state(self.target_worker.model_runner)[1] is not None
 
+    def _ask_for_readings(self) -> None:
+        """SGLANG_DDTREE_WIDTH=auto with several widths: the draft head computes the policy's
+        expected tokens at each (integration/widths.RoundReadings reads them)."""
+        opts = options()
+        widths = verify_widths(self.cfg.block_size, self.cfg.num_nodes, opts.widths)
+        if opts.width == "auto" and len(widths) > 1:
+            self._tree_head.read_widths(widths)
+
     def _init_widths(self, capture: bool) -> None:
         """SGLANG_DDTREE_WIDTH=auto: the target's verify graphs at every width and the policy
         (capture: whether decode CUDA graphs are on and memory was left for the draft's)."""
         opts = options()
-        configured = widths = verify_widths(self.cfg.block_size, self.cfg.num_nodes, opts.widths)
+        widths = verify_widths(self.cfg.block_size, self.cfg.num_nodes, opts.widths)
         if opts.width == "auto" and len(widths) > 1:
             self._widths = VerifyWidths(self.target_worker.model_runner, widths, capture)
             widths = self._widths.widths  # what was captured
@@ -171,8 +176,9 @@ class DDTreeWorker(DFlashWorkerV2):
             return
         policy = WidthPolicy(widths, buckets=self._widths.buckets)
         head = self._tree_head
-        if head.readings is None:  # (init_cuda_graphs asks for them before any capture)
-            head.read_widths(configured)
+        if head.readings is None:  # a buffer made now would never be written by the graphs
+            raise RuntimeError("DDTREE: the draft head's width readings were not asked for "
+                               "before the draft graphs (_ask_for_readings): a bug")  # fmt: skip
         self._readings = RoundReadings(policy, head.readings, head.reading_widths)
         if self.ps.tp_rank == 0:
             logger.info("DDTREE verify width: auto among %s (graph batch sizes %s)",

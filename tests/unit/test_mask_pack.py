@@ -137,8 +137,7 @@ def test_the_switch_selects_the_packer_and_checks_the_plan(monkeypatch):
     monkeypatch.delenv("SGLANG_DDTREE_MASK_PACK", raising=False)
     monkeypatch.delenv("SGLANG_DDTREE_VERIFY_PLAN", raising=False)
     assert Options.from_env().mask_pack == "triton"  # the default since session 15's GPU run
-    # two-batch overlap slices the mask, SGLang's plan reads it unpacked: torch by default there
-    assert Options.from_env(split_batches=True).mask_pack == "torch"
+    # SGLang's plan reads the mask unpacked: torch by default there
     monkeypatch.setenv("SGLANG_DDTREE_VERIFY_PLAN", "sglang")
     assert Options.from_env().mask_pack == "torch"
     monkeypatch.setenv("SGLANG_DDTREE_MASK_PACK", "torch")
@@ -146,8 +145,6 @@ def test_the_switch_selects_the_packer_and_checks_the_plan(monkeypatch):
     monkeypatch.setenv("SGLANG_DDTREE_MASK_PACK", "triton")
     with pytest.raises(ValueError, match="SGLANG_DDTREE_MASK_PACK=triton.*VERIFY_PLAN"):
         Options.from_env()
-    monkeypatch.delenv("SGLANG_DDTREE_VERIFY_PLAN")
-    assert Options.from_env(split_batches=True).mask_pack == "triton"  # asked: spec.py refuses
     monkeypatch.setenv("SGLANG_DDTREE_MASK_PACK", "numpy")
     with pytest.raises(ValueError, match="SGLANG_DDTREE_MASK_PACK"):
         Options.from_env()

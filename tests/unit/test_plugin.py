@@ -184,8 +184,8 @@ def test_explicit_flags_are_kept(draft_dir):
         (dict(speculative_num_draft_tokens=4096), "exceeds"),
         (dict(speculative_dflash_block_size=8), "block_size 16"),
         (dict(speculative_num_draft_tokens="many"), "must be an integer"),
-        (dict(enable_two_batch_overlap=True), "do not support --enable-two-batch-overlap; set "
-         "SGLANG_DDTREE_WIDTH=fixed or drop the flag"),
+        (dict(enable_two_batch_overlap=True), "DDTREE does not support "
+         "--enable-two-batch-overlap (SGLang splits a verify batch"),
         (dict(enable_pdmux=True), "--enable-pdmux; set SGLANG_DDTREE_WIDTH=fixed"),
     ],
 )  # fmt: skip
@@ -205,11 +205,9 @@ def test_width_switches_are_checked_against_the_flags_at_startup(draft_dir, monk
     spec.validate_server_args(_server_args(draft_dir))
     monkeypatch.delenv("SGLANG_DDTREE_WIDTHS")
     monkeypatch.setenv("SGLANG_DDTREE_WIDTH", "fixed")
-    # (the mask packer's default is torch under two-batch overlap: served, not refused)
-    spec.validate_server_args(_server_args(draft_dir, enable_two_batch_overlap=True))
-    # two-batch overlap slices the verify's mask; the tree packer reads the whole batch's tree
-    monkeypatch.setenv("SGLANG_DDTREE_MASK_PACK", "triton")
-    with pytest.raises(DDTreeConfigError, match="MASK_PACK=triton.*--enable-two-batch-overlap"):
+    spec.validate_server_args(_server_args(draft_dir, enable_pdmux=True))
+    # two-batch overlap splits a verify batch field by field, not DDTREE's tree: at any width
+    with pytest.raises(DDTreeConfigError, match="does not support --enable-two-batch-overlap"):
         spec.validate_server_args(_server_args(draft_dir, enable_two_batch_overlap=True))
     spec.validate_server_args(_server_args(draft_dir))
 

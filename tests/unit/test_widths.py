@@ -125,10 +125,7 @@ class _Head:
         self.scores = torch.zeros((max_bs, num_nodes))
         self.max_bs, self.readings = max_bs, None
         self.read_widths = DraftTreeHead.read_widths.__get__(self)
-
-    def build(self, scores: torch.Tensor) -> None:
-        bs = scores.shape[0]
-        self.readings[:bs, :-1].copy_(expected_tokens(scores, self.reading_widths))
+        self.build = DraftTreeHead.write_readings.__get__(self)  # what a build ends with
 
 
 def test_the_draft_head_computes_the_expected_tokens_in_its_build():
@@ -333,6 +330,8 @@ def test_the_worker_serves_one_width_when_fixed_or_given_only_n(monkeypatch, env
         monkeypatch.setenv(name, value)
     worker_mod, w = _worker()
     monkeypatch.setattr(worker_mod, "options", lambda: config.Options.from_env())
+    w._ask_for_readings()
+    assert w._tree_head.readings is None  # one width: nothing for the draft graph to compute
     w._init_widths(capture=True)
     assert w._widths is None and w._readings is None
     assert w._choose_width(3) == 32
@@ -347,8 +346,12 @@ def test_the_worker_chooses_among_the_widths_without_graphs(monkeypatch):
     monkeypatch.setattr(worker_mod, "options", lambda: config.Options.from_env())
     monkeypatch.setattr(worker_mod, "RoundReadings",
                         lambda policy, buffer, widths: RoundReadingsOnCpu(policy, buffer, widths))  # fmt: skip
+    with pytest.raises(RuntimeError, match="not asked for before the draft graphs"):
+        w._init_widths(capture=False)  # readings made after the capture would stay zeros
+    w._ask_for_readings()
     w._init_widths(capture=False)
     assert w._widths.widths == (16, 32, 64)
+    assert w._tree_head.reading_widths == (16, 32, 64)
     assert {w._widths.states[x] for x in (16, 32, 64)} == {("backend N", None)}
     assert w._choose_width(3) == 64 and w.speculative_num_draft_tokens == 64
 
@@ -412,6 +415,7 @@ def test_a_verify_without_cuda_graphs_is_warned_once_per_width_and_counted(monke
     monkeypatch.setattr(worker_mod, "options", lambda: config.Options.from_env())
     monkeypatch.setattr(worker_mod, "RoundReadings",
                         lambda policy, buffer, widths: RoundReadingsOnCpu(policy, buffer, widths))  # fmt: skip
+    w._ask_for_readings()
     w._init_widths(capture=False)
     w._graphs_on, w._eager_warned = True, set()
     with caplog.at_level("WARNING", logger=worker_mod.logger.name):
@@ -428,3 +432,25 @@ def test_a_verify_without_cuda_graphs_is_warned_once_per_width_and_counted(monke
     w._eager_warned = set()
     w._note_eager_verify(1, 16)
     assert not caplog.records and w._readings.policy.eager[16] == 3
+
+
+def test_the_draft_graphs_are_captured_after_the_readings_are_asked_for(monkeypatch):
+    """init_cuda_graphs: the draft head's width readings exist when the draft graphs are
+    captured (the graphs then write them every round), and the policy reads that buffer."""
+    from types import SimpleNamespace
+
+    from sglang_ddtree import config
+
+    worker_mod, w = _worker()
+    monkeypatch.setattr(worker_mod, "options", lambda: config.Options.from_env())
+    monkeypatch.setattr(worker_mod, "RoundReadings",
+                        lambda policy, buffer, widths: RoundReadingsOnCpu(policy, buffer, widths))  # fmt: skip
+    disabled = SimpleNamespace(decode=SimpleNamespace(backend=worker_mod.Backend.DISABLED))
+    monkeypatch.setattr(worker_mod, "get_exec",
+                        lambda: SimpleNamespace(graph=SimpleNamespace(cuda_graph_config=disabled)))  # fmt: skip
+    at_capture = []
+    monkeypatch.setattr(worker_mod.compat, "init_draft_cuda_graphs",
+                        lambda worker, capture: at_capture.append(worker._tree_head.readings))  # fmt: skip
+    w.init_cuda_graphs()
+    assert at_capture and at_capture[0] is not None
+    assert w._readings.buffer is at_capture[0]
