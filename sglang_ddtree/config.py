@@ -258,7 +258,7 @@ class Options:
                 "SGLANG_DDTREE_MASK_PACK",
                 ("triton", "torch"),
                 default="torch" if plan == "sglang" else "triton",
-            ),  # fmt: skip
+            ),
             gdn_check=env_value("SGLANG_DDTREE_GDN_CHECK") or None,
             gdn_check_serve=env_choice("SGLANG_DDTREE_GDN_CHECK_SERVE", ("chunk", "paths")),
             gdn_check_save=_count("SGLANG_DDTREE_GDN_CHECK_SAVE"),

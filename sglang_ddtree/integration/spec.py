@@ -19,7 +19,7 @@ from sglang_ddtree.config import (
     Options,
 )
 from sglang_ddtree.integration import compat
-from sglang_ddtree.tree.budget import verify_widths
+from sglang_ddtree.tree.budget import automatic_widths
 
 logger = logging.getLogger(__name__)
 
@@ -92,13 +92,13 @@ def validate_server_args(server_args: Any) -> None:
     # and the environment switches, in the main process before any scheduler starts
     opts = Options.from_env(**compat.option_modes(server_args))
     try:
-        widths = verify_widths(cfg.block_size, cfg.num_nodes, opts.widths)
+        widths = automatic_widths(opts.width, cfg.block_size, cfg.num_nodes, opts.widths)
     except ValueError as exc:
         raise DDTreeConfigError(str(exc)) from None
     # pdmux shares attention backends between graph runners, which one backend per width
     # (integration/widths.py) does not: name the way out
     _require(
-        opts.width != "auto" or len(widths) == 1 or not getattr(view, "enable_pdmux", False),
+        not widths or not getattr(view, "enable_pdmux", False),
         "DDTREE's automatic verify widths do not support --enable-pdmux; "
         "set SGLANG_DDTREE_WIDTH=fixed or drop the flag.",
     )

@@ -48,7 +48,7 @@ from sglang_ddtree.integration.penalties import PenaltyTable
 from sglang_ddtree.integration.round_dump import RoundDump
 from sglang_ddtree.integration.verify_input import make_verify_input
 from sglang_ddtree.integration.widths import RoundReadings, VerifyWidths
-from sglang_ddtree.tree.budget import WidthPolicy, truncate, verify_widths
+from sglang_ddtree.tree.budget import WidthPolicy, automatic_widths, truncate
 
 logger = logging.getLogger(__name__)
 
@@ -156,20 +156,22 @@ class DDTreeWorker(DFlashWorkerV2):
     def _ask_for_readings(self) -> None:
         """SGLANG_DDTREE_WIDTH=auto with several widths: the draft head computes the policy's
         expected tokens at each (integration/widths.RoundReadings reads them)."""
-        opts = options()
-        widths = verify_widths(self.cfg.block_size, self.cfg.num_nodes, opts.widths)
-        if opts.width == "auto" and len(widths) > 1:
+        widths = self._automatic_widths()
+        if widths:
             self._tree_head.read_widths(widths)
+
+    def _automatic_widths(self) -> tuple[int, ...]:
+        opts = options()
+        return automatic_widths(opts.width, self.cfg.block_size, self.cfg.num_nodes, opts.widths)
 
     def _init_widths(self, capture: bool) -> None:
         """SGLANG_DDTREE_WIDTH=auto: the target's verify graphs at every width and the policy
         (capture: whether decode CUDA graphs are on and memory was left for the draft's)."""
-        opts = options()
-        widths = verify_widths(self.cfg.block_size, self.cfg.num_nodes, opts.widths)
-        if opts.width == "auto" and len(widths) > 1:
+        widths = self._automatic_widths()
+        if widths:
             self._widths = VerifyWidths(self.target_worker.model_runner, widths, capture)
             widths = self._widths.widths  # what was captured
-        if opts.width != "auto" or len(widths) == 1:
+        if len(widths) <= 1:
             self._widths = None
             if self.ps.tp_rank == 0:
                 logger.info("DDTREE verify width: fixed at %d", self.cfg.num_nodes)

@@ -157,6 +157,14 @@ def verify_widths(block_size: int, num_nodes: int, given: Sequence[int] | None =
     return tuple(sorted({*given, N}))
 
 
+def automatic_widths(width: str, block_size: int, num_nodes: int,
+                     given: Sequence[int] | None = None) -> tuple[int, ...]:  # fmt: skip
+    """The verify widths a server chooses among per round: `verify_widths` with
+    SGLANG_DDTREE_WIDTH=auto (`width`) and several of them; () where every round runs at N."""
+    widths = verify_widths(block_size, num_nodes, given)
+    return widths if width == "auto" and len(widths) > 1 else ()
+
+
 class WidthPolicy:
     """The verify width of each round: the one with the most expected tokens per millisecond at
     the running batch, from costs measured on the server's own rounds.

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sglang_ddtree.config import Options
-from sglang_ddtree.tree.budget import WidthPolicy, expected_tokens, verify_widths
+from sglang_ddtree.tree.budget import WidthPolicy, automatic_widths, expected_tokens, verify_widths
 
 WIDTHS = (16, 32, 64)
 
@@ -22,6 +22,12 @@ def test_verify_widths_double_from_the_block_to_n_and_take_a_list():
     assert verify_widths(16, 64, (24, 16)) == (16, 24, 64)  # N is always one
     with pytest.raises(ValueError, match=r"\[B, N\] = \[16, 64\].*\[8, 80\]"):
         verify_widths(16, 64, (8, 32, 80))
+    # the widths a server chooses among: none when fixed or when N is the only one
+    assert automatic_widths("auto", 16, 64) == (16, 32, 64)
+    assert automatic_widths("fixed", 16, 64) == () == automatic_widths("auto", 16, 16)
+    assert automatic_widths("auto", 16, 64, (64,)) == ()
+    with pytest.raises(ValueError, match=r"\[B, N\]"):
+        automatic_widths("fixed", 16, 64, (8,))  # checked whichever the mode
 
 
 def _calibrated(policy: WidthPolicy, bs: int, ms: dict[int, float], predicted, accepted):
