@@ -182,6 +182,10 @@ class Options:
                                               tree, no unpacked mask, integration/mask_pack.py;
                                               torch: the mask written, then packed by ~130 torch
                                               ops; the default with the SGLang plan)
+    accept_path   SGLANG_DDTREE_ACCEPT_PATH   triton | sglang: the accepted path's commit steps
+                                              and its move to the block front in one Triton
+                                              launch each (integration/accept_path.py, the
+                                              default); sglang: SGLang's torch code
     gdn_check     SGLANG_DDTREE_GDN_CHECK     a directory: without CUDA graphs, every chunked GDN
                                               verify is checked against the root-path kernel and
                                               the inputs of one that differs are saved there
@@ -206,6 +210,7 @@ class Options:
     dump_every: int = 100
     verify_plan: str = "host"
     mask_pack: str = "triton"
+    accept_path: str = "triton"
     gdn_check: str | None = None
     gdn_check_serve: str = "chunk"
     gdn_check_save: int = 0
@@ -259,6 +264,7 @@ class Options:
                 ("triton", "torch"),
                 default="torch" if plan == "sglang" else "triton",
             ),
+            accept_path=env_choice("SGLANG_DDTREE_ACCEPT_PATH", ("triton", "sglang")),
             gdn_check=env_value("SGLANG_DDTREE_GDN_CHECK") or None,
             gdn_check_serve=env_choice("SGLANG_DDTREE_GDN_CHECK_SERVE", ("chunk", "paths")),
             gdn_check_save=_count("SGLANG_DDTREE_GDN_CHECK_SAVE"),

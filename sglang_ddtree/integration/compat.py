@@ -43,6 +43,30 @@ MAMBA_STATE_COMMIT = (
 # The tree verify's sampling (per-node penalties, the default): integration/penalties.py.
 EAGLE_SAMPLE = "sglang.srt.speculative.eagle_utils.eagle_sample"
 
+# The accepted path after a tree verify (integration/accept_path.py): the Mamba commit's steps,
+# and the path moved to the front of each request's block.
+VERIFY_COMMIT_STEPS = "sglang.srt.speculative.spec_utils._verify_commit_step_indices"
+FINALIZE_TREE_PATH = "sglang.srt.speculative.eagle_worker_common._finalize_accept_tree_path"
+
+
+def mamba_track_interval() -> int:
+    """The prefix cache's Mamba state tracking interval (tokens)."""
+    from sglang.srt.runtime_context import get_exec
+
+    return int(get_exec().mamba.mamba_track_interval)
+
+
+def flashinfer_kv_indices(req_to_token, req_pool_indices, kv_lens, kv_indptr, kv_indices) -> None:
+    """SGLang's Triton kernel writing each request's KV slots (req_to_token[req, :kv_len]) into
+    kv_indices from kv_indptr[b]: the FlashInfer paged layout of one request per row."""
+    from sglang.kernels.ops.attention.utils import create_flashinfer_kv_indices_triton
+
+    bs = req_pool_indices.shape[0]
+    create_flashinfer_kv_indices_triton[(bs,)](req_to_token, req_pool_indices, kv_lens,
+                                               kv_indptr, None, kv_indices,
+                                               req_to_token.size(1))  # fmt: skip
+
+
 # The scheduler's internal state (/server_info's internal_states): DDTREE's resolved options.
 SCHEDULER_INTERNAL_STATE = "sglang.srt.managers.scheduler.Scheduler.get_internal_state"
 

@@ -29,6 +29,11 @@
 | FlashInferIndicesUpdaterPrefill         | the verify's masked plan from host lengths and a      |
 |   .call_begin_forward                   | device-packed mask, no read-back (verify_plan.py;     |
 |                                         | off: SGLANG_DDTREE_VERIFY_PLAN=sglang)                |
+| spec_utils._verify_commit_step_indices  | the accepted path's Mamba commit steps, and           |
+| eagle_worker_common                     | the path moved to the block front, one Triton         |
+|   ._finalize_accept_tree_path           | launch each where SGLang takes ~15 torch ops          |
+|                                         | (accept_path.py; off: SGLANG_DDTREE_ACCEPT_PATH=      |
+|                                         | sglang)                                               |
 | OpenAIServingChat._process_logprobs_tokens | (front end) each streamed token its own top list  |
 | TokenizerManager.__init__               | (front end) a JSON body that is not an object gets a  |
 |                                         | 400, not SGLang's 500 (json_bodies.py)                |
@@ -43,7 +48,15 @@ from __future__ import annotations
 import logging
 import sys
 
-from sglang_ddtree.integration import compat, gdn, gdn_pool, json_bodies, penalties, verify_plan
+from sglang_ddtree.integration import (
+    accept_path,
+    compat,
+    gdn,
+    gdn_pool,
+    json_bodies,
+    penalties,
+    verify_plan,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -313,4 +326,6 @@ HOOKS = {
     compat.FLASHINFER_PREFILL_PLAN: verify_plan.call_begin_forward,
     compat.SCHEDULER_INTERNAL_STATE: _internal_state,
     compat.EAGLE_SAMPLE: penalties.eagle_sample,
+    compat.VERIFY_COMMIT_STEPS: accept_path.step_indices_hook,
+    compat.FINALIZE_TREE_PATH: accept_path.finalize_hook,
 }

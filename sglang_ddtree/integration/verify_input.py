@@ -15,7 +15,7 @@ from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 from sglang.srt.speculative.eagle_info import EagleVerifyInput
 
 from sglang_ddtree.config import DDTreeConfig
-from sglang_ddtree.integration import tree_layout
+from sglang_ddtree.integration import compat, tree_layout
 
 
 @dataclass
@@ -31,6 +31,28 @@ class DDTreeVerifyInput(EagleVerifyInput):
     # verify_plan.write_mask writes it where SGLang's plan runs instead); the committed lengths
     tree_mask_written: bool = True
     tree_seq_lens: torch.Tensor | None = None
+    # set by the host plan (verify_plan.call_begin_forward) for the plan's one call: the device
+    # KV lengths and offsets it copied, and the host qo offsets its wrapper plans with
+    staged_attn_args: tuple | None = None
+
+    def generate_attn_arg_prefill(self, req_pool_indices, paged_kernel_lens,
+                                  paged_kernel_lens_sum, req_to_token):  # fmt: skip
+        """SGLang's (kv_indices, kv_indptr, qo_indptr, custom_mask) for the FlashInfer plan. With
+        the host plan's lengths staged, the KV indices are written from them in one launch
+        (SGLang's kernel); SGLang derives the offsets on the device first (five more launches a
+        round). The qo offsets are the host plan's (its wrapper plans with those)."""
+        staged = getattr(self, "staged_attn_args", None)
+        bs, N = len(req_pool_indices), int(self.draft_token_num)
+        size = paged_kernel_lens_sum + N * bs  # SGLang's KV indices' length
+        # the staged lengths fit it (SGLang's sum is the host lengths'), and the mask its size
+        if (staged is None or len(staged[0]) != bs or staged[3] > size
+                or self.custom_mask.numel() < size * N):  # fmt: skip
+            return super().generate_attn_arg_prefill(req_pool_indices, paged_kernel_lens,
+                                                     paged_kernel_lens_sum, req_to_token)  # fmt: skip
+        kv_lens, kv_indptr, qo_indptr, _ = staged
+        kv_indices = torch.empty(size, dtype=torch.int32, device=req_pool_indices.device)
+        compat.flashinfer_kv_indices(req_to_token, req_pool_indices, kv_lens, kv_indptr, kv_indices)
+        return kv_indices, kv_indptr, qo_indptr, self.custom_mask
 
 
 def make_verify_input(

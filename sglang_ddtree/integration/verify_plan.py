@@ -33,12 +33,20 @@ from sglang_ddtree.integration import compat
 @dataclasses.dataclass(frozen=True)
 class HostPlan:
     qo_indptr: torch.Tensor  # [bs + 1] int32, host
-    kv_indptr: torch.Tensor  # [bs + 1] int32, host
+    lengths: torch.Tensor  # [3 bs + 2] int32, host: kv_lens, kv_indptr, mask_starts (one copy)
     last_page_len: torch.Tensor  # [bs] int32, host
-    mask_starts: torch.Tensor  # [bs + 1] int32, host: mask bits before each request
     total_bits: int
     packed_bytes: int  # sum over requests of ceil(bits / 8)
     max_request_bits: int  # the longest request's mask bits
+    total_kv: int  # sum over requests of S + N: the KV indices' length
+
+    @property
+    def kv_indptr(self) -> torch.Tensor:
+        return _split(self.lengths)[1]
+
+    @property
+    def mask_starts(self) -> torch.Tensor:
+        return _split(self.lengths)[2]
 
 
 def host_plan(seq_lens_cpu: torch.Tensor, num_nodes: int) -> HostPlan:
@@ -52,13 +60,22 @@ def host_plan(seq_lens_cpu: torch.Tensor, num_nodes: int) -> HostPlan:
     bs = len(kv)
     return HostPlan(
         qo_indptr=torch.arange(0, (bs + 1) * N, N, dtype=torch.int32),
-        kv_indptr=torch.tensor([0, *itertools.accumulate(kv)], dtype=torch.int32),
+        lengths=torch.tensor(
+            [*kv, 0, *itertools.accumulate(kv), 0, *itertools.accumulate(bits)], dtype=torch.int32
+        ),  # fmt: skip
         last_page_len=torch.ones(bs, dtype=torch.int32),
-        mask_starts=torch.tensor([0, *itertools.accumulate(bits)], dtype=torch.int32),
         total_bits=sum(bits),
         packed_bytes=sum((b + 7) // 8 for b in bits),
         max_request_bits=max(bits, default=0),
+        total_kv=sum(kv),
     )
+
+
+def _split(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """HostPlan.lengths (or its device copy) as (kv_lens [bs], kv_indptr [bs + 1], mask_starts
+    [bs + 1])."""
+    bs = (lengths.numel() - 2) // 3
+    return lengths[:bs], lengths[bs : 2 * bs + 1], lengths[2 * bs + 1 :]
 
 
 def pack_at_bit_offsets(mask: torch.Tensor, starts: torch.Tensor, total_bits: int,
@@ -108,7 +125,9 @@ def call_begin_forward(original, updater, wrapper_ragged, wrapper_paged, req_poo
     if capacity is not None and plan.total_bits > capacity:  # the bit-offset layout is 8x
         write_mask(spec_info)
         return original(*call, **kwargs)
-    starts = plan.mask_starts.to(seq_lens.device, non_blocking=True)
+    # one host-to-device copy: the KV indices' lengths and offsets
+    # (DDTreeVerifyInput.generate_attn_arg_prefill) and the mask offsets (the packers)
+    kv_lens, kv_indptr_dev, starts = _split(plan.lengths.to(seq_lens.device, non_blocking=True))
     planned = wrapper_paged.begin_forward
     own = "begin_forward" in vars(wrapper_paged)
     from sglang_ddtree.integration.gdn import first_use
@@ -133,9 +152,11 @@ def call_begin_forward(original, updater, wrapper_ragged, wrapper_paged, req_poo
 
     first_use("verify plan from host lengths (integration/verify_plan.py)")
     wrapper_paged.begin_forward = begin_forward
+    spec_info.staged_attn_args = (kv_lens, kv_indptr_dev, plan.qo_indptr, plan.total_kv)
     try:
         return original(*call, **kwargs)
     finally:
+        spec_info.staged_attn_args = None
         if own:
             wrapper_paged.begin_forward = planned
         else:

@@ -412,12 +412,17 @@ class DDTreeWorker(DFlashWorkerV2):
 
     # -- step 5b: the accepted tokens become draft context -----------------------------------
     def _commit_draft_context(self, result, positions, cache_loc, width: int) -> None:
-        """Draft KV of the accepted path from its (front-compacted) target hidden states."""
-        bs, N, B = cache_loc.shape[0], width, self.cfg.block_size
+        """Draft KV of the accepted path from its (front-compacted) target hidden states: per
+        request the verify's N rows (SGLang's compaction) or the path's S = B rows alone
+        (integration/accept_path.py); the first B either way."""
+        bs, B = cache_loc.shape[0], self.cfg.block_size
         hidden = result.logits_output.hidden_states
         if hidden is None:
             raise RuntimeError("DDTREE verify returned no target hidden states.")
-        accepted = hidden.view(bs, N, -1)[:, :B, :].reshape(bs * B, -1)
+        if hidden.shape[0] not in (bs * width, bs * B):
+            raise RuntimeError(f"DDTREE verify returned {hidden.shape[0]} hidden rows for {bs} "
+                               f"requests of {width} nodes")  # fmt: skip
+        accepted = hidden.view(bs, -1, hidden.shape[-1])[:, :B, :].reshape(bs * B, -1)
         compat.append_draft_kv(
             self,
             target_hidden=accepted,

@@ -97,6 +97,7 @@ VARIANTS = {
     "ddtree_sglangplan": ddtree_args,  # SGLang's FlashInfer plan for the verify (not verify_plan.py)
     "ddtree_fixed": ddtree_args,  # every round at N (the default, auto, picks a width per round)
     "ddtree_torchpack": ddtree_args,  # with VARIANT_ENV: the verify mask written, packed by torch
+    "ddtree_sglangaccept": ddtree_args,  # SGLang's accepted-path code (not accept_path.py)
     # the same in deterministic mode, whose GDN verify defaults to the root paths (session 9: the
     # chunked one was not batch-invariant there); ddtree_det_chunk asks for the chunked one
     "ddtree_det_chunk": lambda model, draft: [*ddtree_args(model, draft), *DETERMINISTIC],
@@ -116,11 +117,12 @@ VARIANT_ENV = {
     "ddtree_sglangplan": {"SGLANG_DDTREE_VERIFY_PLAN": "sglang"},
     "ddtree_fixed": {"SGLANG_DDTREE_WIDTH": "fixed"},
     "ddtree_torchpack": {"SGLANG_DDTREE_MASK_PACK": "torch"},
+    "ddtree_sglangaccept": {"SGLANG_DDTREE_ACCEPT_PATH": "sglang"},
     "ddtree_det_chunk": {"SGLANG_DDTREE_GDN_VERIFY": "chunk"},
     "ddtree_det_sglangconv": _SGLANGCONV,
     "ddtree_det_full": _FULL,
 }
-# Which variants each model runs (36 servers in all). Launch order interleaves the models, plain
+# Which variants each model runs (38 servers in all). Launch order interleaves the models, plain
 # servers first, so each model's tests can begin while the others still start. SGLang's own
 # chain DFLASH runs beside DDTREE on every model as the control for numerics.
 MODEL_VARIANTS = {
@@ -128,14 +130,15 @@ MODEL_VARIANTS = {
     "qwen35": (
         "base", "base_sync", "ddtree", "ddtree_fixed",
         "ddtree_sync", "dflash", "ddtree_sglanggdn", "ddtree_paths", "ddtree_sglangconv", "ddtree_full", "ddtree_sglangplan",
-        "ddtree_torchpack",
+        "ddtree_torchpack", "ddtree_sglangaccept",
     ),
     "pair": (
         "base", "base_sync", "ddtree", "ddtree_fixed",
         "base_det", "ddtree_det",
         "dflash_det", "dflash", "ddtree64",
         "ddtree_torch", "ddtree_paths", "ddtree_sglangconv", "ddtree_full", "ddtree_sglangplan",
-        "ddtree_torchpack", "ddtree_det_chunk", "ddtree_det_sglangconv", "ddtree_det_full",
+        "ddtree_torchpack", "ddtree_sglangaccept", "ddtree_det_chunk", "ddtree_det_sglangconv",
+        "ddtree_det_full",
     ),
 }  # fmt: skip
 # Started for scripts/bench_e2e.py --attach, not tested by tests/gpu.

@@ -577,20 +577,23 @@ CONV = "first tree conv1d through sglang_ddtree.gdn.conv_tree"
 COMPACT = ("Mamba pool sized for", "compact GDN verify scratch for")  # solver and pool hooks
 HOSTPLAN = "first verify plan from host lengths"
 MASKPACK = "first verify mask packed by integration/mask_pack.py"
+ACCEPT = ("first accepted path's commit steps through integration/accept_path.py",
+          "first accepted path moved to the front by integration/accept_path.py")  # fmt: skip
 WIDTH = {"auto": "DDTREE verify width: auto among", "fixed": "DDTREE verify width: fixed at"}
 
 
 def _engaged(verify: str = "chunk", conv: bool = True, compact: bool = True,
-             width: str = "auto", plan: bool = True, pack: bool = True) -> tuple:  # fmt: skip
+             width: str = "auto", plan: bool = True, pack: bool = True,
+             accept: bool = True) -> tuple:  # fmt: skip
     """The startup lines and first-use lines of a GDN path (the defaults: chunked verify, tree
     conv1d, compact scratch), of the verify width (auto, but in deterministic mode) and of the
-    verify's FlashInfer plan from host lengths with the mask packed from the tree (the
-    defaults)."""
+    verify's FlashInfer plan from host lengths with the mask packed from the tree, and of the
+    accepted path's kernels (the defaults)."""
     shown = f"{verify} (split)" if verify == "chunk" else verify
     line = (f"GDN path: ddtree (verify: {shown}; commit: replay; tree conv1d: "
             f"{'ddtree' if conv else 'sglang'}; scratch: {'compact' if compact else 'full'})")  # fmt: skip
     uses = [CHUNK if verify == "chunk" else PATHS, COMMIT, *([HOSTPLAN] if plan else []),
-            *([MASKPACK] if plan and pack else [])]  # fmt: skip
+            *([MASKPACK] if plan and pack else []), *(ACCEPT if accept else ())]  # fmt: skip
     return (line, WIDTH[width], *uses, *([CONV] if conv else []), *(COMPACT if compact else ()))
 
 
@@ -606,6 +609,7 @@ ENGAGED = {
         WIDTH["auto"],
         HOSTPLAN,
         MASKPACK,
+        *ACCEPT,
     ),  # fmt: skip
     "ddtree_paths": _engaged(verify="paths"),
     "ddtree_sglangconv": _engaged(conv=False),
@@ -614,6 +618,7 @@ ENGAGED = {
     "ddtree_det_full": _engaged(verify="paths", compact=False, width="fixed"),
     "ddtree_sglangplan": _engaged(plan=False),
     "ddtree_torchpack": _engaged(pack=False),
+    "ddtree_sglangaccept": _engaged(accept=False),
 }
 # what must not be in a log: the other verify kernel, hooks that are off
 NOT_ENGAGED = {
@@ -622,6 +627,7 @@ NOT_ENGAGED = {
     "ddtree_fixed": (PATHS, WIDTH["auto"]),
     "ddtree_sglangplan": (PATHS, HOSTPLAN, MASKPACK),
     "ddtree_torchpack": (PATHS, WIDTH["fixed"], MASKPACK),
+    "ddtree_sglangaccept": (PATHS, WIDTH["fixed"], *ACCEPT),
     **{
         v: (CHUNK,)
         for v in ("ddtree_paths", "ddtree_det", "ddtree_det_sglangconv", "ddtree_det_full")

@@ -16,7 +16,7 @@ from sglang_ddtree.integration import tree_layout, verify_plan
 from tests.fixtures import interpreter_only, interpreter_process_test
 
 # the non-GPU tests the interpreter process runs (all but this one); it must pass all
-test_cpu_kernel_tests_under_triton_interpreter = interpreter_process_test(__file__, 11)
+test_cpu_kernel_tests_under_triton_interpreter = interpreter_process_test(__file__, 15)
 
 
 def _tree(bs: int, N: int, seed: int) -> torch.Tensor:
@@ -164,3 +164,55 @@ def test_the_tree_packer_gives_the_bytes_of_the_written_mask_on_the_gpu():
         got = mask_pack.pack_tree_mask(vis.cuda(), plan.mask_starts.cuda(), plan.total_bits,
                                        plan.max_request_bits)  # fmt: skip
         assert torch.equal(got.cpu(), want), (seq, N)
+
+
+@interpreter_only
+@pytest.mark.parametrize("seq,N", [([6, 2, 11], 4), ([1], 16), ([40, 3, 9, 1, 17], 8)])
+def test_the_staged_lengths_give_sglangs_attention_arguments(seq, N):
+    """DDTreeVerifyInput.generate_attn_arg_prefill with the host plan's lengths staged (one copy,
+    one launch) gives SGLang's KV indices and offsets; unstaged it is SGLang's own."""
+    from sglang_ddtree.integration.verify_plan import _split
+
+    seq = torch.tensor(seq)
+    info, _ = _unwritten_verify(seq, N)
+    bs = len(seq)
+    req_to_token = torch.randperm(bs * 200).view(bs, 200).to(torch.int32)
+    pools = torch.randperm(bs)
+    args = (pools, seq, int(seq.sum()), req_to_token)
+    want = info.generate_attn_arg_prefill(*args)  # SGLang's
+    plan = verify_plan.host_plan(seq, N)
+    kv_lens, kv_indptr, _ = _split(plan.lengths)
+    info.staged_attn_args = (kv_lens, kv_indptr, plan.qo_indptr, plan.total_kv)
+    got = info.generate_attn_arg_prefill(*args)
+    total = int(want[1][-1])
+    assert total == plan.total_kv
+    assert torch.equal(got[0][:total], want[0][:total]) and got[0].numel() == want[0].numel()
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+    assert got[3] is want[3] is info.custom_mask
+
+
+def test_the_plan_stages_its_lengths_for_its_own_call_only(monkeypatch):
+    from sglang_ddtree import config
+
+    monkeypatch.setattr(config, "_active", config.Options(mask_pack="torch"))
+    seq, N = torch.tensor([6, 2, 11]), 4
+    info, _ = _unwritten_verify(seq, N)
+    verify_plan.write_mask(info)  # the torch packer's input (no Triton outside the interpreter)
+    seen = []
+
+    def sglang(*call, **kwargs):
+        seen.append(call[12].staged_attn_args)
+        return _sglang_call(*call, **kwargs)
+
+    from sglang_ddtree.integration.verify_plan import call_begin_forward
+
+    call_begin_forward(sglang, "updater", None, _Wrapper(), None, seq, int(seq.sum()), seq, None,
+                       None, None, None, False, info, seq_lens_cpu=seq.clone())  # fmt: skip
+    kv_lens, kv_indptr, qo, total = seen[0]
+    assert kv_lens.tolist() == (seq + N).tolist() and kv_indptr.tolist() == [0, 10, 16, 31]
+    assert total == 31
+    assert torch.equal(qo, verify_plan.host_plan(seq, N).qo_indptr)
+    assert info.staged_attn_args is None  # cleared after the call
+    call_begin_forward(sglang, "updater", None, _Wrapper(), None, seq, int(seq.sum()), seq, None,
+                       None, None, None, False, info, seq_lens_cpu=None)  # fmt: skip
+    assert seen[1] is None  # SGLang's plan: nothing staged
