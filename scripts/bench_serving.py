@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -151,6 +152,42 @@ def profile(servers: list, names: list[str], out: Path) -> None:
                               "syncs_per_round": host.get("syncs_per_round")}), flush=True)  # fmt: skip
 
 
+SAMPLER = Path(__file__).resolve().parent / "host_sampler"
+
+
+def sampled_env(env: dict[str, str], folder: Path) -> dict[str, str]:
+    """A server's environment with the host sampler on PYTHONPATH (dormant until sampling)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = os.pathsep.join(x for x in (str(SAMPLER), os.environ.get("PYTHONPATH")) if x)
+    return {**env, "PYTHONPATH": path, "HOST_SAMPLER_DIR": str(folder)}
+
+
+def host_profile(servers: list, names: list[str], dataset: Path, args) -> None:
+    """One c = 1 run per temperature on each named server with its host sampler on, after the
+    measured runs: OUT/host/NAME/tT/ (scripts/host_profile.py reads them)."""
+    for server in (s for s in servers if s.name in names):
+        sampler = Path(server.env["HOST_SAMPLER_DIR"])
+        for t in (float(x) for x in args.temperatures.split(",")):
+            folder = args.out / "host" / server.name / f"t{t:g}"
+            folder.mkdir(parents=True, exist_ok=True)
+            for old in sampler.glob("*.txt"):
+                old.unlink()
+            (sampler / "on").touch()
+            try:
+                res = run_bench(bench_args(server, dataset, args.target, 16, 1, t, args.tokens,
+                                           folder / "raw.jsonl"))  # fmt: skip
+            finally:
+                (sampler / "on").unlink()
+            deadline = time.monotonic() + 30
+            while not list(sampler.glob("*.txt")) and time.monotonic() < deadline:
+                time.sleep(0.5)
+            time.sleep(2)  # every sampled process writes within about 0.2 s of the other
+            for f in sampler.glob("*.txt"):
+                f.rename(folder / f.name)
+            (folder / "meta.json").write_text(json.dumps(res))
+            print(f"{server.name} T={t:g}: host samples in {folder}", flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, required=True)
@@ -169,6 +206,10 @@ def main() -> int:
     p.add_argument("--hold-until", type=Path,
                    help="start the servers, then wait for this file before measuring (the GPU "
                         "to itself: e.g. another job's end)")  # fmt: skip
+    p.add_argument("--host-profile", default="",
+                   help="servers whose host time to sample, in one c = 1 run per temperature "
+                        "after the measured runs: OUT/host/NAME/tT (scripts/host_profile.py "
+                        "prints their call trees in ms per round)")  # fmt: skip
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     table_ = server_table(args.draft)
@@ -177,11 +218,15 @@ def main() -> int:
     if unknown:
         raise SystemExit(f"unknown servers {unknown}; choose from {sorted(table_)}")
     profiled = [n for n in args.profile.split(",") if n]
-    if set(profiled) - set(names):
-        raise SystemExit(f"--profile {args.profile}: profile only servers in --servers {names}")
+    sampled = [n for n in args.host_profile.split(",") if n]
+    for flag, chosen in (("--profile", profiled), ("--host-profile", sampled)):
+        if set(chosen) - set(names):
+            raise SystemExit(f"{flag} {','.join(chosen)}: only servers in --servers {names}")
     servers = []
     for i, name in enumerate(names):
         flags, env = table_[name]
+        if name in sampled:
+            env = sampled_env(env, args.out / "host" / name / "samples")
         # a free port (another server's internal ports may hold a fixed one), above the last
         port = harness.free_port(
             max(args.port_base + 10 * i, servers[-1].port + 1 if servers else 0)
@@ -218,6 +263,7 @@ def main() -> int:
         text = table(summarize(rows))  # before the profiles: the measured runs' table
         (args.out / "table.md").write_text(text + "\n")
         print(text, flush=True)
+        host_profile(servers, sampled, dataset, args)
         profile(servers, profiled, args.out)
     finally:
         for server in servers:

@@ -507,3 +507,51 @@ def test_bench_round_takes_a_round_from_two_decode_lengths(monkeypatch):
     assert calls == [48, 1, 24, 48]
     assert abs(row["round_ms"] - 20.0) < 1e-9
     assert row["round_ms_from_prefill"] < 10
+
+
+def test_the_host_sampler_sees_the_scheduler_loop_and_the_report_scales_it(tmp_path):
+    """A process with scripts/host_sampler on PYTHONPATH samples only while DIR/on exists, and
+    host_profile prints the main thread's frames in ms per round: a loop that spends about
+    three quarters of its time in one function shows that share under it."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    fake = tmp_path / "scheduler.py"  # the file and loop names the report looks for
+    fake.write_text(
+        "import time, sys\n"
+        "def busy(s):\n    end = time.perf_counter() + s\n"
+        "    while time.perf_counter() < end: pass\n"
+        "def event_loop_normal():\n    end = time.monotonic() + float(sys.argv[1])\n"
+        "    while time.monotonic() < end:\n        busy(0.003)\n        rest(0.001)\n"
+        "def rest(s):\n    end = time.perf_counter() + s\n"
+        "    while time.perf_counter() < end: pass\n"
+        "event_loop_normal()\n"
+    )
+    samples = tmp_path / "samples"
+    samples.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "scripts" / "host_sampler"),
+           "HOST_SAMPLER_DIR": str(samples)}  # fmt: skip
+    proc = subprocess.Popen([sys.executable, str(fake), "4"], env=env)
+    time.sleep(0.7)
+    assert not list(samples.glob("*.txt"))  # dormant
+    (samples / "on").touch()
+    time.sleep(1.5)
+    (samples / "on").unlink()
+    proc.wait(timeout=30)
+    files = list(samples.glob("*.txt"))
+    assert len(files) == 1
+    (samples / "meta.json").write_text(json.dumps({"total_output_tokens": 200,
+                                                   "accept_length": 2.0}))  # fmt: skip
+    report = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "host_profile.py"), str(samples),
+         "--focus", "event_loop_normal"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    rows = {line.split("|")[2].strip(" ."): float(line.split("|")[1])
+            for line in report.splitlines() if line.startswith("| ") and ":" in line}  # fmt: skip
+    loop, busy = rows["scheduler.py:event_loop_normal"], rows["scheduler.py:busy"]
+    head = json.loads(files[0].read_text().splitlines()[0])
+    assert loop == pytest.approx(head["seconds"] * 1000 / 100, rel=0.1)  # 100 rounds
+    assert 0.6 < busy / loop < 0.9

@@ -1,0 +1,104 @@
+"""Where a server's host time goes in a decode round: the call tree of the scheduler's main
+thread, in ms per round, side by side for several servers (from host_sampler's samples).
+
+    python scripts/host_profile.py DIR [DIR ...] [--min-ms 0.03] [--depth 14] [--focus NAME]
+
+Each DIR is what `scripts/bench_serving.py --host-profile` wrote for one server and temperature:
+the sampler's <pid>.txt files (scripts/host_sampler/sitecustomize.py) and meta.json, the
+sampled run's bench_serving row. Rounds = output tokens / accept length (tokens for a server
+without speculation); a frame's ms per round = its share of the main thread's samples x the
+sampled seconds / rounds. --focus starts the tree at the first frame of that name (e.g.
+forward_batch_generation); frames under --min-ms in every column are left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+_LOOP = "scheduler.py:event_loop"  # the scheduler's loops: event_loop_normal / _overlap
+
+
+def read_samples(path: Path) -> tuple[dict, dict[str, int]]:
+    lines = path.read_text().splitlines()
+    stacks = {}
+    for line in lines[1:]:
+        stack, _, n = line.rpartition(" ")
+        stacks[stack] = stacks.get(stack, 0) + int(n)
+    return json.loads(lines[0]), stacks
+
+
+def scheduler_stacks(folder: Path) -> tuple[dict, list[tuple[list[str], int]]]:
+    """The sampled process whose main thread runs the scheduler loop: (header, stacks)."""
+    for path in sorted(folder.glob("*.txt")):
+        head, stacks = read_samples(path)
+        main = [(s.split(";")[1:], n) for s, n in stacks.items() if s.startswith("MainThread;")]
+        if any(_LOOP in s for frames, _ in main for s in frames):
+            return head, main
+    raise SystemExit(f"{folder}: no sampled process runs the scheduler loop")
+
+
+def rounds(meta: dict) -> float:
+    tokens = float(meta["total_output_tokens"])
+    return tokens / float(meta.get("accept_length") or 1.0)
+
+
+def tree(stacks: list[tuple[list[str], int]], focus: str | None) -> dict:
+    """{frame: [samples, children]} from the root (or from each --focus frame)."""
+    root: dict = {}
+    for frames, n in stacks:
+        if focus is not None:
+            if focus not in (f.split(":", 1)[-1] for f in frames):
+                continue
+            frames = frames[[f.split(":", 1)[-1] for f in frames].index(focus) :]
+        node = root
+        for f in frames:
+            entry = node.setdefault(f, [0, {}])
+            entry[0] += n
+            node = entry[1]
+    return root
+
+
+def lines_of(trees: list[dict], scales: list[float], min_ms: float, depth: int,
+             indent: int = 0) -> list[str]:  # fmt: skip
+    names = sorted({k for t in trees for k in t},
+                   key=lambda k: -max(t.get(k, [0])[0] * s for t, s in zip(trees, scales, strict=True)))  # fmt: skip
+    out = []
+    for name in names:
+        ms = [t.get(name, [0])[0] * s for t, s in zip(trees, scales, strict=True)]
+        if max(ms) < min_ms:
+            continue
+        cells = " | ".join(f"{m:6.3f}" for m in ms)
+        out.append(f"| {cells} | {'. ' * indent}{name} |")
+        if indent + 1 < depth:
+            subs = [t.get(name, [0, {}])[1] for t in trees]
+            out += lines_of(subs, scales, min_ms, depth, indent + 1)
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("dirs", nargs="+", type=Path)
+    p.add_argument("--min-ms", type=float, default=0.03)
+    p.add_argument("--depth", type=int, default=14)
+    p.add_argument("--focus", default=None)
+    args = p.parse_args()
+    trees, scales, heads = [], [], []
+    for folder in args.dirs:
+        head, stacks = scheduler_stacks(folder)
+        meta = json.loads((folder / "meta.json").read_text())
+        total = sum(n for _, n in stacks)
+        scales.append(head["seconds"] * 1000.0 / total / rounds(meta))
+        trees.append(tree(stacks, args.focus))
+        heads.append(f"{folder.parent.name}/{folder.name}: {rounds(meta):.0f} rounds, "
+                     f"{head['seconds'] * 1000.0 / rounds(meta):.2f} ms a round")  # fmt: skip
+    print("\n".join(heads))
+    print("| " + " | ".join(str(d.parent.name) for d in args.dirs) + " | frame (ms per round) |")
+    print("|" + "---|" * (len(args.dirs) + 1))
+    print("\n".join(lines_of(trees, scales, args.min_ms, args.depth)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
