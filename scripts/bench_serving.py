@@ -163,29 +163,35 @@ def sampled_env(env: dict[str, str], folder: Path) -> dict[str, str]:
 
 
 def host_profile(servers: list, names: list[str], dataset: Path, args) -> None:
-    """One c = 1 run per temperature on each named server with its host sampler on, after the
-    measured runs: OUT/host/NAME/tT/ (scripts/host_profile.py reads them)."""
+    """One run per temperature and --host-concurrency on each named server with its host
+    sampler on, after the measured runs: OUT/host/NAME/tT_cC/ (scripts/host_profile.py reads
+    them)."""
     for server in (s for s in servers if s.name in names):
-        sampler = Path(server.env["HOST_SAMPLER_DIR"])
         for t in (float(x) for x in args.temperatures.split(",")):
-            folder = args.out / "host" / server.name / f"t{t:g}"
-            folder.mkdir(parents=True, exist_ok=True)
-            for old in sampler.glob("*.txt"):
-                old.unlink()
-            (sampler / "on").touch()
-            try:
-                res = run_bench(bench_args(server, dataset, args.target, 16, 1, t, args.tokens,
-                                           folder / "raw.jsonl"))  # fmt: skip
-            finally:
-                (sampler / "on").unlink()
-            deadline = time.monotonic() + 30
-            while not list(sampler.glob("*.txt")) and time.monotonic() < deadline:
-                time.sleep(0.5)
-            time.sleep(2)  # every sampled process writes within about 0.2 s of the other
-            for f in sampler.glob("*.txt"):
-                f.rename(folder / f.name)
-            (folder / "meta.json").write_text(json.dumps(res))
-            print(f"{server.name} T={t:g}: host samples in {folder}", flush=True)
+            for c in (int(x) for x in args.host_concurrency.split(",")):
+                sample_run(server, args.out / "host" / server.name / f"t{t:g}_c{c}", dataset,
+                           t, c, args)  # fmt: skip
+
+
+def sample_run(server, folder: Path, dataset: Path, t: float, c: int, args) -> None:
+    sampler = Path(server.env["HOST_SAMPLER_DIR"])
+    folder.mkdir(parents=True, exist_ok=True)
+    for old in sampler.glob("*.txt"):
+        old.unlink()
+    (sampler / "on").touch()
+    try:
+        res = run_bench(bench_args(server, dataset, args.target, max(16, 2 * c), c, t,
+                                   args.tokens, folder / "raw.jsonl"))  # fmt: skip
+    finally:
+        (sampler / "on").unlink()
+    deadline = time.monotonic() + 30
+    while not list(sampler.glob("*.txt")) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    time.sleep(2)  # every sampled process writes within about 0.2 s of the others
+    for f in sampler.glob("*.txt"):
+        f.rename(folder / f.name)
+    (folder / "meta.json").write_text(json.dumps(res))
+    print(f"{server.name} T={t:g} c={c}: host samples in {folder}", flush=True)
 
 
 def main() -> int:
@@ -207,9 +213,11 @@ def main() -> int:
                    help="start the servers, then wait for this file before measuring (the GPU "
                         "to itself: e.g. another job's end)")  # fmt: skip
     p.add_argument("--host-profile", default="",
-                   help="servers whose host time to sample, in one c = 1 run per temperature "
-                        "after the measured runs: OUT/host/NAME/tT (scripts/host_profile.py "
-                        "prints their call trees in ms per round)")  # fmt: skip
+                   help="servers whose host time to sample, in one run per temperature and "
+                        "--host-concurrency after the measured runs: OUT/host/NAME/tT_cC "
+                        "(scripts/host_profile.py prints their call trees in ms per round)")  # fmt: skip
+    p.add_argument("--host-concurrency", default="1",
+                   help="the concurrencies of --host-profile's runs")  # fmt: skip
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     table_ = server_table(args.draft)
