@@ -47,6 +47,7 @@ EAGLE_SAMPLE = "sglang.srt.speculative.eagle_utils.eagle_sample"
 # and the path moved to the front of each request's block.
 VERIFY_COMMIT_STEPS = "sglang.srt.speculative.spec_utils._verify_commit_step_indices"
 FINALIZE_TREE_PATH = "sglang.srt.speculative.eagle_worker_common._finalize_accept_tree_path"
+MAMBA_TRACK_FOR_VERIFY = "sglang.srt.speculative.spec_utils.prepare_mamba_track_for_verify"
 
 
 def mamba_track_interval() -> int:
@@ -54,6 +55,37 @@ def mamba_track_interval() -> int:
     from sglang.srt.runtime_context import get_exec
 
     return int(get_exec().mamba.mamba_track_interval)
+
+
+def profiler_running() -> bool:
+    """Whether a torch profiler is recording (SGLang's /start_profile starts one): torch's own
+    flag, which its profilers set on start and clear on stop."""
+    import torch.autograd.profiler
+
+    return bool(torch.autograd.profiler._is_profiler_enabled)
+
+
+def set_uniform_mamba_track_indices(batch) -> bool:
+    """spec_utils.prepare_mamba_track_for_verify for a batch whose requests all track into the
+    same ping-pong slot (every batch of one): each request's tracking buffer is that column of
+    the pool's mapping, one gather and no host-to-device copy (SGLang builds a pinned tensor of
+    the slots, copies it and gathers). False, with the batch untouched, where that does not
+    apply: no extra buffer (SGLang's returns at once), the lazy track plan, mixed slots."""
+    from sglang.srt.runtime_context import get_server_args  # as spec_utils reads them
+
+    args = get_server_args()
+    reqs = batch.reqs
+    if not reqs or not args.enable_mamba_extra_buffer() or args.enable_mamba_extra_buffer_lazy():
+        return False
+    slot = reqs[0].mamba_next_track_idx or 0  # SGLang's default for a request without one
+    if any((r.mamba_next_track_idx or 0) != slot for r in reqs):
+        return False
+    mapping = batch.req_to_token_pool.req_index_to_mamba_ping_pong_track_buffer_mapping
+    column = mapping[:, slot].index_select(0, batch.req_pool_indices)
+    batch.mamba_track_indices = column.long()  # SGLang's dtype (the mapping's already)
+    batch.mamba_track_mask = None
+    batch.mamba_track_seqlens = None
+    return True
 
 
 def flashinfer_kv_indices(req_to_token, req_pool_indices, kv_lens, kv_indptr, kv_indices) -> None:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from sglang_ddtree.config import DDTreeConfig, options
 from sglang_ddtree.tree import DraftTree, build_tree, topk_logprobs_from_logits
-from sglang_ddtree.tree.budget import expected_tokens
+from sglang_ddtree.tree.budget import cut_links, expected_tokens, truncate
 from sglang_ddtree.tree.shard_topk import merge_topk, shard_topk
 
 
@@ -75,16 +75,24 @@ class DraftTreeHead:
         # width, then one column the width policy's readings fill (integration/widths.py)
         self.readings: torch.Tensor | None = None
         self.reading_widths: tuple[int, ...] = ()
+        # per read width w < N: first_child and next_sibling of the first w nodes, links past
+        # the cut -1 (tree.budget.truncate's), written with the tree (in the draft graph)
+        self.cuts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def read_widths(self, widths) -> None:
         """From the next build on (before the draft graphs are captured, so that the graphs
         compute them), the expected tokens at these widths: 1 + sum of q over the first w
-        nodes of each tree (tree.budget.expected_tokens) into `readings[:, :len(widths)]`."""
+        nodes of each tree (tree.budget.expected_tokens) into `readings[:, :len(widths)]`, and
+        the first w nodes' links cut (`cuts`, what `tree(bs, w)` returns)."""
         widths = tuple(int(w) for w in widths)
         expected_tokens(self.scores[:1], widths)  # widths outside [1, N]: an error now
         self.readings = torch.zeros((self.max_bs, len(widths) + 1), dtype=torch.float32,
                                     device=self.scores.device)  # fmt: skip
         self.reading_widths = widths
+        self.cuts = {}
+        for w in (w for w in widths if w < self.scores.shape[1]):
+            links = torch.zeros((2, self.max_bs, w), dtype=torch.int64, device=self.scores.device)
+            self.cuts[w] = (links[0], links[1])
 
     @property
     def max_bs(self) -> int:
@@ -107,6 +115,9 @@ class DraftTreeHead:
             getattr(self, name)[:bs].copy_(value)
         if self.readings is not None:
             self.write_readings(tree.scores)
+        for w, (first_child, next_sibling) in self.cuts.items():
+            first_child[:bs].copy_(cut_links(tree.first_child, w))
+            next_sibling[:bs].copy_(cut_links(tree.next_sibling, w))
 
     def write_readings(self, scores: torch.Tensor) -> None:
         """readings[:bs, :-1] = the expected tokens at the read widths of trees with these
@@ -121,14 +132,21 @@ class DraftTreeHead:
         rows = hidden.reshape(bs * L, -1).to(self.weight.dtype)
         return F.linear(rows, self.weight[: self.vocab_size]).view(bs, L, -1)
 
-    def tree(self, bs: int) -> DraftTree:
-        """The last built trees of the first `bs` requests (views of the static buffers)."""
+    def tree(self, bs: int, width: int | None = None) -> DraftTree:
+        """The last built trees of the first `bs` requests (views of the static buffers); with
+        a read width, their first `width` nodes (tree.budget.truncate's tree, its links cut in
+        the build; other widths are cut here)."""
+        N = self.cfg.num_nodes
+        w = N if width is None else width
+        if w != N and w not in self.cuts:
+            return truncate(self.tree(bs), w)
+        first_child, next_sibling = self.cuts.get(w, (self.first_child, self.next_sibling))
         return DraftTree(
-            tokens=self.tokens[:bs],
-            parents=self.parents[:bs],
-            depth=self.depth[:bs],
-            first_child=self.first_child[:bs],
-            next_sibling=self.next_sibling[:bs],
-            visibility=self.visibility[:bs],
-            scores=self.scores[:bs],
+            tokens=self.tokens[:bs, :w],
+            parents=self.parents[:bs, :w],
+            depth=self.depth[:bs, :w],
+            first_child=first_child[:bs],
+            next_sibling=next_sibling[:bs],
+            visibility=self.visibility[:bs, :w, :w],
+            scores=self.scores[:bs, :w],
         )

@@ -328,4 +328,5 @@ HOOKS = {
     compat.EAGLE_SAMPLE: penalties.eagle_sample,
     compat.VERIFY_COMMIT_STEPS: accept_path.step_indices_hook,
     compat.FINALIZE_TREE_PATH: accept_path.finalize_hook,
+    compat.MAMBA_TRACK_FOR_VERIFY: accept_path.track_indices_hook,
 }

@@ -4,8 +4,9 @@ Inherited from DFlashWorkerV2 unchanged: draft TP worker and model, mask token, 
 attention backends, prefill (target prefill + draft KV of the prompt), idle batches, and the
 draft-KV materialisation from target hidden states. Replaced: the decode round.
 
-The decode round, in the paper's five steps (no host synchronisation in this file; each part is a
-`torch.profiler.record_function` range named `ddtree.*` for SGLang's /start_profile traces):
+The decode round, in the paper's five steps (no host synchronisation in this file; while a torch
+profiler runs, each part is a `record_function` range named `ddtree.*` for SGLang's /start_profile
+traces):
   draft   DFlash block [bonus, MASK x (B-1)] through the draft runner (CUDA graph at width B)
   build   in the same graph: target LM head -> per-position top-K log-probs -> DDTree
   verify  the first w nodes of the N-node tree (w: the round's width, SGLANG_DDTREE_WIDTH=auto,
@@ -48,18 +49,27 @@ from sglang_ddtree.integration.penalties import PenaltyTable
 from sglang_ddtree.integration.round_dump import RoundDump
 from sglang_ddtree.integration.verify_input import make_verify_input
 from sglang_ddtree.integration.widths import RoundReadings, VerifyWidths
-from sglang_ddtree.tree.budget import WidthPolicy, automatic_widths, truncate
+from sglang_ddtree.tree.budget import WidthPolicy, automatic_widths
 
 logger = logging.getLogger(__name__)
 
 
-@contextlib.contextmanager
 def own_code():
     """SGLANG_DDTREE_SYNC_CHECK=1: DDTREE's own per-round code under torch's sync debug mode
     ("warn"; the GPU tests fail on any such warning). SGLang's own calls are left out."""
-    if not options().sync_check:
-        yield
-        return
+    return _sync_debug() if options().sync_check else contextlib.nullcontext()
+
+
+def profiled(name: str):
+    """The round part's `record_function` range while a torch profiler runs (SGLang's
+    /start_profile), else nothing: a range costs host time in every round."""
+    if compat.profiler_running():
+        return record_function(name)
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _sync_debug():
     previous = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode("warn")
     try:
@@ -217,11 +227,10 @@ class DDTreeWorker(DFlashWorkerV2):
         with own_code():
             width = self._choose_width(bs)
 
-        with record_function("ddtree.draft_and_build"):
+        with profiled("ddtree.draft_and_build"):
             block = self._draft(batch, draft_input)  # draft + build (one graph replay)
-        with own_code(), record_function("ddtree.verify_input"):
-            built = self._tree_head.tree(bs)
-            tree = built if width == self.cfg.num_nodes else truncate(built, width)
+        with own_code(), profiled("ddtree.verify_input"):
+            tree = self._tree_head.tree(bs, width)  # the first `width` nodes
             batch.spec_info = make_verify_input(
                 self.cfg,
                 tree.tokens,
@@ -234,7 +243,7 @@ class DDTreeWorker(DFlashWorkerV2):
                 write_mask=not verify_plan.packs_from_tree(),
             )
         verify_at = self._widths.use(width) if self._widths else contextlib.nullcontext()
-        with record_function("ddtree.verify_accept_commit"), verify_at:
+        with profiled("ddtree.verify_accept_commit"), verify_at:
             result = self._verify_accept_commit(batch, grammar_barrier, width)
         if not result.can_run_cuda_graph:
             self._note_eager_verify(bs, width)
@@ -250,7 +259,7 @@ class DDTreeWorker(DFlashWorkerV2):
         batch.spec_info = draft_input
         if on_publish is not None:
             on_publish(result.new_seq_lens)
-        with own_code(), record_function("ddtree.draft_context"):
+        with own_code(), profiled("ddtree.draft_context"):
             self._commit_draft_context(result, *block, width)
             result.next_draft_input = make_draft_input_v2(
                 bonus_tokens=result.next_draft_input.bonus_tokens,

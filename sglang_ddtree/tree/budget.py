@@ -54,20 +54,22 @@ def truncate(tree: DraftTree, width: int) -> DraftTree:
     N = tree.num_nodes
     if not 1 <= width <= N:
         raise ValueError(f"width must be in [1, {N}], got {width}")
-
-    def cut(link: torch.Tensor) -> torch.Tensor:
-        link = link[:, :width]
-        return torch.where(link < width, link, torch.full_like(link, -1))
-
     return DraftTree(
         tokens=tree.tokens[:, :width],
         parents=tree.parents[:, :width],
         depth=tree.depth[:, :width],
-        first_child=cut(tree.first_child),
-        next_sibling=cut(tree.next_sibling),
+        first_child=cut_links(tree.first_child, width),
+        next_sibling=cut_links(tree.next_sibling, width),
         visibility=tree.visibility[:, :width, :width],
         scores=tree.scores[:, :width],
     )
+
+
+def cut_links(link: torch.Tensor, width: int) -> torch.Tensor:
+    """[bs, width]: the first `width` nodes' links [bs, N] (first child or next sibling), -1 for
+    a link past the cut."""
+    link = link[:, :width]
+    return torch.where(link < width, link, torch.full_like(link, -1))
 
 
 def chain_expected_tokens(top1_logprobs: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 from tests.fixtures import interpreter_only, interpreter_process_test
 
 # the non-GPU tests the interpreter process runs (all but this one); it must pass all
-test_cpu_kernel_tests_under_triton_interpreter = interpreter_process_test(__file__, 15)
+test_cpu_kernel_tests_under_triton_interpreter = interpreter_process_test(__file__, 26)
 
 CASES = [(1, 4, 4, 0), (3, 16, 8, 1), (5, 32, 16, 2), (8, 8, 8, 3), (2, 64, 16, 4)]
 
@@ -186,6 +186,14 @@ def test_the_hook_targets_have_the_parameters_the_hooks_assume():
                         "token_to_kv_pool_allocator", "num_draft_tokens"]  # fmt: skip
     assert hooks.HOOKS[compat.VERIFY_COMMIT_STEPS] is accept_path.step_indices_hook
     assert hooks.HOOKS[compat.FINALIZE_TREE_PATH] is accept_path.finalize_hook
+    assert hooks.HOOKS[compat.MAMBA_TRACK_FOR_VERIFY] is accept_path.track_indices_hook
+    assert list(inspect.signature(spec_utils.prepare_mamba_track_for_verify).parameters) == [
+        "batch"
+    ]
+    # the verify's preparation imports it when it runs (after the hooks replaced it)
+    eagle_utils = pytest.importorskip("sglang.srt.speculative.eagle_utils")
+    prepare = inspect.getsource(eagle_utils.eagle_prepare_for_verify)
+    assert "import prepare_mamba_track_for_verify" in prepare
     # run_eagle_verify calls both by their module-level names (the hooks replace those)
     source = inspect.getsource(common.run_eagle_verify)
     assert "_finalize_accept_tree_path(" in source
@@ -201,3 +209,77 @@ def test_the_accept_path_kernels_are_sglangs_on_the_gpu(sglang_steps, bs, N, S, 
     for track in (False, True):
         _check_steps(sglang_steps, bs, N, S, seed, track, "cuda")
     _check_finalize(bs, N, S, seed, "cuda")
+
+
+class _Reqs(types.SimpleNamespace):
+    """A ScheduleBatch's fields that the Mamba tracking set-up reads and writes."""
+
+
+def _track_batch(slots, rows=6, ddtree=True):
+    gen = torch.Generator().manual_seed(len(slots))
+    mapping = torch.randint(0, 100, (rows, 2), generator=gen, dtype=torch.int64)
+    return _Reqs(
+        reqs=[types.SimpleNamespace(mamba_next_track_idx=s) for s in slots],
+        req_pool_indices=torch.randperm(rows, generator=gen)[: len(slots)],
+        req_to_token_pool=types.SimpleNamespace(
+            req_index_to_mamba_ping_pong_track_buffer_mapping=mapping),
+        mamba_track_indices=None, mamba_track_mask=torch.ones(1), mamba_track_seqlens=torch.ones(1),
+        spec_algorithm=types.SimpleNamespace(name="DDTREE" if ddtree else "EAGLE"),
+    )  # fmt: skip
+
+
+@pytest.fixture()
+def sglang_track(monkeypatch):
+    """SGLang's prepare_mamba_track_for_verify, with the server's prefix-cache strategy set by
+    the test and the pinned staging tensor it builds made in ordinary memory (no CUDA here)."""
+    spec_utils = pytest.importorskip("sglang.srt.speculative.spec_utils")
+    from sglang.srt import runtime_context
+    from sglang.srt.managers import schedule_batch
+
+    strategy = {"value": "extra_buffer"}
+    args = types.SimpleNamespace(
+        enable_mamba_extra_buffer=lambda: strategy["value"] != "no_buffer",
+        enable_mamba_extra_buffer_lazy=lambda: strategy["value"] == "extra_buffer_lazy",
+    )
+    monkeypatch.setattr(spec_utils, "get_server_args", lambda: args)
+    monkeypatch.setattr(runtime_context, "get_server_args", lambda: args)
+    shim = types.ModuleType("torch_unpinned")
+    shim.__getattr__ = lambda name: getattr(torch, name)
+    shim.tensor = lambda data, pin_memory=False, **kw: torch.tensor(data, **kw)
+    monkeypatch.setattr(schedule_batch, "torch", shim)
+    return spec_utils.prepare_mamba_track_for_verify, strategy
+
+
+@pytest.mark.parametrize("slots", [[1], [0], [None], [1, 1, 1], [None, 0, 0]])
+def test_the_tracking_buffers_of_one_slot_are_sglangs(sglang_track, slots):
+    """One ping-pong slot for every request (every batch of one): the gathered buffers, their
+    dtype and the cleared mask are SGLang's own function's; SGLang's is not called."""
+    from sglang_ddtree.integration.accept_path import track_indices_hook
+
+    sglang, _ = sglang_track
+    want, got = _track_batch(slots), _track_batch(slots)
+    sglang(want)
+    track_indices_hook(lambda b: pytest.fail("SGLang's function was called"), got)
+    assert got.mamba_track_indices.dtype == want.mamba_track_indices.dtype == torch.int64
+    assert torch.equal(got.mamba_track_indices, want.mamba_track_indices)
+    assert got.mamba_track_mask is None and got.mamba_track_seqlens is None
+
+
+@pytest.mark.parametrize("case", ["mixed", "lazy", "no_buffer", "eagle", "switch", "empty"])
+def test_other_tracking_cases_get_sglangs_function(sglang_track, monkeypatch, case):
+    from sglang_ddtree import config
+    from sglang_ddtree.integration.accept_path import track_indices_hook
+
+    sglang, strategy = sglang_track
+    slots = {"mixed": [0, 1, 0], "empty": []}.get(case, [1, 1])
+    batch = _track_batch(slots, ddtree=case != "eagle")
+    strategy["value"] = {"lazy": "extra_buffer_lazy", "no_buffer": "no_buffer"}.get(case, "extra_buffer")  # fmt: skip
+    monkeypatch.setattr(config, "_active", config.Options(accept_path="sglang" if case == "switch" else "triton"))  # fmt: skip
+    called = []
+    track_indices_hook(called.append, batch)
+    assert called == [batch] and batch.mamba_track_indices is None
+    if case == "mixed":  # and SGLang's own function handles it
+        sglang(batch)
+        mapping = batch.req_to_token_pool.req_index_to_mamba_ping_pong_track_buffer_mapping
+        assert torch.equal(batch.mamba_track_indices,
+                           mapping[batch.req_pool_indices, torch.tensor(slots)])  # fmt: skip

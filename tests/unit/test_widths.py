@@ -158,6 +158,29 @@ def test_the_draft_head_computes_the_expected_tokens_in_its_build():
     assert (head.readings[:2, 2] == -1).all() and (head.readings[2] == -1).all()
 
 
+def test_the_draft_head_cuts_the_trees_at_the_read_widths_as_truncate_does():
+    """head.tree(bs, w) at a read width: the links cut in the build; at any other width: cut
+    then. Both are truncate(head.tree(bs), w), field by field (links past the cut are -1)."""
+    from sglang_ddtree.config import DDTreeConfig
+    from sglang_ddtree.integration.draft_head import DraftTreeHead
+    from sglang_ddtree.tree.budget import truncate
+
+    torch.manual_seed(1)
+    cfg = DDTreeConfig(block_size=4, num_nodes=12, topk=3)
+    head = DraftTreeHead(lm_head_weight=torch.randn(40, 8), vocab_size=40, cfg=cfg, max_bs=4)
+    head.read_widths((3, 6, 12))
+    assert sorted(head.cuts) == [3, 6]
+    for bs in (3, 2):  # a smaller batch after a larger one: the buffers' first rows only
+        head(torch.randn(bs * 4, 8), torch.randint(0, 40, (bs * 4,)))
+        for w in (3, 5, 6, 12):
+            got, want = head.tree(bs, w), truncate(head.tree(bs), w)
+            for name, value in want._asdict().items():
+                assert torch.equal(getattr(got, name), value), (bs, w, name)
+            assert got.tokens.shape == (bs, w)
+        assert (head.tree(bs).first_child[:, :3] >= 3).any()  # links the cut takes away
+    assert all(torch.equal(a, b) for a, b in zip(head.tree(2), head.tree(2, 12), strict=True))
+
+
 class FakeEvent:
     """A CUDA event stand-in: completes when the test says so; 'times' in ms."""
 
