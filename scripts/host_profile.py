@@ -6,8 +6,11 @@ thread, in ms per round, side by side for several servers (from host_sampler's s
 Each DIR is what `scripts/bench_serving.py --host-profile` wrote for one server and temperature:
 the sampler's <pid>.txt files (scripts/host_sampler/sitecustomize.py) and meta.json, the
 sampled run's bench_serving row. Rounds = output tokens / accept length (tokens for a server
-without speculation); a frame's ms per round = its share of the main thread's samples x the
-sampled seconds / rounds. --focus starts the tree at the first frame of that name (e.g.
+without speculation): the batch rounds at concurrency 1, request rounds beyond (c of them share
+one batch round). A frame's ms per round = its share of the main thread's samples x the sampled
+seconds / rounds; the sampled seconds include the run's idle gaps (under the scheduler's
+on_idle and recv_requests frames), and sampling slows a server about 2x, so compare servers
+sampled alike, frame by frame. --focus starts the tree at the first frame of that name (e.g.
 forward_batch_generation); frames under --min-ms in every column are left out.
 """
 

@@ -1129,6 +1129,47 @@ def _long_prompt_ids(base, count: int, context: int = 2048) -> list[list[int]]:
     return out
 
 
+TRACK_INTERVAL = 256  # SGLang 0.5.17's --mamba-track-interval default (the servers keep it)
+
+
+@pytest.mark.parametrize("model", [m for m in MODELS if m != "qwen3"])  # the hybrid models
+def test_a_prefix_hit_on_states_tracked_in_tree_rounds_is_the_targets_greedy(
+    servers, plain_greedy, fp32_pair, model
+):
+    """The prefix cache's Mamba states that DDTREE's rounds track (the commit's tracking step
+    and buffers: accept_path.py, one gather for a batch of one) are the target's: a request
+    that continues another's greedy text past a tracking interval hits the cache beyond its
+    prompt, so its prefill starts from a state a tree round tracked, and its greedy tokens are
+    the target's (teacher forced on the plain server, the near-tie referee beyond tolerance).
+    A wrong state would put its tokens nats off the target's argmax."""
+    base = _up(servers, f"{model}-base")
+    spec = _up(servers, f"{model}-ddtree")
+    _flush(spec)
+    prompt = base.tokenize(harness.PROMPTS[0])
+    assert len(prompt) < TRACK_INTERVAL
+    first = harness.generate(spec, harness.PROMPTS[0], max_new_tokens=TRACK_INTERVAL + 64,
+                             temperature=0, ignore_eos=True)  # fmt: skip
+    prefix = prompt + first["output_ids"][: TRACK_INTERVAL + 32 - len(prompt)]
+    status, out = harness.post(spec.url + "/generate", {
+        "input_ids": prefix,
+        "sampling_params": {"max_new_tokens": 48, "temperature": 0, "ignore_eos": True},
+    })  # fmt: skip
+    assert status == 200, out
+    cached = out["meta_info"].get("cached_tokens", 0)
+    print(f"{model}: prompt {len(prompt)}, prefix {len(prefix)}, cached {cached}")
+    assert cached >= TRACK_INTERVAL, "no hit past the prompt: the test reads no tracked state"
+    tokens = out["output_ids"]
+    deficits = _token_deficits(base, prefix, tokens)
+    _, plain_deficits = plain_greedy(model)
+    tol = max(TIE_TOL, max(plain_deficits))
+    print(f"{model}: max deficit {max(deficits):.3f} over {len(tokens)} tokens, tol {tol:.3f}")
+    beyond = [(0, *r) for r in harness.beyond_tol_referee(fp32_pair(model)[0], prefix, tokens,
+                                                          deficits, tol)]  # fmt: skip
+    verdicts = [harness.referee_verdict(row, TIE_TOL, bound=2 * tol) for row in beyond]
+    assert None not in verdicts, beyond
+    assert verdicts.count("unresolved") <= 1, beyond
+
+
 @pytest.mark.parametrize("model", MODELS)
 def test_prompts_at_the_context_limit_are_the_targets_greedy(servers, fp32_pair, model):
     """Issue 15, part 2 on the small models: prompts 8 tokens short of the context limit once
