@@ -184,6 +184,9 @@ class WidthPolicy:
       nodes), averaged, times a per-width ratio of accepted to predicted tokens on the rounds
       that ran that width, seeded by its first reading (widths not yet run: the ratio over all
       rounds).
+    - Both are made monotone in the width before they are compared, as the true ones are: a
+      wider tree costs at least and accepts at least what a narrower one does (`costs`,
+      `tokens`). Between equal rates the wider width wins.
     Host floats only; the server feeds it readings one round late (integration/widths.py)."""
 
     def __init__(self, widths: Sequence[int], buckets: Sequence[int] = (), decay: float = 0.8,
@@ -231,14 +234,33 @@ class WidthPolicy:
             width = min(self.widths, key=lambda w: self.last_seen[b, w])
             self.burst[b] = [width, self.window // 2]
         else:
-            width = max(self.widths,
-                        key=lambda w: (self.tokens(w) / max(self.cost[b, w], 1e-6), -w))  # fmt: skip
+            cost = self.costs(b)
+            width = max(self.widths, key=lambda w: (self.tokens(w) / max(cost[w], 1e-6), w))
         self.chosen[width] += 1
         return width
 
+    def costs(self, bucket: int) -> dict[int, float]:
+        """The bucket's measured costs made non-decreasing in the width (a wider tree verifies
+        the narrower one's nodes and more): neighbouring widths measured the other way round
+        are pooled to their mean (pool adjacent violators, equal weights), so a host-bound
+        server's noise (flat costs that read 4.2 ms at 32 and 6.0 at 16) cannot make the
+        narrower tree look cheaper than the wider."""
+        blocks: list[list] = []  # [mean, count, widths]
+        for w in self.widths:
+            blocks.append([self.cost[bucket, w], 1, [w]])
+            while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+                (m1, n1, w1), (m2, n2, w2) = blocks.pop(-2), blocks.pop()
+                blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2, w1 + w2])
+        return {w: mean for mean, _, ws in blocks for w in ws}
+
     def tokens(self, width: int) -> float:
         """Expected tokens per request and round at `width`, calibrated (1.0 before any reading:
-        then the cheapest width wins)."""
+        then the cheapest width wins), and at least a narrower width's: the wider tree holds the
+        narrower one, so it accepts at least as much; a per-width ratio that says otherwise was
+        learned on other rounds (session 17's table had 1.63 at 16 against 1.55 at 32)."""
+        return max(self._calibrated(w) for w in self.widths if w <= width)
+
+    def _calibrated(self, width: int) -> float:
         if self.predicted is None:
             return 1.0
         ratio = self.ratio[width].ratio

@@ -68,17 +68,37 @@ def test_the_policy_takes_the_narrowest_width_when_cost_grows_steeply_with_width
 
 
 def test_the_observed_ratio_per_width_corrects_the_drafters_optimism():
-    """The drafter predicts 3.5 tokens at 64 but the target accepts 2.2 there: the narrower
-    width, whose prediction holds, wins at equal cost."""
+    """The drafter predicts 3.5 tokens at 64 but the target accepts 2.85 there: at 10% more cost
+    than 32 (which accepts 2.8 of its predicted 2.9) the narrower width wins; on the drafter's
+    own numbers 64 would."""
     policy = WidthPolicy(WIDTHS, buckets=(8,), decay=0.5)
-    accepted = {16: 2.4, 32: 2.8, 64: 2.2}
-    _calibrated(policy, 8, {16: 30.0, 32: 30.0, 64: 30.0}, [2.4, 2.9, 3.5], accepted)
+    accepted = {16: 2.4, 32: 2.8, 64: 2.85}
+    _calibrated(policy, 8, {16: 30.0, 32: 30.0, 64: 33.0}, [2.4, 2.9, 3.5], accepted)
     for _ in range(20):  # the running ratios settle
         for width in WIDTHS:
             policy.observe_tokens(width, [2.4, 2.9, 3.5], accepted[width])
-    assert policy.tokens(64) == pytest.approx(2.2, rel=1e-3)
+    assert policy.tokens(64) == pytest.approx(2.85, rel=1e-3)
     assert policy.tokens(32) == pytest.approx(2.8, rel=1e-3)
+    assert 3.5 / 33.0 > 2.9 / 30.0  # uncorrected, 64 would win
     assert policy.choose(8) == 32
+
+
+def test_a_wider_width_never_reads_fewer_tokens_or_a_lower_cost_than_a_narrower_one():
+    """Ratios learned on different rounds can say that 32 nodes accept fewer tokens than 16
+    (1.55 against 1.63 in session 17's table), and a host-bound server's noise that 32 costs
+    less: the wider width reads the narrower one's tokens, the two costs their mean. Flat
+    costs measured the wrong way round then leave the choice to the tokens, and the wider
+    width wins."""
+    policy = WidthPolicy((16, 32), buckets=(4,), decay=0.5)
+    _calibrated(policy, 4, {16: 6.0, 32: 4.2}, [1.7, 1.8], {16: 1.63, 32: 1.55})
+    assert policy.tokens(32) == policy.tokens(16) == pytest.approx(1.63, rel=1e-3)
+    assert policy.costs(4) == {16: pytest.approx(5.1), 32: pytest.approx(5.1)}
+    assert policy.choose(4) == 32
+    # measured the right way round, costs are kept as they are, and a steep one decides
+    policy = WidthPolicy((16, 32, 64), buckets=(4,))
+    _calibrated(policy, 4, {16: 5.0, 32: 9.0, 64: 8.0}, [2.0, 2.1, 2.2], {16: 2, 32: 2.1, 64: 2.2})
+    assert policy.costs(4) == {16: 5.0, 32: pytest.approx(8.5), 64: pytest.approx(8.5)}
+    assert policy.choose(4) == 16
 
 
 def test_every_width_is_measured_again_every_refresh_rounds():
