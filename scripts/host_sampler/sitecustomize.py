@@ -5,7 +5,8 @@ does both). Python imports `sitecustomize` at start-up in every process, SGLang'
 scheduler and detokenizer included.
 
 Dormant until HOST_SAMPLER_DIR/on exists (one stat every 0.5 s). While it exists, every
-HOST_SAMPLER_MS (default 1) it records the stack of every other thread; when it is removed, it
+HOST_SAMPLER_MS (default 1) it records the stack of the main thread (HOST_SAMPLER_THREADS=all:
+of every other thread, at several times the cost to the sampled process); when it is removed, it
 writes HOST_SAMPLER_DIR/<pid>.txt: a header line, then `thread;frame;...;frame COUNT` lines
 (the collapsed format of flame-graph tools, outermost frame first).
 
@@ -25,13 +26,20 @@ import time
 _DIR = os.environ.get("HOST_SAMPLER_DIR")
 _PERIOD = float(os.environ.get("HOST_SAMPLER_MS", "1")) / 1000.0
 _DEPTH = 96
+_ALL = os.environ.get("HOST_SAMPLER_THREADS", "main") == "all"
+
+
+_LABELS: dict = {}  # code object -> "file.py:function"
 
 
 def _stack(frame) -> str:
     names = []
     while frame is not None and len(names) < _DEPTH:
         code = frame.f_code
-        names.append(f"{os.path.basename(code.co_filename)}:{code.co_name}")
+        label = _LABELS.get(code)
+        if label is None:
+            label = _LABELS[code] = f"{os.path.basename(code.co_filename)}:{code.co_name}"
+        names.append(label)
         frame = frame.f_back
     return ";".join(reversed(names))
 
@@ -52,8 +60,14 @@ def _write(counts: collections.Counter, samples: int, seconds: float) -> None:
 
 
 def _sample(me: int, counts: collections.Counter) -> None:
+    frames = sys._current_frames()
+    if not _ALL:
+        main = frames.get(threading.main_thread().ident)
+        if main is not None:
+            counts[f"MainThread;{_stack(main)}"] += 1
+        return
     names = {t.ident: t.name for t in threading.enumerate()}
-    for ident, frame in sys._current_frames().items():
+    for ident, frame in frames.items():
         if ident != me:
             counts[f"{names.get(ident, ident)};{_stack(frame)}"] += 1
 
