@@ -97,7 +97,8 @@ def main() -> int:
         heads.append(f"{folder.parent.name}/{folder.name}: {rounds(meta):.0f} rounds, "
                      f"{head['seconds'] * 1000.0 / rounds(meta):.2f} ms a round")  # fmt: skip
     print("\n".join(heads))
-    print("| " + " | ".join(str(d.parent.name) for d in args.dirs) + " | frame (ms per round) |")
+    print("| " + " | ".join(f"{d.parent.name}/{d.name}" for d in args.dirs)
+          + " | frame (ms per round) |")  # fmt: skip
     print("|" + "---|" * (len(args.dirs) + 1))
     print("\n".join(lines_of(trees, scales, args.min_ms, args.depth)))
     return 0

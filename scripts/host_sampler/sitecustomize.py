@@ -24,7 +24,7 @@ import threading
 import time
 
 _DIR = os.environ.get("HOST_SAMPLER_DIR")
-_PERIOD = float(os.environ.get("HOST_SAMPLER_MS", "1")) / 1000.0
+_PERIOD = max(float(os.environ.get("HOST_SAMPLER_MS", "1")), 0.1) / 1000.0
 _DEPTH = 96
 _ALL = os.environ.get("HOST_SAMPLER_THREADS", "main") == "all"
 

@@ -310,6 +310,9 @@ class WidthPolicy:
                                      else f"{'-':>8}" for w in self.widths)
                 for b in buckets]  # fmt: skip
         tokens = " ".join(f"{w}: {self.tokens(w):.2f}" for w in self.widths)
+        if any(self.tokens(w) != self._calibrated(w) for w in self.widths):  # raised: the ratios
+            tokens += " (as calibrated: " + " ".join(
+                f"{w}: {self._calibrated(w):.2f}" for w in self.widths) + ")"  # fmt: skip
         chosen = ", ".join(f"{w} x {n}" for w, n in sorted(self.chosen.items()))
         lines = [head, *rows, f"tokens per request and round: {tokens}",
                  f"widths chosen: {chosen or 'none yet'}"]  # fmt: skip

@@ -92,6 +92,7 @@ def test_a_wider_width_never_reads_fewer_tokens_or_a_lower_cost_than_a_narrower_
     policy = WidthPolicy((16, 32), buckets=(4,), decay=0.5)
     _calibrated(policy, 4, {16: 6.0, 32: 4.2}, [1.7, 1.8], {16: 1.63, 32: 1.55})
     assert policy.tokens(32) == policy.tokens(16) == pytest.approx(1.63, rel=1e-3)
+    assert "(as calibrated: 16: 1.63 32: 1.55)" in policy.table()  # the raw ratios stay visible
     assert policy.costs(4) == {16: pytest.approx(5.1), 32: pytest.approx(5.1)}
     assert policy.choose(4) == 32
     # measured the right way round, costs are kept as they are, and a steep one decides
