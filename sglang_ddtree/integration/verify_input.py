@@ -9,6 +9,7 @@ Mamba state commit. `spec_steps = B - 1` makes `max_tree_depth` (the accept-path
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
@@ -16,6 +17,17 @@ from sglang.srt.speculative.eagle_info import EagleVerifyInput
 
 from sglang_ddtree.config import DDTreeConfig
 from sglang_ddtree.integration import compat, tree_layout
+
+
+class StagedAttnArgs(NamedTuple):
+    """What the host plan (verify_plan.call_begin_forward) stages for its one call's
+    `generate_attn_arg_prefill`: the device KV lengths [bs] and offsets [bs + 1] it copied, the
+    host qo offsets its wrapper plans with, and the KV indices' host-known length."""
+
+    kv_lens: torch.Tensor
+    kv_indptr: torch.Tensor
+    qo_indptr: torch.Tensor
+    total_kv: int
 
 
 @dataclass
@@ -31,9 +43,8 @@ class DDTreeVerifyInput(EagleVerifyInput):
     # verify_plan.write_mask writes it where SGLang's plan runs instead); the committed lengths
     tree_mask_written: bool = True
     tree_seq_lens: torch.Tensor | None = None
-    # set by the host plan (verify_plan.call_begin_forward) for the plan's one call: the device
-    # KV lengths and offsets it copied, and the host qo offsets its wrapper plans with
-    staged_attn_args: tuple | None = None
+    # set by the host plan (verify_plan.call_begin_forward) for the plan's one call
+    staged_attn_args: StagedAttnArgs | None = None
 
     def generate_attn_arg_prefill(self, req_pool_indices, paged_kernel_lens,
                                   paged_kernel_lens_sum, req_to_token):  # fmt: skip
@@ -45,14 +56,14 @@ class DDTreeVerifyInput(EagleVerifyInput):
         bs, N = len(req_pool_indices), int(self.draft_token_num)
         size = paged_kernel_lens_sum + N * bs  # SGLang's KV indices' length
         # the staged lengths fit it (SGLang's sum is the host lengths'), and the mask its size
-        if (staged is None or len(staged[0]) != bs or staged[3] > size
+        if (staged is None or len(staged.kv_lens) != bs or staged.total_kv > size
                 or self.custom_mask.numel() < size * N):  # fmt: skip
             return super().generate_attn_arg_prefill(req_pool_indices, paged_kernel_lens,
                                                      paged_kernel_lens_sum, req_to_token)  # fmt: skip
-        kv_lens, kv_indptr, qo_indptr, _ = staged
         kv_indices = torch.empty(size, dtype=torch.int32, device=req_pool_indices.device)
-        compat.flashinfer_kv_indices(req_to_token, req_pool_indices, kv_lens, kv_indptr, kv_indices)
-        return kv_indices, kv_indptr, qo_indptr, self.custom_mask
+        compat.flashinfer_kv_indices(req_to_token, req_pool_indices, staged.kv_lens,
+                                     staged.kv_indptr, kv_indices)  # fmt: skip
+        return kv_indices, staged.kv_indptr, staged.qo_indptr, self.custom_mask
 
 
 def make_verify_input(

@@ -130,7 +130,7 @@ def call_begin_forward(original, updater, wrapper_ragged, wrapper_paged, req_poo
     kv_lens, kv_indptr_dev, starts = _split(plan.lengths.to(seq_lens.device, non_blocking=True))
     planned = wrapper_paged.begin_forward
     own = "begin_forward" in vars(wrapper_paged)
-    from sglang_ddtree.integration.gdn import first_use
+    from sglang_ddtree.integration import gdn, verify_input
 
     from_tree = not spec_info.tree_mask_written  # SGLANG_DDTREE_MASK_PACK=triton (the default)
     if from_tree:
@@ -138,7 +138,7 @@ def call_begin_forward(original, updater, wrapper_ragged, wrapper_paged, req_poo
 
         if spec_info.tree_visibility.shape[1] != int(spec_info.draft_token_num):
             raise RuntimeError("DDTREE: the verify's tree and its width disagree")  # a bug
-        first_use("verify mask packed by integration/mask_pack.py")
+        gdn.first_use("verify mask packed by integration/mask_pack.py")
 
     def begin_forward(qo, kv, kv_indices, last, *rest, custom_mask=None, **kw):
         if from_tree:  # the unpacked mask was never written: pack the tree's visibility
@@ -150,9 +150,10 @@ def call_begin_forward(original, updater, wrapper_ragged, wrapper_paged, req_poo
         return planned(plan.qo_indptr, plan.kv_indptr, kv_indices, plan.last_page_len, *rest,
                        packed_custom_mask=packed, **kw)  # fmt: skip
 
-    first_use("verify plan from host lengths (integration/verify_plan.py)")
+    gdn.first_use("verify plan from host lengths (integration/verify_plan.py)")
     wrapper_paged.begin_forward = begin_forward
-    spec_info.staged_attn_args = (kv_lens, kv_indptr_dev, plan.qo_indptr, plan.total_kv)
+    spec_info.staged_attn_args = verify_input.StagedAttnArgs(kv_lens, kv_indptr_dev,
+                                                             plan.qo_indptr, plan.total_kv)  # fmt: skip
     try:
         return original(*call, **kwargs)
     finally:

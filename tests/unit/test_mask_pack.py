@@ -182,7 +182,9 @@ def test_the_staged_lengths_give_sglangs_attention_arguments(seq, N):
     want = info.generate_attn_arg_prefill(*args)  # SGLang's
     plan = verify_plan.host_plan(seq, N)
     kv_lens, kv_indptr, _ = _split(plan.lengths)
-    info.staged_attn_args = (kv_lens, kv_indptr, plan.qo_indptr, plan.total_kv)
+    from sglang_ddtree.integration.verify_input import StagedAttnArgs
+
+    info.staged_attn_args = StagedAttnArgs(kv_lens, kv_indptr, plan.qo_indptr, plan.total_kv)
     got = info.generate_attn_arg_prefill(*args)
     total = int(want[1][-1])
     assert total == plan.total_kv
