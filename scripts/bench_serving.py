@@ -174,13 +174,15 @@ def host_profile(servers: list, names: list[str], dataset: Path, args) -> None:
 
 
 def sample_run(server, folder: Path, dataset: Path, t: float, c: int, args) -> None:
+    """One sampled run: 4 requests per client (16 to 64, the held-out set's size), so that
+    decode rounds, not the prefills of the first wave, fill most of the samples."""
     sampler = Path(server.env["HOST_SAMPLER_DIR"])
     folder.mkdir(parents=True, exist_ok=True)
     for old in sampler.glob("*.txt"):
         old.unlink()
     (sampler / "on").touch()
     try:
-        res = run_bench(bench_args(server, dataset, args.target, max(16, 2 * c), c, t,
+        res = run_bench(bench_args(server, dataset, args.target, min(64, max(16, 4 * c)), c, t,
                                    args.tokens, folder / "raw.jsonl"))  # fmt: skip
     finally:
         (sampler / "on").unlink()
