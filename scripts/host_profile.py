@@ -2,6 +2,7 @@
 thread, in ms per round, side by side for several servers (from host_sampler's samples).
 
     python scripts/host_profile.py DIR [DIR ...] [--min-ms 0.03] [--depth 14] [--focus NAME]
+        [--own worker.py,widths.py,...]
 
 Each DIR is what `scripts/bench_serving.py --host-profile` wrote for one server and temperature:
 the sampler's <pid>.txt files (scripts/host_sampler/sitecustomize.py) and meta.json, the
@@ -80,26 +81,52 @@ def lines_of(trees: list[dict], scales: list[float], min_ms: float, depth: int,
     return out
 
 
+def own_time(stacks: list[tuple[list[str], int]], prefixes: tuple[str, ...]) -> dict[str, int]:
+    """--own: per frame of the named files, the samples of its stacks where it is the deepest
+    such frame, by what it was running then (the callee one level down, or <self>): where the
+    time of a package's own code goes, its calls into other code included."""
+    out: dict[str, int] = {}
+    for frames, n in stacks:
+        mine = [i for i, f in enumerate(frames) if f.split(":", 1)[0] in prefixes]
+        if mine:
+            i = mine[-1]
+            key = f"{frames[i]} -> {frames[i + 1] if i + 1 < len(frames) else '<self>'}"
+            out[key] = out.get(key, 0) + n
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("dirs", nargs="+", type=Path)
     p.add_argument("--min-ms", type=float, default=0.03)
     p.add_argument("--depth", type=int, default=14)
     p.add_argument("--focus", default=None)
+    p.add_argument("--own", default="",
+                   help="file names (e.g. worker.py,widths.py): instead of the tree, the time of "
+                        "their frames by what each ran, largest first")  # fmt: skip
     args = p.parse_args()
-    trees, scales, heads = [], [], []
+    trees, scales, heads, owns = [], [], [], []
     for folder in args.dirs:
         head, stacks = scheduler_stacks(folder)
         meta = json.loads((folder / "meta.json").read_text())
         total = sum(n for _, n in stacks)
         scales.append(head["seconds"] * 1000.0 / total / rounds(meta))
         trees.append(tree(stacks, args.focus))
+        owns.append(own_time(stacks, tuple(x for x in args.own.split(",") if x)))
         heads.append(f"{folder.parent.name}/{folder.name}: {rounds(meta):.0f} rounds, "
                      f"{head['seconds'] * 1000.0 / rounds(meta):.2f} ms a round")  # fmt: skip
     print("\n".join(heads))
     print("| " + " | ".join(f"{d.parent.name}/{d.name}" for d in args.dirs)
           + " | frame (ms per round) |")  # fmt: skip
     print("|" + "---|" * (len(args.dirs) + 1))
+    if args.own:
+        keys = sorted({k for o in owns for k in o},
+                      key=lambda k: -max(o.get(k, 0) * c for o, c in zip(owns, scales, strict=True)))  # fmt: skip
+        for k in keys:
+            ms = [o.get(k, 0) * c for o, c in zip(owns, scales, strict=True)]
+            if max(ms) >= args.min_ms:
+                print("| " + " | ".join(f"{m:6.3f}" for m in ms) + f" | {k} |")
+        return 0
     print("\n".join(lines_of(trees, scales, args.min_ms, args.depth)))
     return 0
 

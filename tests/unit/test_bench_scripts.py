@@ -555,3 +555,11 @@ def test_the_host_sampler_sees_the_scheduler_loop_and_the_report_scales_it(tmp_p
     head = json.loads(files[0].read_text().splitlines()[0])
     assert loop == pytest.approx(head["seconds"] * 1000 / 100, rel=0.1)  # 100 rounds
     assert 0.6 < busy / loop < 0.9
+    own = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "host_profile.py"), str(samples),
+         "--own", "scheduler.py"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    mine = {line.split("|")[2].strip(): float(line.split("|")[1])
+            for line in own.splitlines() if " -> " in line}  # fmt: skip
+    assert mine["scheduler.py:busy -> <self>"] == pytest.approx(busy, rel=0.02)
