@@ -382,6 +382,28 @@ def test_worker_module_imports_against_installed_sglang():
     assert issubclass(worker.DDTreeWorker, worker.DFlashWorkerV2)
 
 
+def test_the_rounds_ranges_exist_while_a_torch_profiler_runs_and_cost_nothing_otherwise():
+    """The worker's `ddtree.*` ranges (scripts/bench_round.py reads them from SGLang's
+    /start_profile traces) are recorded under torch's profiler, started as SGLang starts it,
+    and are no range at all without one."""
+    import contextlib
+
+    import torch
+
+    from sglang_ddtree.integration.worker import profiled
+
+    assert isinstance(profiled("ddtree.verify_input"), contextlib.nullcontext)
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    prof.start()
+    try:
+        with profiled("ddtree.verify_input"):
+            torch.ones(3).sum()
+    finally:
+        prof.stop()
+    assert "ddtree.verify_input" in {e.name for e in prof.events()}
+    assert isinstance(profiled("ddtree.verify_input"), contextlib.nullcontext)
+
+
 def test_verify_input_carries_the_tree_in_eagle_layout():
     import torch
     from sglang.srt.speculative.spec_info import SpecInputType
