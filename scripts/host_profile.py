@@ -53,9 +53,10 @@ def tree(stacks: list[tuple[list[str], int]], focus: str | None) -> dict:
     root: dict = {}
     for frames, n in stacks:
         if focus is not None:
-            if focus not in (f.split(":", 1)[-1] for f in frames):
+            names = [f.split(":", 1)[-1] for f in frames]
+            if focus not in names:
                 continue
-            frames = frames[[f.split(":", 1)[-1] for f in frames].index(focus) :]
+            frames = frames[names.index(focus) :]
         node = root
         for f in frames:
             entry = node.setdefault(f, [0, {}])

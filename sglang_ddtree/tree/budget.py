@@ -234,8 +234,8 @@ class WidthPolicy:
             width = min(self.widths, key=lambda w: self.last_seen[b, w])
             self.burst[b] = [width, self.window // 2]
         else:
-            cost = self.costs(b)
-            width = max(self.widths, key=lambda w: (self.tokens(w) / max(cost[w], 1e-6), w))
+            cost, tokens = self.costs(b), self.all_tokens()
+            width = max(self.widths, key=lambda w: (tokens[w] / max(cost[w], 1e-6), w))
         self.chosen[width] += 1
         return width
 
@@ -258,7 +258,15 @@ class WidthPolicy:
         then the cheapest width wins), and at least a narrower width's: the wider tree holds the
         narrower one, so it accepts at least as much; a per-width ratio that says otherwise was
         learned on other rounds (session 17's table had 1.63 at 16 against 1.55 at 32)."""
-        return max(self._calibrated(w) for w in self.widths if w <= width)
+        return self.all_tokens()[width]
+
+    def all_tokens(self) -> dict[int, float]:
+        """`tokens` of every width, narrowest first: the running maximum of the calibrated."""
+        out, best = {}, 0.0
+        for w in self.widths:
+            best = max(best, self._calibrated(w))
+            out[w] = best
+        return out
 
     def _calibrated(self, width: int) -> float:
         if self.predicted is None:
@@ -309,8 +317,9 @@ class WidthPolicy:
         rows = [f"{b:<4}" + " ".join(f"{self.cost[b, w]:8.2f}" if (b, w) in self.cost
                                      else f"{'-':>8}" for w in self.widths)
                 for b in buckets]  # fmt: skip
-        tokens = " ".join(f"{w}: {self.tokens(w):.2f}" for w in self.widths)
-        if any(self.tokens(w) != self._calibrated(w) for w in self.widths):  # raised: the ratios
+        monotone = self.all_tokens()
+        tokens = " ".join(f"{w}: {monotone[w]:.2f}" for w in self.widths)
+        if any(monotone[w] != self._calibrated(w) for w in self.widths):  # raised: the ratios
             tokens += " (as calibrated: " + " ".join(
                 f"{w}: {self._calibrated(w):.2f}" for w in self.widths) + ")"  # fmt: skip
         chosen = ", ".join(f"{w} x {n}" for w, n in sorted(self.chosen.items()))

@@ -211,14 +211,11 @@ def test_the_accept_path_kernels_are_sglangs_on_the_gpu(sglang_steps, bs, N, S, 
     _check_finalize(bs, N, S, seed, "cuda")
 
 
-class _Reqs(types.SimpleNamespace):
-    """A ScheduleBatch's fields that the Mamba tracking set-up reads and writes."""
-
-
 def _track_batch(slots, rows=6, ddtree=True):
+    """A ScheduleBatch's fields that the Mamba tracking set-up reads and writes."""
     gen = torch.Generator().manual_seed(len(slots))
     mapping = torch.randint(0, 100, (rows, 2), generator=gen, dtype=torch.int64)
-    return _Reqs(
+    return types.SimpleNamespace(
         reqs=[types.SimpleNamespace(mamba_next_track_idx=s) for s in slots],
         req_pool_indices=torch.randperm(rows, generator=gen)[: len(slots)],
         req_to_token_pool=types.SimpleNamespace(
