@@ -4,15 +4,19 @@ at fixed N, DFLASH and plain decoding (issue 13's end-to-end target).
 
     python scripts/bench_serving.py --out OUT [--servers ddtree,ddtree16,ddtree32,dflash,none]
         [--concurrency 1,4,16,32] [--temperatures 0,1] [--runs 3] [--tokens 128]
+        [--requests-per-client 8]
 
 All servers start up front (small memory slices; their own CUDA graphs) and are measured one at
 a time. Per temperature the runs alternate: run 1 of every (concurrency, server), then run 2, ...,
 so that a drift of the shared machine spreads over all servers alike; the pair is host-bound
-and one run varies by 15-30%. Per (server, temperature, concurrency): the median output
+and one run varies by 15-30%. A run is --requests-per-client requests per client, at
+least 16, so that the batch's decode rounds, not the first wave's prefills or its tail, fill
+most of it (session 17's runs of two per client lasted under 2 s). Per (server, temperature, concurrency): the median output
 tokens/s of the runs and their spread (min, max), SGLang's accept length, and the median over
-DFLASH's median. Prompts: the opening lines of the standard-library packages the pair's
-training held out (`training.corpus.heldout_prompts`), the same for every server (bench_serving
-shuffles them with its --seed). Output: OUT/bench_serving.jsonl (one row per run), OUT/table.md.
+DFLASH's median. Prompts: 400-character pieces of the standard-library packages the pair's
+training held out (`training.corpus.heldout_prompts`: each file's opening, then its next
+pieces), each distinct, the same for every server (bench_serving shuffles them with its
+--seed). Output: OUT/bench_serving.jsonl (one row per run), OUT/table.md.
 """
 
 from __future__ import annotations
@@ -61,9 +65,13 @@ def server_table(draft: str) -> dict[str, tuple[list[str], dict[str, str]]]:
 def write_dataset(path: Path, n: int) -> Path:
     """bench_serving's custom JSONL: a user turn (the prompt) and an assistant turn (unused: the
     output length is fixed by --sharegpt-output-len)."""
+    prompts = heldout_prompts(n)
+    if len(prompts) < n:
+        raise SystemExit(f"only {len(prompts)} held-out prompts for the {n} requests of a run: "
+                         "lower --requests-per-client")  # fmt: skip
     rows = [{"conversations": [{"role": "user", "content": p},
                                {"role": "assistant", "content": "unused reply"}]}
-            for p in heldout_prompts(n)]  # fmt: skip
+            for p in prompts]  # fmt: skip
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
@@ -99,9 +107,9 @@ def run_bench(argv: list[str]) -> dict:
     return json.loads(lines[-1])
 
 
-def prompts_for(concurrency: int) -> int:
-    """Requests per run: 8 at c = 1, two per client beyond, at most 64."""
-    return max(8, min(64, 2 * concurrency))
+def prompts_for(concurrency: int, per_client: int) -> int:
+    """Requests per run: `per_client` per client, at least 16."""
+    return max(16, per_client * concurrency)
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -174,16 +182,17 @@ def host_profile(servers: list, names: list[str], dataset: Path, args) -> None:
 
 
 def sample_run(server, folder: Path, dataset: Path, t: float, c: int, args) -> None:
-    """One sampled run: 4 requests per client (16 to 64, the held-out set's size), so that
-    decode rounds, not the prefills of the first wave, fill most of the samples."""
+    """One sampled run, as long as a measured one (prompts_for), so that decode rounds, not
+    the prefills of the first wave, fill most of the samples."""
     sampler = Path(server.env["HOST_SAMPLER_DIR"])
     folder.mkdir(parents=True, exist_ok=True)
     for old in sampler.glob("*.txt"):
         old.unlink()
     (sampler / "on").touch()
     try:
-        res = run_bench(bench_args(server, dataset, args.target, min(64, max(16, 4 * c)), c, t,
-                                   args.tokens, folder / "raw.jsonl"))  # fmt: skip
+        res = run_bench(bench_args(server, dataset, args.target,
+                                   prompts_for(c, args.requests_per_client), c, t, args.tokens,
+                                   folder / "raw.jsonl"))  # fmt: skip
     finally:
         (sampler / "on").unlink()
     deadline = time.monotonic() + 30
@@ -206,6 +215,8 @@ def main() -> int:
     p.add_argument("--temperatures", default="0,1")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--requests-per-client", type=int, default=8,
+                   help="requests per run and client (at least 16 a run)")  # fmt: skip
     p.add_argument("--port-base", type=int, default=33000)
     p.add_argument("--profile", default="",
                    help="servers to profile after the runs (SGLang's torch profiler, batch 1 "
@@ -244,7 +255,10 @@ def main() -> int:
         servers.append(harness.Server(name, args.target, port, [*COMMON, *flags], env=env,
                                       log_dir=args.out))  # fmt: skip
         print(f"{name}: {servers[-1].url}", flush=True)
-    dataset = write_dataset(args.out / "heldout.jsonl", 64)
+    concurrencies = [int(x) for x in args.concurrency.split(",")]
+    concurrencies += [int(x) for x in args.host_concurrency.split(",")]
+    requests = max(prompts_for(c, args.requests_per_client) for c in concurrencies)
+    dataset = write_dataset(args.out / "heldout.jsonl", requests)
     rows_path = args.out / "bench_serving.jsonl"
     rows = []
     try:
@@ -260,8 +274,9 @@ def main() -> int:
                 for c in (int(x) for x in args.concurrency.split(",")):
                     for server in servers:
                         raw = args.out / f"raw_{server.name}.jsonl"
-                        res = run_bench(bench_args(server, dataset, args.target, prompts_for(c),
-                                                   c, t, args.tokens, raw))  # fmt: skip
+                        n = prompts_for(c, args.requests_per_client)
+                        res = run_bench(bench_args(server, dataset, args.target, n, c, t,
+                                                   args.tokens, raw))  # fmt: skip
                         row = {"run": run, "server": server.name, "temperature": t,
                                "concurrency": c, **{k: res.get(k) for k in (
                                    "output_throughput", "accept_length", "median_tpot_ms",

@@ -242,16 +242,18 @@ def _nbytes(docs: list[tuple[str, str]]) -> int:
 
 
 def heldout_prompts(n: int, chars: int = 400) -> list[str]:
-    """The opening `chars` characters of the first `n` files (sorted paths, at least `chars`
-    long) of this Python's held-out standard-library packages: prompts the shipped pair never
-    trained on (whole packages held out), the same on every machine with the same Python."""
+    """`n` prompts of `chars` characters from this Python's held-out standard-library packages
+    (whole packages the shipped pair never trained on), the same on every machine with the same
+    Python: the opening of each file (sorted paths, at least `chars` long), then, when more are
+    asked for than there are files, each file's next `chars` characters, and so on."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(p for pkg in HELD_OUT_STDLIB for p in (stdlib / pkg).rglob("*.py"))
-    prompts = []
-    for path in files:
-        text = path.read_text(errors="replace").strip()
-        if len(text) >= chars:
-            prompts.append(text[:chars])
-        if len(prompts) == n:
-            break
+    texts = [t for t in (p.read_text(errors="replace").strip() for p in files) if len(t) >= chars]
+    prompts: list[str] = []
+    start = 0
+    while len(prompts) < n and any(len(t) >= start + chars for t in texts):
+        for text in texts:
+            if len(text) >= start + chars and len(prompts) < n:
+                prompts.append(text[start : start + chars])
+        start += chars
     return prompts

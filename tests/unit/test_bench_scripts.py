@@ -430,6 +430,12 @@ def test_bench_serving_servers_dataset_and_summary(tmp_path):
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(rows) == 5 and all(len(r["conversations"]) == 2 for r in rows)
     assert len({r["conversations"][0]["content"] for r in rows}) == 5
+    # runs of 8 requests per client, at least 16: past the held-out files' openings, all distinct
+    assert [bench.prompts_for(c, 8) for c in (1, 4, 16, 32)] == [16, 32, 128, 256]
+    big = bench.write_dataset(tmp_path / "big.jsonl", 256).read_text().splitlines()
+    assert len({json.loads(line)["conversations"][0]["content"] for line in big}) == 256
+    with pytest.raises(SystemExit, match="lower --requests-per-client"):
+        bench.write_dataset(tmp_path / "huge.jsonl", 10**6)
     argv = bench.bench_args(harness_server(), path, "tok", 16, 4, 1.0, 128, tmp_path / "o")
     assert argv[argv.index("--dataset-name") + 1] == "custom"
     assert argv[argv.index("--max-concurrency") + 1] == "4"
