@@ -280,7 +280,8 @@ def main() -> int:
                         row = {"run": run, "server": server.name, "temperature": t,
                                "concurrency": c, **{k: res.get(k) for k in (
                                    "output_throughput", "accept_length", "median_tpot_ms",
-                                   "completed", "total_output_tokens", "duration")}}  # fmt: skip
+                                   "mean_tpot_ms", "completed", "total_output_tokens",
+                                   "duration")}}  # fmt: skip
                         rows.append(row)
                         print(json.dumps(row), flush=True)
                         with open(rows_path, "a") as f:
