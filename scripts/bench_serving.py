@@ -113,33 +113,49 @@ def prompts_for(concurrency: int, per_client: int) -> int:
 
 
 def summarize(rows: list[dict]) -> list[dict]:
-    """Per (temperature, concurrency, server): median and spread of the runs' tokens/s, and the
-    median over DFLASH's median in the same run set."""
+    """Per (temperature, concurrency, server): median and spread of the runs' tokens/s, the
+    median over DFLASH's median in the same run set, and the medians of the runs' median TTFT
+    and TPOT (DFLASH's TPOT over this server's: the decode alone, without the prefills)."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r["temperature"], r["concurrency"], r["server"]), []).append(r)
     med = {k: statistics.median(x["output_throughput"] for x in v) for k, v in groups.items()}
+    tpot = {k: _median(x.get("median_tpot_ms") for x in v) for k, v in groups.items()}
     out = []
     for (t, c, name), runs in sorted(groups.items()):
         tps = [x["output_throughput"] for x in runs]
-        base = med.get((t, c, "dflash"))
+        base, base_tpot = med.get((t, c, "dflash")), tpot.get((t, c, "dflash"))
         out.append({
             "temperature": t, "concurrency": c, "server": name, "runs": len(runs),
             "median_tok_s": med[t, c, name], "min_tok_s": min(tps), "max_tok_s": max(tps),
             "accept_len": statistics.median(x.get("accept_length") or 1.0 for x in runs),
             "vs_dflash": med[t, c, name] / base if base else None,
+            "ttft_ms": _median(x.get("median_ttft_ms") for x in runs), "tpot_ms": tpot[t, c, name],
+            "tpot_vs_dflash": base_tpot / tpot[t, c, name] if base_tpot and tpot[t, c, name]
+            else None,
         })  # fmt: skip
     return out
 
 
+def _median(values) -> float | None:
+    """The median of the values that are there (None: none is; older rows lack some keys)."""
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
 def table(summary: list[dict]) -> str:
-    lines = ["| T | c | server | tok/s median (min-max) | accept | / DFLASH |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| T | c | server | tok/s median (min-max) | accept | / DFLASH | TTFT ms | TPOT ms "
+             "| DFLASH's TPOT / this |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+
+    def num(x, fmt):
+        return "-" if x is None else format(x, fmt)
+
     for s in summary:
-        ratio = f"{s['vs_dflash']:.2f}" if s["vs_dflash"] is not None else "-"
         lines.append(f"| {s['temperature']:g} | {s['concurrency']} | {s['server']} | "
                      f"{s['median_tok_s']:.0f} ({s['min_tok_s']:.0f}-{s['max_tok_s']:.0f}) | "
-                     f"{s['accept_len']:.2f} | {ratio} |")  # fmt: skip
+                     f"{s['accept_len']:.2f} | {num(s['vs_dflash'], '.2f')} | "
+                     f"{num(s.get('ttft_ms'), '.1f')} | {num(s.get('tpot_ms'), '.2f')} | "
+                     f"{num(s.get('tpot_vs_dflash'), '.2f')} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -280,8 +296,8 @@ def main() -> int:
                         row = {"run": run, "server": server.name, "temperature": t,
                                "concurrency": c, **{k: res.get(k) for k in (
                                    "output_throughput", "accept_length", "median_tpot_ms",
-                                   "mean_tpot_ms", "completed", "total_output_tokens",
-                                   "duration")}}  # fmt: skip
+                                   "mean_tpot_ms", "median_ttft_ms", "mean_ttft_ms",
+                                   "completed", "total_output_tokens", "duration")}}  # fmt: skip
                         rows.append(row)
                         print(json.dumps(row), flush=True)
                         with open(rows_path, "a") as f:

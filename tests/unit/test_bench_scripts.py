@@ -441,15 +441,25 @@ def test_bench_serving_servers_dataset_and_summary(tmp_path):
     assert argv[argv.index("--max-concurrency") + 1] == "4"
     runs = [
         {"run": i, "server": s, "temperature": 0.0, "concurrency": 1, "output_throughput": v,
-         "accept_length": 2.0}
-        for i, (s, v) in enumerate([("dflash", 100.0), ("ddtree", 130.0), ("dflash", 110.0),
-                                    ("ddtree", 150.0), ("dflash", 90.0), ("ddtree", 120.0)])
+         "accept_length": 2.0, "median_tpot_ms": tpot, "median_ttft_ms": ttft}
+        for i, (s, v, tpot, ttft) in enumerate([
+            ("dflash", 100.0, 3.0, 40.0), ("ddtree", 130.0, 2.0, 50.0),
+            ("dflash", 110.0, 3.3, 30.0), ("ddtree", 150.0, 2.2, 60.0),
+            ("dflash", 90.0, 3.6, 35.0), ("ddtree", 120.0, 2.4, None)])  # a row without TTFT
     ]  # fmt: skip
     summary = {s["server"]: s for s in bench.summarize(runs)}
     assert summary["ddtree"]["median_tok_s"] == 130.0
     assert (summary["ddtree"]["min_tok_s"], summary["ddtree"]["max_tok_s"]) == (120.0, 150.0)
     assert summary["ddtree"]["vs_dflash"] == pytest.approx(1.3)
-    assert "| 0 | 1 | ddtree | 130 (120-150) | 2.00 | 1.30 |" in bench.table(list(summary.values()))
+    assert summary["ddtree"]["ttft_ms"] == pytest.approx(55.0)  # of the rows that have it
+    assert summary["ddtree"]["tpot_vs_dflash"] == pytest.approx(3.3 / 2.2)
+    assert summary["dflash"]["tpot_vs_dflash"] == pytest.approx(1.0)
+    text = bench.table(list(summary.values()))
+    assert "| 0 | 1 | ddtree | 130 (120-150) | 2.00 | 1.30 | 55.0 | 2.20 | 1.50 |" in text
+    old = [{k: v for k, v in r.items() if "_ms" not in k} for r in runs]  # session 18's rows
+    assert "| 0 | 1 | ddtree | 130 (120-150) | 2.00 | 1.30 | - | - | - |" in bench.table(
+        bench.summarize(old)
+    )
 
 
 def harness_server():
