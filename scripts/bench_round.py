@@ -191,12 +191,12 @@ def write_configs(root: Path) -> tuple[Path, Path]:
     return target, draft
 
 
-def _latencies(server, bs: int, tokens: int) -> list[dict]:
+def _latencies(server, bs: int, tokens: int, temperature: float = 0.0) -> list[dict]:
     prompts = [harness.PROMPTS[i % len(harness.PROMPTS)] for i in range(bs)]
 
     def one(prompt):
         t0 = time.perf_counter()
-        out = harness.generate(server, prompt, max_new_tokens=tokens, temperature=0,
+        out = harness.generate(server, prompt, max_new_tokens=tokens, temperature=temperature,
                                ignore_eos=True)  # fmt: skip
         return {"latency": time.perf_counter() - t0, "meta": out["meta_info"]}
 
@@ -296,16 +296,19 @@ def gdn_scratch_gb(log: str) -> float | None:
     return float(m.group(1)) if m else None
 
 
-def profile_parts(server, bs: int, out_dir: Path, tokens: int = 48) -> dict:
-    """From SGLang's torch-profiler trace of `bs` requests: {"gpu_ms": GPU ms per DDTREE part
-    per round (parse_trace), "host": round period, host ms per part, syncs (parse_trace_host)}."""
-    trace_dir = out_dir / f"trace_{server.name}_bs{bs}"
+def profile_parts(server, bs: int, out_dir: Path, tokens: int = 48,
+                  temperature: float = 0.0) -> dict:  # fmt: skip
+    """From SGLang's torch-profiler trace of `bs` requests at `temperature`: {"gpu_ms": GPU ms
+    per DDTREE part per round (parse_trace), "host": round period, host ms per part, syncs
+    (parse_trace_host)}."""
+    suffix = f"_t{temperature:g}" if temperature else ""
+    trace_dir = out_dir / f"trace_{server.name}_bs{bs}{suffix}"
     trace_dir.mkdir(parents=True, exist_ok=True)
     harness.post(
         server.url + "/start_profile",
         {"output_dir": str(trace_dir), "num_steps": 12, "activities": ["CPU", "GPU"]},
     )
-    _latencies(server, bs, tokens)
+    _latencies(server, bs, tokens, temperature)
     deadline = time.time() + 120
     while time.time() < deadline and not glob.glob(str(trace_dir / "*.json*")):
         time.sleep(2)

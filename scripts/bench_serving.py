@@ -22,6 +22,7 @@ pieces), each distinct, the same for every server (bench_serving shuffles them w
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -159,19 +160,20 @@ def table(summary: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def profile(servers: list, names: list[str], out: Path) -> None:
-    """bench_round.profile_parts on the named servers at batch 1 and 4, after the measured runs
-    (a profiled run is slower, so it is never one of them): OUT/profile.jsonl."""
+def profile(servers: list, names: list[str], out: Path, temperatures: list[float]) -> None:
+    """bench_round.profile_parts on the named servers at batch 1 and 4 and each temperature,
+    after the measured runs (a profiled run is slower, so it is never one of them):
+    OUT/profile.jsonl."""
     import bench_round  # beside this script
 
     for server in (s for s in servers if s.name in names):
-        for bs in (1, 4):
-            row = {"server": server.name, "bs": bs,
-                   **bench_round.profile_parts(server, bs, out / "profiles")}  # fmt: skip
+        for t, bs in itertools.product(temperatures, (1, 4)):
+            row = {"server": server.name, "bs": bs, "temperature": t,
+                   **bench_round.profile_parts(server, bs, out / "profiles", temperature=t)}  # fmt: skip
             with open(out / "profile.jsonl", "a") as f:
                 f.write(json.dumps(row) + "\n")
             host = row.get("host", {})
-            print(json.dumps({"server": server.name, "bs": bs,
+            print(json.dumps({"server": server.name, "bs": bs, "temperature": t,
                               "round_period_ms": host.get("round_period_ms"),
                               "syncs_per_round": host.get("syncs_per_round")}), flush=True)  # fmt: skip
 
@@ -236,7 +238,7 @@ def main() -> int:
     p.add_argument("--port-base", type=int, default=33000)
     p.add_argument("--profile", default="",
                    help="servers to profile after the runs (SGLang's torch profiler, batch 1 "
-                        "and 4): host ms per round by function, syncs by frame, GPU ms per "
+                        "and 4 at each of --temperatures): host ms per round by function, syncs by frame, GPU ms per "
                         "part, into OUT/profile.jsonl")  # fmt: skip
     p.add_argument("--hold-until", type=Path,
                    help="start the servers, then wait for this file before measuring (the GPU "
@@ -306,7 +308,7 @@ def main() -> int:
         (args.out / "table.md").write_text(text + "\n")
         print(text, flush=True)
         host_profile(servers, sampled, dataset, args)
-        profile(servers, profiled, args.out)
+        profile(servers, profiled, args.out, [float(x) for x in args.temperatures.split(",")])
     finally:
         for server in servers:
             server.stop()

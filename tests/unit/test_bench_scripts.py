@@ -462,6 +462,27 @@ def test_bench_serving_servers_dataset_and_summary(tmp_path):
     )
 
 
+def test_bench_serving_profiles_each_server_at_every_temperature(tmp_path, monkeypatch):
+    """bench_serving's --profile: a torch-profiled batch of 1 and of 4 per temperature on each
+    named server only, each row tagged with its temperature."""
+    bench = _script("bench_serving")
+    bench_round = _script("bench_round")
+    calls = []
+
+    def parts(server, bs, out_dir, tokens=48, temperature=0.0):
+        calls.append((server.name, bs, temperature))
+        return {"host": {"round_period_ms": 1.0, "syncs_per_round": 0.0}}
+
+    monkeypatch.setattr(bench_round, "profile_parts", parts)
+    from types import SimpleNamespace
+
+    servers = [SimpleNamespace(name="ddtree"), SimpleNamespace(name="dflash")]
+    bench.profile(servers, ["ddtree"], tmp_path, [0.0, 1.0])
+    assert calls == [("ddtree", 1, 0.0), ("ddtree", 4, 0.0), ("ddtree", 1, 1.0), ("ddtree", 4, 1.0)]
+    rows = [json.loads(x) for x in (tmp_path / "profile.jsonl").read_text().splitlines()]
+    assert [(r["bs"], r["temperature"]) for r in rows] == [(1, 0.0), (4, 0.0), (1, 1.0), (4, 1.0)]
+
+
 def harness_server():
     from types import SimpleNamespace
 
