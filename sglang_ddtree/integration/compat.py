@@ -57,6 +57,30 @@ def mamba_track_interval() -> int:
     return int(get_exec().mamba.mamba_track_interval)
 
 
+def lm_head_rows(lm_head) -> tuple[int, int]:
+    """This rank's LM-head rows as (the global token id of the first, how many are real
+    tokens): a VocabParallelEmbedding's shard of the original vocabulary (its padding and added
+    rows left out); the whole weight for a plain one."""
+    shard = getattr(lm_head, "shard_indices", None)
+    if shard is None:
+        return 0, int(lm_head.weight.shape[0])
+    return int(shard.org_vocab_start_index), int(shard.num_org_elements)
+
+
+def tp_gather():
+    """(the TP group's size, gather): gather(t) -> [ranks, *t.shape], every rank's t in rank
+    order (SGLang's all-gather on the TP group, as its own logits gather uses; captured in CUDA
+    graphs like its other collectives)."""
+    from sglang.srt.distributed import get_tp_group
+
+    group = get_tp_group()
+
+    def gather(t):
+        return group.all_gather(t.unsqueeze(0).contiguous(), dim=0)
+
+    return int(group.world_size), gather
+
+
 def profiler_running() -> bool:
     """Whether a torch profiler is recording (SGLang's /start_profile starts one): torch's own
     flag, which its profilers set on start and clear on stop."""

@@ -44,7 +44,7 @@ from torch.profiler import record_function
 
 from sglang_ddtree.config import DDTreeConfig, options
 from sglang_ddtree.integration import compat, penalties, verify_plan
-from sglang_ddtree.integration.draft_head import DraftTreeHead
+from sglang_ddtree.integration.draft_head import DraftTreeHead, VocabShard
 from sglang_ddtree.integration.penalties import PenaltyTable
 from sglang_ddtree.integration.round_dump import RoundDump
 from sglang_ddtree.integration.verify_input import make_verify_input
@@ -93,6 +93,19 @@ class _DropWidthMismatch(logging.Filter):
         return not record.getMessage().startswith("DFLASH block size mismatch")
 
 
+def tree_head(lm_head, cfg: DDTreeConfig, max_bs: int, tp_size: int = 1,
+              gather=None) -> DraftTreeHead:  # fmt: skip
+    """The draft head on the target's LM head: its real rows (`compat.lm_head_rows`); under a
+    vocabulary-parallel head (tp_size > 1) a VocabShard that merges the ranks' top-K through
+    `gather`, so every rank builds the same tree (issue 18, part 1). Start-up still refuses
+    --tp-size > 1 (integration/spec.py) until a multi-GPU run has verified the rest."""
+    offset, rows = compat.lm_head_rows(lm_head)
+    shard = VocabShard(offset=offset, gather=gather) if tp_size > 1 else None
+    return DraftTreeHead(
+        lm_head_weight=lm_head.weight, vocab_size=rows, cfg=cfg, max_bs=max_bs, shard=shard
+    )
+
+
 class DDTreeWorker(DFlashWorkerV2):
     def __init__(self, server_args, gpu_id, ps, nccl_port, target_worker):
         dflash_logger = logging.getLogger(DFlashWorkerV2.__module__)
@@ -137,16 +150,12 @@ class DDTreeWorker(DFlashWorkerV2):
             )
 
     def _build_tree_head(self, server_args) -> DraftTreeHead:
-        lm_head = self.target_worker.model_runner.model.lm_head
-        vocab = int(lm_head.weight.shape[0])
-        shard = getattr(lm_head, "shard_indices", None)
-        if shard is not None:
-            vocab = int(shard.num_org_elements)
         graph_bs = get_exec().graph.cuda_graph_config.decode.bs or [1]
         max_bs = max(max(graph_bs), int(server_args.max_running_requests or 1))
-        return DraftTreeHead(
-            lm_head_weight=lm_head.weight, vocab_size=vocab, cfg=self.cfg, max_bs=max_bs
-        )
+        lm_head = self.target_worker.model_runner.model.lm_head
+        if int(server_args.tp_size) == 1:
+            return tree_head(lm_head, self.cfg, max_bs)
+        return tree_head(lm_head, self.cfg, max_bs, *compat.tp_gather())
 
     def init_cuda_graphs(self):
         capture = get_exec().graph.cuda_graph_config.decode.backend != Backend.DISABLED

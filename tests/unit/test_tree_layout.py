@@ -137,3 +137,85 @@ def test_ranks_of_a_vocabulary_sharded_lm_head_build_the_single_rank_tree():
             assert same, (name, got, want)
         for name in single._fields:  # and bit-identical on every rank
             assert torch.equal(getattr(tree, name), getattr(trees[0], name)), name
+
+
+def test_the_worker_gives_each_rank_of_a_sharded_lm_head_its_rows_and_the_same_tree():
+    """Issue 18, part 1, the wiring: `worker.tree_head` reads a vocabulary-parallel LM head's
+    shard (SGLang's shard indices: this rank's first global id and its real rows, the padding
+    rows left out) and, at tp > 1, merges through the TP gather; two ranks with padded shards
+    then build the single-rank tree, and at tp = 1 the head takes the real rows, no shard."""
+    from types import SimpleNamespace
+
+    from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbeddingShardIndices
+
+    from sglang_ddtree.integration.worker import tree_head
+
+    torch.manual_seed(5)
+    cfg = DDTreeConfig(block_size=5, num_nodes=10, topk=3)
+    V, H, bs, pad = 30, 8, 2, 2
+    weight = torch.randn(V, H)
+    hidden = torch.randn(bs * cfg.block_size, H)
+    input_ids = torch.randint(0, V, (bs * cfg.block_size,))
+
+    def lm_head(rows, start, end):
+        shard = VocabParallelEmbeddingShardIndices(start, end + pad, V, V, start, end, V, V)
+        return SimpleNamespace(weight=torch.cat([rows, torch.randn(pad, H)]), shard_indices=shard)
+
+    single = tree_head(lm_head(weight, 0, V), cfg, bs)
+    assert single.shard is None and single.vocab_size == V  # the padding rows are not tokens
+    whole = DraftTreeHead(lm_head_weight=weight, vocab_size=V, cfg=cfg, max_bs=bs)
+    single(hidden, input_ids)
+    whole(hidden, input_ids)
+    assert_trees_equal(single.tree(bs), whole.tree(bs))
+
+    # a simulated all-gather: every rank's reduction of its slice, stacked in rank order
+    from sglang_ddtree.tree.shard_topk import shard_topk
+
+    bounds = ((0, 17), (17, V))
+    block = hidden.view(bs, cfg.block_size, H)[:, 1:]
+    parts = [shard_topk(block @ weight[a:b].T, cfg.topk, a) for a, b in bounds]
+
+    def gather_for(rank):
+        calls = iter(range(len(parts[rank])))
+
+        def gather(t):
+            i = next(calls)
+            assert torch.equal(t, parts[rank][i])  # this rank's own part, in order
+            return torch.stack([p[i] for p in parts])
+
+        return gather
+
+    heads = [tree_head(lm_head(weight[a:b], a, b), cfg, bs, 2, gather_for(rank))
+             for rank, (a, b) in enumerate(bounds)]  # fmt: skip
+    assert [(h.shard.offset, h.vocab_size) for h in heads] == [(0, 17), (17, 13)]
+    trees = []
+    for h in heads:
+        h(hidden, input_ids)
+        trees.append(h.tree(bs))
+    want = whole.tree(bs)
+    for tree in trees:
+        assert torch.equal(tree.tokens, want.tokens) and torch.equal(tree.parents, want.parents)
+        assert torch.allclose(tree.scores, want.scores, atol=1e-5)
+        assert_trees_equal(tree, trees[0])  # bit-identical on every rank
+
+
+def test_the_tp_gather_stacks_every_ranks_tensor_in_rank_order(monkeypatch):
+    """compat.tp_gather on SGLang's TP group: its concat-style all-gather along a new leading
+    dimension, so gather(t) is [ranks, *t.shape] (a fake two-rank group stands in for NCCL)."""
+    import sglang.srt.distributed as dist
+
+    from sglang_ddtree.integration import compat
+
+    class TwoRanks:
+        world_size = 2
+
+        def all_gather(self, t, dim=-1):
+            assert dim == 0 and t.shape[0] == 1 and t.is_contiguous()
+            return torch.cat([t, t + 100], dim=0)  # rank 1 holds this rank's values + 100
+
+    monkeypatch.setattr(dist, "get_tp_group", lambda: TwoRanks())
+    size, gather = compat.tp_gather()
+    t = torch.arange(6).view(2, 3).t()  # not contiguous
+    got = gather(t)
+    assert size == 2 and got.shape == (2, 3, 2)
+    assert torch.equal(got[0], t) and torch.equal(got[1], t + 100)
