@@ -4,7 +4,7 @@ at fixed N, DFLASH and plain decoding (issue 13's end-to-end target).
 
     python scripts/bench_serving.py --out OUT [--servers ddtree,ddtree16,ddtree32,dflash,none]
         [--concurrency 1,4,16,32] [--temperatures 0,1] [--runs 3] [--tokens 128]
-        [--requests-per-client 8]
+        [--requests-per-client 8] [--pin-cpus]
 
 All servers start up front (small memory slices; their own CUDA graphs) and are measured one at
 a time. Per temperature the runs alternate: run 1 of every (concurrency, server), then run 2, ...,
@@ -16,7 +16,10 @@ tokens/s of the runs and their spread (min, max), SGLang's accept length, and th
 DFLASH's median. Prompts: 400-character pieces of the standard-library packages the pair's
 training held out (`training.corpus.heldout_prompts`: each file's opening, then its next
 pieces), each distinct, the same for every server (bench_serving shuffles them with its
---seed). Output: OUT/bench_serving.jsonl (one row per run), OUT/table.md.
+--seed). --pin-cpus splits this machine's CPUs into one set per server and one for the load
+generator (`harness.cpu_sets`), so that an idle server's processes and the client do not share
+the measured server's cores; each row says `"pinned": true`. Output:
+OUT/bench_serving.jsonl (one row per run), OUT/table.md.
 """
 
 from __future__ import annotations
@@ -249,6 +252,8 @@ def main() -> int:
                         "(scripts/host_profile.py prints their call trees in ms per round)")  # fmt: skip
     p.add_argument("--host-concurrency", default="1",
                    help="the concurrencies of --host-profile's runs")  # fmt: skip
+    p.add_argument("--pin-cpus", action="store_true",
+                   help="each server on its own CPUs, the load generator on the rest")  # fmt: skip
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     table_ = server_table(args.draft)
@@ -262,6 +267,7 @@ def main() -> int:
         if set(chosen) - set(names):
             raise SystemExit(f"{flag} {','.join(chosen)}: only servers in --servers {names}")
     servers = []
+    cpus = harness.cpu_sets(list(os.sched_getaffinity(0)), len(names) + 1) if args.pin_cpus else []
     for i, name in enumerate(names):
         flags, env = table_[name]
         if name in sampled:
@@ -271,8 +277,11 @@ def main() -> int:
             max(args.port_base + 10 * i, servers[-1].port + 1 if servers else 0)
         )
         servers.append(harness.Server(name, args.target, port, [*COMMON, *flags], env=env,
-                                      log_dir=args.out))  # fmt: skip
-        print(f"{name}: {servers[-1].url}", flush=True)
+                                      log_dir=args.out, cpus=cpus[i] if cpus else ()))  # fmt: skip
+        print(f"{name}: {servers[-1].url}" + (f", CPUs {list(cpus[i])}" if cpus else ""),
+              flush=True)  # fmt: skip
+    if cpus:  # the load generator (bench_serving runs in this process) on the last set
+        os.sched_setaffinity(0, set(cpus[-1]))
     concurrencies = [int(x) for x in args.concurrency.split(",")]
     concurrencies += [int(x) for x in args.host_concurrency.split(",")]
     requests = max(prompts_for(c, args.requests_per_client) for c in concurrencies)
@@ -300,6 +309,8 @@ def main() -> int:
                                    "output_throughput", "accept_length", "median_tpot_ms",
                                    "mean_tpot_ms", "median_ttft_ms", "mean_ttft_ms",
                                    "completed", "total_output_tokens", "duration")}}  # fmt: skip
+                        if cpus:
+                            row["pinned"] = True
                         rows.append(row)
                         print(json.dumps(row), flush=True)
                         with open(rows_path, "a") as f:

@@ -75,6 +75,21 @@ def free_port(start: int, step: int = 10, tries: int = 50) -> int:
     raise RuntimeError(f"no free port among {start}, {start + step}, ... ({tries} tried)")
 
 
+def cpu_sets(cpus: list[int], parts: int) -> list[tuple[int, ...]]:
+    """`cpus` split into `parts` disjoint runs of neighbouring CPUs, as even as they go (the
+    last ones one larger): so that servers compared side by side, and their load generator, do
+    not take each other's cores."""
+    if not 1 <= parts <= len(cpus):
+        raise ValueError(f"cannot split {len(cpus)} CPUs into {parts} sets")
+    cpus, size, extra = sorted(cpus), len(cpus) // parts, len(cpus) % parts
+    out, start = [], 0
+    for i in range(parts):
+        n = size + (1 if i >= parts - extra else 0)
+        out.append(tuple(cpus[start : start + n]))
+        start += n
+    return out
+
+
 @dataclass
 class Server:
     name: str
@@ -84,6 +99,7 @@ class Server:
     env: dict[str, str] = field(default_factory=dict)
     log_dir: Path = Path("/tmp")
     proc: subprocess.Popen | None = None
+    cpus: tuple[int, ...] = ()  # the CPUs its processes run on (empty: wherever the OS puts them)
 
     @property
     def url(self) -> str:
@@ -105,9 +121,11 @@ class Server:
         cmd = self.command()
         self.log_path.write_text("$ " + " ".join(cmd) + "\n")
         log = open(self.log_path, "a")  # noqa: SIM115 - lives as long as the server
+        cpus = set(self.cpus)
         self.proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
             start_new_session=True,
+            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
         )  # fmt: skip
         if detach:
             self.proc = None  # not ours to wait for; found again through its port

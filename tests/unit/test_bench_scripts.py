@@ -8,6 +8,8 @@ import argparse
 import gzip
 import importlib.util
 import json
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -600,3 +602,24 @@ def test_the_host_sampler_sees_the_scheduler_loop_and_the_report_scales_it(tmp_p
     mine = {line.split("|")[2].strip(): float(line.split("|")[1])
             for line in own.splitlines() if " -> " in line}  # fmt: skip
     assert mine["scheduler.py:busy -> <self>"] == pytest.approx(busy, rel=0.02)
+
+
+def test_servers_pinned_to_cpu_sets_run_on_them(tmp_path, monkeypatch):
+    """harness.cpu_sets splits the CPUs into disjoint neighbouring runs (bench_serving
+    --pin-cpus: one per server and one for the load generator), and a Server given a set starts
+    its process on those CPUs only."""
+    harness = _script("harness")
+    assert harness.cpu_sets(list(range(16)), 3) == [(0, 1, 2, 3, 4), (5, 6, 7, 8, 9),
+                                                    (10, 11, 12, 13, 14, 15)]  # fmt: skip
+    assert harness.cpu_sets([3, 1, 2], 3) == [(1,), (2,), (3,)]
+    with pytest.raises(ValueError, match="cannot split 2 CPUs into 3"):
+        harness.cpu_sets([0, 1], 3)
+    mine = sorted(os.sched_getaffinity(0))
+    probe = "import os; print(sorted(os.sched_getaffinity(0)))"
+    monkeypatch.setattr(harness.Server, "command", lambda self: [sys.executable, "-c", probe])
+    for cpus in ((mine[-1],), ()):
+        server = harness.Server("probe", "m", 1, log_dir=tmp_path, cpus=cpus)
+        server.start()
+        assert server.proc.wait(timeout=60) == 0
+        printed = server.log_path.read_text().splitlines()[-1]
+        assert printed == str(list(cpus) or mine)
