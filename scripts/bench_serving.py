@@ -241,8 +241,8 @@ def main() -> int:
     p.add_argument("--port-base", type=int, default=33000)
     p.add_argument("--profile", default="",
                    help="servers to profile after the runs (SGLang's torch profiler, batch 1 "
-                        "and 4 at each of --temperatures): host ms per round by function, syncs by frame, GPU ms per "
-                        "part, into OUT/profile.jsonl")  # fmt: skip
+                        "and 4 at each of --temperatures): host ms per round by function, "
+                        "syncs by frame, GPU ms per part, into OUT/profile.jsonl")  # fmt: skip
     p.add_argument("--hold-until", type=Path,
                    help="start the servers, then wait for this file before measuring (the GPU "
                         "to itself: e.g. another job's end)")  # fmt: skip

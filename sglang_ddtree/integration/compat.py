@@ -68,9 +68,9 @@ def lm_head_rows(lm_head) -> tuple[int, int]:
 
 
 def tp_gather():
-    """(the TP group's size, gather): gather(t) -> [ranks, *t.shape], every rank's t in rank
-    order (SGLang's all-gather on the TP group, as its own logits gather uses; captured in CUDA
-    graphs like its other collectives)."""
+    """gather(t) -> [ranks, *t.shape], every rank's t in rank order (SGLang's all-gather on the
+    TP group, as its own logits gather uses; captured in CUDA graphs like its other
+    collectives)."""
     from sglang.srt.distributed import get_tp_group
 
     group = get_tp_group()
@@ -78,7 +78,7 @@ def tp_gather():
     def gather(t):
         return group.all_gather(t.unsqueeze(0).contiguous(), dim=0)
 
-    return int(group.world_size), gather
+    return gather
 
 
 def profiler_running() -> bool:

@@ -93,14 +93,14 @@ class _DropWidthMismatch(logging.Filter):
         return not record.getMessage().startswith("DFLASH block size mismatch")
 
 
-def tree_head(lm_head, cfg: DDTreeConfig, max_bs: int, tp_size: int = 1,
-              gather=None) -> DraftTreeHead:  # fmt: skip
-    """The draft head on the target's LM head: its real rows (`compat.lm_head_rows`); under a
-    vocabulary-parallel head (tp_size > 1) a VocabShard that merges the ranks' top-K through
-    `gather`, so every rank builds the same tree (issue 18, part 1). Start-up still refuses
-    --tp-size > 1 (integration/spec.py) until a multi-GPU run has verified the rest."""
+def tree_head(lm_head, cfg: DDTreeConfig, max_bs: int, gather=None) -> DraftTreeHead:
+    """The draft head on the target's LM head: its real rows (`compat.lm_head_rows`); given the
+    TP group's `gather` (a vocabulary-parallel head, tp > 1), a VocabShard that merges the
+    ranks' top-K through it, so every rank builds the same tree (issue 18, part 1). Start-up
+    still refuses --tp-size > 1 (integration/spec.py) until a multi-GPU run has verified the
+    rest."""
     offset, rows = compat.lm_head_rows(lm_head)
-    shard = VocabShard(offset=offset, gather=gather) if tp_size > 1 else None
+    shard = VocabShard(offset=offset, gather=gather) if gather is not None else None
     return DraftTreeHead(
         lm_head_weight=lm_head.weight, vocab_size=rows, cfg=cfg, max_bs=max_bs, shard=shard
     )
@@ -153,9 +153,8 @@ class DDTreeWorker(DFlashWorkerV2):
         graph_bs = get_exec().graph.cuda_graph_config.decode.bs or [1]
         max_bs = max(max(graph_bs), int(server_args.max_running_requests or 1))
         lm_head = self.target_worker.model_runner.model.lm_head
-        if int(server_args.tp_size) == 1:
-            return tree_head(lm_head, self.cfg, max_bs)
-        return tree_head(lm_head, self.cfg, max_bs, *compat.tp_gather())
+        gather = compat.tp_gather() if int(server_args.tp_size) > 1 else None
+        return tree_head(lm_head, self.cfg, max_bs, gather)
 
     def init_cuda_graphs(self):
         capture = get_exec().graph.cuda_graph_config.decode.backend != Backend.DISABLED

@@ -142,7 +142,7 @@ def test_ranks_of_a_vocabulary_sharded_lm_head_build_the_single_rank_tree():
 def test_the_worker_gives_each_rank_of_a_sharded_lm_head_its_rows_and_the_same_tree():
     """Issue 18, part 1, the wiring: `worker.tree_head` reads a vocabulary-parallel LM head's
     shard (SGLang's shard indices: this rank's first global id and its real rows, the padding
-    rows left out) and, at tp > 1, merges through the TP gather; two ranks with padded shards
+    rows left out) and, given the TP gather, merges through it; two ranks with padded shards
     then build the single-rank tree, and at tp = 1 the head takes the real rows, no shard."""
     from types import SimpleNamespace
 
@@ -185,7 +185,7 @@ def test_the_worker_gives_each_rank_of_a_sharded_lm_head_its_rows_and_the_same_t
 
         return gather
 
-    heads = [tree_head(lm_head(weight[a:b], a, b), cfg, bs, 2, gather_for(rank))
+    heads = [tree_head(lm_head(weight[a:b], a, b), cfg, bs, gather_for(rank))
              for rank, (a, b) in enumerate(bounds)]  # fmt: skip
     assert [(h.shard.offset, h.vocab_size) for h in heads] == [(0, 17), (17, 13)]
     trees = []
@@ -214,8 +214,8 @@ def test_the_tp_gather_stacks_every_ranks_tensor_in_rank_order(monkeypatch):
             return torch.cat([t, t + 100], dim=0)  # rank 1 holds this rank's values + 100
 
     monkeypatch.setattr(dist, "get_tp_group", lambda: TwoRanks())
-    size, gather = compat.tp_gather()
+    gather = compat.tp_gather()
     t = torch.arange(6).view(2, 3).t()  # not contiguous
     got = gather(t)
-    assert size == 2 and got.shape == (2, 3, 2)
+    assert got.shape == (2, 3, 2)
     assert torch.equal(got[0], t) and torch.equal(got[1], t + 100)
