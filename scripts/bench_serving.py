@@ -181,6 +181,39 @@ def profile(servers: list, names: list[str], out: Path, temperatures: list[float
                               "syncs_per_round": host.get("syncs_per_round")}), flush=True)  # fmt: skip
 
 
+FIRST_TOKEN_LENGTHS = (1, 2, 3)
+
+
+def first_token(servers: list, prompts: list[str], out: Path, n: int, send=None) -> list[dict]:
+    """Latency of one request at a time, by new tokens (FIRST_TOKEN_LENGTHS, greedy): at 1 the
+    prefill alone, at 2 and 3 one and two decode rounds behind it, so that a server's longer
+    time to first token is placed in its prefill or in its first rounds. The servers alternate
+    request by request (the same prompt on each in turn); a first request per server and
+    length, not counted, warms the path. Rows (median and min ms) to OUT/first_token.jsonl."""
+    if n < 1:
+        return []
+    send = send or (lambda server, prompt, k: harness.generate(
+        server, prompt, max_new_tokens=k, temperature=0.0, ignore_eos=True))  # fmt: skip
+    rows = []
+    for k in FIRST_TOKEN_LENGTHS:
+        ms = {server.name: [] for server in servers}
+        for i, prompt in enumerate([prompts[0], *prompts[:n]]):
+            for server in servers:
+                tic = time.perf_counter()
+                send(server, prompt, k)
+                if i:  # the first is the warm-up
+                    ms[server.name].append(1e3 * (time.perf_counter() - tic))
+        for server in servers:
+            row = {"probe": "first_token", "server": server.name, "max_new_tokens": k,
+                   "requests": n, "median_ms": statistics.median(ms[server.name]),
+                   "min_ms": min(ms[server.name])}  # fmt: skip
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            with open(out / "first_token.jsonl", "a") as f:
+                f.write(json.dumps(row) + "\n")
+    return rows
+
+
 SAMPLER = Path(__file__).resolve().parent / "host_sampler"
 
 
@@ -254,6 +287,11 @@ def main() -> int:
                    help="the concurrencies of --host-profile's runs")  # fmt: skip
     p.add_argument("--pin-cpus", action="store_true",
                    help="each server on its own CPUs, the load generator on the rest")  # fmt: skip
+    p.add_argument("--first-token", type=int, default=0,
+                   help="after the runs, this many one-at-a-time /generate requests per server "
+                        "and length (1, 2 and 3 new tokens, greedy; the servers alternate): "
+                        "the prefill alone, then one and two decode rounds behind it, as "
+                        "rows of OUT/first_token.jsonl")  # fmt: skip
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     table_ = server_table(args.draft)
@@ -318,6 +356,7 @@ def main() -> int:
         text = table(summarize(rows))  # before the profiles: the measured runs' table
         (args.out / "table.md").write_text(text + "\n")
         print(text, flush=True)
+        first_token(servers, heldout_prompts(args.first_token), args.out, args.first_token)
         host_profile(servers, sampled, dataset, args)
         profile(servers, profiled, args.out, [float(x) for x in args.temperatures.split(",")])
     finally:

@@ -485,6 +485,37 @@ def test_bench_serving_profiles_each_server_at_every_temperature(tmp_path, monke
     assert [(r["bs"], r["temperature"]) for r in rows] == [(1, 0.0), (4, 0.0), (1, 1.0), (4, 1.0)]
 
 
+def test_bench_serving_first_token_probe_alternates_servers_by_length(tmp_path):
+    """bench_serving's --first-token: per length (1, 2, 3 new tokens) one warm-up request per
+    server, then the servers in turn on the same prompt; the median and min of the timed
+    ones per server and length."""
+    bench = _script("bench_serving")
+    from types import SimpleNamespace
+
+    servers = [SimpleNamespace(name="ddtree"), SimpleNamespace(name="dflash")]
+    sent = []
+    bench_time = bench.time
+
+    def send(server, prompt, k):
+        sent.append((server.name, prompt, k))
+        clock[0] += {"ddtree": 0.004, "dflash": 0.003}[server.name] * k
+
+    clock = [0.0]
+    bench.time = SimpleNamespace(perf_counter=lambda: clock[0])
+    try:
+        rows = bench.first_token(servers, ["a", "b", "c"], tmp_path, 2, send=send)
+    finally:
+        bench.time = bench_time
+    assert [s[2] for s in sent] == [1] * 6 + [2] * 6 + [3] * 6
+    assert [s[:2] for s in sent[:6]] == [("ddtree", "a"), ("dflash", "a"), ("ddtree", "a"),
+                                         ("dflash", "a"), ("ddtree", "b"), ("dflash", "b")]  # fmt: skip
+    got = {(r["server"], r["max_new_tokens"]): r["median_ms"] for r in rows}
+    assert got[("ddtree", 3)] == pytest.approx(12.0) and got[("dflash", 1)] == pytest.approx(3.0)
+    assert all(r["requests"] == 2 and r["probe"] == "first_token" for r in rows)
+    written = [json.loads(x) for x in (tmp_path / "first_token.jsonl").read_text().splitlines()]
+    assert written == rows and bench.first_token(servers, [], tmp_path, 0) == []
+
+
 def harness_server():
     from types import SimpleNamespace
 
