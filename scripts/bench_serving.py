@@ -4,7 +4,7 @@ at fixed N, DFLASH and plain decoding (issue 13's end-to-end target).
 
     python scripts/bench_serving.py --out OUT [--servers ddtree,ddtree16,ddtree32,dflash,none]
         [--concurrency 1,4,16,32] [--temperatures 0,1] [--runs 3] [--tokens 128]
-        [--requests-per-client 8] [--pin-cpus]
+        [--requests-per-client 8] [--no-pin-cpus] [--first-token N]
 
 All servers start up front (small memory slices; their own CUDA graphs) and are measured one at
 a time. Per temperature the runs alternate: run 1 of every (concurrency, server), then run 2, ...,
@@ -16,15 +16,18 @@ tokens/s of the runs and their spread (min, max), SGLang's accept length, and th
 DFLASH's median. Prompts: 400-character pieces of the standard-library packages the pair's
 training held out (`training.corpus.heldout_prompts`: each file's opening, then its next
 pieces), each distinct, the same for every server (bench_serving shuffles them with its
---seed). --pin-cpus splits this machine's CPUs into one set per server and one for the load
-generator (`harness.cpu_sets`), so that an idle server's processes and the client do not share
-the measured server's cores; each row says `"pinned": true`. Output:
-OUT/bench_serving.jsonl (one row per run), OUT/table.md.
+--seed). By default (where each set gets at least two CPUs; --no-pin-cpus turns it off) the
+machine's CPUs are split into one set per server and one for the load generator
+(`harness.cpu_sets`), so that an idle server's processes and the client do not share the
+measured server's cores; each such row says `"pinned": true`. --first-token N adds one-at-a-time
+requests of 1-3 new tokens (OUT/first_token.jsonl; with --host-profile, host samples of the
+one-token requests too). Output: OUT/bench_serving.jsonl (one row per run), OUT/table.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -147,6 +150,18 @@ def _median(values) -> float | None:
     return statistics.median(present) if present else None
 
 
+MIN_PINNED_CPUS = 2  # per set, for --pin-cpus's default
+
+
+def pinned_cpus(cpus: list[int], servers: int, pin: bool | None) -> list[tuple[int, ...]]:
+    """--pin-cpus: a CPU set per server and one for the load generator (harness.cpu_sets), or
+    none. Unset, on where every set gets MIN_PINNED_CPUS or more: session 21's pinned runs took
+    out a steady excess that servers and client sharing cores had put on one server's rounds."""
+    if pin is None:
+        pin = len(cpus) >= MIN_PINNED_CPUS * (servers + 1)
+    return harness.cpu_sets(cpus, servers + 1) if pin else []
+
+
 def table(summary: list[dict]) -> str:
     lines = ["| T | c | server | tok/s median (min-max) | accept | / DFLASH | TTFT ms | TPOT ms "
              "| DFLASH's TPOT / this |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -184,12 +199,15 @@ def profile(servers: list, names: list[str], out: Path, temperatures: list[float
 FIRST_TOKEN_LENGTHS = (1, 2, 3)
 
 
-def first_token(servers: list, prompts: list[str], out: Path, n: int, send=None) -> list[dict]:
+def first_token(servers: list, prompts: list[str], out: Path, n: int, send=None,
+                sampled: tuple = ()) -> list[dict]:  # fmt: skip
     """Latency of one request at a time, by new tokens (FIRST_TOKEN_LENGTHS, greedy): at 1 the
     prefill alone, at 2 and 3 one and two decode rounds behind it, so that a server's longer
     time to first token is placed in its prefill or in its first rounds. The servers alternate
     request by request (the same prompt on each in turn); a first request per server and
-    length, not counted, warms the path. Rows (median and min ms) to OUT/first_token.jsonl."""
+    length, not counted, warms the path. Rows (median and min ms) to OUT/first_token.jsonl.
+    Servers named in `sampled` (--host-profile's) then take the n one-token requests once more,
+    alone, with their host sampler on: OUT/host/NAME/first_token/, a round per request."""
     if n < 1:
         return []
     send = send or (lambda server, prompt, k: harness.generate(
@@ -211,6 +229,13 @@ def first_token(servers: list, prompts: list[str], out: Path, n: int, send=None)
             print(json.dumps(row), flush=True)
             with open(out / "first_token.jsonl", "a") as f:
                 f.write(json.dumps(row) + "\n")
+    for server in (s for s in servers if s.name in sampled):
+        with sampling(server, out / "host" / server.name / "first_token") as meta:
+            for prompt in prompts[:n]:
+                send(server, prompt, 1)
+            meta.update(probe="first_token", total_output_tokens=n, accept_length=1.0)
+        print(f"{server.name}: first-token host samples in {out / 'host' / server.name}",
+              flush=True)  # fmt: skip
     return rows
 
 
@@ -238,25 +263,35 @@ def host_profile(servers: list, names: list[str], dataset: Path, args) -> None:
 def sample_run(server, folder: Path, dataset: Path, t: float, c: int, args) -> None:
     """One sampled run, as long as a measured one (prompts_for), so that decode rounds, not
     the prefills of the first wave, fill most of the samples."""
+    with sampling(server, folder) as meta:
+        meta.update(run_bench(bench_args(server, dataset, args.target,
+                                         prompts_for(c, args.requests_per_client), c, t,
+                                         args.tokens, folder / "raw.jsonl")))  # fmt: skip
+    print(f"{server.name} T={t:g} c={c}: host samples in {folder}", flush=True)
+
+
+@contextlib.contextmanager
+def sampling(server, folder: Path, settle: float = 2.0):
+    """The server's host sampler on for the body; then its processes' samples are moved into
+    `folder` with meta.json, the dict the body filled (host_profile.py reads its
+    total_output_tokens and accept_length to count rounds)."""
     sampler = Path(server.env["HOST_SAMPLER_DIR"])
     folder.mkdir(parents=True, exist_ok=True)
     for old in sampler.glob("*.txt"):
         old.unlink()
+    meta: dict = {}
     (sampler / "on").touch()
     try:
-        res = run_bench(bench_args(server, dataset, args.target,
-                                   prompts_for(c, args.requests_per_client), c, t, args.tokens,
-                                   folder / "raw.jsonl"))  # fmt: skip
+        yield meta
     finally:
         (sampler / "on").unlink()
     deadline = time.monotonic() + 30
     while not list(sampler.glob("*.txt")) and time.monotonic() < deadline:
         time.sleep(0.5)
-    time.sleep(2)  # every sampled process writes within about 0.2 s of the others
+    time.sleep(settle)  # every sampled process writes within about 0.2 s of the others
     for f in sampler.glob("*.txt"):
         f.rename(folder / f.name)
-    (folder / "meta.json").write_text(json.dumps(res))
-    print(f"{server.name} T={t:g} c={c}: host samples in {folder}", flush=True)
+    (folder / "meta.json").write_text(json.dumps(meta))
 
 
 def main() -> int:
@@ -285,8 +320,9 @@ def main() -> int:
                         "(scripts/host_profile.py prints their call trees in ms per round)")  # fmt: skip
     p.add_argument("--host-concurrency", default="1",
                    help="the concurrencies of --host-profile's runs")  # fmt: skip
-    p.add_argument("--pin-cpus", action="store_true",
-                   help="each server on its own CPUs, the load generator on the rest")  # fmt: skip
+    p.add_argument("--pin-cpus", action=argparse.BooleanOptionalAction, default=None,
+                   help="each server on its own CPUs, the load generator on the rest (default: "
+                        f"on where every set gets at least {MIN_PINNED_CPUS} CPUs)")  # fmt: skip
     p.add_argument("--first-token", type=int, default=0,
                    help="after the runs, this many one-at-a-time /generate requests per server "
                         "and length (1, 2 and 3 new tokens, greedy; the servers alternate): "
@@ -305,7 +341,7 @@ def main() -> int:
         if set(chosen) - set(names):
             raise SystemExit(f"{flag} {','.join(chosen)}: only servers in --servers {names}")
     servers = []
-    cpus = harness.cpu_sets(list(os.sched_getaffinity(0)), len(names) + 1) if args.pin_cpus else []
+    cpus = pinned_cpus(list(os.sched_getaffinity(0)), len(names), args.pin_cpus)
     for i, name in enumerate(names):
         flags, env = table_[name]
         if name in sampled:
@@ -356,7 +392,8 @@ def main() -> int:
         text = table(summarize(rows))  # before the profiles: the measured runs' table
         (args.out / "table.md").write_text(text + "\n")
         print(text, flush=True)
-        first_token(servers, heldout_prompts(args.first_token), args.out, args.first_token)
+        prompts = heldout_prompts(args.first_token)
+        first_token(servers, prompts, args.out, args.first_token, sampled=tuple(sampled))
         host_profile(servers, sampled, dataset, args)
         profile(servers, profiled, args.out, [float(x) for x in args.temperatures.split(",")])
     finally:

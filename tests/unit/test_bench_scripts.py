@@ -514,6 +514,38 @@ def test_bench_serving_first_token_probe_alternates_servers_by_length(tmp_path):
     assert all(r["requests"] == 2 and r["probe"] == "first_token" for r in rows)
     written = [json.loads(x) for x in (tmp_path / "first_token.jsonl").read_text().splitlines()]
     assert written == rows and bench.first_token(servers, [], tmp_path, 0) == []
+    # a --host-profile server then takes the one-token requests alone, its sampler on
+    sampler = tmp_path / "sampler"
+    sampler.mkdir()
+    servers[0].env = {"HOST_SAMPLER_DIR": str(sampler)}
+    sent.clear()
+
+    def send_sampled(server, prompt, k):
+        send(server, prompt, k)
+        if (sampler / "on").exists():  # the sampler writes its file once "on" is gone
+            (sampler / "4242.txt").write_text("{}\n")
+
+    bench.time = SimpleNamespace(perf_counter=lambda: clock[0], monotonic=bench_time.monotonic,
+                                 sleep=lambda s: None)  # fmt: skip
+    try:
+        bench.first_token(servers, ["a", "b", "c"], tmp_path, 2, send=send_sampled,
+                          sampled=("ddtree",))  # fmt: skip
+    finally:
+        bench.time = bench_time
+    assert sent[-2:] == [("ddtree", "a", 1), ("ddtree", "b", 1)]
+    folder = tmp_path / "host" / "ddtree" / "first_token"
+    assert (folder / "4242.txt").exists() and not (sampler / "on").exists()
+    meta = json.loads((folder / "meta.json").read_text())
+    assert meta == {"probe": "first_token", "total_output_tokens": 2, "accept_length": 1.0}
+
+
+def test_bench_serving_pins_cpus_by_default_where_each_set_gets_two():
+    bench = _script("bench_serving")
+    assert bench.pinned_cpus(list(range(16)), 3, None) == [(0, 1, 2, 3), (4, 5, 6, 7),
+                                                          (8, 9, 10, 11), (12, 13, 14, 15)]  # fmt: skip
+    assert bench.pinned_cpus(list(range(7)), 3, None) == []  # under two CPUs a set: not pinned
+    assert bench.pinned_cpus(list(range(16)), 3, False) == []
+    assert len(bench.pinned_cpus(list(range(4)), 3, True)) == 4  # asked for: one CPU a set
 
 
 def harness_server():
