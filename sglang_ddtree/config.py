@@ -162,6 +162,7 @@ class Options:
                                               ms at the running batch (integration/widths.py);
                                               fixed: always --speculative-num-draft-tokens;
                                               fixed under --enable-deterministic-inference
+                                              and at --tp-size > 1 (auto refused there)
     widths        SGLANG_DDTREE_WIDTHS        comma-separated verify widths for auto, each in
                                               [B, N]; None: B, 2B, 4B ... below N, and N
     logprobs      SGLANG_DDTREE_LOGPROBS      1 | 0: 1 serves logprobs (SGLang's spec-v2
@@ -222,11 +223,14 @@ class Options:
     penalties: bool = True
 
     @classmethod
-    def from_env(cls, unified_memory: bool = False, deterministic: bool = False) -> Options:
+    def from_env(cls, unified_memory: bool = False, deterministic: bool = False,
+                 tensor_parallel: bool = False) -> Options:  # fmt: skip
         """Parse and check every switch; an error names the switch and the fix. deterministic
         (--enable-deterministic-inference): the GDN verify defaults to the root paths, whose
         served tokens are batch-invariant (the chunked verify's were not in the GPU suite,
-        docs/benchmarks.md session 9; SGLANG_DDTREE_GDN_VERIFY=chunk still picks it)."""
+        docs/benchmarks.md session 9; SGLANG_DDTREE_GDN_VERIFY=chunk still picks it).
+        tensor_parallel (--tp-size > 1): fixed widths, and SGLANG_DDTREE_WIDTH=auto refused
+        (`_check_width`)."""
         builder = env_value("SGLANG_DDTREE_TREE_BUILDER")
         if builder is not None:
             builder = env_choice("SGLANG_DDTREE_TREE_BUILDER", ("torch", "triton"))
@@ -273,14 +277,27 @@ class Options:
             width=env_choice(
                 "SGLANG_DDTREE_WIDTH",
                 ("auto", "fixed"),
-                default="fixed" if deterministic else "auto",
+                default="fixed" if deterministic or tensor_parallel else "auto",
             ),  # fmt: skip
             widths=_widths("SGLANG_DDTREE_WIDTHS"),
             logprobs=env_choice("SGLANG_DDTREE_LOGPROBS", ("1", "0")) == "1",
             penalties=env_choice("SGLANG_DDTREE_PENALTIES", ("1", "0")) == "1",
         )
         opts._check(unified_memory)
+        if tensor_parallel:
+            opts._check_width_at_tp()
         return opts
+
+    def _check_width_at_tp(self) -> None:
+        """The automatic width is chosen on each rank from that rank's own CUDA-event timings
+        and readings polled when they are ready: two ranks could pick different widths for one
+        round, and ranks verifying different shapes would wait on each other's collectives for
+        ever. Until the choice is shared between ranks, tensor parallelism runs one width."""
+        if self.width == "auto":
+            raise ValueError("SGLANG_DDTREE_WIDTH=auto cannot run at --tp-size > 1: each rank "
+                             "would choose its verify widths from its own timings, and ranks "
+                             "verifying different widths stall in their collectives. Use "
+                             "SGLANG_DDTREE_WIDTH=fixed (the default there) or --tp-size 1.")  # fmt: skip
 
     @property
     def compact_scratch(self) -> bool:

@@ -237,11 +237,12 @@ def resolved(server_args: Any) -> Any:
 
 def option_modes(server_args: Any) -> dict[str, bool]:
     """The server modes DDTREE's option defaults depend on (config.Options.from_env's keywords):
-    --enable-unified-memory and --enable-deterministic-inference."""
+    --enable-unified-memory, --enable-deterministic-inference and --tp-size > 1."""
     args = resolved(server_args)
     return {
         "unified_memory": bool(getattr(args, "enable_unified_memory", False)),
         "deterministic": bool(getattr(args, "enable_deterministic_inference", False)),
+        "tensor_parallel": int(getattr(args, "tp_size", 1) or 1) > 1,
     }
 
 

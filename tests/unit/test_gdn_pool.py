@@ -202,7 +202,8 @@ def test_gdn_defaults_each_switch_off_and_what_cannot_work_refused(monkeypatch):
     assert path(unified=True) == gdn.GDNPath(16, compact=False)  # SGLang's pool allocates them
     # --enable-deterministic-inference: root paths unless asked (session 9's batch invariance)
     flags = SimpleNamespace(enable_deterministic_inference=True, enable_unified_memory=False)
-    assert gdn.compat.option_modes(flags) == {"unified_memory": False, "deterministic": True}
+    assert gdn.compat.option_modes(flags) == {"unified_memory": False, "deterministic": True,
+                                              "tensor_parallel": False}  # fmt: skip
     det = config.Options.from_env(**gdn.compat.option_modes(flags))
     assert gdn.path_of(det, 16) == gdn.GDNPath(16, verify="paths")
     monkeypatch.setenv("SGLANG_DDTREE_GDN_VERIFY", "chunk")

@@ -291,6 +291,23 @@ def test_the_width_switches(monkeypatch, env, deterministic, width, widths):
     assert (opts.width, opts.widths) == (width, widths)
 
 
+def test_tensor_parallel_runs_one_width_and_refuses_the_automatic_one(monkeypatch):
+    """At --tp-size > 1 each rank would time its own rounds: the widths are fixed by default,
+    and SGLANG_DDTREE_WIDTH=auto is refused at start-up with the reason and the fix."""
+    from types import SimpleNamespace
+
+    from sglang_ddtree.integration import compat
+
+    modes = compat.option_modes(SimpleNamespace(tp_size=2))
+    assert modes["tensor_parallel"]
+    assert not compat.option_modes(SimpleNamespace())["tensor_parallel"]  # tp 1 when unset
+    assert Options.from_env(**modes).width == "fixed"
+    monkeypatch.setenv("SGLANG_DDTREE_WIDTH", "auto")
+    with pytest.raises(ValueError, match=r"auto cannot run at --tp-size > 1.*WIDTH=fixed"):
+        Options.from_env(**modes)
+    assert Options.from_env().width == "auto"  # one GPU: as asked
+
+
 @pytest.mark.parametrize(
     "env,message",
     [
