@@ -229,8 +229,7 @@ class Options:
         (--enable-deterministic-inference): the GDN verify defaults to the root paths, whose
         served tokens are batch-invariant (the chunked verify's were not in the GPU suite,
         docs/benchmarks.md session 9; SGLANG_DDTREE_GDN_VERIFY=chunk still picks it).
-        tensor_parallel (--tp-size > 1): fixed widths, and SGLANG_DDTREE_WIDTH=auto refused
-        (`_check_width`)."""
+        tensor_parallel (--tp-size > 1): one fixed width (`_width_mode`)."""
         builder = env_value("SGLANG_DDTREE_TREE_BUILDER")
         if builder is not None:
             builder = env_choice("SGLANG_DDTREE_TREE_BUILDER", ("torch", "triton"))
@@ -274,30 +273,13 @@ class Options:
             gdn_check_save=_count("SGLANG_DDTREE_GDN_CHECK_SAVE"),
             gdn_perturb=_fraction("SGLANG_DDTREE_GDN_PERTURB"),
             gdn_precision=precision,
-            width=env_choice(
-                "SGLANG_DDTREE_WIDTH",
-                ("auto", "fixed"),
-                default="fixed" if deterministic or tensor_parallel else "auto",
-            ),  # fmt: skip
+            width=_width_mode(deterministic, tensor_parallel),
             widths=_widths("SGLANG_DDTREE_WIDTHS"),
             logprobs=env_choice("SGLANG_DDTREE_LOGPROBS", ("1", "0")) == "1",
             penalties=env_choice("SGLANG_DDTREE_PENALTIES", ("1", "0")) == "1",
         )
         opts._check(unified_memory)
-        if tensor_parallel:
-            opts._check_width_at_tp()
         return opts
-
-    def _check_width_at_tp(self) -> None:
-        """The automatic width is chosen on each rank from that rank's own CUDA-event timings
-        and readings polled when they are ready: two ranks could pick different widths for one
-        round, and ranks verifying different shapes would wait on each other's collectives for
-        ever. Until the choice is shared between ranks, tensor parallelism runs one width."""
-        if self.width == "auto":
-            raise ValueError("SGLANG_DDTREE_WIDTH=auto cannot run at --tp-size > 1: each rank "
-                             "would choose its verify widths from its own timings, and ranks "
-                             "verifying different widths stall in their collectives. Use "
-                             "SGLANG_DDTREE_WIDTH=fixed (the default there) or --tp-size 1.")  # fmt: skip
 
     @property
     def compact_scratch(self) -> bool:
@@ -393,6 +375,21 @@ def activate(options: Options | None) -> None:
 def options() -> Options:
     """This process's options: the activated ones, else parsed from the environment now."""
     return _active if _active is not None else Options.from_env()
+
+
+def _width_mode(deterministic: bool, tensor_parallel: bool) -> str:
+    """SGLANG_DDTREE_WIDTH: fixed by default under deterministic inference and at tp > 1, where
+    auto is refused: each rank would choose from its own CUDA-event timings and readings polled
+    when ready, so two ranks could verify different widths in one round and wait on each other's
+    collectives for ever. Until the choice is shared between ranks, TP runs one width."""
+    width = env_choice("SGLANG_DDTREE_WIDTH", ("auto", "fixed"),
+                       default="fixed" if deterministic or tensor_parallel else "auto")  # fmt: skip
+    if tensor_parallel and width == "auto":
+        raise ValueError("SGLANG_DDTREE_WIDTH=auto cannot run at --tp-size > 1: each rank would "
+                         "choose its verify widths from its own timings, and ranks verifying "
+                         "different widths stall in their collectives. Use "
+                         "SGLANG_DDTREE_WIDTH=fixed (the default there) or --tp-size 1.")  # fmt: skip
+    return width
 
 
 def env_choice(name: str, options: tuple[str, ...], default: str | None = None) -> str:
