@@ -392,8 +392,9 @@ def main() -> int:
         text = table(summarize(rows))  # before the profiles: the measured runs' table
         (args.out / "table.md").write_text(text + "\n")
         print(text, flush=True)
-        prompts = heldout_prompts(args.first_token)
-        first_token(servers, prompts, args.out, args.first_token, sampled=tuple(sampled))
+        if args.first_token:  # heldout_prompts reads the held-out packages' files
+            prompts = heldout_prompts(args.first_token)
+            first_token(servers, prompts, args.out, args.first_token, sampled=tuple(sampled))
         host_profile(servers, sampled, dataset, args)
         profile(servers, profiled, args.out, [float(x) for x in args.temperatures.split(",")])
     finally:

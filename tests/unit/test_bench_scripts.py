@@ -485,7 +485,7 @@ def test_bench_serving_profiles_each_server_at_every_temperature(tmp_path, monke
     assert [(r["bs"], r["temperature"]) for r in rows] == [(1, 0.0), (4, 0.0), (1, 1.0), (4, 1.0)]
 
 
-def test_bench_serving_first_token_probe_alternates_servers_by_length(tmp_path):
+def test_bench_serving_first_token_probe_alternates_servers_by_length(tmp_path, monkeypatch):
     """bench_serving's --first-token: per length (1, 2, 3 new tokens) one warm-up request per
     server, then the servers in turn on the same prompt; the median and min of the timed
     ones per server and length."""
@@ -494,18 +494,15 @@ def test_bench_serving_first_token_probe_alternates_servers_by_length(tmp_path):
 
     servers = [SimpleNamespace(name="ddtree"), SimpleNamespace(name="dflash")]
     sent = []
-    bench_time = bench.time
 
     def send(server, prompt, k):
         sent.append((server.name, prompt, k))
         clock[0] += {"ddtree": 0.004, "dflash": 0.003}[server.name] * k
 
-    clock = [0.0]
-    bench.time = SimpleNamespace(perf_counter=lambda: clock[0])
-    try:
-        rows = bench.first_token(servers, ["a", "b", "c"], tmp_path, 2, send=send)
-    finally:
-        bench.time = bench_time
+    clock = [0.0]  # the requests' times; the sampler's waits pass at once
+    monkeypatch.setattr(bench, "time", SimpleNamespace(
+        perf_counter=lambda: clock[0], monotonic=bench.time.monotonic, sleep=lambda s: None))  # fmt: skip
+    rows = bench.first_token(servers, ["a", "b", "c"], tmp_path, 2, send=send)
     assert [s[2] for s in sent] == [1] * 6 + [2] * 6 + [3] * 6
     assert [s[:2] for s in sent[:6]] == [("ddtree", "a"), ("dflash", "a"), ("ddtree", "a"),
                                          ("dflash", "a"), ("ddtree", "b"), ("dflash", "b")]  # fmt: skip
@@ -525,13 +522,8 @@ def test_bench_serving_first_token_probe_alternates_servers_by_length(tmp_path):
         if (sampler / "on").exists():  # the sampler writes its file once "on" is gone
             (sampler / "4242.txt").write_text("{}\n")
 
-    bench.time = SimpleNamespace(perf_counter=lambda: clock[0], monotonic=bench_time.monotonic,
-                                 sleep=lambda s: None)  # fmt: skip
-    try:
-        bench.first_token(servers, ["a", "b", "c"], tmp_path, 2, send=send_sampled,
-                          sampled=("ddtree",))  # fmt: skip
-    finally:
-        bench.time = bench_time
+    bench.first_token(servers, ["a", "b", "c"], tmp_path, 2, send=send_sampled,
+                      sampled=("ddtree",))  # fmt: skip
     assert sent[-2:] == [("ddtree", "a", 1), ("ddtree", "b", 1)]
     folder = tmp_path / "host" / "ddtree" / "first_token"
     assert (folder / "4242.txt").exists() and not (sampler / "on").exists()
