@@ -30,6 +30,7 @@ import argparse
 import contextlib
 import itertools
 import json
+import math
 import os
 import statistics
 import sys
@@ -121,8 +122,11 @@ def prompts_for(concurrency: int, per_client: int) -> int:
 
 def summarize(rows: list[dict]) -> list[dict]:
     """Per (temperature, concurrency, server): median and spread of the runs' tokens/s, the
-    median over DFLASH's median in the same run set, and the medians of the runs' median TTFT
-    and TPOT (DFLASH's TPOT over this server's: the decode alone, without the prefills)."""
+    median over DFLASH's median in the same run set, the paired ratio (the geometric mean over
+    runs of this server's tokens/s over DFLASH's in the same run: the alternating runs put the
+    two side by side in time, so a drift of the machine between runs cancels), and the medians
+    of the runs' median TTFT and TPOT (DFLASH's TPOT over this server's: the decode alone,
+    without the prefills)."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r["temperature"], r["concurrency"], r["server"]), []).append(r)
@@ -137,11 +141,21 @@ def summarize(rows: list[dict]) -> list[dict]:
             "median_tok_s": med[t, c, name], "min_tok_s": min(tps), "max_tok_s": max(tps),
             "accept_len": statistics.median(x.get("accept_length") or 1.0 for x in runs),
             "vs_dflash": med[t, c, name] / base if base else None,
+            "paired_vs_dflash": _paired(runs, groups.get((t, c, "dflash"), [])),
             "ttft_ms": _median(x.get("median_ttft_ms") for x in runs), "tpot_ms": tpot[t, c, name],
             "tpot_vs_dflash": base_tpot / tpot[t, c, name] if base_tpot and tpot[t, c, name]
             else None,
         })  # fmt: skip
     return out
+
+
+def _paired(runs: list[dict], base: list[dict]) -> float | None:
+    """The geometric mean of tokens/s over DFLASH's, run by run (rows of the same "run"
+    number); None without such pairs."""
+    dflash = {r["run"]: r["output_throughput"] for r in base if "run" in r}
+    logs = [math.log(r["output_throughput"] / dflash[r["run"]]) for r in runs
+            if r.get("run") in dflash and dflash[r["run"]] > 0 and r["output_throughput"] > 0]  # fmt: skip
+    return math.exp(statistics.fmean(logs)) if logs else None
 
 
 def _median(values) -> float | None:
@@ -163,8 +177,9 @@ def pinned_cpus(cpus: list[int], servers: int, pin: bool | None) -> list[tuple[i
 
 
 def table(summary: list[dict]) -> str:
-    lines = ["| T | c | server | tok/s median (min-max) | accept | / DFLASH | TTFT ms | TPOT ms "
-             "| DFLASH's TPOT / this |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| T | c | server | tok/s median (min-max) | accept | / DFLASH | paired / DFLASH "
+             "| TTFT ms | TPOT ms | DFLASH's TPOT / this |",
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
 
     def num(x, fmt):
         return "-" if x is None else format(x, fmt)
@@ -173,6 +188,7 @@ def table(summary: list[dict]) -> str:
         lines.append(f"| {s['temperature']:g} | {s['concurrency']} | {s['server']} | "
                      f"{s['median_tok_s']:.0f} ({s['min_tok_s']:.0f}-{s['max_tok_s']:.0f}) | "
                      f"{s['accept_len']:.2f} | {num(s['vs_dflash'], '.2f')} | "
+                     f"{num(s.get('paired_vs_dflash'), '.2f')} | "
                      f"{num(s.get('ttft_ms'), '.1f')} | {num(s.get('tpot_ms'), '.2f')} | "
                      f"{num(s.get('tpot_vs_dflash'), '.2f')} |")  # fmt: skip
     return "\n".join(lines)
@@ -239,7 +255,8 @@ def first_token(servers: list, prompts: list[str], out: Path, n: int, send=None,
     return rows
 
 
-SAMPLER = Path(__file__).resolve().parent / "host_sampler"
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLER = ROOT / "scripts" / "host_sampler"
 
 
 def sampled_env(env: dict[str, str], folder: Path) -> dict[str, str]:
@@ -258,6 +275,42 @@ def host_profile(servers: list, names: list[str], dataset: Path, args) -> None:
             for c in (int(x) for x in args.host_concurrency.split(",")):
                 sample_run(server, args.out / "host" / server.name / f"t{t:g}_c{c}", dataset,
                            t, c, args)  # fmt: skip
+
+
+def own_files() -> str:
+    """sglang_ddtree's file names that no SGLang file shares (the sampler labels frames by file
+    name: SGLang's own dflash.py or spec.py would count as the package's)."""
+    import importlib.util
+
+    ours = {f.name for f in (ROOT / "sglang_ddtree").rglob("*.py")}
+    spec = importlib.util.find_spec("sglang")
+    dirs = (spec.submodule_search_locations or []) if spec else []
+    theirs = {f.name for d in dirs for f in Path(d).rglob("*.py")}
+    return ",".join(sorted(ours - theirs - {"__init__.py"}))
+
+
+def host_reports(host: Path, names: list[str]) -> list[Path]:
+    """host_profile.py's tables for every sampled run (tT_cC, first_token), the named servers
+    side by side: HOST/report_RUN.md, the call tree from the worker's forward_batch_generation
+    and the package's own frames (--own). A few kB each, where the samples are megabytes."""
+    import host_profile  # beside this script
+
+    written = []
+    runs = sorted({d.name for n in names for d in (host / n).glob("*")
+                   if (d / "meta.json").exists()})  # fmt: skip
+    for run in runs:
+        dirs = [host / n / run for n in names if list((host / n / run).glob("*.txt"))]
+        if not dirs:
+            continue
+        text = (f"# host samples, {run} (scripts/host_profile.py)\n\n## the worker's round "
+                "(--focus forward_batch_generation --depth 12)\n\n"
+                + host_profile.report(dirs, depth=12, focus="forward_batch_generation")
+                + "\n\n## sglang_ddtree's own frames (--own)\n\n"
+                + host_profile.report(dirs, own=own_files()) + "\n")  # fmt: skip
+        path = host / f"report_{run}.md"
+        path.write_text(text)
+        written.append(path)
+    return written
 
 
 def sample_run(server, folder: Path, dataset: Path, t: float, c: int, args) -> None:
@@ -396,6 +449,7 @@ def main() -> int:
             prompts = heldout_prompts(args.first_token)
             first_token(servers, prompts, args.out, args.first_token, sampled=tuple(sampled))
         host_profile(servers, sampled, dataset, args)
+        host_reports(args.out / "host", sampled)
         profile(servers, profiled, args.out, [float(x) for x in args.temperatures.split(",")])
     finally:
         for server in servers:

@@ -96,6 +96,32 @@ def own_time(stacks: list[tuple[list[str], int]], prefixes: tuple[str, ...]) -> 
     return out
 
 
+def report(dirs: list[Path], min_ms: float = 0.03, depth: int = 14, focus: str | None = None,
+           own: str = "") -> str:  # fmt: skip
+    """The side-by-side table of `dirs` (one per server and run), as `main` prints it."""
+    trees, scales, heads, owns = [], [], [], []
+    for folder in dirs:
+        head, stacks = scheduler_stacks(folder)
+        meta = json.loads((folder / "meta.json").read_text())
+        total = sum(n for _, n in stacks)
+        scales.append(head["seconds"] * 1000.0 / total / rounds(meta))
+        trees.append(tree(stacks, focus))
+        owns.append(own_time(stacks, tuple(x for x in own.split(",") if x)))
+        heads.append(f"{folder.parent.name}/{folder.name}: {rounds(meta):.0f} rounds, "
+                     f"{head['seconds'] * 1000.0 / rounds(meta):.2f} ms a round")  # fmt: skip
+    out = [*heads, "| " + " | ".join(f"{d.parent.name}/{d.name}" for d in dirs)
+           + " | frame (ms per round) |", "|" + "---|" * (len(dirs) + 1)]  # fmt: skip
+    if not own:
+        return "\n".join([*out, *lines_of(trees, scales, min_ms, depth)])
+    keys = sorted({k for o in owns for k in o},
+                  key=lambda k: -max(o.get(k, 0) * c for o, c in zip(owns, scales, strict=True)))  # fmt: skip
+    for k in keys:
+        ms = [o.get(k, 0) * c for o, c in zip(owns, scales, strict=True)]
+        if max(ms) >= min_ms:
+            out.append("| " + " | ".join(f"{m:6.3f}" for m in ms) + f" | {k} |")
+    return "\n".join(out)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("dirs", nargs="+", type=Path)
@@ -106,29 +132,7 @@ def main() -> int:
                    help="file names (e.g. worker.py,widths.py): instead of the tree, the time of "
                         "their frames by what each ran, largest first")  # fmt: skip
     args = p.parse_args()
-    trees, scales, heads, owns = [], [], [], []
-    for folder in args.dirs:
-        head, stacks = scheduler_stacks(folder)
-        meta = json.loads((folder / "meta.json").read_text())
-        total = sum(n for _, n in stacks)
-        scales.append(head["seconds"] * 1000.0 / total / rounds(meta))
-        trees.append(tree(stacks, args.focus))
-        owns.append(own_time(stacks, tuple(x for x in args.own.split(",") if x)))
-        heads.append(f"{folder.parent.name}/{folder.name}: {rounds(meta):.0f} rounds, "
-                     f"{head['seconds'] * 1000.0 / rounds(meta):.2f} ms a round")  # fmt: skip
-    print("\n".join(heads))
-    print("| " + " | ".join(f"{d.parent.name}/{d.name}" for d in args.dirs)
-          + " | frame (ms per round) |")  # fmt: skip
-    print("|" + "---|" * (len(args.dirs) + 1))
-    if args.own:
-        keys = sorted({k for o in owns for k in o},
-                      key=lambda k: -max(o.get(k, 0) * c for o, c in zip(owns, scales, strict=True)))  # fmt: skip
-        for k in keys:
-            ms = [o.get(k, 0) * c for o, c in zip(owns, scales, strict=True)]
-            if max(ms) >= args.min_ms:
-                print("| " + " | ".join(f"{m:6.3f}" for m in ms) + f" | {k} |")
-        return 0
-    print("\n".join(lines_of(trees, scales, args.min_ms, args.depth)))
+    print(report(args.dirs, args.min_ms, args.depth, args.focus, args.own))
     return 0
 
 

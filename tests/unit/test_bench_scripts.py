@@ -442,9 +442,10 @@ def test_bench_serving_servers_dataset_and_summary(tmp_path):
     assert argv[argv.index("--dataset-name") + 1] == "custom"
     assert argv[argv.index("--max-concurrency") + 1] == "4"
     runs = [
-        {"run": i, "server": s, "temperature": 0.0, "concurrency": 1, "output_throughput": v,
+        {"run": i // 2 + 1, "server": s, "temperature": 0.0, "concurrency": 1,
+         "output_throughput": v,
          "accept_length": 2.0, "median_tpot_ms": tpot, "median_ttft_ms": ttft}
-        for i, (s, v, tpot, ttft) in enumerate([
+        for i, (s, v, tpot, ttft) in enumerate([  # run i // 2 + 1: DFLASH's, then DDTREE's
             ("dflash", 100.0, 3.0, 40.0), ("ddtree", 130.0, 2.0, 50.0),
             ("dflash", 110.0, 3.3, 30.0), ("ddtree", 150.0, 2.2, 60.0),
             ("dflash", 90.0, 3.6, 35.0), ("ddtree", 120.0, 2.4, None)])  # a row without TTFT
@@ -456,12 +457,16 @@ def test_bench_serving_servers_dataset_and_summary(tmp_path):
     assert summary["ddtree"]["ttft_ms"] == pytest.approx(55.0)  # of the rows that have it
     assert summary["ddtree"]["tpot_vs_dflash"] == pytest.approx(3.3 / 2.2)
     assert summary["dflash"]["tpot_vs_dflash"] == pytest.approx(1.0)
+    # run by run 1.30, 1.36, 1.33 (their geometric mean), where the medians give 130 / 100
+    paired = (130 / 100 * 150 / 110 * 120 / 90) ** (1 / 3)
+    assert summary["ddtree"]["paired_vs_dflash"] == pytest.approx(paired)
+    assert summary["dflash"]["paired_vs_dflash"] == pytest.approx(1.0)
     text = bench.table(list(summary.values()))
-    assert "| 0 | 1 | ddtree | 130 (120-150) | 2.00 | 1.30 | 55.0 | 2.20 | 1.50 |" in text
-    old = [{k: v for k, v in r.items() if "_ms" not in k} for r in runs]  # session 18's rows
-    assert "| 0 | 1 | ddtree | 130 (120-150) | 2.00 | 1.30 | - | - | - |" in bench.table(
+    assert "| 0 | 1 | ddtree | 130 (120-150) | 2.00 | 1.30 | 1.33 | 55.0 | 2.20 | 1.50 |" in text
+    old = [{k: v for k, v in r.items() if "_ms" not in k and k != "run"} for r in runs]
+    assert "| 0 | 1 | ddtree | 130 (120-150) | 2.00 | 1.30 | - | - | - | - |" in bench.table(
         bench.summarize(old)
-    )
+    )  # rows without TTFT, TPOT or run numbers (session 18's had no TTFT or TPOT)
 
 
 def test_bench_serving_profiles_each_server_at_every_temperature(tmp_path, monkeypatch):
@@ -678,3 +683,38 @@ def test_servers_pinned_to_cpu_sets_run_on_them(tmp_path, monkeypatch):
         assert server.proc.wait(timeout=60) == 0
         printed = server.log_path.read_text().splitlines()[-1]
         assert printed == str(list(cpus) or mine)
+
+
+def test_bench_serving_writes_host_reports_side_by_side(tmp_path):
+    """--host-profile's samples come back as host_profile.py's tables, a few kB per sampled run
+    with the servers side by side (the raw samples are megabytes): the worker's call tree in ms
+    per round and the package's own frames, SGLang's like-named files (dflash.py) left out."""
+    bench = _script("bench_serving")
+    loop = "MainThread;scheduler.py:event_loop_overlap;worker.py:forward_batch_generation"
+    stacks = {"ddtree": {f"{loop};worker.py:_draft": 60, f"{loop};widths.py:finish": 20,
+                         f"{loop};dflash.py:prepare": 20},
+              "dflash": {"MainThread;scheduler.py:event_loop_overlap;"
+                         "dflash_worker_v2.py:forward_batch_generation": 50}}  # fmt: skip
+    for name, rows in stacks.items():
+        run = tmp_path / name / "t0_c1"
+        run.mkdir(parents=True)
+        lines = [json.dumps({"seconds": 1.0})] + [f"{k} {n}" for k, n in rows.items()]
+        (run / "123.txt").write_text("\n".join(lines) + "\n")
+        (run / "meta.json").write_text(json.dumps({"total_output_tokens": 200,
+                                                   "accept_length": 2.0}))  # fmt: skip
+    (tmp_path / "ddtree" / "first_token").mkdir()  # a run whose samples did not arrive
+    (tmp_path / "ddtree" / "first_token" / "meta.json").write_text("{}")
+    written = bench.host_reports(tmp_path, ["ddtree", "dflash"])
+    assert [p.name for p in written] == ["report_t0_c1.md"]
+    text = written[0].read_text()
+    assert "| ddtree/t0_c1 | dflash/t0_c1 | frame (ms per round) |" in text
+    rows = {line.split("|")[3].strip(" ."): [float(line.split("|")[i]) for i in (1, 2)]
+            for line in text.split("## sglang_ddtree")[0].splitlines()
+            if line.startswith("| ") and ":" in line}  # fmt: skip
+    # 1 s over 100 rounds: 10 ms a round, 6 of them in _draft
+    assert rows["worker.py:_draft"] == pytest.approx([6.0, 0.0])
+    assert rows["worker.py:forward_batch_generation"] == pytest.approx([10.0, 0.0])
+    own = text.split("## sglang_ddtree")[1]
+    assert "worker.py:_draft -> <self>" in own and "widths.py:finish -> <self>" in own
+    # SGLang's dflash.py is not the package's: its time is what worker.py's frame ran
+    assert "worker.py:forward_batch_generation -> dflash.py:prepare" in own
