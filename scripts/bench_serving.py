@@ -7,27 +7,31 @@ at fixed N, DFLASH and plain decoding (issue 13's end-to-end target).
         [--requests-per-client 8] [--no-pin-cpus] [--first-token N]
 
 All servers start up front (small memory slices; their own CUDA graphs) and are measured one at
-a time. Per temperature the runs alternate: run 1 of every (concurrency, server), then run 2, ...,
-so that a drift of the shared machine spreads over all servers alike; the pair is host-bound
-and one run varies by 15-30%. A run is --requests-per-client requests per client, at
+a time. Per temperature the runs alternate: run 1 of every (concurrency, server), then run 2,
+..., so that a drift of the shared machine spreads over all servers alike; the pair is
+host-bound and one run varies by 15-30%. A run is --requests-per-client requests per client, at
 least 16, so that the batch's decode rounds, not the first wave's prefills or its tail, fill
-most of it (session 17's runs of two per client lasted under 2 s). Per (server, temperature, concurrency): the median output
-tokens/s of the runs and their spread (min, max), SGLang's accept length, and the median over
-DFLASH's median. Prompts: 400-character pieces of the standard-library packages the pair's
-training held out (`training.corpus.heldout_prompts`: each file's opening, then its next
-pieces), each distinct, the same for every server (bench_serving shuffles them with its
---seed). By default (where each set gets at least two CPUs; --no-pin-cpus turns it off) the
-machine's CPUs are split into one set per server and one for the load generator
-(`harness.cpu_sets`), so that an idle server's processes and the client do not share the
-measured server's cores; each such row says `"pinned": true`. --first-token N adds one-at-a-time
-requests of 1-3 new tokens (OUT/first_token.jsonl; with --host-profile, host samples of the
-one-token requests too). Output: OUT/bench_serving.jsonl (one row per run), OUT/table.md.
+most of it (session 17's runs of two per client lasted under 2 s). Per (server, temperature,
+concurrency): the median output tokens/s of the runs and their spread (min, max), SGLang's
+accept length, and the median over DFLASH's median, with the geometric mean and the range of the
+run-by-run ratios over DFLASH (the runs alternate, so a run's servers are neighbours in time).
+Prompts: 400-character pieces of the standard-library packages the pair's training held out
+(`training.corpus.heldout_prompts`: each file's opening, then its next pieces), each distinct,
+the same for every server (bench_serving shuffles them with its --seed). By default (where each
+set gets at least two CPUs; --no-pin-cpus turns it off) the machine's CPUs are split into one
+set per server and one for the load generator (`harness.cpu_sets`), so that an idle server's
+processes and the client do not share the measured server's cores; each such row says `"pinned":
+true`. --first-token N adds one-at-a-time requests of 1-3 new tokens (OUT/first_token.jsonl;
+with --host-profile, host samples of the one-token requests too). --host-profile also writes
+host_profile.py's tables of every sampled run, the servers side by side
+(OUT/host/report_RUN.md). Output: OUT/bench_serving.jsonl (one row per run), OUT/table.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import itertools
 import json
 import math
@@ -122,11 +126,9 @@ def prompts_for(concurrency: int, per_client: int) -> int:
 
 def summarize(rows: list[dict]) -> list[dict]:
     """Per (temperature, concurrency, server): median and spread of the runs' tokens/s, the
-    median over DFLASH's median in the same run set, the paired ratio (the geometric mean over
-    runs of this server's tokens/s over DFLASH's in the same run: the alternating runs put the
-    two side by side in time, so a drift of the machine between runs cancels), and the medians
-    of the runs' median TTFT and TPOT (DFLASH's TPOT over this server's: the decode alone,
-    without the prefills)."""
+    median over DFLASH's median in the same run set, the geometric-mean ratio and the range of
+    the run-by-run ratios (`_run_ratios`), and the medians of the runs' median TTFT and TPOT
+    (DFLASH's TPOT over this server's: the decode alone, without the prefills)."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r["temperature"], r["concurrency"], r["server"]), []).append(r)
@@ -141,7 +143,7 @@ def summarize(rows: list[dict]) -> list[dict]:
             "median_tok_s": med[t, c, name], "min_tok_s": min(tps), "max_tok_s": max(tps),
             "accept_len": statistics.median(x.get("accept_length") or 1.0 for x in runs),
             "vs_dflash": med[t, c, name] / base if base else None,
-            "paired_vs_dflash": _paired(runs, groups.get((t, c, "dflash"), [])),
+            **_run_ratios(runs, groups.get((t, c, "dflash"), [])),
             "ttft_ms": _median(x.get("median_ttft_ms") for x in runs), "tpot_ms": tpot[t, c, name],
             "tpot_vs_dflash": base_tpot / tpot[t, c, name] if base_tpot and tpot[t, c, name]
             else None,
@@ -149,13 +151,25 @@ def summarize(rows: list[dict]) -> list[dict]:
     return out
 
 
-def _paired(runs: list[dict], base: list[dict]) -> float | None:
-    """The geometric mean of tokens/s over DFLASH's, run by run (rows of the same "run"
-    number); None without such pairs."""
+def _run_ratios(runs: list[dict], base: list[dict]) -> dict:
+    """This server's tokens/s over DFLASH's, run by run (rows of the same "run" number; the runs
+    alternate, so the two are neighbours in time): their geometric mean, which equals the ratio
+    of the two servers' geometric means over those runs, so that a slowdown of the machine
+    during one run, common to every server in it, cancels (a ratio of medians can take its two
+    medians from different runs), and their min and max, the spread of one comparison. A run
+    of 0 tokens/s makes the mean 0; runs DFLASH lacks or did not complete are left out."""
+    numbers = [r["run"] for r in base if "run" in r]
+    if len(set(numbers)) != len(numbers):
+        raise ValueError(f"DFLASH has repeated run numbers {sorted(numbers)}: rows of two "
+                         "benchmarks in one summary")  # fmt: skip
     dflash = {r["run"]: r["output_throughput"] for r in base if "run" in r}
-    logs = [math.log(r["output_throughput"] / dflash[r["run"]]) for r in runs
-            if r.get("run") in dflash and dflash[r["run"]] > 0 and r["output_throughput"] > 0]  # fmt: skip
-    return math.exp(statistics.fmean(logs)) if logs else None
+    ratios = [r["output_throughput"] / dflash[r["run"]] for r in runs
+              if dflash.get(r.get("run"), 0) > 0]  # fmt: skip
+    if not ratios:
+        return {"geomean_vs_dflash": None, "run_ratio_min": None, "run_ratio_max": None}
+    mean = 0.0 if min(ratios) <= 0 else math.exp(statistics.fmean(map(math.log, ratios)))
+    return {"geomean_vs_dflash": mean, "run_ratio_min": min(ratios),
+            "run_ratio_max": max(ratios)}  # fmt: skip
 
 
 def _median(values) -> float | None:
@@ -177,8 +191,8 @@ def pinned_cpus(cpus: list[int], servers: int, pin: bool | None) -> list[tuple[i
 
 
 def table(summary: list[dict]) -> str:
-    lines = ["| T | c | server | tok/s median (min-max) | accept | / DFLASH | paired / DFLASH "
-             "| TTFT ms | TPOT ms | DFLASH's TPOT / this |",
+    lines = ["| T | c | server | tok/s median (min-max) | accept | / DFLASH | geo-mean / DFLASH "
+             "(runs' range) | TTFT ms | TPOT ms | DFLASH's TPOT / this |",
              "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
 
     def num(x, fmt):
@@ -188,10 +202,17 @@ def table(summary: list[dict]) -> str:
         lines.append(f"| {s['temperature']:g} | {s['concurrency']} | {s['server']} | "
                      f"{s['median_tok_s']:.0f} ({s['min_tok_s']:.0f}-{s['max_tok_s']:.0f}) | "
                      f"{s['accept_len']:.2f} | {num(s['vs_dflash'], '.2f')} | "
-                     f"{num(s.get('paired_vs_dflash'), '.2f')} | "
+                     f"{_ratio_cell(s)} | "
                      f"{num(s.get('ttft_ms'), '.1f')} | {num(s.get('tpot_ms'), '.2f')} | "
                      f"{num(s.get('tpot_vs_dflash'), '.2f')} |")  # fmt: skip
     return "\n".join(lines)
+
+
+def _ratio_cell(s: dict) -> str:
+    """The geometric-mean ratio with the range of the run-by-run ratios, or "-"."""
+    if s.get("geomean_vs_dflash") is None:
+        return "-"
+    return f"{s['geomean_vs_dflash']:.2f} ({s['run_ratio_min']:.2f}-{s['run_ratio_max']:.2f})"
 
 
 def profile(servers: list, names: list[str], out: Path, temperatures: list[float]) -> None:
@@ -277,9 +298,12 @@ def host_profile(servers: list, names: list[str], dataset: Path, args) -> None:
                            t, c, args)  # fmt: skip
 
 
+@functools.cache
 def own_files() -> str:
-    """sglang_ddtree's file names that no SGLang file shares (the sampler labels frames by file
-    name: SGLang's own dflash.py or spec.py would count as the package's)."""
+    """sglang_ddtree's file names that no SGLang file shares. The sampler labels a frame by its
+    file's name alone, so SGLang's own dflash.py or spec.py would count as the package's; a
+    torch or Triton file of a package name (torch's worker.py, Triton's build.py) still would,
+    but neither runs on the scheduler's thread in a decode round."""
     import importlib.util
 
     ours = {f.name for f in (ROOT / "sglang_ddtree").rglob("*.py")}
@@ -292,23 +316,25 @@ def own_files() -> str:
 def host_reports(host: Path, names: list[str]) -> list[Path]:
     """host_profile.py's tables for every sampled run (tT_cC, first_token), the named servers
     side by side: HOST/report_RUN.md, the call tree from the worker's forward_batch_generation
-    and the package's own frames (--own). A few kB each, where the samples are megabytes."""
+    and the package's own frames (--own). A few kB each, where the samples are megabytes. A run
+    whose samples cannot be read gets the reason in its report; the benchmark goes on."""
     import host_profile  # beside this script
 
+    def sampled(d: Path) -> bool:
+        return (d / "meta.json").exists() and any(d.glob("*.txt"))
+
     written = []
-    runs = sorted({d.name for n in names for d in (host / n).glob("*")
-                   if (d / "meta.json").exists()})  # fmt: skip
-    for run in runs:
-        dirs = [host / n / run for n in names if list((host / n / run).glob("*.txt"))]
-        if not dirs:
-            continue
-        text = (f"# host samples, {run} (scripts/host_profile.py)\n\n## the worker's round "
-                "(--focus forward_batch_generation --depth 12)\n\n"
-                + host_profile.report(dirs, depth=12, focus="forward_batch_generation")
-                + "\n\n## sglang_ddtree's own frames (--own)\n\n"
-                + host_profile.report(dirs, own=own_files()) + "\n")  # fmt: skip
+    for run in sorted({d.name for n in names for d in (host / n).glob("*") if sampled(d)}):
+        dirs = [host / n / run for n in names if sampled(host / n / run)]
+        try:
+            text = ("## the worker's round (--focus forward_batch_generation --depth 12)\n\n"
+                    + host_profile.report(dirs, depth=12, focus="forward_batch_generation")
+                    + "\n\n## sglang_ddtree's own frames (--own)\n\n"
+                    + host_profile.report(dirs, own=own_files()))  # fmt: skip
+        except (SystemExit, ValueError, KeyError, ZeroDivisionError, OSError) as exc:
+            text = f"not readable: {type(exc).__name__}: {exc}"
         path = host / f"report_{run}.md"
-        path.write_text(text)
+        path.write_text(f"# host samples, {run} (scripts/host_profile.py)\n\n{text}\n")
         written.append(path)
     return written
 

@@ -457,16 +457,30 @@ def test_bench_serving_servers_dataset_and_summary(tmp_path):
     assert summary["ddtree"]["ttft_ms"] == pytest.approx(55.0)  # of the rows that have it
     assert summary["ddtree"]["tpot_vs_dflash"] == pytest.approx(3.3 / 2.2)
     assert summary["dflash"]["tpot_vs_dflash"] == pytest.approx(1.0)
-    # run by run 1.30, 1.36, 1.33 (their geometric mean), where the medians give 130 / 100
-    paired = (130 / 100 * 150 / 110 * 120 / 90) ** (1 / 3)
-    assert summary["ddtree"]["paired_vs_dflash"] == pytest.approx(paired)
-    assert summary["dflash"]["paired_vs_dflash"] == pytest.approx(1.0)
+    # run by run 1.30, 1.36, 1.33: their geometric mean and range, where the medians give 1.30
+    ddtree = summary["ddtree"]
+    assert ddtree["geomean_vs_dflash"] == pytest.approx(
+        (130 / 100 * 150 / 110 * 120 / 90) ** (1 / 3)
+    )
+    assert (ddtree["run_ratio_min"], ddtree["run_ratio_max"]) == pytest.approx((1.3, 150 / 110))
+    assert summary["dflash"]["geomean_vs_dflash"] == pytest.approx(1.0)
     text = bench.table(list(summary.values()))
-    assert "| 0 | 1 | ddtree | 130 (120-150) | 2.00 | 1.30 | 1.33 | 55.0 | 2.20 | 1.50 |" in text
+    assert (
+        "| 0 | 1 | ddtree | 130 (120-150) | 2.00 | 1.30 | 1.33 (1.30-1.36) | 55.0 | 2.20 | 1.50 |"
+        in text
+    )
     old = [{k: v for k, v in r.items() if "_ms" not in k and k != "run"} for r in runs]
     assert "| 0 | 1 | ddtree | 130 (120-150) | 2.00 | 1.30 | - | - | - | - |" in bench.table(
         bench.summarize(old)
     )  # rows without TTFT, TPOT or run numbers (session 18's had no TTFT or TPOT)
+    # a run DFLASH lacks is left out; a run of 0 tok/s makes the mean 0; two benchmarks' rows
+    # (repeated run numbers) in one summary are refused
+    ratio = bench._run_ratios(runs[1::2], runs[0:4:2])
+    assert ratio["geomean_vs_dflash"] == pytest.approx((1.3 * 150 / 110) ** 0.5)
+    zero = [dict(runs[1], output_throughput=0.0), *runs[3::2]]
+    assert bench._run_ratios(zero, runs[0::2])["geomean_vs_dflash"] == 0.0
+    with pytest.raises(ValueError, match="repeated run numbers"):
+        bench._run_ratios(runs[1::2], runs[0::2] + runs[0:1])
 
 
 def test_bench_serving_profiles_each_server_at_every_temperature(tmp_path, monkeypatch):
@@ -689,10 +703,12 @@ def test_bench_serving_writes_host_reports_side_by_side(tmp_path):
     """--host-profile's samples come back as host_profile.py's tables, a few kB per sampled run
     with the servers side by side (the raw samples are megabytes): the worker's call tree in ms
     per round and the package's own frames, SGLang's like-named files (dflash.py) left out."""
+    pytest.importorskip("sglang")  # own_files leaves out the names of SGLang's files
     bench = _script("bench_serving")
     loop = "MainThread;scheduler.py:event_loop_overlap;worker.py:forward_batch_generation"
+    idle = "MainThread;scheduler.py:event_loop_overlap;scheduler.py:recv_requests"
     stacks = {"ddtree": {f"{loop};worker.py:_draft": 60, f"{loop};widths.py:finish": 20,
-                         f"{loop};dflash.py:prepare": 20},
+                         f"{loop};dflash.py:prepare": 10, idle: 10},
               "dflash": {"MainThread;scheduler.py:event_loop_overlap;"
                          "dflash_worker_v2.py:forward_batch_generation": 50}}  # fmt: skip
     for name, rows in stacks.items():
@@ -704,16 +720,23 @@ def test_bench_serving_writes_host_reports_side_by_side(tmp_path):
                                                    "accept_length": 2.0}))  # fmt: skip
     (tmp_path / "ddtree" / "first_token").mkdir()  # a run whose samples did not arrive
     (tmp_path / "ddtree" / "first_token" / "meta.json").write_text("{}")
+    broken = tmp_path / "ddtree" / "t1_c1"  # samples without the scheduler's loop
+    broken.mkdir()
+    (broken / "9.txt").write_text(json.dumps({"seconds": 1.0}) + "\nMainThread;x.py:y 5\n")
+    (broken / "meta.json").write_text(json.dumps({"total_output_tokens": 1}))
     written = bench.host_reports(tmp_path, ["ddtree", "dflash"])
-    assert [p.name for p in written] == ["report_t0_c1.md"]
+    assert [p.name for p in written] == ["report_t0_c1.md", "report_t1_c1.md"]
+    assert "not readable: SystemExit" in written[1].read_text()  # and the others are written
     text = written[0].read_text()
     assert "| ddtree/t0_c1 | dflash/t0_c1 | frame (ms per round) |" in text
     rows = {line.split("|")[3].strip(" ."): [float(line.split("|")[i]) for i in (1, 2)]
             for line in text.split("## sglang_ddtree")[0].splitlines()
             if line.startswith("| ") and ":" in line}  # fmt: skip
-    # 1 s over 100 rounds: 10 ms a round, 6 of them in _draft
+    # 1 s over 100 rounds: 10 ms a round, 6 of them in _draft; the tree starts at the worker
     assert rows["worker.py:_draft"] == pytest.approx([6.0, 0.0])
-    assert rows["worker.py:forward_batch_generation"] == pytest.approx([10.0, 0.0])
+    assert rows["worker.py:forward_batch_generation"] == pytest.approx([9.0, 0.0])
+    assert rows["dflash_worker_v2.py:forward_batch_generation"] == pytest.approx([0.0, 10.0])
+    assert not any("scheduler.py" in k for k in rows)
     own = text.split("## sglang_ddtree")[1]
     assert "worker.py:_draft -> <self>" in own and "widths.py:finish -> <self>" in own
     # SGLang's dflash.py is not the package's: its time is what worker.py's frame ran
