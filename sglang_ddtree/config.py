@@ -229,7 +229,7 @@ class Options:
         (--enable-deterministic-inference): the GDN verify defaults to the root paths, whose
         served tokens are batch-invariant (the chunked verify's were not in the GPU suite,
         docs/benchmarks.md session 9; SGLANG_DDTREE_GDN_VERIFY=chunk still picks it).
-        tensor_parallel (--tp-size > 1): one fixed width (`_width_mode`)."""
+        tensor_parallel (--tp-size > 1): a fixed width unless asked for auto (`_width_mode`)."""
         builder = env_value("SGLANG_DDTREE_TREE_BUILDER")
         if builder is not None:
             builder = env_choice("SGLANG_DDTREE_TREE_BUILDER", ("torch", "triton"))
@@ -378,18 +378,12 @@ def options() -> Options:
 
 
 def _width_mode(deterministic: bool, tensor_parallel: bool) -> str:
-    """SGLANG_DDTREE_WIDTH: fixed by default under deterministic inference and at tp > 1, where
-    auto is refused: each rank would choose from its own CUDA-event timings and readings polled
-    when ready, so two ranks could verify different widths in one round and wait on each other's
-    collectives for ever. Until the choice is shared between ranks, TP runs one width."""
-    width = env_choice("SGLANG_DDTREE_WIDTH", ("auto", "fixed"),
-                       default="fixed" if deterministic or tensor_parallel else "auto")  # fmt: skip
-    if tensor_parallel and width == "auto":
-        raise ValueError("SGLANG_DDTREE_WIDTH=auto cannot run at --tp-size > 1: each rank would "
-                         "choose its verify widths from its own timings, and ranks verifying "
-                         "different widths stall in their collectives. Use "
-                         "SGLANG_DDTREE_WIDTH=fixed (the default there) or --tp-size 1.")  # fmt: skip
-    return width
+    """SGLANG_DDTREE_WIDTH: fixed by default under deterministic inference, and at tp > 1 until a
+    multi-GPU run has checked the shared choice there (auto at tp > 1: rank 0 chooses and
+    broadcasts each round, integration/widths.RankWidths, so that no two ranks verify different
+    widths in one round and wait on each other's collectives)."""
+    return env_choice("SGLANG_DDTREE_WIDTH", ("auto", "fixed"),
+                      default="fixed" if deterministic or tensor_parallel else "auto")  # fmt: skip
 
 
 def env_choice(name: str, options: tuple[str, ...], default: str | None = None) -> str:

@@ -81,6 +81,16 @@ def tp_gather():
     return gather
 
 
+def tp_cpu_group():
+    """(the TP group's CPU process group, the global rank of its first rank, whether this process
+    is that rank): SGLang's gloo group beside the NCCL one, on which its scheduler broadcasts
+    each round's new requests."""
+    from sglang.srt.distributed import get_tp_group
+
+    group = get_tp_group()
+    return group.cpu_group, group.first_rank, group.is_first_rank
+
+
 def profiler_running() -> bool:
     """Whether a torch profiler is recording (SGLang's /start_profile starts one): torch's own
     flag, which its profilers set on start and clear on stop."""

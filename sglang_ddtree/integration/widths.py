@@ -4,6 +4,7 @@
 - `VerifyWidths`: per extra width, the target's own attention backend and a DecodeCudaGraphRunner
   captured at that width (as SGLang's adaptive EAGLE builds one per step count,
   compat.build_target_verify_state); `use(width)` swaps them in for one verify and back.
+- `RankWidths`: at --tp-size > 1, rank 0's choice broadcast to every TP rank each round.
 - `RoundReadings`: per round, on the device, the drafter's expected tokens at every width
   (1 + sum of q over the first w nodes, from the tree's scores: the draft head writes them
   inside the draft's CUDA graph) and the accepted lengths, copied into pinned host memory in one
@@ -69,6 +70,10 @@ class VerifyWidths:
         self.widths = tuple(sorted(self.states))
         self.buckets = compat.graph_batch_sizes(self.states[N][1])
 
+    def keep(self, widths: tuple[int, ...]) -> None:
+        """Serve only `widths` (RankWidths.agree's: what every TP rank captured); N stays."""
+        self.widths = tuple(w for w in self.widths if w in widths or w == self.widths[-1])
+
     @contextlib.contextmanager
     def use(self, width: int):
         if width == self.widths[-1]:
@@ -80,6 +85,32 @@ class VerifyWidths:
             yield
         finally:
             compat.set_target_verify_state(self.model_runner, before)
+
+
+class RankWidths:
+    """At --tp-size > 1, one verify width for every TP rank: rank 0's policy chooses and `share`
+    broadcasts the choice on the TP group's CPU (gloo) group each round, before any rank
+    launches its verify; at start-up `agree` keeps the widths every rank captured (a rank that
+    dropped one for memory has no graphs for it). A host collective of one number, no device
+    sync: SGLang's scheduler broadcasts each round's new requests on the same group."""
+
+    def __init__(self, group, source: int, is_source: bool, dist=None) -> None:
+        self.group, self.source, self.is_source = group, source, is_source
+        self.dist = dist if dist is not None else torch.distributed
+        self.buffer = torch.zeros(1, dtype=torch.int64)
+
+    def agree(self, configured: tuple[int, ...], captured: tuple[int, ...]) -> tuple[int, ...]:
+        """The configured widths that every rank captured."""
+        have = torch.tensor([int(w in captured) for w in configured], dtype=torch.int32)
+        self.dist.all_reduce(have, op=self.dist.ReduceOp.MIN, group=self.group)
+        return tuple(w for w, kept in zip(configured, have.tolist(), strict=True) if kept)
+
+    def share(self, width: int | None) -> int:
+        """Rank 0's `width` on every rank (the others pass None)."""
+        if self.is_source:
+            self.buffer[0] = width
+        self.dist.broadcast(self.buffer, src=self.source, group=self.group)
+        return int(self.buffer[0])
 
 
 def _free_gb() -> float:

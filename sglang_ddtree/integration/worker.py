@@ -48,7 +48,7 @@ from sglang_ddtree.integration.draft_head import DraftTreeHead, VocabShard
 from sglang_ddtree.integration.penalties import PenaltyTable
 from sglang_ddtree.integration.round_dump import RoundDump
 from sglang_ddtree.integration.verify_input import make_verify_input
-from sglang_ddtree.integration.widths import RoundReadings, VerifyWidths
+from sglang_ddtree.integration.widths import RankWidths, RoundReadings, VerifyWidths
 from sglang_ddtree.tree.budget import WidthPolicy, automatic_widths
 
 logger = logging.getLogger(__name__)
@@ -134,6 +134,8 @@ class DDTreeWorker(DFlashWorkerV2):
         self._round_dump = RoundDump.from_options(options()) if self.ps.tp_rank == 0 else None
         self._widths: VerifyWidths | None = None  # SGLANG_DDTREE_WIDTH=auto (init_cuda_graphs)
         self._readings: RoundReadings | None = None
+        self._tp_size = int(server_args.tp_size)
+        self._rank_widths: RankWidths | None = None  # auto at tp > 1: rank 0's choice, shared
         self._graphs_on = False  # the target's decode CUDA graphs (init_cuda_graphs)
         self._eager_warned: set[int] = set()
         # SGLANG_DDTREE_PENALTIES=1: the count table, made in alloc_memory_pool (the scheduler
@@ -185,15 +187,21 @@ class DDTreeWorker(DFlashWorkerV2):
     def _init_widths(self, capture: bool) -> None:
         """SGLANG_DDTREE_WIDTH=auto: the target's verify graphs at every width and the policy
         (capture: whether decode CUDA graphs are on and memory was left for the draft's)."""
-        widths = self._automatic_widths()
+        configured = widths = self._automatic_widths()
         if widths:
             self._widths = VerifyWidths(self.target_worker.model_runner, widths, capture)
             widths = self._widths.widths  # what was captured
+            if self._tp_size > 1:  # every rank verifies the same widths, rank 0's choice
+                self._rank_widths = RankWidths(*compat.tp_cpu_group())
+                widths = self._rank_widths.agree(configured, widths)
+                self._widths.keep(widths)
         if len(widths) <= 1:
-            self._widths = None
+            self._widths = self._rank_widths = None
             if self.ps.tp_rank == 0:
                 logger.info("DDTREE verify width: fixed at %d", self.cfg.num_nodes)
             return
+        if self._rank_widths is not None and not self._rank_widths.is_source:
+            return  # rank 0's policy chooses for every rank
         policy = WidthPolicy(widths, buckets=self._widths.buckets)
         head = self._tree_head
         if head.readings is None:  # a buffer made now would never be written by the graphs
@@ -205,9 +213,19 @@ class DDTreeWorker(DFlashWorkerV2):
                         ", ".join(map(str, widths)), list(self._widths.buckets) or "eager")  # fmt: skip
 
     def _choose_width(self, bs: int) -> int:
-        """This round's verify width (host only: readings of earlier rounds, no waiting)."""
+        """This round's verify width (host only: readings of earlier rounds, no waiting; at
+        tp > 1 rank 0's, broadcast to the other ranks)."""
+        if self._rank_widths is not None:
+            local = self._policy_width(bs) if self._rank_widths.is_source else None
+            width = self._rank_widths.share(local)
+            self.speculative_num_draft_tokens = width  # /metrics: sglang:spec_num_draft_tokens
+            return width
         if self._readings is None:
             return self.cfg.num_nodes
+        return self._policy_width(bs)
+
+    def _policy_width(self, bs: int) -> int:
+        """The policy's width for this round, from the readings that have arrived."""
         self._readings.poll()
         policy = self._readings.policy
         width = policy.choose(bs)

@@ -4,6 +4,8 @@ switches (SGLANG_DDTREE_WIDTH / _WIDTHS). The server side runs in tests/gpu."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -291,11 +293,9 @@ def test_the_width_switches(monkeypatch, env, deterministic, width, widths):
     assert (opts.width, opts.widths) == (width, widths)
 
 
-def test_tensor_parallel_runs_one_width_and_refuses_the_automatic_one(monkeypatch):
-    """At --tp-size > 1 each rank would time its own rounds: the widths are fixed by default,
-    and SGLANG_DDTREE_WIDTH=auto is refused at start-up with the reason and the fix."""
-    from types import SimpleNamespace
-
+def test_tensor_parallel_runs_one_width_unless_asked_for_the_shared_automatic_one(monkeypatch):
+    """At --tp-size > 1 the widths are fixed by default (until a multi-GPU run has checked the
+    shared choice); SGLANG_DDTREE_WIDTH=auto is served there by rank 0's choice, broadcast."""
     from sglang_ddtree.integration import compat
 
     modes = compat.option_modes(SimpleNamespace(tp_size=2))
@@ -303,9 +303,91 @@ def test_tensor_parallel_runs_one_width_and_refuses_the_automatic_one(monkeypatc
     assert not compat.option_modes(SimpleNamespace())["tensor_parallel"]  # tp 1 when unset
     assert Options.from_env(**modes).width == "fixed"
     monkeypatch.setenv("SGLANG_DDTREE_WIDTH", "auto")
-    with pytest.raises(ValueError, match=r"auto cannot run at --tp-size > 1.*WIDTH=fixed"):
-        Options.from_env(**modes)
-    assert Options.from_env().width == "auto"  # one GPU: as asked
+    assert Options.from_env(**modes).width == "auto"
+    monkeypatch.delenv("SGLANG_DDTREE_WIDTH")
+    assert Options.from_env().width == "auto"  # one GPU: the default
+
+
+def _rank_widths_process(rank: int, port: int, out: str) -> None:
+    """One of two TP ranks on the CPU (gloo): RankWidths over the default group, as a worker
+    would run it over SGLang's TP CPU group; its results to out.RANK."""
+    import json
+
+    import torch.distributed as dist
+
+    from sglang_ddtree.integration.widths import RankWidths
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)  # fmt: skip
+    try:
+        ranks = RankWidths(None, 0, rank == 0)
+        # rank 1 dropped 32 for memory; rank 0 captured all
+        kept = ranks.agree((16, 32, 64), (16, 32, 64) if rank == 0 else (16, 64))
+        chosen = [64, 16, 16, 64, 16]  # rank 0's policy, round by round
+        got = [ranks.share(w if rank == 0 else None) for w in chosen]
+        with open(f"{out}.{rank}", "w") as f:
+            json.dump({"kept": kept, "got": got}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_rank_runs_rank_0s_width_among_the_widths_all_captured(tmp_path):
+    """RankWidths in two real processes over gloo: both keep the widths every rank captured
+    (rank 1 dropped 32), and in every round both verify the width rank 0's policy chose."""
+    import json
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "ranks")
+    mp.start_processes(_rank_widths_process, args=(port, out), nprocs=2, start_method="spawn")
+    results = [json.loads(open(f"{out}.{r}").read()) for r in (0, 1)]
+    assert [r["kept"] for r in results] == [[16, 64], [16, 64]]
+    assert [r["got"] for r in results] == [[64, 16, 16, 64, 16]] * 2
+
+
+def test_the_worker_at_tensor_parallel_takes_rank_0s_width(monkeypatch):
+    """A TP worker with auto widths: rank 0 runs the policy and shares its choice; another rank
+    builds no policy and verifies what it is sent."""
+    from sglang_ddtree import config
+    from sglang_ddtree.integration import compat
+
+    shared = []
+
+    class Sent:
+        def __init__(self, group, source, is_source):
+            self.is_source = is_source
+
+        def agree(self, configured, captured):
+            return (16, 32)
+
+        def share(self, width):
+            if self.is_source:
+                shared.append(width)
+                return width
+            return 16
+
+    for is_source in (True, False):
+        worker_mod, w = _worker()
+        w._tp_size = 2
+        monkeypatch.setattr(worker_mod, "options", lambda: config.Options.from_env())
+        monkeypatch.setattr(worker_mod, "RoundReadings",
+                            lambda policy, buffer, widths: RoundReadingsOnCpu(policy, buffer, widths))  # fmt: skip
+        monkeypatch.setattr(worker_mod, "RankWidths", Sent)
+        monkeypatch.setattr(
+            compat, "tp_cpu_group", lambda is_source=is_source: (None, 0, is_source)
+        )
+        w._ask_for_readings()
+        w._init_widths(capture=False)
+        assert w._widths.widths == (16, 32)
+        width = w._choose_width(3)
+        if is_source:
+            assert w._readings is not None and shared == [32] and width == 32  # calibrates 32 first
+        else:
+            assert w._readings is None and width == 16 and w.speculative_num_draft_tokens == 16
 
 
 @pytest.mark.parametrize(
@@ -371,8 +453,6 @@ def test_one_stalled_round_does_not_move_the_cost_a_width_is_chosen_by():
 
 def _worker(N: int = 32, B: int = 16):
     """A DDTreeWorker with only what _init_widths reads (no model, no GPU)."""
-    from types import SimpleNamespace
-
     worker_mod = pytest.importorskip("sglang_ddtree.integration.worker")
     from sglang_ddtree.config import DDTreeConfig
 
@@ -383,7 +463,8 @@ def _worker(N: int = 32, B: int = 16):
     w._target_worker = SimpleNamespace(model_runner=SimpleNamespace(
         attn_backend="backend N", decode_cuda_graph_runner=None))  # fmt: skip
     w.device = "cpu"
-    w._widths = w._readings = None
+    w._widths = w._readings = w._rank_widths = None
+    w._tp_size = 1
     return worker_mod, w
 
 
@@ -446,8 +527,6 @@ def test_each_bucket_gets_its_own_refreshes():
 
 
 def test_a_width_that_does_not_fit_is_dropped_and_any_other_failure_stops_startup(monkeypatch):
-    from types import SimpleNamespace
-
     from sglang_ddtree.integration import compat, widths
 
     runner = SimpleNamespace(attn_backend="backend N", decode_cuda_graph_runner="runner N")
@@ -504,8 +583,6 @@ def test_a_verify_without_cuda_graphs_is_warned_once_per_width_and_counted(monke
 def test_the_draft_graphs_are_captured_after_the_readings_are_asked_for(monkeypatch):
     """init_cuda_graphs: the draft head's width readings exist when the draft graphs are
     captured (the graphs then write them every round), and the policy reads that buffer."""
-    from types import SimpleNamespace
-
     from sglang_ddtree import config
 
     worker_mod, w = _worker()
@@ -521,3 +598,17 @@ def test_the_draft_graphs_are_captured_after_the_readings_are_asked_for(monkeypa
     w.init_cuda_graphs()
     assert at_capture and at_capture[0] is not None
     assert w._readings.buffer is at_capture[0]
+
+
+def test_the_tp_cpu_group_is_sglangs(monkeypatch):
+    """compat.tp_cpu_group reads SGLang's TP GroupCoordinator: its gloo group, the global rank
+    of its first rank (the source of every shared width) and whether this process is it."""
+    parallel_state = pytest.importorskip("sglang.srt.distributed.parallel_state")
+    from sglang_ddtree.integration import compat
+
+    coordinator = parallel_state.GroupCoordinator
+    assert isinstance(coordinator.first_rank, property)
+    assert isinstance(coordinator.is_first_rank, property)
+    group = SimpleNamespace(cpu_group="gloo group", first_rank=4, is_first_rank=False)
+    monkeypatch.setattr("sglang.srt.distributed.get_tp_group", lambda: group)
+    assert compat.tp_cpu_group() == ("gloo group", 4, False)
