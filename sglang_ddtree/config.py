@@ -162,7 +162,8 @@ class Options:
                                               ms at the running batch (integration/widths.py);
                                               fixed: always --speculative-num-draft-tokens;
                                               fixed under --enable-deterministic-inference
-                                              and at --tp-size > 1 (auto refused there)
+                                              and, unless asked for auto, at --tp-size > 1
+                                              (there rank 0 chooses for every rank)
     widths        SGLANG_DDTREE_WIDTHS        comma-separated verify widths for auto, each in
                                               [B, N]; None: B, 2B, 4B ... below N, and N
     logprobs      SGLANG_DDTREE_LOGPROBS      1 | 0: 1 serves logprobs (SGLang's spec-v2

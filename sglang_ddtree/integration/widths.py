@@ -39,7 +39,12 @@ class VerifyWidths:
     whose graphs cannot be captured (too little memory left, a capture that fails) is dropped
     with a warning: the server serves the others (`widths` is what is left)."""
 
-    def __init__(self, model_runner, widths: tuple[int, ...], capture: bool = True) -> None:
+    def __init__(self, model_runner, widths: tuple[int, ...], capture: bool = True,
+                 free_gb=None) -> None:  # fmt: skip
+        """free_gb: the GB free that decides whether a width is captured (default this GPU's;
+        at tp > 1 the smallest of every rank's, RankWidths.smallest, so that all ranks capture
+        the same widths: a capture runs the target's forward and its collectives)."""
+        free_gb = free_gb or _free_gb
         self.model_runner = model_runner
         N = widths[-1]
         self.states = {N: compat.target_verify_state(model_runner)}
@@ -48,7 +53,7 @@ class VerifyWidths:
             if not graphs:  # no CUDA graphs: the one backend verifies every width
                 self.states[width] = self.states[N]
                 continue
-            tic, free = time.perf_counter(), _free_gb()
+            tic, free = time.perf_counter(), free_gb()
             if free < MIN_FREE_GB:
                 logger.warning("DDTREE: width %d dropped: %.1f GB free for its verify graphs "
                                "(needs %.1f)", width, free, MIN_FREE_GB)  # fmt: skip
@@ -71,8 +76,11 @@ class VerifyWidths:
         self.buckets = compat.graph_batch_sizes(self.states[N][1])
 
     def keep(self, widths: tuple[int, ...]) -> None:
-        """Serve only `widths` (RankWidths.agree's: what every TP rank captured); N stays."""
+        """Serve only `widths` (RankWidths.agree's: what every TP rank captured); N stays, and
+        the others' graphs are let go."""
         self.widths = tuple(w for w in self.widths if w in widths or w == self.widths[-1])
+        for width in [w for w in self.states if w not in self.widths]:
+            del self.states[width]
 
     @contextlib.contextmanager
     def use(self, width: int):
@@ -90,9 +98,12 @@ class VerifyWidths:
 class RankWidths:
     """At --tp-size > 1, one verify width for every TP rank: rank 0's policy chooses and `share`
     broadcasts the choice on the TP group's CPU (gloo) group each round, before any rank
-    launches its verify; at start-up `agree` keeps the widths every rank captured (a rank that
-    dropped one for memory has no graphs for it). A host collective of one number, no device
-    sync: SGLang's scheduler broadcasts each round's new requests on the same group."""
+    launches its verify. At start-up the ranks decide each width's capture from the smallest
+    free memory of them all (`smallest`), and `agree` keeps the widths every rank captured. A
+    capture that fails on one rank alone (anything but the memory check) still stops the
+    others in its collectives, as SGLang's own captures would. Per round a host collective of
+    one number, no device sync: SGLang's scheduler broadcasts each round's new requests on the
+    same group."""
 
     def __init__(self, group, source: int, is_source: bool, dist=None) -> None:
         self.group, self.source, self.is_source = group, source, is_source
@@ -104,6 +115,16 @@ class RankWidths:
         have = torch.tensor([int(w in captured) for w in configured], dtype=torch.int32)
         self.dist.all_reduce(have, op=self.dist.ReduceOp.MIN, group=self.group)
         return tuple(w for w, kept in zip(configured, have.tolist(), strict=True) if kept)
+
+    def smallest(self, value: float) -> float:
+        """The smallest of every rank's `value` (e.g. the GB each has free)."""
+        least = torch.tensor([value], dtype=torch.float64)
+        self.dist.all_reduce(least, op=self.dist.ReduceOp.MIN, group=self.group)
+        return float(least[0])
+
+    def free_gb(self) -> float:
+        """The least GPU memory free on any rank, GB (VerifyWidths' capture check)."""
+        return self.smallest(_free_gb())
 
     def share(self, width: int | None) -> int:
         """Rank 0's `width` on every rank (the others pass None)."""

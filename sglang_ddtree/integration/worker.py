@@ -160,7 +160,11 @@ class DDTreeWorker(DFlashWorkerV2):
 
     def init_cuda_graphs(self):
         capture = get_exec().graph.cuda_graph_config.decode.backend != Backend.DISABLED
-        if capture and get_available_gpu_memory(self.device, self.gpu_id) < 1.0:
+        # at tp > 1 the smallest free memory of all ranks: every rank captures, or none does
+        tp = {}
+        if self._tp_size > 1:
+            tp = {"distributed": True, "cpu_group": compat.tp_cpu_group()[0]}
+        if capture and get_available_gpu_memory(self.device, self.gpu_id, **tp) < 1.0:
             capture = False
             logger.warning("DDTREE: draft CUDA graphs disabled (less than 1 GB free).")
         self._ask_for_readings()  # before the capture: the draft graphs compute them
@@ -189,10 +193,14 @@ class DDTreeWorker(DFlashWorkerV2):
         (capture: whether decode CUDA graphs are on and memory was left for the draft's)."""
         configured = widths = self._automatic_widths()
         if widths:
-            self._widths = VerifyWidths(self.target_worker.model_runner, widths, capture)
-            widths = self._widths.widths  # what was captured
-            if self._tp_size > 1:  # every rank verifies the same widths, rank 0's choice
+            free_gb = None
+            if self._tp_size > 1:  # every rank captures and verifies the same widths
                 self._rank_widths = RankWidths(*compat.tp_cpu_group())
+                free_gb = self._rank_widths.free_gb
+            self._widths = VerifyWidths(self.target_worker.model_runner, widths, capture,
+                                        free_gb=free_gb)  # fmt: skip
+            widths = self._widths.widths  # what was captured
+            if self._rank_widths is not None:
                 widths = self._rank_widths.agree(configured, widths)
                 self._widths.keep(widths)
         if len(widths) <= 1:

@@ -321,21 +321,25 @@ def _rank_widths_process(rank: int, port: int, out: str) -> None:
                             world_size=2)  # fmt: skip
     try:
         ranks = RankWidths(None, 0, rank == 0)
-        # rank 1 dropped 32 for memory; rank 0 captured all
+        least = ranks.smallest(5.0 if rank == 0 else 1.5)  # GB free: the capture check's
+        # rank 1 captured no 32 (a capture that failed there); rank 0 captured all
         kept = ranks.agree((16, 32, 64), (16, 32, 64) if rank == 0 else (16, 64))
         chosen = [64, 16, 16, 64, 16]  # rank 0's policy, round by round
         got = [ranks.share(w if rank == 0 else None) for w in chosen]
         with open(f"{out}.{rank}", "w") as f:
-            json.dump({"kept": kept, "got": got}, f)
+            json.dump({"least": least, "kept": kept, "got": got}, f)
     finally:
         dist.destroy_process_group()
 
 
 def test_every_rank_runs_rank_0s_width_among_the_widths_all_captured(tmp_path):
-    """RankWidths in two real processes over gloo: both keep the widths every rank captured
-    (rank 1 dropped 32), and in every round both verify the width rank 0's policy chose."""
+    """RankWidths in two real processes over gloo: both read the smallest free memory (what
+    decides each width's capture on every rank alike), keep the widths every rank captured
+    (rank 1 lacks 32), and in every round verify the width rank 0's policy chose. A collective
+    one rank skips would hang them: the test fails after 120 s instead of waiting."""
     import json
     import socket
+    import time
 
     import torch.multiprocessing as mp
 
@@ -343,26 +347,43 @@ def test_every_rank_runs_rank_0s_width_among_the_widths_all_captured(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = str(tmp_path / "ranks")
-    mp.start_processes(_rank_widths_process, args=(port, out), nprocs=2, start_method="spawn")
+    ranks = mp.start_processes(_rank_widths_process, args=(port, out), nprocs=2, join=False,
+                               start_method="spawn")  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not ranks.join(timeout=2):
+        if time.monotonic() > deadline:
+            for proc in ranks.processes:
+                proc.kill()
+            pytest.fail("the two ranks did not finish in 120 s (a collective left unmatched)")
     results = [json.loads(open(f"{out}.{r}").read()) for r in (0, 1)]
+    assert [r["least"] for r in results] == [1.5, 1.5]
     assert [r["kept"] for r in results] == [[16, 64], [16, 64]]
     assert [r["got"] for r in results] == [[64, 16, 16, 64, 16]] * 2
 
 
-def test_the_worker_at_tensor_parallel_takes_rank_0s_width(monkeypatch):
-    """A TP worker with auto widths: rank 0 runs the policy and shares its choice; another rank
-    builds no policy and verifies what it is sent."""
+@pytest.mark.parametrize("kept", [(16, 64), (64,)])
+def test_the_worker_at_tensor_parallel_takes_rank_0s_width(monkeypatch, kept):
+    """A TP worker with auto widths serves what every rank captured (RankWidths.agree: here
+    rank 0 lacks 32, or every width but N is missing somewhere, which leaves N fixed, with no
+    policy and nothing shared); rank 0 runs the policy and shares its choice, another rank
+    builds no policy and verifies what it is sent. Its captures are decided by the ranks'
+    smallest free memory."""
     from sglang_ddtree import config
-    from sglang_ddtree.integration import compat
+    from sglang_ddtree.integration import compat, widths
 
-    shared = []
+    shared, asked = [], []
 
     class Sent:
         def __init__(self, group, source, is_source):
             self.is_source = is_source
 
+        def free_gb(self):
+            asked.append("free")
+            return 100.0
+
         def agree(self, configured, captured):
-            return (16, 32)
+            assert configured == captured == (16, 32, 64)  # without graphs: all of them
+            return kept
 
         def share(self, width):
             if self.is_source:
@@ -370,24 +391,36 @@ def test_the_worker_at_tensor_parallel_takes_rank_0s_width(monkeypatch):
                 return width
             return 16
 
+    built = []
+
+    def verify_widths(model_runner, ws, capture, free_gb=None):
+        built.append(free_gb)
+        return widths.VerifyWidths(model_runner, ws, capture)
+
     for is_source in (True, False):
-        worker_mod, w = _worker()
+        shared.clear()
+        worker_mod, w = _worker(N=64)
         w._tp_size = 2
         monkeypatch.setattr(worker_mod, "options", lambda: config.Options.from_env())
         monkeypatch.setattr(worker_mod, "RoundReadings",
                             lambda policy, buffer, widths: RoundReadingsOnCpu(policy, buffer, widths))  # fmt: skip
         monkeypatch.setattr(worker_mod, "RankWidths", Sent)
-        monkeypatch.setattr(
-            compat, "tp_cpu_group", lambda is_source=is_source: (None, 0, is_source)
-        )
+        monkeypatch.setattr(worker_mod, "VerifyWidths", verify_widths)
+        monkeypatch.setattr(compat, "tp_cpu_group", lambda s=is_source: (None, 0, s))
         w._ask_for_readings()
         w._init_widths(capture=False)
-        assert w._widths.widths == (16, 32)
+        assert built[-1].__func__ is Sent.free_gb  # the ranks' smallest free memory decides
         width = w._choose_width(3)
-        if is_source:
-            assert w._readings is not None and shared == [32] and width == 32  # calibrates 32 first
+        if kept == (64,):  # one width left: fixed at N on every rank, no collective a round
+            assert w._widths is None and w._rank_widths is None and w._readings is None
+            assert width == 64 and shared == []
+        elif is_source:
+            assert w._widths.widths == (16, 64) and set(w._widths.states) == {16, 64}
+            assert w._readings.policy.widths == (16, 64)
+            assert shared == [64] and width == 64  # the policy calibrates the widest first
         else:
-            assert w._readings is None and width == 16 and w.speculative_num_draft_tokens == 16
+            assert w._widths.widths == (16, 64) and w._readings is None
+            assert width == 16 and w.speculative_num_draft_tokens == 16
 
 
 @pytest.mark.parametrize(
@@ -543,6 +576,9 @@ def test_a_width_that_does_not_fit_is_dropped_and_any_other_failure_stops_startu
     kept = widths.VerifyWidths(runner, (16, 32, 64))
     assert built == [32, 16] and kept.widths == (16, 64)  # the widest first; 32 dropped
     assert kept.states[16] == ("backend 16", "runner 16") and kept.buckets == (1, 2, 4)
+    built.clear()  # the free memory given decides (at tp > 1 the smallest of every rank's)
+    assert widths.VerifyWidths(runner, (16, 32, 64), free_gb=lambda: 1.0).widths == (64,)
+    assert built == []
 
     def broken(model_runner, width):
         raise RuntimeError("an illegal memory access was encountered")
@@ -604,11 +640,14 @@ def test_the_tp_cpu_group_is_sglangs(monkeypatch):
     """compat.tp_cpu_group reads SGLang's TP GroupCoordinator: its gloo group, the global rank
     of its first rank (the source of every shared width) and whether this process is it."""
     parallel_state = pytest.importorskip("sglang.srt.distributed.parallel_state")
+    import inspect
+
     from sglang_ddtree.integration import compat
 
     coordinator = parallel_state.GroupCoordinator
     assert isinstance(coordinator.first_rank, property)
     assert isinstance(coordinator.is_first_rank, property)
+    assert "self.cpu_group = cpu_group" in inspect.getsource(coordinator.__init__)
     group = SimpleNamespace(cpu_group="gloo group", first_rank=4, is_first_rank=False)
     monkeypatch.setattr("sglang.srt.distributed.get_tp_group", lambda: group)
     assert compat.tp_cpu_group() == ("gloo group", 4, False)
