@@ -91,6 +91,16 @@ def tp_cpu_group():
     return group.cpu_group, group.first_rank, group.is_first_rank
 
 
+def least_free_gb(device, gpu_id: int) -> float:
+    """The least GPU memory free on any TP rank, GB: SGLang's own read with its MIN all-reduce
+    on the TP group's CPU group (what a start-up choice every rank must make alike reads)."""
+    from sglang.srt.distributed import get_tp_group
+    from sglang.srt.utils import get_available_gpu_memory
+
+    return get_available_gpu_memory(device, gpu_id, distributed=True,
+                                    cpu_group=get_tp_group().cpu_group)  # fmt: skip
+
+
 def profiler_running() -> bool:
     """Whether a torch profiler is recording (SGLang's /start_profile starts one): torch's own
     flag, which its profilers set on start and clear on stop."""

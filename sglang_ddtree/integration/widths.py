@@ -42,7 +42,7 @@ class VerifyWidths:
     def __init__(self, model_runner, widths: tuple[int, ...], capture: bool = True,
                  free_gb=None) -> None:  # fmt: skip
         """free_gb: the GB free that decides whether a width is captured (default this GPU's;
-        at tp > 1 the smallest of every rank's, RankWidths.smallest, so that all ranks capture
+        at tp > 1 the least of every rank's, compat.least_free_gb, so that all ranks capture
         the same widths: a capture runs the target's forward and its collectives)."""
         free_gb = free_gb or _free_gb
         self.model_runner = model_runner
@@ -98,8 +98,9 @@ class VerifyWidths:
 class RankWidths:
     """At --tp-size > 1, one verify width for every TP rank: rank 0's policy chooses and `share`
     broadcasts the choice on the TP group's CPU (gloo) group each round, before any rank
-    launches its verify. At start-up the ranks decide each width's capture from the smallest
-    free memory of them all (`smallest`), and `agree` keeps the widths every rank captured. A
+    launches its verify. At start-up the ranks decide each width's capture from the least
+    free memory of them all (compat.least_free_gb), and `agree` keeps the widths every rank
+    captured. A
     capture that fails on one rank alone (anything but the memory check) still stops the
     others in its collectives, as SGLang's own captures would. Per round a host collective of
     one number, no device sync: SGLang's scheduler broadcasts each round's new requests on the
@@ -115,16 +116,6 @@ class RankWidths:
         have = torch.tensor([int(w in captured) for w in configured], dtype=torch.int32)
         self.dist.all_reduce(have, op=self.dist.ReduceOp.MIN, group=self.group)
         return tuple(w for w, kept in zip(configured, have.tolist(), strict=True) if kept)
-
-    def smallest(self, value: float) -> float:
-        """The smallest of every rank's `value` (e.g. the GB each has free)."""
-        least = torch.tensor([value], dtype=torch.float64)
-        self.dist.all_reduce(least, op=self.dist.ReduceOp.MIN, group=self.group)
-        return float(least[0])
-
-    def free_gb(self) -> float:
-        """The least GPU memory free on any rank, GB (VerifyWidths' capture check)."""
-        return self.smallest(_free_gb())
 
     def share(self, width: int | None) -> int:
         """Rank 0's `width` on every rank (the others pass None)."""

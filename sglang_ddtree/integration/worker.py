@@ -129,12 +129,12 @@ class DDTreeWorker(DFlashWorkerV2):
         self._draft_block_spec_info = make_draft_block_spec_info(
             draft_token_num=self.cfg.block_size, device=self.device
         )
+        self._tp_size = int(server_args.tp_size)
         self._tree_head = self._build_tree_head(server_args)
         # SGLANG_DDTREE_DUMP_ROUNDS: sampled rounds as JSON lines (off: None, and no cost)
         self._round_dump = RoundDump.from_options(options()) if self.ps.tp_rank == 0 else None
         self._widths: VerifyWidths | None = None  # SGLANG_DDTREE_WIDTH=auto (init_cuda_graphs)
         self._readings: RoundReadings | None = None
-        self._tp_size = int(server_args.tp_size)
         self._rank_widths: RankWidths | None = None  # auto at tp > 1: rank 0's choice, shared
         self._graphs_on = False  # the target's decode CUDA graphs (init_cuda_graphs)
         self._eager_warned: set[int] = set()
@@ -155,16 +155,12 @@ class DDTreeWorker(DFlashWorkerV2):
         graph_bs = get_exec().graph.cuda_graph_config.decode.bs or [1]
         max_bs = max(max(graph_bs), int(server_args.max_running_requests or 1))
         lm_head = self.target_worker.model_runner.model.lm_head
-        gather = compat.tp_gather() if int(server_args.tp_size) > 1 else None
+        gather = compat.tp_gather() if self._tp_size > 1 else None
         return tree_head(lm_head, self.cfg, max_bs, gather)
 
     def init_cuda_graphs(self):
         capture = get_exec().graph.cuda_graph_config.decode.backend != Backend.DISABLED
-        # at tp > 1 the smallest free memory of all ranks: every rank captures, or none does
-        tp = {}
-        if self._tp_size > 1:
-            tp = {"distributed": True, "cpu_group": compat.tp_cpu_group()[0]}
-        if capture and get_available_gpu_memory(self.device, self.gpu_id, **tp) < 1.0:
+        if capture and self._free_gb() < 1.0:
             capture = False
             logger.warning("DDTREE: draft CUDA graphs disabled (less than 1 GB free).")
         self._ask_for_readings()  # before the capture: the draft graphs compute them
@@ -176,6 +172,13 @@ class DDTreeWorker(DFlashWorkerV2):
         compat.init_draft_cuda_graphs(self, capture)
         self._init_widths(capture)
         self._graphs_on = compat.target_verify_state(self.target_worker.model_runner)[1] is not None
+
+    def _free_gb(self) -> float:
+        """GPU memory free for a start-up capture, GB: at tp > 1 the least of every rank's, so
+        that every rank captures the same graphs (a capture runs the target's collectives)."""
+        if self._tp_size > 1:
+            return compat.least_free_gb(self.device, self.gpu_id)
+        return get_available_gpu_memory(self.device, self.gpu_id)
 
     def _ask_for_readings(self) -> None:
         """SGLANG_DDTREE_WIDTH=auto with several widths: the draft head computes the policy's
@@ -193,10 +196,10 @@ class DDTreeWorker(DFlashWorkerV2):
         (capture: whether decode CUDA graphs are on and memory was left for the draft's)."""
         configured = widths = self._automatic_widths()
         if widths:
-            free_gb = None
+            free_gb = None  # VerifyWidths reads this GPU's
             if self._tp_size > 1:  # every rank captures and verifies the same widths
                 self._rank_widths = RankWidths(*compat.tp_cpu_group())
-                free_gb = self._rank_widths.free_gb
+                free_gb = self._free_gb
             self._widths = VerifyWidths(self.target_worker.model_runner, widths, capture,
                                         free_gb=free_gb)  # fmt: skip
             widths = self._widths.widths  # what was captured

@@ -321,20 +321,18 @@ def _rank_widths_process(rank: int, port: int, out: str) -> None:
                             world_size=2)  # fmt: skip
     try:
         ranks = RankWidths(None, 0, rank == 0)
-        least = ranks.smallest(5.0 if rank == 0 else 1.5)  # GB free: the capture check's
         # rank 1 captured no 32 (a capture that failed there); rank 0 captured all
         kept = ranks.agree((16, 32, 64), (16, 32, 64) if rank == 0 else (16, 64))
         chosen = [64, 16, 16, 64, 16]  # rank 0's policy, round by round
         got = [ranks.share(w if rank == 0 else None) for w in chosen]
         with open(f"{out}.{rank}", "w") as f:
-            json.dump({"least": least, "kept": kept, "got": got}, f)
+            json.dump({"kept": kept, "got": got}, f)
     finally:
         dist.destroy_process_group()
 
 
 def test_every_rank_runs_rank_0s_width_among_the_widths_all_captured(tmp_path):
-    """RankWidths in two real processes over gloo: both read the smallest free memory (what
-    decides each width's capture on every rank alike), keep the widths every rank captured
+    """RankWidths in two real processes over gloo: both keep the widths every rank captured
     (rank 1 lacks 32), and in every round verify the width rank 0's policy chose. A collective
     one rank skips would hang them: the test fails after 120 s instead of waiting."""
     import json
@@ -356,7 +354,6 @@ def test_every_rank_runs_rank_0s_width_among_the_widths_all_captured(tmp_path):
                 proc.kill()
             pytest.fail("the two ranks did not finish in 120 s (a collective left unmatched)")
     results = [json.loads(open(f"{out}.{r}").read()) for r in (0, 1)]
-    assert [r["least"] for r in results] == [1.5, 1.5]
     assert [r["kept"] for r in results] == [[16, 64], [16, 64]]
     assert [r["got"] for r in results] == [[64, 16, 16, 64, 16]] * 2
 
@@ -366,8 +363,8 @@ def test_the_worker_at_tensor_parallel_takes_rank_0s_width(monkeypatch, kept):
     """A TP worker with auto widths serves what every rank captured (RankWidths.agree: here
     rank 0 lacks 32, or every width but N is missing somewhere, which leaves N fixed, with no
     policy and nothing shared); rank 0 runs the policy and shares its choice, another rank
-    builds no policy and verifies what it is sent. Its captures are decided by the ranks'
-    smallest free memory."""
+    builds no policy and verifies what it is sent. Its captures are decided by the least free
+    memory of all ranks (compat.least_free_gb)."""
     from sglang_ddtree import config
     from sglang_ddtree.integration import compat, widths
 
@@ -376,10 +373,6 @@ def test_the_worker_at_tensor_parallel_takes_rank_0s_width(monkeypatch, kept):
     class Sent:
         def __init__(self, group, source, is_source):
             self.is_source = is_source
-
-        def free_gb(self):
-            asked.append("free")
-            return 100.0
 
         def agree(self, configured, captured):
             assert configured == captured == (16, 32, 64)  # without graphs: all of them
@@ -407,9 +400,11 @@ def test_the_worker_at_tensor_parallel_takes_rank_0s_width(monkeypatch, kept):
         monkeypatch.setattr(worker_mod, "RankWidths", Sent)
         monkeypatch.setattr(worker_mod, "VerifyWidths", verify_widths)
         monkeypatch.setattr(compat, "tp_cpu_group", lambda s=is_source: (None, 0, s))
+        monkeypatch.setattr(compat, "least_free_gb", lambda *a: asked.append(a) or 100.0)
+        w.gpu_id = 3
         w._ask_for_readings()
         w._init_widths(capture=False)
-        assert built[-1].__func__ is Sent.free_gb  # the ranks' smallest free memory decides
+        assert built[-1]() == 100.0 and asked[-1] == ("cpu", 3)  # every rank's least free GB
         width = w._choose_width(3)
         if kept == (64,):  # one width left: fixed at N on every rank, no collective a round
             assert w._widths is None and w._rank_widths is None and w._readings is None
@@ -634,6 +629,21 @@ def test_the_draft_graphs_are_captured_after_the_readings_are_asked_for(monkeypa
     w.init_cuda_graphs()
     assert at_capture and at_capture[0] is not None
     assert w._readings.buffer is at_capture[0]
+
+
+def test_the_least_free_memory_is_sglangs_read_over_the_tp_cpu_group(monkeypatch):
+    """compat.least_free_gb: SGLang's free-memory read with its MIN all-reduce over the TP
+    group's CPU group, the one every rank's start-up captures are decided by."""
+    pytest.importorskip("sglang.srt.distributed")
+    from sglang_ddtree.integration import compat
+
+    calls = []
+    monkeypatch.setattr("sglang.srt.utils.get_available_gpu_memory",
+                        lambda *a, **k: calls.append((a, k)) or 7.5)  # fmt: skip
+    monkeypatch.setattr("sglang.srt.distributed.get_tp_group",
+                        lambda: SimpleNamespace(cpu_group="gloo group"))  # fmt: skip
+    assert compat.least_free_gb("cuda", 1) == 7.5
+    assert calls == [(("cuda", 1), {"distributed": True, "cpu_group": "gloo group"})]
 
 
 def test_the_tp_cpu_group_is_sglangs(monkeypatch):
