@@ -19,9 +19,10 @@ Prompts: 400-character pieces of the standard-library packages the pair's traini
 (`training.corpus.heldout_prompts`: each file's opening, then its next pieces), each distinct,
 the same for every server (bench_serving shuffles them with its --seed). By default (where each
 set gets at least two CPUs; --no-pin-cpus turns it off) the machine's CPUs are split into one
-set per server and one for the load generator (`harness.cpu_sets`), so that an idle server's
-processes and the client do not share the measured server's cores; each such row says `"pinned":
-true`. --first-token N adds one-at-a-time requests of 1-3 new tokens (OUT/first_token.jsonl;
+set per server, all of one size, and one for the load generator with the rest
+(`harness.cpu_sets`), so that an idle server's processes and the client do not share the
+measured server's cores; each such row says `"pinned": true` and its server's CPU count,
+`"cpus"`. --first-token N adds one-at-a-time requests of 1-3 new tokens (OUT/first_token.jsonl;
 with --host-profile, host samples of the one-token requests too). --host-profile also writes
 host_profile.py's tables of every sampled run, the servers side by side
 (OUT/host/report_RUN.md). Output: OUT/bench_serving.jsonl (one row per run), OUT/table.md.
@@ -463,7 +464,7 @@ def main() -> int:
                                    "mean_tpot_ms", "median_ttft_ms", "mean_ttft_ms",
                                    "completed", "total_output_tokens", "duration")}}  # fmt: skip
                         if cpus:
-                            row["pinned"] = True
+                            row["pinned"], row["cpus"] = True, len(server.cpus)
                         rows.append(row)
                         print(json.dumps(row), flush=True)
                         with open(rows_path, "a") as f:

@@ -680,11 +680,16 @@ def test_the_host_sampler_sees_the_scheduler_loop_and_the_report_scales_it(tmp_p
 
 def test_servers_pinned_to_cpu_sets_run_on_them(tmp_path, monkeypatch):
     """harness.cpu_sets splits the CPUs into disjoint neighbouring runs (bench_serving
-    --pin-cpus: one per server and one for the load generator), and a Server given a set starts
-    its process on those CPUs only."""
+    --pin-cpus: one per server and one for the load generator), the servers' all of one size
+    (the load generator takes what is left over), and a Server given a set starts its process
+    on those CPUs only."""
     harness = _script("harness")
     assert harness.cpu_sets(list(range(16)), 3) == [(0, 1, 2, 3, 4), (5, 6, 7, 8, 9),
                                                     (10, 11, 12, 13, 14, 15)]  # fmt: skip
+    # five servers and the client on 16 CPUs: 2 each, the client 6 (not 2, 2, 3, 3, 3 and 3)
+    sets = harness.cpu_sets(list(range(16)), 6)
+    assert [len(s) for s in sets] == [2, 2, 2, 2, 2, 6]
+    assert sorted(c for s in sets for c in s) == list(range(16))
     assert harness.cpu_sets([3, 1, 2], 3) == [(1,), (2,), (3,)]
     with pytest.raises(ValueError, match="cannot split 2 CPUs into 3"):
         harness.cpu_sets([0, 1], 3)
