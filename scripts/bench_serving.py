@@ -8,7 +8,8 @@ at fixed N, DFLASH and plain decoding (issue 13's end-to-end target).
 
 All servers start up front (small memory slices; their own CUDA graphs) and are measured one at
 a time. Per temperature the runs alternate: run 1 of every (concurrency, server), then run 2,
-..., so that a drift of the shared machine spreads over all servers alike; the pair is
+..., so that a drift of the shared machine spreads over all servers alike (each run takes the
+servers in an order rotated by one); the pair is
 host-bound and one run varies by 15-30%. A run is --requests-per-client requests per client, at
 least 16, so that the batch's decode rounds, not the first wave's prefills or its tail, fill
 most of it (session 17's runs of two per client lasted under 2 s). Per (server, temperature,
@@ -19,8 +20,8 @@ Prompts: 400-character pieces of the standard-library packages the pair's traini
 (`training.corpus.heldout_prompts`: each file's opening, then its next pieces), each distinct,
 the same for every server (bench_serving shuffles them with its --seed). By default (where each
 set gets at least two CPUs; --no-pin-cpus turns it off) the machine's CPUs are split into one
-set per server, all of one size, and one for the load generator with the rest
-(`harness.cpu_sets`), so that an idle server's processes and the client do not share the
+set per server, all of one size, and one for the load generator, the lowest CPUs (CPU 0)
+and the rest (`harness.cpu_sets`), so that an idle server's processes and the client do not share the
 measured server's cores; each such row says `"pinned": true` and its server's CPU count,
 `"cpus"`. --first-token N adds one-at-a-time requests of 1-3 new tokens (OUT/first_token.jsonl;
 with --host-profile, host samples of the one-token requests too). --host-profile also writes
@@ -183,12 +184,23 @@ MIN_PINNED_CPUS = 2  # per set, for --pin-cpus's default
 
 
 def pinned_cpus(cpus: list[int], servers: int, pin: bool | None) -> list[tuple[int, ...]]:
-    """--pin-cpus: a CPU set per server and one for the load generator (harness.cpu_sets), or
-    none. Unset, on where every set gets MIN_PINNED_CPUS or more: session 21's pinned runs took
-    out a steady excess that servers and client sharing cores had put on one server's rounds."""
+    """--pin-cpus: a CPU set per server, all of one size, then the load generator's (the lowest
+    CPUs and any left over: harness.cpu_sets' first set), or none. Unset, on where every set
+    gets MIN_PINNED_CPUS or more: session 21's pinned runs took out a steady excess that servers
+    and client sharing cores had put on one server's rounds."""
     if pin is None:
         pin = len(cpus) >= MIN_PINNED_CPUS * (servers + 1)
-    return harness.cpu_sets(cpus, servers + 1) if pin else []
+    if not pin:
+        return []
+    client, *each = harness.cpu_sets(cpus, servers + 1)
+    return [*each, client]
+
+
+def run_order(servers: list, run: int) -> list:
+    """The servers in run `run`'s order (1-based): rotated by one a run, so that no server is
+    always measured first after the concurrency changes."""
+    k = (run - 1) % len(servers) if servers else 0
+    return servers[k:] + servers[:k]
 
 
 def table(summary: list[dict]) -> str:
@@ -453,7 +465,7 @@ def main() -> int:
         for t in (float(x) for x in args.temperatures.split(",")):
             for run in range(1, args.runs + 1):
                 for c in (int(x) for x in args.concurrency.split(",")):
-                    for server in servers:
+                    for server in run_order(servers, run):
                         raw = args.out / f"raw_{server.name}.jsonl"
                         n = prompts_for(c, args.requests_per_client)
                         res = run_bench(bench_args(server, dataset, args.target, n, c, t,

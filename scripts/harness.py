@@ -76,15 +76,19 @@ def free_port(start: int, step: int = 10, tries: int = 50) -> int:
 
 
 def cpu_sets(cpus: list[int], parts: int) -> list[tuple[int, ...]]:
-    """`cpus` split into `parts` disjoint runs of neighbouring CPUs: every set but the last of
-    one size, the last (bench_serving's load generator) with the rest. Servers compared side by
-    side get as many cores each: the shipped pair is host-bound, and session 24's five servers
-    on 16 CPUs, split as evenly as they went, ran two servers on 2 cores and three on 3."""
+    """`cpus` split into `parts` disjoint runs of neighbouring CPUs: the first with the
+    remainder, the others all of one size. bench_serving gives the first (the lowest CPUs, CPU 0
+    among them, where a Linux guest often takes its interrupts and housekeeping) to its load
+    generator and the others to the servers, so that servers compared side by side get as many
+    cores each and none of them CPU 0: the shipped pair is host-bound, and session 24's five
+    servers on 16 CPUs, split as evenly as they went, ran two servers on 2 cores (one of them
+    on CPU 0) and three on 3."""
     if not 1 <= parts <= len(cpus):
         raise ValueError(f"cannot split {len(cpus)} CPUs into {parts} sets")
     cpus, size = sorted(cpus), len(cpus) // parts
-    return [tuple(cpus[i * size : (i + 1) * size]) for i in range(parts - 1)] + [
-        tuple(cpus[(parts - 1) * size :])
+    first = len(cpus) - size * (parts - 1)
+    return [tuple(cpus[:first])] + [
+        tuple(cpus[first + i * size : first + (i + 1) * size]) for i in range(parts - 1)
     ]
 
 

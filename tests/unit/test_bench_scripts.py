@@ -551,9 +551,15 @@ def test_bench_serving_first_token_probe_alternates_servers_by_length(tmp_path, 
 
 
 def test_bench_serving_pins_cpus_by_default_where_each_set_gets_two():
+    """The servers' sets first, of one size and none with CPU 0; the load generator's last (the
+    lowest CPUs and the remainder); servers rotated run by run."""
     bench = _script("bench_serving")
-    assert bench.pinned_cpus(list(range(16)), 3, None) == [(0, 1, 2, 3), (4, 5, 6, 7),
-                                                          (8, 9, 10, 11), (12, 13, 14, 15)]  # fmt: skip
+    assert bench.pinned_cpus(list(range(16)), 3, None) == [(4, 5, 6, 7), (8, 9, 10, 11),
+                                                          (12, 13, 14, 15), (0, 1, 2, 3)]  # fmt: skip
+    five = bench.pinned_cpus(list(range(16)), 5, None)  # session 24's five servers
+    assert five == [(6, 7), (8, 9), (10, 11), (12, 13), (14, 15), (0, 1, 2, 3, 4, 5)]
+    assert [bench.run_order(list("abc"), run) for run in (1, 2, 3, 4)] == [
+        list("abc"), list("bca"), list("cab"), list("abc")]  # fmt: skip
     assert bench.pinned_cpus(list(range(7)), 3, None) == []  # under two CPUs a set: not pinned
     assert bench.pinned_cpus(list(range(16)), 3, False) == []
     assert len(bench.pinned_cpus(list(range(4)), 3, True)) == 4  # asked for: one CPU a set
@@ -684,11 +690,11 @@ def test_servers_pinned_to_cpu_sets_run_on_them(tmp_path, monkeypatch):
     (the load generator takes what is left over), and a Server given a set starts its process
     on those CPUs only."""
     harness = _script("harness")
-    assert harness.cpu_sets(list(range(16)), 3) == [(0, 1, 2, 3, 4), (5, 6, 7, 8, 9),
-                                                    (10, 11, 12, 13, 14, 15)]  # fmt: skip
-    # five servers and the client on 16 CPUs: 2 each, the client 6 (not 2, 2, 3, 3, 3 and 3)
+    assert harness.cpu_sets(list(range(16)), 3) == [(0, 1, 2, 3, 4, 5), (6, 7, 8, 9, 10),
+                                                    (11, 12, 13, 14, 15)]  # fmt: skip
+    # six sets of 16 CPUs: the first 6, the others 2 each (not 2, 2, 3, 3, 3 and 3)
     sets = harness.cpu_sets(list(range(16)), 6)
-    assert [len(s) for s in sets] == [2, 2, 2, 2, 2, 6]
+    assert [len(s) for s in sets] == [6, 2, 2, 2, 2, 2]
     assert sorted(c for s in sets for c in s) == list(range(16))
     assert harness.cpu_sets([3, 1, 2], 3) == [(1,), (2,), (3,)]
     with pytest.raises(ValueError, match="cannot split 2 CPUs into 3"):
