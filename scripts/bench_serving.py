@@ -21,9 +21,10 @@ Prompts: 400-character pieces of the standard-library packages the pair's traini
 the same for every server (bench_serving shuffles them with its --seed). By default (where each
 set gets at least two CPUs; --no-pin-cpus turns it off) the machine's CPUs are split into one
 set per server, all of one size, and one for the load generator, the lowest CPUs (CPU 0)
-and the rest (`harness.cpu_sets`), so that an idle server's processes and the client do not share the
-measured server's cores; each such row says `"pinned": true` and its server's CPU count,
-`"cpus"`. --first-token N adds one-at-a-time requests of 1-3 new tokens (OUT/first_token.jsonl;
+and the rest (`harness.cpu_sets`), so that an idle server's processes and the client do not
+share the measured server's cores; each such row says `"pinned": true` and its server's CPU
+count, `"cpus"` (OUT/interrupts_start.txt and interrupts_end.txt: /proc/interrupts around the
+runs). --first-token N adds one-at-a-time requests of 1-3 new tokens (OUT/first_token.jsonl;
 with --host-profile, host samples of the one-token requests too). --host-profile also writes
 host_profile.py's tables of every sampled run, the servers side by side
 (OUT/host/report_RUN.md). Output: OUT/bench_serving.jsonl (one row per run), OUT/table.md.
@@ -194,6 +195,14 @@ def pinned_cpus(cpus: list[int], servers: int, pin: bool | None) -> list[tuple[i
         return []
     client, *each = harness.cpu_sets(cpus, servers + 1)
     return [*each, client]
+
+
+def snapshot_interrupts(path: Path, source: Path = Path("/proc/interrupts")) -> None:
+    """A copy of the machine's interrupt counts per CPU (Linux; nothing where it cannot be
+    read), before and after the measured runs: which CPUs took the interrupts while they ran,
+    against the servers' CPU sets in the log."""
+    with contextlib.suppress(OSError):
+        path.write_text(source.read_text())
 
 
 def run_order(servers: list, run: int) -> list:
@@ -461,6 +470,7 @@ def main() -> int:
             print(f"{server.name}: healthy after {server.wait_healthy(900):.0f} s", flush=True)
         while args.hold_until is not None and not args.hold_until.exists():
             time.sleep(2)
+        snapshot_interrupts(args.out / "interrupts_start.txt")
         # every temperature's runs complete before the next one's begin
         for t in (float(x) for x in args.temperatures.split(",")):
             for run in range(1, args.runs + 1):
@@ -481,6 +491,7 @@ def main() -> int:
                         print(json.dumps(row), flush=True)
                         with open(rows_path, "a") as f:
                             f.write(json.dumps(row) + "\n")
+        snapshot_interrupts(args.out / "interrupts_end.txt")
         text = table(summarize(rows))  # before the profiles: the measured runs' table
         (args.out / "table.md").write_text(text + "\n")
         print(text, flush=True)
