@@ -9,13 +9,13 @@ at fixed N, DFLASH and plain decoding (issue 13's end-to-end target).
 All servers start up front (small memory slices; their own CUDA graphs) and are measured one at
 a time. Per temperature the runs alternate: run 1 of every (concurrency, server), then run 2,
 ..., so that a drift of the shared machine spreads over all servers alike (each run takes the
-servers in an order rotated by one); the pair is host-bound and one run varies by 15-30%. A
-run is --requests-per-client requests per client, at least 16, so that the batch's decode
-rounds, not the first wave's prefills or its tail, fill most of it (session 17's runs of two per
-client lasted under 2 s). Per (server, temperature,
-concurrency): the median output tokens/s of the runs and their spread (min, max), SGLang's
-accept length, and the median over DFLASH's median, with the geometric mean and the range of the
-run-by-run ratios over DFLASH (the runs alternate, so a run's servers are neighbours in time).
+servers in an order rotated by one); the pair is host-bound and one run varies by 15-30%. A run
+is --requests-per-client requests per client, at least 16, so that the batch's decode rounds,
+not the first wave's prefills or its tail, fill most of it (session 17's runs of two per client
+lasted under 2 s). Per (server, temperature, concurrency): the median output tokens/s of the
+runs and their spread (min, max), SGLang's accept length, and the median over DFLASH's median,
+with the geometric mean and the range of the run-by-run ratios over DFLASH (the runs alternate,
+so a run's servers are neighbours in time).
 Prompts: 400-character pieces of the standard-library packages the pair's training held out
 (`training.corpus.heldout_prompts`: each file's opening, then its next pieces), each distinct,
 the same for every server (bench_serving shuffles them with its --seed). By default (where each
