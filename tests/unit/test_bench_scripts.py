@@ -560,6 +560,9 @@ def test_bench_serving_pins_cpus_by_default_where_each_set_gets_two():
     assert five == [(6, 7), (8, 9), (10, 11), (12, 13), (14, 15), (0, 1, 2, 3, 4, 5)]
     assert [bench.run_order(list("abc"), run) for run in (1, 2, 3, 4)] == [
         list("abc"), list("bca"), list("cab"), list("abc")]  # fmt: skip
+    assert bench.pinned_cpus(list(range(7)), 3, None) == []  # under two CPUs a set: not pinned
+    assert bench.pinned_cpus(list(range(16)), 3, False) == []
+    assert len(bench.pinned_cpus(list(range(4)), 3, True)) == 4  # asked for: one CPU a set
 
 
 def test_bench_serving_copies_the_interrupt_counts_where_it_can(tmp_path):
@@ -570,9 +573,6 @@ def test_bench_serving_copies_the_interrupt_counts_where_it_can(tmp_path):
     assert (tmp_path / "start.txt").read_text() == source.read_text()
     bench.snapshot_interrupts(tmp_path / "none.txt", tmp_path / "missing")  # not Linux: nothing
     assert not (tmp_path / "none.txt").exists()
-    assert bench.pinned_cpus(list(range(7)), 3, None) == []  # under two CPUs a set: not pinned
-    assert bench.pinned_cpus(list(range(16)), 3, False) == []
-    assert len(bench.pinned_cpus(list(range(4)), 3, True)) == 4  # asked for: one CPU a set
 
 
 def harness_server():
