@@ -9,40 +9,6 @@ import triton.language as tl
 
 
 @triton.jit
-def _step_indices_kernel(accept_index, accept_lens, seq_lens, last_out, track_out, stride,
-                         N, interval, TRACK: tl.constexpr):  # fmt: skip
-    b = tl.program_id(0)
-    n = tl.load(accept_lens + b)
-    row = accept_index + b.to(tl.int64) * stride
-    offset = b * N
-    tl.store(last_out + b, tl.load(row + n - 1) - offset)
-    if TRACK:
-        pre = tl.load(seq_lens + b)
-        post = pre + n
-        crossing = pre // interval != post // interval
-        step = tl.maximum(post // interval * interval - pre - 1, 0)
-        node = tl.load(row + step) - offset
-        tl.store(track_out + b, tl.where(crossing, node, -1))
-
-
-def step_indices(accept_index: torch.Tensor, accept_lens: torch.Tensor, seq_lens: torch.Tensor,
-                 num_nodes: int, interval: int | None):  # fmt: skip
-    """SGLang's (last_correct_step_indices, mamba_steps_to_track): accept_index [bs, S] global
-    node ids (request b's from b x N, -1 past the path), accept_lens [bs] (the bonus token
-    included, >= 1), seq_lens [bs] the committed lengths before the round; interval None: no
-    tracking (the second is None)."""
-    bs = accept_lens.shape[0]
-    dtype = torch.promote_types(accept_index.dtype, accept_lens.dtype)
-    last = torch.empty(bs, dtype=dtype, device=accept_lens.device)
-    track = None if interval is None else torch.empty_like(last)
-    if bs > 0:
-        _step_indices_kernel[(bs,)](accept_index, accept_lens, seq_lens, last,
-                                    last if track is None else track, accept_index.stride(0),
-                                    num_nodes, interval or 1, TRACK=track is not None)  # fmt: skip
-    return last, track
-
-
-@triton.jit
 def _finalize_kernel(accept_index, accept_lens, out_cache_loc, predict, predict_out, kv_dst,
                      kv_src, rows, stride, S, N, BLOCK: tl.constexpr):  # fmt: skip
     b = tl.program_id(0)

@@ -1,29 +1,25 @@
 """Everything that depends on the exact SGLang release, in one place.
 
-Supported: sglang 0.5.17 (torch 2.11, FlashInfer 0.6.15.post1, sglang-kernel 0.4.5). To add a
+Supported: sglang 0.5.23 (torch 2.14.1, FlashInfer 0.7.2, sglang-kernel 0.4.10). To add a
 release, read the call sites listed here against its source, then extend SUPPORTED.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import importlib.metadata
 from typing import Any
 
-SUPPORTED = ("0.5.17",)
+SUPPORTED = ("0.5.23",)
 
 # Runtime hook targets (see hooks.py for why each exists).
 TARGET_GRAPH_SPEC_INFO = (
     "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.get_spec_info"
 )
 DUMMY_VERIFY_INPUT = "sglang.srt.speculative.spec_info.create_dummy_verify_input"
-DFLASH_REQUEST_VALIDATOR = "sglang.srt.speculative.dflash_utils.validate_dflash_request"
 TOKENIZER_REQUEST_VALIDATOR = (
     "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
-)
-# The OpenAI chat endpoint's per-token logprob entries (streamed and not): hooks.py.
-CHAT_LOGPROB_TOKENS = (
-    "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat._process_logprobs_tokens"
 )
 # The tokenizer manager, made in the HTTP server's process before uvicorn starts the app: then
 # json_bodies.py's middleware goes on the app (the HTTP server's module and the app's name in it).
@@ -45,16 +41,7 @@ EAGLE_SAMPLE = "sglang.srt.speculative.eagle_utils.eagle_sample"
 
 # The accepted path after a tree verify (integration/accept_path.py): the Mamba commit's steps,
 # and the path moved to the front of each request's block.
-VERIFY_COMMIT_STEPS = "sglang.srt.speculative.spec_utils._verify_commit_step_indices"
 FINALIZE_TREE_PATH = "sglang.srt.speculative.eagle_worker_common._finalize_accept_tree_path"
-MAMBA_TRACK_FOR_VERIFY = "sglang.srt.speculative.spec_utils.prepare_mamba_track_for_verify"
-
-
-def mamba_track_interval() -> int:
-    """The prefix cache's Mamba state tracking interval (tokens)."""
-    from sglang.srt.runtime_context import get_exec
-
-    return int(get_exec().mamba.mamba_track_interval)
 
 
 def lm_head_rows(lm_head) -> tuple[int, int]:
@@ -109,38 +96,15 @@ def profiler_running() -> bool:
     return bool(torch.autograd.profiler._is_profiler_enabled)
 
 
-def set_uniform_mamba_track_indices(batch) -> bool:
-    """spec_utils.prepare_mamba_track_for_verify for a batch whose requests all track into the
-    same ping-pong slot (every batch of one): each request's tracking buffer is that column of
-    the pool's mapping, one gather and no host-to-device copy (SGLang builds a pinned tensor of
-    the slots, copies it and gathers). False, with the batch untouched, where that does not
-    apply: no extra buffer (SGLang's returns at once), the lazy track plan, mixed slots."""
-    from sglang.srt.runtime_context import get_server_args  # as spec_utils reads them
-
-    args = get_server_args()
-    reqs = batch.reqs
-    if not reqs or not args.enable_mamba_extra_buffer() or args.enable_mamba_extra_buffer_lazy():
-        return False
-    slot = reqs[0].mamba_next_track_idx or 0  # SGLang's default for a request without one
-    if any((r.mamba_next_track_idx or 0) != slot for r in reqs):
-        return False
-    mapping = batch.req_to_token_pool.req_index_to_mamba_ping_pong_track_buffer_mapping
-    column = mapping[:, slot].index_select(0, batch.req_pool_indices)
-    batch.mamba_track_indices = column.long()  # SGLang's dtype (the mapping's already)
-    batch.mamba_track_mask = None
-    batch.mamba_track_seqlens = None
-    return True
-
-
-def flashinfer_kv_indices(req_to_token, req_pool_indices, kv_lens, kv_indptr, kv_indices) -> None:
-    """SGLang's Triton kernel writing each request's KV slots (req_to_token[req, :kv_len]) into
-    kv_indices from kv_indptr[b]: the FlashInfer paged layout of one request per row."""
-    from sglang.kernels.ops.attention.utils import create_flashinfer_kv_indices_triton
-
-    bs = req_pool_indices.shape[0]
-    create_flashinfer_kv_indices_triton[(bs,)](req_to_token, req_pool_indices, kv_lens,
-                                               kv_indptr, None, kv_indices,
-                                               req_to_token.size(1))  # fmt: skip
+def pack_kv_reads(translator, plan, req_pool_indices, kv_lens, kv_indptr, kv_indices,
+                  kv_lens_sum: int, kind=None) -> None:  # fmt: skip
+    """Each request's KV slots (req_to_token[req, :kv_len], translated for the pool it reads)
+    into kv_indices from kv_indptr[b]: the FlashInfer paged layout of one request per row, by
+    SGLang's KV translator, as EagleVerifyInput.generate_attn_arg_prefill reads them."""
+    extra = {} if kind is None else {"kind": kind}
+    translator.pack_read_stream(plan, req_pool_indices=req_pool_indices, seq_lens=kv_lens,
+                                indptr=kv_indptr, out=kv_indices, num_token_blocks=None,
+                                kv_lens_sum=kv_lens_sum, **extra)  # fmt: skip
 
 
 # The scheduler's internal state (/server_info's internal_states): DDTREE's resolved options.
@@ -152,7 +116,8 @@ FLASHINFER_PREFILL_PLAN = (
     ".call_begin_forward"
 )
 
-# The width of a request's req_to_token row beyond the context length (hooks.py).
+# The width of a request's req_to_token row beyond the context length (hooks.py): SGLang's
+# allocation_sizing function, which the configurator imports by name.
 REQ_TO_TOKEN_HEADROOM = (
     "sglang.srt.mem_cache.kv_cache_configurator.get_req_to_token_extra_context_len"
 )
@@ -162,23 +127,27 @@ REQ_TO_TOKEN_HEADROOM = (
 UNIFIED_MAMBA_POOLS = "sglang.srt.mem_cache.unified_memory_pool.init_unified_mamba_pools"
 
 
-def current_server_args() -> Any:
-    """This process's ServerArgs (SGLang's runtime context)."""
-    from sglang.srt.runtime_context import get_server_args
-
-    return get_server_args()
-
-
-def decode_reserve_headroom(server_args: Any) -> int:
+def decode_reserve_headroom() -> int:
     """The req_to_token row headroom DDTREE's decode rounds need beyond the context length.
-    SGLang 0.5.17's DFlashDraftInputV2.prepare_for_decode reserves `committed + 2 x
+    DFlashDraftInputV2.prepare_for_decode reserves `committed + 2 x
     speculative_num_draft_tokens` KV slots per running request (the overlap scheduler's double
-    buffer), while its rows hold `context + 4 + speculative_num_draft_tokens` (page size 1):
-    a request near the context limit then has slots written past its row's end (into the next
-    row) that are never freed. A running request has committed at most context - 1 tokens, so
-    rows of context + 2N + 4 hold every reserve (one page more where pages are larger)."""
-    n = int(server_args.max_speculative_num_draft_tokens or 0)
-    return 4 + 2 * n + max(int(server_args.page_size or 1) - 1, 0)
+    buffer), while SGLang's rows hold `context + 4 + speculative_num_draft_tokens` (page size
+    1): a request near the context limit then has slots written past its row's end (into the
+    next row) that are never freed. A running request has committed at most context - 1
+    tokens, so rows of context + 2N + 4 hold every reserve (one page more where pages are
+    larger). N and the page from the runtime context, as SGLang's own sizing reads them."""
+    from sglang.srt.mem_cache.allocation_sizing import get_alloc_page_size
+    from sglang.srt.runtime_context import max_speculative_num_draft_tokens
+
+    n = int(max_speculative_num_draft_tokens() or 0)
+    return 4 + 2 * n + max(int(get_alloc_page_size()) - 1, 0)
+
+
+def speculative_algorithm() -> str | None:
+    """The speculative algorithm this process's resolved configuration names."""
+    from sglang.srt.runtime_context import get_spec
+
+    return get_spec().speculative_algorithm
 
 
 # Compact GDN verify scratch (the default): integration/gdn_pool.py.
@@ -188,24 +157,37 @@ MAMBA_POOL_SOLVER = (
 )
 
 
+# eagle_sample's target-only tree sampler, a global of its module (0.5.23 imports it from
+# sglang.kernels.ops.speculative.verify_sampling when eagle_utils loads)
+TREE_SAMPLER_MODULE = "sglang.srt.speculative.eagle_utils"
+TREE_SAMPLER = "tree_speculative_sampling_target_only"
+
+
 @contextlib.contextmanager
 def tree_sampling_probs(transform):
-    """For the duration: SGLang's eagle_sample (0.5.17) hands the target probs [bs, N, V] of its
-    target-only tree sampling through `transform` first (it imports
-    sgl_kernel.tree_speculative_sampling_target_only at call time, after its top-k / top-p
-    renormalisation)."""
-    import sgl_kernel
-
-    original = sgl_kernel.tree_speculative_sampling_target_only
+    """For the duration: SGLang's eagle_sample hands the target probs [bs, N, V] of its
+    target-only tree sampling through `transform` first (it calls its module's global
+    `tree_speculative_sampling_target_only` after its top-k / top-p renormalisation; the
+    global, not the kernel package's name, is what that call reads)."""
+    module = importlib.import_module(TREE_SAMPLER_MODULE)
+    original = getattr(module, TREE_SAMPLER)
 
     def sample(*args, target_probs, **kwargs):
         return original(*args, target_probs=transform(target_probs), **kwargs)
 
-    sgl_kernel.tree_speculative_sampling_target_only = sample
+    setattr(module, TREE_SAMPLER, sample)
     try:
         yield
     finally:
-        sgl_kernel.tree_speculative_sampling_target_only = original
+        setattr(module, TREE_SAMPLER, original)
+
+
+def unpatched_hook_targets(targets) -> list[str]:
+    """The targets SGLang's HookRegistry did not patch: apply_hooks logs a failure and goes on,
+    so a renamed target would silently leave DDTREE's code out of the round."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    return [t for t in targets if t not in HookRegistry._patched]
 
 
 def scatter_mamba_states_after_mtp_verify():
@@ -299,7 +281,7 @@ def draft_block_size_from_checkpoint(server_args: Any) -> int | None:
 
 
 # --- DFlashWorkerV2 internals that DDTREE's worker (a subclass) uses -----------------------------
-# SGLang 0.5.17 keeps these private; an upgrade that renames them changes only this block.
+# SGLang keeps these private; an upgrade that renames them changes only this block.
 
 
 def draft_block_buffers(worker: Any, bs: int) -> tuple[Any, Any, Any, Any]:
@@ -320,6 +302,87 @@ def prepare_draft_block(worker: Any, **kwargs: Any) -> None:
     from sglang.kernels.ops.speculative.dflash import _prepare_dflash_draft_block_unchecked
 
     _prepare_dflash_draft_block_unchecked(mask_token_id=int(worker._mask_token_id), **kwargs)
+
+
+def tp_rank() -> int:
+    """This process's rank in the target's tensor-parallel group."""
+    from sglang.srt.runtime_context import get_parallel
+
+    return int(get_parallel().tp_rank)
+
+
+def gather_target_verify_logits(worker: Any) -> None:
+    """Undo DFlashWorkerV2's deferred vocabulary gather of the target's verify logits (it
+    leaves a tensor-parallel shard for its own chain accept to gather): the tree verify's
+    sampling reads whole rows."""
+    processor = getattr(worker, "_target_logits_processor", None)
+    if processor is not None:
+        processor.defer_verify_gather = False
+    worker._target_logits_processor = None
+
+
+def draft_block_embeds(worker: Any, block_ids: Any) -> Any:
+    """The draft block's input embeddings [bs x B, hidden], as DFlashWorkerV2's decode round
+    makes them: the (gathered) target embedding or the draft's own, times its noise scale."""
+    import torch
+
+    from sglang.srt.lora.layers import unwrap_lora_layer
+    from sglang.srt.speculative.dflash_worker_v2 import _resolve_dflash_embedding_module
+
+    if worker._full_embed_gpu is not None:
+        embeds = torch.nn.functional.embedding(block_ids, worker._full_embed_gpu)
+    else:
+        target = worker.target_worker.model_runner.model
+        embed = unwrap_lora_layer(_resolve_dflash_embedding_module(worker.draft_model, target))
+        embeds = embed(block_ids)
+    if worker._noise_embed_scale != 1.0:
+        embeds = embeds * worker._noise_embed_scale
+    return embeds.view(-1, embeds.shape[-1])
+
+
+def plan_window(worker: Any, batch: Any, seq_lens_cpu: Any, write_ids: Any, width: int) -> Any:
+    """The round's KV slot plan (SGLang's KVLocPlan): the block's slots `write_ids`
+    [bs x width] past each request's committed length, translated once for every pool."""
+    translator = worker.target_worker.model_runner.kv_index_translator
+    return translator.plan(req_pool_indices=batch.req_pool_indices, seq_lens=batch.seq_lens,
+                           seq_lens_cpu=seq_lens_cpu, write_virtual=write_ids,
+                           read_extent=width)  # fmt: skip
+
+
+def bind_draft_plan(worker: Any, plan: Any, forward_batch: Any) -> None:
+    """Give the draft block's forward batch the round's plan, in the draft pool's ids."""
+    plan.bind(forward_batch, worker.draft_model_runner.kv_index_translator)
+
+
+def draft_write_ids(worker: Any, plan: Any) -> Any:
+    """The plan's write ids as the draft's KV pool indexes them (flat)."""
+    return plan.write_ids(worker.draft_model_runner.kv_index_translator)
+
+
+def draft_scope(worker: Any):
+    """The draft model's tensor-parallel scope (DFlashWorkerV2 runs its draft forwards in it)."""
+    from sglang.srt.speculative.spec_utils import draft_tp_context
+
+    return draft_tp_context(worker.draft_parallel_layout)
+
+
+def non_padded_tokens(tokens: int, device: Any) -> dict:
+    """ForwardBatch's token counts for a batch with no padding, as DFlashWorkerV2's draft block
+    gives them."""
+    import torch
+
+    from sglang.srt.model_executor.forward_batch_info import enable_num_token_non_padded
+
+    on_device = (torch.full((), tokens, dtype=torch.int32, device=device)
+                 if enable_num_token_non_padded() else None)  # fmt: skip
+    return {"num_token_non_padded": on_device, "global_num_token_non_padded_cpu": tokens}
+
+
+def default_sampling_prewarm(worker: Any) -> Any:
+    """SGLang's sampling pre-warm for a worker without a rehearsal of its own (the target's:
+    no headroom reserved). DFlashWorkerV2's rehearses its chain accept, which DDTREE never
+    runs."""
+    return worker.target_worker.model_runner.prewarm_sampling()
 
 
 def append_draft_kv(worker: Any, **kwargs: Any) -> None:

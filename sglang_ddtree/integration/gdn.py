@@ -1,7 +1,7 @@
 """DDTREE's Gated DeltaNet tree verify, state commit and conv1d inside SGLang (hybrid models:
 Qwen3.5 / 3.6).
 
-SGLang 0.5.17 verifies a tree through a GDN layer node after node and stores every node's state
+SGLang verifies a tree through a GDN layer node after node and stores every node's state
 in the Mamba pool's `intermediate_ssm` so that the commit can copy the accepted one; at 27B and
 N = 64 that is most of DDTREE's extra round time (docs/benchmarks.md). Hooks replace it while
 DDTREE serves a tree (topk > 1):
@@ -230,7 +230,9 @@ def commit(original, backend, last_correct_step_indices, mamba_track_indices,
         gdn_check.after_round()
     first_use("GDN state commit through sglang_ddtree.gdn.tree_verify.commit_paths")
     bs = last_correct_step_indices.shape[0]
-    state_idx = meta.mamba_cache_indices[:bs]
+    state_idx = meta.mamba_cache_indices[:bs]  # physical slots already
+    if mamba_track_indices is not None:  # the scheduler's (virtual) slots, as SGLang's commit
+        mamba_track_indices = linear.req_to_token_pool.translate_mamba_indices(mamba_track_indices)
     # this round's width: SGLang's parent buffer is [bs, w] (eager and graph); the pool's rows
     # hold the widest tree ([layers, rows, N, dim, ...]), and a narrower round uses the front
     N = parents.shape[-1] if parents.dim() == 2 else caches.intermediate_conv_window[0].shape[2]

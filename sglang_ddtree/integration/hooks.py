@@ -1,4 +1,4 @@
-"""Runtime hooks: the places SGLang 0.5.17's plugin API does not reach. One table, applied once.
+"""Runtime hooks: the places SGLang 0.5.23's plugin API does not reach. One table, applied once.
 
 | target                                  | why                                                  |
 |-----------------------------------------|------------------------------------------------------|
@@ -8,7 +8,6 @@
 | spec_info.create_dummy_verify_input     | warm-up stand-ins: the target needs tree fields       |
 |                                         | (GDN reads retrieve_next_token when topk > 1) and the |
 |                                         | draft runs B tokens, not N                            |
-| dflash_utils.validate_dflash_request    | requests DDTREE rejects are reported as DDTREE's      |
 | TokenizerManager._validate_one_request  | (front end) reject what DDTREE cannot serve with a    |
 |                                         | 400 before it is scheduled: logprobs, max_tokens < 1  |
 | GDNKernelDispatcher.target_verify       | Gated DeltaNet tree verify without per-node states    |
@@ -29,12 +28,9 @@
 | FlashInferIndicesUpdaterPrefill         | the verify's masked plan from host lengths and a      |
 |   .call_begin_forward                   | device-packed mask, no read-back (verify_plan.py;     |
 |                                         | off: SGLANG_DDTREE_VERIFY_PLAN=sglang)                |
-| spec_utils._verify_commit_step_indices  | the accepted path's Mamba commit steps, and           |
-| eagle_worker_common                     | the path moved to the block front, one Triton         |
-|   ._finalize_accept_tree_path           | launch each where SGLang takes ~15 torch ops          |
-|                                         | (accept_path.py; off: SGLANG_DDTREE_ACCEPT_PATH=      |
-|                                         | sglang)                                               |
-| OpenAIServingChat._process_logprobs_tokens | (front end) each streamed token its own top list  |
+| eagle_worker_common                     | the accepted path moved to the block front in one     |
+|   ._finalize_accept_tree_path           | Triton launch, its hidden rows alone (accept_path.py; |
+|                                         | off: SGLANG_DDTREE_ACCEPT_PATH=sglang)                |
 | TokenizerManager.__init__               | (front end) a JSON body that is not an object gets a  |
 |                                         | 400, not SGLang's 500 (json_bodies.py)                |
 
@@ -72,6 +68,10 @@ def install_runtime_hooks() -> None:
     for target, hook in HOOKS.items():
         HookRegistry.register(target, hook, HookType.AROUND)
     HookRegistry.apply_hooks()
+    missing = compat.unpatched_hook_targets(HOOKS)
+    if missing:
+        raise RuntimeError(f"DDTREE's runtime hooks could not be applied to {missing} (SGLang's "
+                           "log above says why); DDTREE cannot serve without them.")  # fmt: skip
     _installed = True
     logger.info("sglang_ddtree: runtime hooks installed: %s", ", ".join(HOOKS))
 
@@ -111,13 +111,10 @@ def _target_graph_spec_info(original, runner, *args, **kwargs):
     return make_dummy_verify_input(_config(), runner.buffers.custom_mask, runner.captured_req_width)
 
 
-def _dummy_verify_input(
-    original, spec_algorithm, server_args, custom_mask, num_tokens_per_req, is_draft_worker
-):
+def _dummy_verify_input(original, spec_algorithm, custom_mask, num_tokens_per_req,
+                        is_draft_worker):  # fmt: skip
     if not _is_ddtree(spec_algorithm):
-        return original(
-            spec_algorithm, server_args, custom_mask, num_tokens_per_req, is_draft_worker
-        )
+        return original(spec_algorithm, custom_mask, num_tokens_per_req, is_draft_worker)
     if is_draft_worker:
         from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
         from sglang.srt.speculative.dflash_info import DFlashVerifyInput
@@ -155,7 +152,6 @@ def register_request_hook() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(compat.TOKENIZER_REQUEST_VALIDATOR, _reject_unsupported, HookType.BEFORE)
-    HookRegistry.register(compat.CHAT_LOGPROB_TOKENS, _top_logprobs_by_token, HookType.AROUND)
     HookRegistry.register(compat.TOKENIZER_MANAGER_INIT, _guard_json_bodies, HookType.AFTER)
 
 
@@ -172,18 +168,6 @@ def _guard_json_bodies(result, manager, server_args, *args, **kwargs):
     except (AttributeError, RuntimeError) as exc:  # an app already started, or none
         logger.warning("sglang_ddtree: no JSON-object check on the HTTP app: %s", exc)
     return None
-
-
-def _top_logprobs_by_token(original, serving, logprobs, use_token_index=False, **kwargs):
-    """AROUND OpenAIServingChat._process_logprobs_tokens: on a DDTREE server each token of a
-    streamed chunk gets its own top_logprobs. SGLang 0.5.17 gives every token of a streamed
-    chunk the first one's (use_token_index=False indexes 0; upstream sgl-project/sglang#39260),
-    while its streaming caller passes token-aligned slices, so indexing by position is right
-    there too; a DDTREE round streams several tokens per chunk (session 12's GPU run found
-    each streamed entry paired with another position's list)."""
-    if _serves_ddtree(getattr(getattr(serving, "tokenizer_manager", None), "server_args", None)):
-        use_token_index = True
-    return original(serving, logprobs, use_token_index, **kwargs)
 
 
 def _reject_unsupported(tokenizer_manager, obj, *args, **kwargs):
@@ -275,47 +259,32 @@ def report() -> dict:
             "engaged": gdn.engaged()}  # fmt: skip
 
 
-def _ddtree_headroom(server_args, extra: int) -> int:
-    """The req_to_token rows' width beyond the context: SGLang's `extra`, and for DDTREE at
-    least the decode rounds' reserve (compat.decode_reserve_headroom)."""
-    if not _serves_ddtree(server_args):
+def _ddtree_headroom(extra: int) -> int:
+    """The req_to_token rows' width beyond the context: SGLang's `extra`, and on a DDTREE server
+    at least the decode rounds' reserve (compat.decode_reserve_headroom)."""
+    from sglang_ddtree.integration.spec import ALGORITHM
+
+    if compat.speculative_algorithm() != ALGORITHM:
         return extra
-    return max(extra, compat.decode_reserve_headroom(server_args))
+    return max(extra, compat.decode_reserve_headroom())
 
 
-def _row_headroom(original, server_args):
+def _row_headroom(original):
     """AROUND get_req_to_token_extra_context_len: _ddtree_headroom of SGLang's."""
-    return _ddtree_headroom(server_args, original(server_args))
+    return _ddtree_headroom(original())
 
 
 def _unified_row_headroom(original, *args, **kwargs):
     """AROUND init_unified_mamba_pools (--enable-unified-memory), whose caller computes the rows'
     width itself: _ddtree_headroom of that."""
     if "extra_max_context_len" in kwargs:
-        kwargs["extra_max_context_len"] = _ddtree_headroom(compat.current_server_args(),
-                                                           kwargs["extra_max_context_len"])  # fmt: skip
+        kwargs["extra_max_context_len"] = _ddtree_headroom(kwargs["extra_max_context_len"])
     return original(*args, **kwargs)
-
-
-def _validate_request(original, req, enable_overlap):
-    """AROUND validate_dflash_request (the scheduler's per-request check for the DFlash family):
-    DFLASH's messages in DDTREE's name; with SGLANG_DDTREE_LOGPROBS=1 a logprob request passes
-    (DDTREE's verify computes them), the other checks still apply."""
-    if getattr(req, "return_logprob", False) and _logprobs_on():
-        req.return_logprob = False  # hidden from the one check that refuses it
-        try:
-            error = original(req, enable_overlap)
-        finally:
-            req.return_logprob = True
-    else:
-        error = original(req, enable_overlap)
-    return None if error is None else error.replace("DFLASH", "DDTREE")
 
 
 HOOKS = {
     compat.TARGET_GRAPH_SPEC_INFO: _target_graph_spec_info,
     compat.DUMMY_VERIFY_INPUT: _dummy_verify_input,
-    compat.DFLASH_REQUEST_VALIDATOR: _validate_request,
     compat.GDN_TARGET_VERIFY: gdn.target_verify,
     compat.MAMBA_STATE_COMMIT: gdn.commit,
     compat.GDN_CONV_UPDATE: gdn.conv_update,
@@ -326,7 +295,5 @@ HOOKS = {
     compat.FLASHINFER_PREFILL_PLAN: verify_plan.call_begin_forward,
     compat.SCHEDULER_INTERNAL_STATE: _internal_state,
     compat.EAGLE_SAMPLE: penalties.eagle_sample,
-    compat.VERIFY_COMMIT_STEPS: accept_path.step_indices_hook,
     compat.FINALIZE_TREE_PATH: accept_path.finalize_hook,
-    compat.MAMBA_TRACK_FOR_VERIFY: accept_path.track_indices_hook,
 }

@@ -1,7 +1,7 @@
 """Sampling penalties inside the tree, exactly (issue 14, part 2; the default,
 SGLANG_DDTREE_PENALTIES=1, since its GPU tests passed in session 13; 0 refuses penalties).
 
-SGLang 0.5.17's tree verify (`eagle_sample`) adds one penalty vector per request to every node,
+SGLang's tree verify (`eagle_sample`) adds one penalty vector per request to every node,
 and that vector comes from a relaxed count (the scheduler cumulates one output token per round,
 `ScheduleBatch.cumulate_penalty_output_tokens`). A node's distribution must be the request's
 given the path to that node. So DDTREE keeps its own count of each request's output tokens on the
@@ -105,11 +105,12 @@ def wanted(reqs) -> bool:
     return any(getattr(r.sampling_params, k, v) != v for r in reqs for k, v in PENALTIES.items())
 
 
-def eagle_sample(original, verify_input, batch, logits_output, grammar_mask=None):
+def eagle_sample(original, verify_input, batch, logits_output, grammar_mask=None, *args, **kwargs):
     """AROUND SGLang's eagle_sample: for a DDTREE verify whose batch asks for penalties, every
     node's logits penalised by its own path (in place), SGLang's shared penalty vectors hidden
     from the call; for one that asks for min_p at T > 0, every node's target probs filtered as
-    SGLang's plain sampler filters them (`min_p_filter`); every other call as it came."""
+    SGLang's plain sampler filters them (`min_p_filter`); every other call as it came (SGLang's
+    further arguments, UNO's and the watermark's, passed on as they came)."""
     table = _table[0]
     visibility = getattr(verify_input, "tree_visibility", None)
     info = batch.sampling_info
@@ -117,7 +118,7 @@ def eagle_sample(original, verify_input, batch, logits_output, grammar_mask=None
     penalise = ddtree and wanted(batch.reqs)
     min_p = ddtree and bool(getattr(info, "need_min_p_sampling", False))
     if not (penalise or min_p):
-        return original(verify_input, batch, logits_output, grammar_mask)
+        return original(verify_input, batch, logits_output, grammar_mask, *args, **kwargs)
     saved = info.acc_additive_penalties, info.acc_scaling_penalties
     with contextlib.ExitStack() as stack:
         if penalise:
@@ -130,7 +131,7 @@ def eagle_sample(original, verify_input, batch, logits_output, grammar_mask=None
         if min_p:
             stack.enter_context(compat.tree_sampling_probs(partial(min_p_filter,
                                                                    min_ps=info.min_ps)))  # fmt: skip
-        return original(verify_input, batch, logits_output, grammar_mask)
+        return original(verify_input, batch, logits_output, grammar_mask, *args, **kwargs)
 
 
 def min_p_filter(probs: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,8 @@ ALGORITHM = "DDTREE"
 
 
 class DDTreeSpec(CustomSpecAlgo):
-    """`CustomSpecAlgo` plus what 0.5.17's scheduler calls on any algorithm."""
+    """`CustomSpecAlgo` plus what SGLang's scheduler calls on any algorithm. Every answer that
+    differs from CustomSpecAlgo's default, or that a reader could doubt, says why."""
 
     # -- DFlash family identity ----------------------------------------------------------------
     def is_dflash_family(self) -> bool:
@@ -39,12 +40,33 @@ class DDTreeSpec(CustomSpecAlgo):
     def supports_grammar_overlap(self) -> bool:
         return True  # the worker passes grammar_barrier into the tree verify
 
+    def supports_prefill_shared_read_done(self) -> bool:
+        # Prefill is DFlashWorkerV2's, unchanged: the target's extend, then the draft KV written
+        # from its hidden states, as for DFLASH, for which SGLang answers True.
+        return True
+
+    def supports_mixed_chunk(self) -> bool:
+        # A mixed step decodes the running requests one token each outside the tree round (its
+        # draft state, penalty counts and GDN commit); DDTREE's round has never run inside one.
+        return False
+
+    def is_uno(self) -> bool:
+        return False  # UNO's own worker, pools and request checks are keyed on this
+
+    def resolve_max_speculative_num_draft_tokens(self, server_args: Any) -> int | None:
+        # The widest verify: every automatic width is at most N, and the draft block B <= N.
+        return super().resolve_max_speculative_num_draft_tokens(server_args)
+
     # -- enum-only methods the scheduler calls unconditionally (absent on CustomSpecAlgo) ------
     def carries_draft_hidden_states(self) -> bool:
         return False
 
     def need_topk(self) -> bool:
         return False
+
+    def get_platform_worker_cls(self) -> type | None:
+        # DDTREE's worker runs on CUDA only (validate_server_args), never a platform's own
+        return None
 
     def create_future_map(
         self, device, req_to_token_pool, needs_cpu_seq_lens=True, needs_confidence_relay=False
@@ -105,7 +127,7 @@ def validate_server_args(server_args: Any) -> None:
 
 
 def _validate_sampling_and_parallelism(view: Any) -> None:
-    # SGLang 0.5.17's two-batch overlap splits a verify input field by field
+    # SGLang's two-batch overlap splits a verify input field by field
     # (two_batch_overlap.split_spec_info): the mask, the tokens, the tree links, but not the
     # tree DDTREE's own fields carry (the mask packer reads its visibility), and the split has
     # never run with DDTREE on a GPU
@@ -156,6 +178,11 @@ def _validate_sampling_and_parallelism(view: Any) -> None:
         "DDTREE does not support --speculative-draft-window-size yet; drop the flag.",
     )
     _require(
+        not getattr(view, "enable_watermark", False),
+        "DDTREE does not support --enable-watermark (SGLang's tree watermark reads the verify's "
+        "unpacked mask, which DDTREE packs from the tree without writing); drop the flag.",
+    )
+    _require(
         str(view.disaggregation_mode) in ("null", "None"),
         f"DDTREE does not support PD disaggregation (--disaggregation-mode "
         f"{view.disaggregation_mode}).",
@@ -175,7 +202,8 @@ def resolve_config(server_args: Any, draft_block_size: int | None = -1) -> DDTre
 
 
 def apply_server_args(server_args: Any, draft_block_size: int | None = -1) -> DDTreeConfig:
-    """Write DDTREE's resolved widths and defaults into the server args (0.5.17: in place)."""
+    """Write DDTREE's resolved widths and defaults into the server args (in place; SGLang
+    records the writes as the plugin's resolutions)."""
     cfg = resolve_config(server_args, draft_block_size)
     server_args.speculative_dflash_block_size = cfg.block_size
     server_args.speculative_num_draft_tokens = cfg.num_nodes

@@ -46,23 +46,27 @@ class DDTreeVerifyInput(EagleVerifyInput):
     # set by the host plan (verify_plan.call_begin_forward) for the plan's one call
     staged_attn_args: StagedAttnArgs | None = None
 
-    def generate_attn_arg_prefill(self, req_pool_indices, paged_kernel_lens,
-                                  paged_kernel_lens_sum, req_to_token):  # fmt: skip
+    def generate_attn_arg_prefill(self, *, req_pool_indices, paged_kernel_lens,
+                                  paged_kernel_lens_sum, translator, plan, **kwargs):  # fmt: skip
         """SGLang's (kv_indices, kv_indptr, qo_indptr, custom_mask) for the FlashInfer plan. With
-        the host plan's lengths staged, the KV indices are written from them in one launch
-        (SGLang's kernel); SGLang derives the offsets on the device first (five more launches a
-        round). The qo offsets are the host plan's (its wrapper plans with those)."""
+        the host plan's lengths staged, the KV indices are written from them by the round's
+        KV translator (SGLang's own read, one launch); SGLang derives the offsets on the device
+        first (five more launches a round). The qo offsets are the host plan's (its wrapper
+        plans with those)."""
         staged = getattr(self, "staged_attn_args", None)
         bs, N = len(req_pool_indices), int(self.draft_token_num)
         size = paged_kernel_lens_sum + N * bs  # SGLang's KV indices' length
         # the staged lengths fit it (SGLang's sum is the host lengths'), and the mask its size
         if (staged is None or len(staged.kv_lens) != bs or staged.total_kv > size
                 or self.custom_mask.numel() < size * N):  # fmt: skip
-            return super().generate_attn_arg_prefill(req_pool_indices, paged_kernel_lens,
-                                                     paged_kernel_lens_sum, req_to_token)  # fmt: skip
+            return super().generate_attn_arg_prefill(
+                req_pool_indices=req_pool_indices, paged_kernel_lens=paged_kernel_lens,
+                paged_kernel_lens_sum=paged_kernel_lens_sum, translator=translator, plan=plan,
+                **kwargs)  # fmt: skip
         kv_indices = torch.empty(size, dtype=torch.int32, device=req_pool_indices.device)
-        compat.flashinfer_kv_indices(req_to_token, req_pool_indices, staged.kv_lens,
-                                     staged.kv_indptr, kv_indices)  # fmt: skip
+        compat.pack_kv_reads(translator, plan, req_pool_indices, staged.kv_lens,
+                             staged.kv_indptr, kv_indices, paged_kernel_lens_sum,
+                             **kwargs)  # fmt: skip
         return kv_indices, staged.kv_indptr, staged.qo_indptr, self.custom_mask
 
 

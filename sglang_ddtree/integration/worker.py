@@ -107,12 +107,12 @@ def tree_head(lm_head, cfg: DDTreeConfig, max_bs: int, gather=None) -> DraftTree
 
 
 class DDTreeWorker(DFlashWorkerV2):
-    def __init__(self, server_args, gpu_id, ps, nccl_port, target_worker):
+    def __init__(self, server_args, gpu_id, nccl_port, target_worker):
         dflash_logger = logging.getLogger(DFlashWorkerV2.__module__)
         width_note = _DropWidthMismatch()
         dflash_logger.addFilter(width_note)
         try:
-            super().__init__(server_args, gpu_id, ps, nccl_port, target_worker)
+            super().__init__(server_args, gpu_id, nccl_port, target_worker)
         finally:
             dflash_logger.removeFilter(width_note)
         self.cfg = DDTreeConfig(
@@ -120,9 +120,14 @@ class DDTreeWorker(DFlashWorkerV2):
             num_nodes=int(server_args.speculative_num_draft_tokens),
             topk=int(server_args.speculative_eagle_topk),
         )
+        self._tp_rank = compat.tp_rank()
         # DFlashWorkerV2 took N (the verify width) for its block size; the DFlash block is B.
         self.block_size = self.cfg.block_size
         self.speculative_num_draft_tokens = self.cfg.num_nodes
+        self.draft_model.set_block_size(self.cfg.block_size)
+        # DDTREE's tree sampling reads the full vocabulary's logits (DFLASH's chain defers the
+        # vocabulary gather into its own accept step)
+        compat.gather_target_verify_logits(self)
         self._block_pos_offsets = build_block_pos_offsets(
             length=self.cfg.block_size, device=self.device
         )
@@ -132,7 +137,7 @@ class DDTreeWorker(DFlashWorkerV2):
         self._tp_size = int(server_args.tp_size)
         self._tree_head = self._build_tree_head(server_args)
         # SGLANG_DDTREE_DUMP_ROUNDS: sampled rounds as JSON lines (off: None, and no cost)
-        self._round_dump = RoundDump.from_options(options()) if self.ps.tp_rank == 0 else None
+        self._round_dump = RoundDump.from_options(options()) if self._tp_rank == 0 else None
         self._widths: VerifyWidths | None = None  # SGLANG_DDTREE_WIDTH=auto (init_cuda_graphs)
         self._readings: RoundReadings | None = None
         self._rank_widths: RankWidths | None = None  # auto at tp > 1: rank 0's choice, shared
@@ -141,7 +146,7 @@ class DDTreeWorker(DFlashWorkerV2):
         # SGLANG_DDTREE_PENALTIES=1: the count table, made in alloc_memory_pool (the scheduler
         # builds this worker before any request pool exists)
         self._penalties: PenaltyTable | None = None
-        if self.ps.tp_rank == 0:
+        if self._tp_rank == 0:
             logger.info(
                 "DDTREE worker ready: B=%d, N=%d (budget %d), K=%d, draft head for bs<=%d",
                 self.cfg.block_size,
@@ -208,7 +213,7 @@ class DDTreeWorker(DFlashWorkerV2):
                 self._widths.keep(widths)
         if len(widths) <= 1:
             self._widths = self._rank_widths = None
-            if self.ps.tp_rank == 0:
+            if self._tp_rank == 0:
                 logger.info("DDTREE verify width: fixed at %d", self.cfg.num_nodes)
             return
         if self._rank_widths is not None and not self._rank_widths.is_source:
@@ -219,7 +224,7 @@ class DDTreeWorker(DFlashWorkerV2):
             raise RuntimeError("DDTREE: the draft head's width readings were not asked for "
                                "before the draft graphs (_ask_for_readings): a bug")  # fmt: skip
         self._readings = RoundReadings(policy, head.readings, head.reading_widths)
-        if self.ps.tp_rank == 0:
+        if self._tp_rank == 0:
             logger.info("DDTREE verify width: auto among %s (graph batch sizes %s)",
                         ", ".join(map(str, widths)), list(self._widths.buckets) or "eager")  # fmt: skip
 
@@ -243,16 +248,17 @@ class DDTreeWorker(DFlashWorkerV2):
         self._readings.start(bs, width)
         self.speculative_num_draft_tokens = width  # /metrics: sglang:spec_num_draft_tokens
         logged = policy.rounds in _WIDTH_LOG_ROUNDS or policy.rounds % _WIDTH_LOG_EVERY == 0
-        if (policy.newly_calibrated() or logged) and self.ps.tp_rank == 0:
+        if (policy.newly_calibrated() or logged) and self._tp_rank == 0:
             logger.info("DDTREE widths after %d rounds (ms per round by batch bucket):\n%s",
                         policy.rounds, policy.table())  # fmt: skip
         return width
 
-    def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None):
+    def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None,
+                                 pp_proxy_tensors=None):  # fmt: skip
         extend = batch.forward_mode.is_extend() or batch.is_extend_in_batch
         if extend or batch.forward_mode.is_idle():  # DFlashWorkerV2's prefill / idle step
-            with self._logprobs_through_prefill(batch):
-                result = super().forward_batch_generation(batch, on_publish, grammar_barrier)
+            result = super().forward_batch_generation(batch, on_publish, grammar_barrier,
+                                                      pp_proxy_tensors)  # fmt: skip
             if self._penalties is not None and extend:
                 self._penalties.restart(batch.reqs, batch.req_pool_indices, result.next_token_ids)
             return result
@@ -311,38 +317,15 @@ class DDTreeWorker(DFlashWorkerV2):
         target): warned once per width while graphs are on, counted in the widths table."""
         if self._readings is not None:
             self._readings.policy.eager[width] += 1
-        if self._graphs_on and width not in self._eager_warned and self.ps.tp_rank == 0:
+        if self._graphs_on and width not in self._eager_warned and self._tp_rank == 0:
             self._eager_warned.add(width)
             logger.warning("DDTREE: a verify at width %d, batch %d, ran without CUDA graphs "
                            "(later ones are counted in the widths table)", width, bs)  # fmt: skip
 
-    @contextlib.contextmanager
-    def _logprobs_through_prefill(self, batch):
-        """SGLANG_DDTREE_LOGPROBS=1: DFlashWorkerV2 (0.5.17) refuses any batch that asks for
-        logprobs before its prefill, although the target forward it then runs computes them.
-        For DDTREE the flag is hidden from that check and shown again to the target forward
-        (SGLang's own prefill logprobs; the decode rounds' come from run_eagle_verify)."""
-        if not (getattr(batch, "return_logprob", False) and options().logprobs):
-            yield
-            return
-        target = self.target_worker
-        forward = target.forward_batch_generation
-        shadowed = vars(target).get("forward_batch_generation")
-
-        def with_logprobs(*args, **kwargs):
-            batch.return_logprob = True
-            return forward(*args, **kwargs)
-
-        batch.return_logprob = False
-        target.forward_batch_generation = with_logprobs  # shadows the method, this call only
-        try:
-            yield
-        finally:
-            if shadowed is None:
-                del target.forward_batch_generation
-            else:
-                target.forward_batch_generation = shadowed
-            batch.return_logprob = True
+    def prewarm_sampling(self):
+        """SGLang's start-up sampling rehearsal: DFlashWorkerV2's rehearses its chain accept,
+        which a DDTREE round never runs; the tree verify samples through eagle_sample."""
+        return compat.default_sampling_prewarm(self)
 
     def alloc_memory_pool(self, *args, **kwargs):
         """DFlashWorkerV2's (the draft's pools, sharing the target's request pool), then the
@@ -363,7 +346,7 @@ class DDTreeWorker(DFlashWorkerV2):
         vocab = target.model_config.vocab_size
         gib = self._check_penalty_table_fits(rows, vocab)
         table = PenaltyTable(rows, vocab, self.device)
-        if self.ps.tp_rank == 0:  # beside SGLang's pools, which were sized without it
+        if self._tp_rank == 0:  # beside SGLang's pools, which were sized without it
             logger.info("DDTREE penalty counts: %d request slots x %d tokens, %.2f GiB (off: "
                         "SGLANG_DDTREE_PENALTIES=0)", rows, vocab, gib)  # fmt: skip
         penalties.activate(table)
@@ -392,17 +375,21 @@ class DDTreeWorker(DFlashWorkerV2):
 
     # -- step 1 + 2: draft the block, build the tree -----------------------------------------
     def _draft(self, batch, draft_input) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the DFlash block; returns (positions [bs, B], cache_loc [bs, B]) of the block."""
+        """Run the DFlash block; returns (positions [bs, B], the draft KV's write ids [bs, B])
+        of the block."""
         bs, B = len(batch.seq_lens), self.cfg.block_size
         # [bs, B] each: bonus + MASK x (B - 1); seq_len + 0..B-1; req_to_token slots; and the
         # host-bound lengths [bs]
         block_ids, positions, cache_loc, seq_lens_cpu = compat.draft_block_buffers(self, bs)
         with own_code():
             self._prepare_block(batch, draft_input, block_ids, positions, cache_loc)
-            embed = self.target_worker.model_runner.model.get_input_embeddings()
-            input_embeds = embed(block_ids).view(bs * B, -1)
-        seq_lens_cpu.copy_(self._host_seq_lens(batch, draft_input))
+            input_embeds = compat.draft_block_embeds(self, block_ids)
+        committed_cpu = self._host_seq_lens(batch, draft_input)
+        seq_lens_cpu.copy_(committed_cpu)
         seq_lens_cpu.add_(B)
+        # the block's slots for every forward and KV write of the round (the verify's window
+        # starts with them)
+        plan = compat.plan_window(self, batch, committed_cpu, cache_loc.reshape(-1), B)
         forward_batch = ForwardBatch(
             forward_mode=ForwardMode.TARGET_VERIFY,
             batch_size=bs,
@@ -417,13 +404,16 @@ class DDTreeWorker(DFlashWorkerV2):
             spec_algorithm=self.model_runner.spec_algorithm,
             spec_info=self._draft_block_spec_info,
             capture_hidden_mode=CaptureHiddenMode.NULL,
+            can_run_decode_cuda_graph=batch.can_run_decode_cuda_graph,
+            **compat.non_padded_tokens(bs * B, self.device),
         )
-        with torch.inference_mode():
+        compat.bind_draft_plan(self, plan, forward_batch)
+        with torch.inference_mode(), compat.draft_scope(self):
             draft_out = self.draft_model_runner.forward(forward_batch)
             if not draft_out.can_run_graph:  # the graph ran the head already
                 with own_code():
                     self._tree_head(draft_out.logits_output.hidden_states, block_ids.flatten())
-        return positions, cache_loc
+        return positions, compat.draft_write_ids(self, plan).view(bs, B)
 
     def _prepare_block(self, batch, draft_input, block_ids, positions, cache_loc) -> None:
         """block_ids = [bonus, MASK...], positions = seq_len + 0..B-1, cache_loc from req_to_token."""
@@ -440,6 +430,8 @@ class DDTreeWorker(DFlashWorkerV2):
 
     # -- step 3 + 4 + 5a: verify, accept, commit target state --------------------------------
     def _verify_accept_commit(self, batch, grammar_barrier, width: int):
+        # the verify plans its own window (eagle_prepare_for_verify: N slots from each
+        # request's committed length, the block's B first)
         return run_eagle_verify(
             batch,
             target_worker=self.target_worker,
@@ -448,7 +440,6 @@ class DDTreeWorker(DFlashWorkerV2):
             plan_stream=None,
             plan_stream_ctx=contextlib.nullcontext(),
             topk=self.cfg.topk,
-            num_steps=self.cfg.max_depth,
             num_draft_tokens=width,
             device=self.device,
             metadata_ready_pre_pad=False,
@@ -484,14 +475,14 @@ class DDTreeWorker(DFlashWorkerV2):
     def _host_seq_lens(batch, draft_input) -> torch.Tensor:
         if batch.seq_lens_cpu is not None:
             return batch.seq_lens_cpu
-        if draft_input.reserved_seq_lens_cpu is not None:
-            return draft_input.reserved_seq_lens_cpu
+        if draft_input.nxt_kv_lens_cpu is not None:  # the allocation watermark
+            return draft_input.nxt_kv_lens_cpu
         raise RuntimeError("DDTREE needs host sequence lengths (FlashInfer provides them).")
 
     def _seq_lens_sum_bound(self, batch, draft_input) -> int:
         """Host upper bound of sum(seq_lens); sizes the verify mask (too large is harmless)."""
-        if draft_input.reserved_seq_lens_sum is not None:  # the allocation watermark
-            return int(draft_input.reserved_seq_lens_sum)
+        if draft_input.nxt_kv_lens_sum is not None:  # the allocation watermark
+            return int(draft_input.nxt_kv_lens_sum)
         if batch.seq_lens_sum is not None:
             return int(batch.seq_lens_sum)
         if batch.seq_lens_cpu is not None:

@@ -75,9 +75,9 @@ def test_verify_widths(registered, monkeypatch):
 
 
 def test_version_gate():
-    assert compat.check_sglang_version("0.5.17") == "0.5.17"
-    with pytest.raises(compat.UnsupportedSGLangVersion, match="0.5.17"):
-        compat.check_sglang_version("0.5.23")
+    assert compat.check_sglang_version("0.5.23") == "0.5.23"
+    with pytest.raises(compat.UnsupportedSGLangVersion, match="0.5.23"):
+        compat.check_sglang_version("0.5.17")
 
 
 def test_registration_failure_is_loud(monkeypatch, caplog):
@@ -115,13 +115,14 @@ def draft_dir(tmp_path):
 
 def _server_args(draft_dir, **overrides):
     """A stand-in with every real ServerArgs field at its default (so typos fail loudly)."""
+    import msgspec
     from sglang.srt.server_args import ServerArgs
 
     values = {}
-    for f in dataclasses.fields(ServerArgs):
-        if f.default is not dataclasses.MISSING:
+    for f in msgspec.structs.fields(ServerArgs):  # ServerArgs is a msgspec Struct
+        if f.default is not msgspec.NODEFAULT:
             values[f.name] = f.default
-        elif f.default_factory is not dataclasses.MISSING:
+        elif f.default_factory is not msgspec.NODEFAULT:
             values[f.name] = f.default_factory()
         else:
             values[f.name] = None
@@ -364,15 +365,20 @@ def test_dummy_inputs_have_the_right_width_and_fields(registered, monkeypatch):
         lambda: spec.DDTreeConfig(block_size=16, num_nodes=32, topk=4),
     )
     mask = torch.ones(8, dtype=torch.bool)
-    draft = hooks._dummy_verify_input(None, registered, None, mask, 16, True)
+    draft = hooks._dummy_verify_input(None, registered, mask, 16, True)
     assert draft.draft_token_num == 16 and draft.custom_mask is None
-    target = hooks._dummy_verify_input(None, registered, None, mask, 32, False)
+    target = hooks._dummy_verify_input(None, registered, mask, 32, False)
     assert target.draft_token_num == 32 and target.custom_mask is mask
     assert target.retrieve_next_token is None  # GDN reads the attribute: it must exist
     assert target.max_tree_depth == 16 and target.topk == 4
     sentinel = object()
-    other = hooks._dummy_verify_input(lambda *a: sentinel, SpeculativeAlgorithm.EAGLE, 0, 0, 0, 0)
+    other = hooks._dummy_verify_input(lambda *a: sentinel, SpeculativeAlgorithm.EAGLE, 0, 0, 0)
     assert other is sentinel
+    # the hook takes SGLang's create_dummy_verify_input's parameters
+    from sglang.srt.speculative import spec_info as spec_info_mod
+
+    theirs = list(inspect.signature(spec_info_mod.create_dummy_verify_input).parameters)
+    assert list(inspect.signature(hooks._dummy_verify_input).parameters)[1:] == theirs
 
 
 def test_worker_module_imports_against_installed_sglang():
@@ -448,67 +454,10 @@ def test_worker_drops_only_dflashs_width_mismatch_warning():
     assert drop.filter(record("Initialized DFLASH draft runner. block_size=%s %s"))
 
 
-def test_the_scheduler_check_lets_logprobs_through_unless_switched_off(monkeypatch):
-    """validate_dflash_request (DDTREE is of the DFlash family) refuses return_logprob first;
-    with SGLANG_DDTREE_LOGPROBS=1 the hook hides that one check and keeps the others."""
-    seen = []
-
-    def original(req, enable_overlap):
-        seen.append(req.return_logprob)
-        if req.return_logprob:
-            return "DFLASH speculative decoding does not support return_logprob yet."
-        if enable_overlap and req.return_hidden_states:
-            return "DFLASH speculative decoding does not support return_hidden_states yet."
-        return None
-
-    req = types.SimpleNamespace(return_logprob=True, return_hidden_states=False)
-    monkeypatch.setenv("SGLANG_DDTREE_LOGPROBS", "0")
-    assert "DDTREE" in hooks._validate_request(original, req, True)
-    monkeypatch.setenv("SGLANG_DDTREE_LOGPROBS", "1")
-    assert hooks._validate_request(original, req, True) is None
-    assert req.return_logprob is True and seen[-1] is False  # hidden for the check only
-    req.return_hidden_states = True
-    assert "return_hidden_states" in hooks._validate_request(original, req, True)
-
-
-def test_the_prefill_shows_the_target_its_logprob_flag(monkeypatch):
-    """DFlashWorkerV2's prefill refuses a batch with return_logprob before it runs the target;
-    with SGLANG_DDTREE_LOGPROBS=1 (the default) the worker hides the flag from that check and the target
-    forward sees it again; both are restored afterwards, also when the prefill fails."""
-    from sglang_ddtree import config
-    from sglang_ddtree.integration import worker as worker_mod
-
-    class Target:
-        def forward_batch_generation(self, batch, **kwargs):
-            return ("target saw", batch.return_logprob)
-
-    w = worker_mod.DDTreeWorker.__new__(worker_mod.DDTreeWorker)
-    w._target_worker = Target()
-
-    def dflash_prefill(batch):  # what DFlashWorkerV2.forward_batch_generation does, in short
-        if batch.return_logprob:
-            raise ValueError("DFLASH speculative decoding does not support return_logprob yet.")
-        return w.target_worker.forward_batch_generation(batch, capture_hidden_mode="FULL")
-
-    monkeypatch.setattr(worker_mod, "options", lambda: config.Options.from_env())
-    monkeypatch.setenv("SGLANG_DDTREE_LOGPROBS", "0")
-    batch = types.SimpleNamespace(return_logprob=True)
-    with pytest.raises(ValueError, match="return_logprob"), w._logprobs_through_prefill(batch):
-        dflash_prefill(batch)  # switched off: SGLang's refusal stands
-    monkeypatch.setenv("SGLANG_DDTREE_LOGPROBS", "1")
-    with w._logprobs_through_prefill(batch):
-        assert dflash_prefill(batch) == ("target saw", True)
-    assert batch.return_logprob is True
-    assert "forward_batch_generation" not in vars(w.target_worker)
-    with pytest.raises(RuntimeError), w._logprobs_through_prefill(batch):
-        raise RuntimeError("prefill failed")
-    assert batch.return_logprob is True and "forward_batch_generation" not in vars(w.target_worker)
-
-
-def test_the_prefill_lift_fits_sglangs_own_dflash_prefill(monkeypatch):
-    """The real DFlashWorkerV2.forward_batch_generation (0.5.17) up to its target call: with
-    SGLANG_DDTREE_LOGPROBS=1 its refusal is skipped and the target forward sees the flag."""
-    from sglang_ddtree import config
+def test_the_prefill_is_dflashs_and_serves_logprobs(monkeypatch):
+    """A prefill batch goes to DFlashWorkerV2's own prefill as it came: SGLang serves a logprob
+    request's first token itself (its target forward sees return_logprob), with no refusal of
+    its own to work around."""
     from sglang_ddtree.integration import worker as worker_mod
 
     class Reached(Exception):
@@ -518,22 +467,21 @@ def test_the_prefill_lift_fits_sglangs_own_dflash_prefill(monkeypatch):
         def forward_batch_generation(self, batch, *args, **kwargs):
             raise Reached(batch.return_logprob, args, kwargs)
 
-    monkeypatch.setenv("SGLANG_DDTREE_LOGPROBS", "1")
-    monkeypatch.setattr(worker_mod, "options", lambda: config.Options.from_env())
     w = worker_mod.DDTreeWorker.__new__(worker_mod.DDTreeWorker)
     w._target_worker = Target()
+    w.selector = w.lilicorr = None
+    w._warned_sampling_fallback = True
     batch = types.SimpleNamespace(
         return_logprob=True, sampling_info=None, is_extend_in_batch=True,
         forward_mode=types.SimpleNamespace(is_extend=lambda: True, is_idle=lambda: False),
+        reqs=[], extend_lens=[1], prefix_lens=[0],
     )  # fmt: skip
+    monkeypatch.setattr(worker_mod.DFlashWorkerV2, "_wait_for_fused_hicache_load",
+                        lambda self, b: None, raising=False)  # fmt: skip
     with pytest.raises(Reached) as reached:
         w.forward_batch_generation(batch)
     assert reached.value.args[0] is True  # the target forward saw return_logprob
-    assert "capture_hidden_mode" in reached.value.args[2]  # DFLASH's prefill call, as in 0.5.17
-    assert batch.return_logprob is True and "forward_batch_generation" not in vars(w._target_worker)
-    monkeypatch.setenv("SGLANG_DDTREE_LOGPROBS", "0")
-    with pytest.raises(ValueError, match="return_logprob"):
-        w.forward_batch_generation(batch)
+    assert "capture_hidden_mode" in reached.value.args[2]  # DFLASH's prefill call
 
 
 def _resolve(target: str):
@@ -551,24 +499,9 @@ def _resolve(target: str):
     raise ImportError(target)
 
 
-def test_a_streamed_chunks_tokens_each_get_their_own_top_logprobs(monkeypatch):
-    """The chat endpoint's logprob entries on a DDTREE server: each token of a chunk carries its
-    own top list (SGLang 0.5.17 gives a streamed chunk's every token the first one's: session
-    12's GPU run found DDTREE's several-token chunks paired with other positions' lists); other
-    servers keep SGLang's behaviour. The three request hooks are registered."""
-    from sglang.srt.entrypoints.openai.protocol import LogProbs
-
-    original = _resolve(compat.CHAT_LOGPROB_TOKENS)
-    chunk = LogProbs(tokens=["a", "b"], token_logprobs=[-0.1, -0.2],
-                     top_logprobs=[{"a": -0.1, "x": -3.0}, {"b": -0.2, "y": -2.0}])  # fmt: skip
-
-    def serving(algorithm):
-        return types.SimpleNamespace(tokenizer_manager=_tokenizer_manager(algorithm))
-
-    ours = hooks._top_logprobs_by_token(original, serving("DDTREE"), chunk, use_token_index=False)
-    assert [[t.token for t in e.top_logprobs] for e in ours] == [["a", "x"], ["b", "y"]]
-    theirs = hooks._top_logprobs_by_token(original, serving("DFLASH"), chunk, False)
-    assert [[t.token for t in e.top_logprobs] for e in theirs] == [["a", "x"], ["a", "x"]]
+def test_the_request_hooks_are_registered(monkeypatch):
+    """The front-end hooks: the request check and the JSON-body guard (SGLang's chat endpoint
+    gives each streamed token its own top logprobs itself)."""
     registered = []
     from sglang.srt.plugins.hook_registry import HookRegistry
 
@@ -576,49 +509,58 @@ def test_a_streamed_chunks_tokens_each_get_their_own_top_logprobs(monkeypatch):
                         lambda target, fn, kind: registered.append((target, fn)))  # fmt: skip
     hooks.register_request_hook()
     assert registered == [(compat.TOKENIZER_REQUEST_VALIDATOR, hooks._reject_unsupported),
-                          (compat.CHAT_LOGPROB_TOKENS, hooks._top_logprobs_by_token),
                           (compat.TOKENIZER_MANAGER_INIT, hooks._guard_json_bodies)]  # fmt: skip
 
 
-def _row_args(algorithm: str, nodes: int, page_size: int = 1) -> types.SimpleNamespace:
-    """The server arguments SGLang's get_req_to_token_extra_context_len reads."""
-    return types.SimpleNamespace(speculative_algorithm=algorithm, page_size=page_size,
-                                 max_speculative_num_draft_tokens=nodes,
-                                 speculative_num_steps=15, speculative_eagle_topk=8)  # fmt: skip
+def _row_context(monkeypatch, algorithm, nodes: int, page_size: int = 1) -> None:
+    """The runtime context SGLang's get_req_to_token_extra_context_len and DDTREE's headroom
+    read: the algorithm, N and the allocation page."""
+    import sglang.srt.mem_cache.allocation_sizing as sizing
+    import sglang.srt.runtime_context as rc
+
+    spec_bag = types.SimpleNamespace(speculative_algorithm=algorithm,
+                                     speculative_num_draft_tokens=nodes,
+                                     max_speculative_num_draft_tokens=nodes)  # fmt: skip
+    monkeypatch.setattr(rc, "get_spec", lambda: spec_bag)
+    monkeypatch.setattr(sizing, "get_spec", lambda: spec_bag)
+    monkeypatch.setattr(sizing, "get_alloc_page_size", lambda: page_size)
+    monkeypatch.setattr(sizing, "max_speculative_num_draft_tokens", lambda: nodes)
+    monkeypatch.setattr(sizing, "get_alloc_reserve_per_decode", lambda: 2 * nodes)
 
 
-def test_request_rows_hold_the_decode_reserve_at_the_context_limit(registered):
-    """Session 14's GPU suite: 4 prompts at the context limit on a DDTREE server left 57-72 KV
-    slots allocated and the scheduler stopped on its idle leak check. DFlash v2 reserves
-    committed + 2N slots per running request, SGLang's rows hold context + 4 + N: past the row's
-    end the slots go into the next row and are never freed. DDTREE's rows hold the reserve at
-    the largest committed length a running request has (context - 1); other algorithms keep
-    SGLang's width."""
+def test_request_rows_hold_the_decode_reserve_at_the_context_limit(registered, monkeypatch):
+    """4 prompts at the context limit on a DDTREE server once left 57-72 KV slots allocated and
+    the scheduler stopped on its idle leak check. DFlash v2 reserves committed + 2N slots per
+    running request, SGLang's rows hold context + 4 + N: past the row's end the slots go into
+    the next row and are never freed. DDTREE's rows hold the reserve at the largest committed
+    length a running request has (context - 1); other algorithms keep SGLang's width."""
     import pkgutil
 
     from sglang.srt.mem_cache import allocation_sizing
     from sglang.srt.speculative.dflash_info_v2 import DFlashDraftInputV2
 
-    # the reserve as SGLang 0.5.17 computes it (a later release that changes it fails here)
+    # the reserve as SGLang computes it (a release that changes it fails here)
     source = inspect.getsource(DFlashDraftInputV2.prepare_for_decode)
-    assert "committed_len + 2 * block_size" in source
+    assert "reserve = 2 * block_size" in source
     assert "block_size = int(get_spec().speculative_num_draft_tokens)" in source
     original = allocation_sizing.get_req_to_token_extra_context_len
     assert pkgutil.resolve_name(compat.REQ_TO_TOKEN_HEADROOM) is original  # what the hook wraps
     assert hooks.HOOKS[compat.REQ_TO_TOKEN_HEADROOM] is hooks._row_headroom
     context = 2048
     for nodes, page in ((32, 1), (31, 1), (64, 1), (32, 16)):
-        sglang_rows = original(_row_args("DDTREE", nodes, page))
-        rows = hooks._row_headroom(original, _row_args("DDTREE", nodes, page))
+        _row_context(monkeypatch, "DDTREE", nodes, page)
+        sglang_rows = original()
+        rows = hooks._row_headroom(original)
         reserve_end = (context - 1) + 2 * nodes  # a running request's last reserve
         if page > 1:  # SGLang page-aligns the reserve
             reserve_end = -(-reserve_end // page) * page
         assert context + rows >= reserve_end, (nodes, page, rows)
         assert rows >= sglang_rows
-    assert original(_row_args("DDTREE", 32)) == 36  # SGLang's own: too narrow by 27 slots
+    _row_context(monkeypatch, "DDTREE", 32)
+    assert original() == 36  # SGLang's own: too narrow by 27 slots
     for other in ("DFLASH", "EAGLE", None):
-        args = _row_args(other, 16)
-        assert hooks._row_headroom(original, args) == original(args)
+        _row_context(monkeypatch, other, 16)
+        assert hooks._row_headroom(original) == original()
 
 
 def test_unified_memory_rows_get_the_same_headroom(registered, monkeypatch):
@@ -639,5 +581,5 @@ def test_unified_memory_rows_get_the_same_headroom(registered, monkeypatch):
         return kwargs["extra_max_context_len"]
 
     for algorithm, expected in (("DDTREE", 4 + 2 * 32), ("DFLASH", 36)):
-        monkeypatch.setattr(compat, "current_server_args", lambda a=algorithm: _row_args(a, 32))
+        _row_context(monkeypatch, algorithm, 32)
         assert hooks._unified_row_headroom(sized, extra_max_context_len=36) == expected
