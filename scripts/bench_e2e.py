@@ -33,7 +33,7 @@ from sglang_ddtree import DEMO_PAIR_DIR
 from sglang_ddtree.training.corpus import heldout_prompts
 
 COMMON = ["--attention-backend", "flashinfer", "--dtype", "bfloat16", "--mem-fraction-static",
-          "0.08", "--max-running-requests", "16", "--cuda-graph-max-bs", "16"]  # fmt: skip
+          "0.08", "--max-running-requests", "16", "--cuda-graph-max-bs-decode", "16"]  # fmt: skip
 
 
 TOPK = 8  # DDTREE's --speculative-eagle-topk, and the reference engine's topk beside it

@@ -476,7 +476,7 @@ def main() -> int:
     p.add_argument("--batch", default="1,4,8,16")
     p.add_argument("--tokens", type=int, default=96)
     p.add_argument("--profile", default="ddtree64", help="variants to profile at bs 1 and 8")
-    p.add_argument("--graph-max-bs", type=int, help="--cuda-graph-max-bs (default: max --batch)")
+    p.add_argument("--graph-max-bs", type=int, help="--cuda-graph-max-bs-decode (default: max --batch)")
     p.add_argument("--port-base", type=int, default=32000, help="variant i listens on base + i")
     p.add_argument("--max-running", type=int, default=16, help="the most running requests a "
                    "variant is started with (the Mamba pool sized for them)")  # fmt: skip
@@ -508,7 +508,7 @@ def main() -> int:
         # NAME@B+B: that variant at those batch sizes only
         name, _, only = spec.partition("@")
         batches = [int(b) for b in (only.split("+") if only else args.batch.split(","))]
-        extra = [*common, "--cuda-graph-max-bs", str(graph_bs), *table[name]]
+        extra = [*common, "--cuda-graph-max-bs-decode", str(graph_bs), *table[name]]
         server = harness.Server(name, str(target), args.port_base + i, extra,
                                 env=variant_env(name), log_dir=args.out)  # fmt: skip
         print(json.dumps({"variant": name, "gpu_free_gib": round(wait_gpu_free(baseline), 1)}))

@@ -50,7 +50,7 @@ from sglang_ddtree import DEMO_PAIR_DIR
 from sglang_ddtree.training.corpus import heldout_prompts
 
 COMMON = ["--attention-backend", "flashinfer", "--dtype", "bfloat16", "--mem-fraction-static",
-          "0.08", "--max-running-requests", "32", "--cuda-graph-max-bs", "32",
+          "0.08", "--max-running-requests", "32", "--cuda-graph-max-bs-decode", "32",
           "--disable-prefill-cuda-graph"]  # fmt: skip
 TOPK = 8
 NODES = 32  # the pair's default tree: N = 2B

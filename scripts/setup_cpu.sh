@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv with the CPU stack (torch 2.14.1 + transformers 5.12.1 + sglang 0.5.17's Python
+# Create .venv with the CPU stack (torch 2.14.1 + transformers 5.19.0 + sglang 0.5.23's Python
 # code, installed --no-deps so pip never resolves sglang's GPU pins) and this package. Idempotent:
 # a second run only reinstalls this package. pip's own output goes to .venv/setup.log.
 set -euo pipefail
@@ -24,11 +24,11 @@ fi
 if [ ! -f .venv/.ddtree-ready ] || [ scripts/requirements-cpu.txt -nt .venv/.ddtree-ready ]; then
   t0=$SECONDS
   step "installing torch 2.14.1 (with its CUDA libraries: ~3 GB to download, ~6 GB in .venv),"
-  step "transformers 5.12.1 and the test tools; a few minutes (log: $LOG)"
+  step "transformers 5.19.0 and the test tools; a few minutes (log: $LOG)"
   pip_quiet --upgrade pip
   pip_quiet -r scripts/requirements-cpu.txt
-  step "installing sglang 0.5.17's Python code (--no-deps: none of its GPU pins)"
-  pip_quiet --no-deps "sglang==0.5.17"
+  step "installing sglang 0.5.23's Python code (--no-deps: none of its GPU pins)"
+  pip_quiet --no-deps "sglang==0.5.23"
   touch .venv/.ddtree-ready
   step "done in $((SECONDS - t0)) s; .venv holds $(du -sh .venv | cut -f1)"
 fi

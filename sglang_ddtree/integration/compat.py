@@ -410,7 +410,7 @@ def set_dense_conv_windows(pool: Any, windows: list) -> None:
 
 
 # --- the target's verify state per width (integration/widths.py) ---------------------------------
-# As SGLang 0.5.17's adaptive EAGLE builds one per step count (EAGLEWorkerV2.
+# As SGLang's adaptive EAGLE builds one per step count (EAGLEWorkerV2.
 # build_adaptive_runtime_state / apply_runtime_state): its own attention backend and
 # DecodeCudaGraphRunner captured at that width; switching swaps both on the model runner.
 
@@ -441,6 +441,8 @@ def build_target_verify_state(model_runner: Any, width: int) -> tuple[Any, Any] 
         backend = model_runner._get_attention_backend(init_new_workspace=True)
     finally:
         model_runner.init_new_workspace = workspace
+    # the runner's KV translator on the new backend, as SGLang binds its own at start-up
+    model_runner.kv_index_translator.bind_and_verify_backends([backend])
     spec = get_spec()
     before = target_verify_state(model_runner)
     # the runner's capture reads a few things off the model runner (its backend's warm-up

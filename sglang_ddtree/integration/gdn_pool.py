@@ -1,6 +1,6 @@
 """A compact Gated DeltaNet verify scratch in SGLang's Mamba pool (the default; SGLANG_DDTREE_GDN_SCRATCH).
 
-SGLang 0.5.17 gives every running request N full recurrent states per GDN layer for a verify
+SGLang gives every running request N full recurrent states per GDN layer for a verify
 (`intermediate_ssm` [layers, requests + 1, N, HV, V, K]: 9.7 GB per request at 27B and N = 64)
 and sizes the Mamba pool for it, which caps DDTREE at 4 running requests at N = 64 on an H200.
 DDTREE's own verify (integration/gdn.py) keeps only each node's inputs, `scratch_floats` words
@@ -65,12 +65,11 @@ def size_mamba_pool(original, configurator, total_rest_memory):
     states that hold the compact buffers (the solver charges `mamba_cache_per_req` per state)."""
     if configurator.spec_algorithm.is_none() or not compact_on():
         return original(configurator, total_rest_memory)
-    from sglang.srt.runtime_context import get_spec
+    from sglang.srt.runtime_context import get_spec, max_speculative_num_draft_tokens
 
     params = configurator.mambaish_config.mamba2_cache_params
     spec = get_spec()
-    N = int(configurator.server_args.max_speculative_num_draft_tokens
-            or spec.speculative_num_draft_tokens)  # fmt: skip
+    N = int(max_speculative_num_draft_tokens() or spec.speculative_num_draft_tokens)
     states = math.ceil(compact_bytes_per_request(params, N) / params.mamba_cache_per_req)
     logger.info(
         "sglang_ddtree: Mamba pool sized for %d verify state(s) per request instead of %d "

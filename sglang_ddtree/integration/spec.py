@@ -165,6 +165,11 @@ def _validate_sampling_and_parallelism(view: Any) -> None:
         int(view.tp_size) == 1,
         f"DDTREE's draft head runs on one GPU: use --tp-size 1, got {view.tp_size}.",
     )
+    _validate_features(view)
+
+
+def _validate_features(view: Any) -> None:
+    """SGLang features a DDTREE round does not serve."""
     _require(
         not (view.enable_linear_replayssm or view.enable_linear_replayssm_spec),
         "ReplaySSM verifies chains only; drop --enable-linear-replayssm(-spec) for DDTREE.",

@@ -41,7 +41,7 @@ PAIR_NUM_NODES, PAIR_TOPK = 32, 8
 COMMON = [
     "--attention-backend", "flashinfer", "--dtype", "bfloat16", "--mem-fraction-static", "0.15",
     "--max-total-tokens", "65536", "--max-mamba-cache-size", "256",
-    "--max-running-requests", "16", "--cuda-graph-max-bs", "16", "--context-length", "2048",
+    "--max-running-requests", "16", "--cuda-graph-max-bs-decode", "16", "--context-length", "2048",
     # SGLang 0.5.17 captures prefill graphs by default (about 70 s of each start-up); the decode
     # rounds the tests compare do not use them
     "--disable-prefill-cuda-graph",

@@ -577,9 +577,7 @@ CONV = "first tree conv1d through sglang_ddtree.gdn.conv_tree"
 COMPACT = ("Mamba pool sized for", "compact GDN verify scratch for")  # solver and pool hooks
 HOSTPLAN = "first verify plan from host lengths"
 MASKPACK = "first verify mask packed by integration/mask_pack.py"
-TRACK_LINE = "Mamba tracking buffers of one slot gathered by integration/accept_path.py"
-ACCEPT = ("first accepted path's commit steps through integration/accept_path.py",
-          "first accepted path moved to the front by integration/accept_path.py")  # fmt: skip
+ACCEPT = ("first accepted path moved to the front by integration/accept_path.py",)
 WIDTH = {"auto": "DDTREE verify width: auto among", "fixed": "DDTREE verify width: fixed at"}
 
 
@@ -628,9 +626,7 @@ NOT_ENGAGED = {
     "ddtree_fixed": (PATHS, WIDTH["auto"]),
     "ddtree_sglangplan": (PATHS, HOSTPLAN, MASKPACK),
     "ddtree_torchpack": (PATHS, WIDTH["fixed"], MASKPACK),
-    # (the one-slot tracking line: only where the prefix cache tracks Mamba states, so not in
-    # ACCEPT; the switch turns it off with the rest)
-    "ddtree_sglangaccept": (PATHS, WIDTH["fixed"], *ACCEPT, f"first {TRACK_LINE}"),
+    "ddtree_sglangaccept": (PATHS, WIDTH["fixed"], *ACCEPT),
     **{
         v: (CHUNK,)
         for v in ("ddtree_paths", "ddtree_det", "ddtree_det_sglangconv", "ddtree_det_full")

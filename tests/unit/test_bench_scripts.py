@@ -58,7 +58,7 @@ def test_bench_round_server_commands_parse(tmp_path):
     bench = _script("bench_round")
     _, draft = bench.write_configs(tmp_path)
     for name, extra in bench.variants(draft).items():
-        ns = _parse_cli(["--model-path", "x", *bench.COMMON, "--cuda-graph-max-bs", "8", *extra])
+        ns = _parse_cli(["--model-path", "x", *bench.COMMON, "--cuda-graph-max-bs-decode", "8", *extra])
         assert ns.load_format == "dummy", name
         if name.startswith("ddtree"):
             nodes = int(name[6:].split("_")[0])

@@ -120,9 +120,11 @@ def solve(hook: bool, total_gib: float, num_nodes=64, running=16, mamba_slots=No
                                             max_mamba_cache_size=mamba_slots):  # fmt: skip
         cfg = SimpleNamespace(mambaish_config=SimpleNamespace(mamba2_cache_params=cache_params()),
                               server_args=get_context().server_args,
-                              ps=SimpleNamespace(pp_size=1, attn_dp_size=1),
+                              pp_size=1, attn_dp_size=1, fused_entry_bytes=lambda kind: None,
+                              extra_mamba_cache_bytes_per_req=0,
                               spec_algorithm=SimpleNamespace(is_none=lambda: False),
-                              hybrid_gdn_config=object(), model_config=None)  # fmt: skip
+                              hybrid_gdn_config=object(), hybrid_kda_config=None,
+                              model_config=None)  # fmt: skip
         cfg._calculate_mamba_ratio = lambda: KVCacheConfigurator._calculate_mamba_ratio(cfg)
         solver = KVCacheConfigurator._handle_max_mamba_cache
         if hook:

@@ -166,6 +166,19 @@ def test_the_tree_packer_gives_the_bytes_of_the_written_mask_on_the_gpu():
         assert torch.equal(got.cpu(), want), (seq, N)
 
 
+def _attn_arg_kwargs(pools, seq, req_to_token) -> dict:
+    """generate_attn_arg_prefill's keywords as SGLang's FlashInfer plan passes them: the
+    round's KV plan over a static pool (its translator reads req_to_token as it is)."""
+    from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
+
+    translator = KVIndexTranslator(req_to_token=req_to_token, token_to_kv_pool_allocator=None,
+                                   token_to_kv_pool=None, page_size=1, device="cpu")  # fmt: skip
+    plan = translator.plan(req_pool_indices=pools, seq_lens=seq, seq_lens_cpu=seq,
+                           write_virtual=None)  # fmt: skip
+    return dict(req_pool_indices=pools, paged_kernel_lens=seq,
+                paged_kernel_lens_sum=int(seq.sum()), translator=translator, plan=plan)  # fmt: skip
+
+
 @interpreter_only
 @pytest.mark.parametrize("seq,N", [([6, 2, 11], 4), ([1], 16), ([40, 3, 9, 1, 17], 8)])
 def test_the_staged_lengths_give_sglangs_attention_arguments(seq, N):
@@ -178,14 +191,14 @@ def test_the_staged_lengths_give_sglangs_attention_arguments(seq, N):
     bs = len(seq)
     req_to_token = torch.randperm(bs * 200).view(bs, 200).to(torch.int32)
     pools = torch.randperm(bs)
-    args = (pools, seq, int(seq.sum()), req_to_token)
-    want = info.generate_attn_arg_prefill(*args)  # SGLang's
+    args = _attn_arg_kwargs(pools, seq, req_to_token)
+    want = info.generate_attn_arg_prefill(**args)  # SGLang's
     plan = verify_plan.host_plan(seq, N)
     kv_lens, kv_indptr, _ = _split(plan.lengths)
     from sglang_ddtree.integration.verify_input import StagedAttnArgs
 
     info.staged_attn_args = StagedAttnArgs(kv_lens, kv_indptr, plan.qo_indptr, plan.total_kv)
-    got = info.generate_attn_arg_prefill(*args)
+    got = info.generate_attn_arg_prefill(**args)
     total = int(want[1][-1])
     assert total == plan.total_kv
     assert torch.equal(got[0][:total], want[0][:total]) and got[0].numel() == want[0].numel()

@@ -156,7 +156,7 @@ def test_the_hook_target_has_the_signature_the_hook_assumes():
     from sglang_ddtree.integration import compat, hooks
 
     params = list(inspect.signature(module.eagle_sample).parameters)
-    assert params == ["verify_input", "batch", "logits_output", "grammar_mask"]
+    assert params[:4] == ["verify_input", "batch", "logits_output", "grammar_mask"]
     assert compat.EAGLE_SAMPLE == f"{module.__name__}.eagle_sample"
     assert hooks.HOOKS[compat.EAGLE_SAMPLE] is penalties.eagle_sample
     import dataclasses
@@ -186,21 +186,20 @@ def test_min_p_keeps_what_sglangs_plain_sampler_keeps_in_the_same_proportions():
 
 
 def test_min_p_rides_on_sglangs_tree_sampling_for_the_call_only(monkeypatch):
-    """With min_p asked, the hook hands SGLang's target-only tree sampling (sgl_kernel, imported
-    at call time inside eagle_sample) the filtered probs, and puts SGLang's function back."""
-    import sys
+    """With min_p asked, the hook hands SGLang's target-only tree sampling (the global of
+    eagle_sample's module that eagle_sample calls) the filtered probs, passes SGLang's further
+    arguments on, and puts SGLang's function back."""
+    from sglang_ddtree.integration import compat
 
+    module = pytest.importorskip(compat.TREE_SAMPLER_MODULE)
     seen = []
-    kernel = SimpleNamespace(tree_speculative_sampling_target_only=lambda **kw: seen.append(kw))
-    monkeypatch.setitem(sys.modules, "sgl_kernel", kernel)
-    original_kernel = kernel.tree_speculative_sampling_target_only
+    monkeypatch.setattr(module, compat.TREE_SAMPLER, lambda **kw: seen.append(kw))
+    original_kernel = getattr(module, compat.TREE_SAMPLER)
     probs = torch.tensor([[[0.5, 0.3, 0.15, 0.05]]])
 
-    def eagle_sample(verify_input, batch_, output, grammar_mask=None):  # SGLang's shape of it
-        from sgl_kernel import tree_speculative_sampling_target_only
-
-        tree_speculative_sampling_target_only(predicts=None, target_probs=probs)
-        return "sampled"
+    def eagle_sample(verify_input, batch_, output, grammar_mask=None, uno=None, *, mark=None):
+        getattr(module, compat.TREE_SAMPLER)(predicts=None, target_probs=probs)
+        return ("sampled", uno, mark)  # SGLang's shape of it: the module global at call time
 
     info = SimpleNamespace(need_min_p_sampling=True, min_ps=torch.tensor([0.5]),
                            acc_additive_penalties=None, acc_scaling_penalties=None)  # fmt: skip
@@ -208,16 +207,32 @@ def test_min_p_rides_on_sglangs_tree_sampling_for_the_call_only(monkeypatch):
     verify = SimpleNamespace(tree_visibility=torch.ones(1, 1, 1, dtype=torch.bool))
     penalties.activate(PenaltyTable(rows=1, vocab=4, device="cpu"))
     try:
-        assert penalties.eagle_sample(eagle_sample, verify, batch, None) == "sampled"
+        got = penalties.eagle_sample(eagle_sample, verify, batch, None, None, 7, mark="w")
     finally:
         penalties.activate(None)
+    assert got == ("sampled", 7, "w")
     torch.testing.assert_close(seen[0]["target_probs"], torch.tensor([[[0.625, 0.375, 0, 0]]]))
-    assert kernel.tree_speculative_sampling_target_only is original_kernel
+    assert getattr(module, compat.TREE_SAMPLER) is original_kernel
+
+
+def test_sglangs_eagle_sample_calls_the_sampler_the_min_p_hook_replaces():
+    """The real eagle_sample looks its target-only tree sampler up as a global of its module at
+    call time (what compat.tree_sampling_probs replaces for the call): were it imported under
+    another name, or from another module, min_p would silently stop applying inside the tree."""
+    from sglang_ddtree.integration import compat
+
+    module = pytest.importorskip(compat.TREE_SAMPLER_MODULE)
+    assert compat.TREE_SAMPLER in module.eagle_sample.__code__.co_names
+    assert compat.TREE_SAMPLER not in module.eagle_sample.__code__.co_varnames
+    assert hasattr(module, compat.TREE_SAMPLER)  # the kernel on CUDA (None on this CPU)
+    source = inspect.getsource(module.eagle_sample)
+    assert f"sampling_fn = {compat.TREE_SAMPLER}" in source
+    assert "target_probs=target_probs" in source  # the keyword the hook's wrapper takes
 
 
 def test_the_worker_makes_its_table_once_the_request_pool_exists(monkeypatch):
-    """Session 12's GPU run: every penalties server died at start-up, its worker reading the
-    request pool in __init__, which SGLang 0.5.17's scheduler runs before it allocates any pool
+    """Every penalties server once died at start-up, its worker reading the
+    request pool in __init__, which SGLang's scheduler runs before it allocates any pool
     (the pool is None then; the worker's model_runner is the target's). The table is made in
     alloc_memory_pool, after DFlashWorkerV2's allocation, from the target's pool rows and
     vocabulary."""
@@ -234,7 +249,7 @@ def test_the_worker_makes_its_table_once_the_request_pool_exists(monkeypatch):
     runner = SimpleNamespace(req_to_token_pool=None, model_config=SimpleNamespace(vocab_size=V))
     worker = object.__new__(DDTreeWorker)  # the attributes the two methods read, no __init__
     worker.model_runner, worker.device = runner, "cpu"
-    worker.ps = SimpleNamespace(tp_rank=0)  # the table's size goes to the log on rank 0
+    worker._tp_rank = 0  # the table's size goes to the log on rank 0
     worker._target_worker = SimpleNamespace(model_runner=runner)  # behind target_worker
     with pytest.raises(AttributeError):  # what __init__ met: no pool yet
         DDTreeWorker._penalty_table(worker)

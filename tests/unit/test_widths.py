@@ -486,7 +486,7 @@ def _worker(N: int = 32, B: int = 16):
 
     w = worker_mod.DDTreeWorker.__new__(worker_mod.DDTreeWorker)
     w.cfg = DDTreeConfig(block_size=B, num_nodes=N, topk=8)
-    w.ps = SimpleNamespace(tp_rank=0)
+    w._tp_rank = 0
     w._tree_head = _Head(max_bs=4, num_nodes=N)
     w._target_worker = SimpleNamespace(model_runner=SimpleNamespace(
         attn_backend="backend N", decode_cuda_graph_runner=None))  # fmt: skip
