@@ -391,8 +391,12 @@ def append_draft_kv(worker: Any, **kwargs: Any) -> None:
 
 
 def init_draft_cuda_graphs(worker: Any, capture: bool) -> None:
-    """Capture (or not) the draft model's decode CUDA graphs through DFlashWorkerV2's draft worker."""
-    worker._draft_worker.init_cuda_graphs(capture_decode_cuda_graph=capture)
+    """Capture (or not) the draft model's decode CUDA graphs through DFlashWorkerV2's draft
+    worker, in the draft's parallel scope as DFlashWorkerV2 captures them."""
+    from sglang.srt.speculative.spec_utils import draft_pp_context
+
+    with draft_pp_context(), draft_scope(worker):
+        worker._draft_worker.init_cuda_graphs(capture_decode_cuda_graph=capture)
 
 
 def flashinfer_mask_capacity(wrapper: Any) -> int | None:

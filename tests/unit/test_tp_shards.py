@@ -149,8 +149,9 @@ def test_the_compact_scratch_is_sized_per_rank_from_sglangs_own_shapes(monkeypat
         sys.path.remove(str(ROOT / "scripts"))
     cfg = q35.Qwen3_5TextConfig(**bench_round.QWEN36_TEXT)
 
-    def params(t: int):
+    def params(t: int):  # SGLang reads the linear layers' TP width from its runtime context
         monkeypatch.setattr(qwen3_next, "get_parallel", lambda: SimpleNamespace(attn_tp_size=t))
+        monkeypatch.setattr(qwen3_next, "linear_attn_tp_size", lambda: t)
         return cfg.mamba2_cache_params
 
     one, rank = params(1), params(tp)
