@@ -107,13 +107,13 @@ def _free_port() -> int:
 
 @contextlib.contextmanager
 def sglang_cpu_model_context(model_path: str | os.PathLike) -> Iterator[None]:
-    """Let SGLang 0.5.17 model classes be *constructed* (and load weights) on a CPU-only box.
+    """Let SGLang 0.5.23 model classes be *constructed* (and load weights) on a CPU-only box.
 
     Test-only: checks that SGLang's own `load_weights` accepts our checkpoints. It publishes a
     one-rank gloo process group and ServerArgs for `model_path` (radix cache off: SGLang's hybrid
     cache checks want CUDA), and patches, for the duration of the block only: RoPE's platform
     flag (CPU path instead of vllm/sgl-kernel), the row-parallel linear's symmetric-memory
-    context (needs a TP group object) and `torch.get_device_module` (GDN layers ask the
+    context and `torch.get_device_module` (GDN layers ask the
     accelerator for its current device). Everything is undone on exit.
     Modules built here run their `forward_native` paths only after `use_native_forward`.
     """
@@ -124,9 +124,9 @@ def sglang_cpu_model_context(model_path: str | os.PathLike) -> Iterator[None]:
     from sglang.srt.server_args import ServerArgs
 
     server_args = ServerArgs(model_path=str(model_path), device="cpu", disable_radix_cache=True)
+    server_args.resolve_once()  # SGLang's model classes read resolved fields as they build
     patches = [
         (rope_base, "_is_cpu", True),
-        (sgl_linear, "get_tp_group", lambda: None),
         (sgl_linear, "use_symmetric_memory", lambda *a, **k: contextlib.nullcontext()),
         (torch, "get_device_module", lambda *a: torch.cpu),
     ]
@@ -134,6 +134,8 @@ def sglang_cpu_model_context(model_path: str | os.PathLike) -> Iterator[None]:
     for obj, name, value in patches:
         setattr(obj, name, value)
     _CONTEXT.set_server_args(server_args)
+    ones = dict(tp_size=1, pp_size=1, attn_tp_size=1, attn_dp_size=1)
+    zeros = dict(tp_rank=0, pp_rank=0, attn_tp_rank=0, attn_dp_rank=0)
     ps.init_distributed_environment(
         backend="gloo",
         world_size=1,
@@ -141,11 +143,10 @@ def sglang_cpu_model_context(model_path: str | os.PathLike) -> Iterator[None]:
         local_rank=0,
         distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
     )
-    ps.initialize_model_parallel(1, 1)
-    ones = dict(tp_size=1, pp_size=1, attn_tp_size=1, attn_dp_size=1, world_size=1)
-    zeros = dict(tp_rank=0, pp_rank=0, attn_tp_rank=0, attn_dp_rank=0, world_rank=0)
     try:
+        # SGLang builds its groups at the widths its runtime context publishes
         with get_parallel().override(**ones, **zeros):
+            ps.initialize_model_parallel(backend="gloo")
             yield
     finally:
         ps.destroy_model_parallel()
