@@ -151,15 +151,17 @@ def _restore(info, saved) -> None:
 
 def _stop_mask(reqs, vocab: int, device) -> torch.Tensor:
     """[bs, vocab] bool: each request's stop tokens as SGLang's min_new_tokens penalizer takes
-    them (stop_token_ids, the tokenizer's additional stop tokens and its EOS)."""
+    them (stop_token_ids, the model's EOS ids, the tokenizer's additional stop tokens and its
+    EOS)."""
     at, ids = [], []
     for b, req in enumerate(reqs):
         tok = getattr(req, "tokenizer", None)
         stops = set(req.sampling_params.stop_token_ids or ())
+        stops |= set(getattr(req, "eos_token_ids", None) or ())
         stops |= set(getattr(tok, "additional_stop_token_ids", None) or ())
         if getattr(tok, "eos_token_id", None) is not None:
             stops.add(tok.eos_token_id)
-        stops = [s for s in stops if 0 <= s < vocab]
+        stops = [s for s in stops if s is not None and 0 <= s < vocab]
         at += [b] * len(stops)
         ids += stops
     mask = torch.zeros(len(reqs), vocab, dtype=torch.bool, device=device)

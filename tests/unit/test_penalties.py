@@ -78,7 +78,7 @@ def test_eos_is_blocked_per_node_until_min_tokens():
 
 
 def test_one_position_is_penalised_as_sglangs_own_penalizers_do():
-    """`penalize` against SGLang 0.5.17's penalizer classes driven as its overlap scheduler drives
+    """`penalize` against SGLang's penalizer classes driven as its overlap scheduler drives
     them (cumulate the output tokens, accumulate the additive penalties, then the scaling ones,
     SamplingBatchInfo.apply_logits_bias's order): the same logits, negative and positive ones,
     tokens seen once and twice, all three penalties at once and min_new_tokens's EOS block."""
@@ -92,8 +92,8 @@ def test_one_position_is_penalised_as_sglangs_own_penalizers_do():
     params = [(0.4, 0.3, 1.3, 0), (-0.2, 0.5, 0.8, 9), (0.0, 0.0, 1.0, 0)]
     reqs = [SimpleNamespace(sampling_params=SimpleNamespace(
         frequency_penalty=f, presence_penalty=p, repetition_penalty=r, min_new_tokens=m,
-        stop_token_ids=None), tokenizer=SimpleNamespace(additional_stop_token_ids=None,
-                                                         eos_token_id=eos))
+        stop_token_ids=None), eos_token_ids=None,
+        tokenizer=SimpleNamespace(additional_stop_token_ids=None, eos_token_id=eos))
         for f, p, r, m in params]  # fmt: skip
 
     class Batch:  # the orchestrator keeps a weak reference to its batch

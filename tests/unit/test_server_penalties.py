@@ -19,11 +19,14 @@ from sglang_ddtree.tree.testing import random_build_inputs
 V = 29
 
 
-def _req(output=(), f=0.0, p=0.0, r=1.0, min_new=0, stops=None, eos=2):
+def _req(output=(), f=0.0, p=0.0, r=1.0, min_new=0, stops=None, eos=2, model_eos=None):
+    """A request's fields the penalties read; model_eos: the model's own EOS ids
+    (Req.eos_token_ids, which SGLang's min_new_tokens penalizer blocks too)."""
     params = SimpleNamespace(frequency_penalty=f, presence_penalty=p, repetition_penalty=r,
                              min_new_tokens=min_new, stop_token_ids=stops)  # fmt: skip
     tok = SimpleNamespace(eos_token_id=eos, additional_stop_token_ids=None)
-    return SimpleNamespace(output_ids=list(output), sampling_params=params, tokenizer=tok)
+    return SimpleNamespace(output_ids=list(output), sampling_params=params, tokenizer=tok,
+                           eos_token_ids=model_eos)  # fmt: skip
 
 
 def test_the_table_counts_each_requests_output_tokens():
@@ -86,7 +89,8 @@ def _per_node(raw, tree, counts, req):
         x = penalize(raw[i], c, c > 0, sp.frequency_penalty, sp.presence_penalty,
                      sp.repetition_penalty)  # fmt: skip
         if c.sum() < sp.min_new_tokens:  # no stop token yet (its EOS and stop_token_ids)
-            for s in {req.tokenizer.eos_token_id, *(sp.stop_token_ids or ())}:
+            for s in {req.tokenizer.eos_token_id, *(sp.stop_token_ids or ()),
+                      *(req.eos_token_ids or ())}:  # fmt: skip
                 x[s] = float("-inf")
         out[i] = x
     return out
@@ -98,7 +102,7 @@ def test_the_hook_penalises_every_node_by_its_own_path_and_hides_sglangs_vectors
     table = PenaltyTable(rows=5, vocab=V, device="cpu")
     slots = torch.tensor([4, 1, 2])
     reqs = [_req(output=[3, 3, 7], f=0.5, p=0.3, r=1.4),
-            _req(output=[1], min_new=5, stops=[6]),
+            _req(output=[1], min_new=5, stops=[6], model_eos={5, 11}),
             _req()]  # fmt: skip
     table.restart(reqs, slots, torch.tensor([8, 9, 10]))
     gen = torch.Generator().manual_seed(1)
