@@ -53,6 +53,12 @@ class DDTreeSpec(CustomSpecAlgo):
     def is_uno(self) -> bool:
         return False  # UNO's own worker, pools and request checks are keyed on this
 
+    def supports_ragged_verify(self) -> bool:
+        return False  # every request of a round verifies the same width (uniform graphs)
+
+    def has_draft_kv(self) -> bool:
+        return True  # the DFlash draft keeps KV of the committed context
+
     def resolve_max_speculative_num_draft_tokens(self, server_args: Any) -> int | None:
         # The widest verify: every automatic width is at most N, and the draft block B <= N.
         return super().resolve_max_speculative_num_draft_tokens(server_args)
