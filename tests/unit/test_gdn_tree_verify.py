@@ -452,12 +452,15 @@ def test_hooks_commit_the_state_sglangs_own_tree_verify_and_commit_would(
     monkeypatch.setattr(compat, "scatter_mamba_states_after_mtp_verify",
                         lambda: lambda *a: scattered.append(a))  # fmt: skip
     meta = SimpleNamespace(retrieve_parent_token=parents, mamba_cache_indices=case.slots)
-    pool = SimpleNamespace(get_speculative_mamba2_params_all_layers=lambda: caches)
+    # the scheduler names track slots virtually (a unified pool): the commit translates them, as
+    # SGLang's own commit does (here virtual = physical + 100); the state slots come physical
+    pool = SimpleNamespace(get_speculative_mamba2_params_all_layers=lambda: caches,
+                           translate_mamba_indices=lambda i: torch.where(i >= 0, i - 100, i))  # fmt: skip
     backend = SimpleNamespace(linear_attn_backend=SimpleNamespace(
         forward_metadata=meta, req_to_token_pool=pool,
         verify_intermediate_state_indices=torch.arange(bs + 1, dtype=torch.int32)))  # fmt: skip
     free = next(s for s in range(S) if s not in case.slots.tolist())
-    track_idx = torch.tensor([-1, free], dtype=torch.int32)
+    track_idx = torch.tensor([-1, free + 100], dtype=torch.int32)
     gdn.commit(None, backend, last, track_idx, track_node, model=None)
     for b in range(bs):
         got = temporal[0, int(case.slots[b])]
