@@ -109,22 +109,21 @@ def _free_port() -> int:
 def sglang_cpu_model_context(model_path: str | os.PathLike) -> Iterator[None]:
     """Let SGLang 0.5.23 model classes be *constructed* (and load weights) on a CPU-only box.
 
-    Test-only: checks that SGLang's own `load_weights` accepts our checkpoints. It publishes a
-    one-rank gloo process group and ServerArgs for `model_path` (radix cache off: SGLang's hybrid
-    cache checks want CUDA), and patches, for the duration of the block only: RoPE's platform
-    flag (CPU path instead of vllm/sgl-kernel), the row-parallel linear's symmetric-memory
-    context and `torch.get_device_module` (GDN layers ask the
-    accelerator for its current device). Everything is undone on exit.
+    Test-only: checks that SGLang's own `load_weights` accepts our checkpoints. It publishes
+    ServerArgs for `model_path` (radix cache off: SGLang's hybrid cache checks want CUDA) at
+    world rank 0, builds one-rank gloo process groups, and patches, for the duration of the
+    block only: RoPE's platform flag (CPU path instead of vllm/sgl-kernel), the row-parallel
+    linear's symmetric-memory context (a CUDA allocator) and `torch.get_device_module` (GDN
+    layers ask the accelerator for its current device). Everything is undone on exit.
     Modules built here run their `forward_native` paths only after `use_native_forward`.
     """
     import sglang.srt.layers.linear as sgl_linear
     import sglang.srt.layers.rotary_embedding.base as rope_base
     from sglang.srt.distributed import parallel_state as ps
-    from sglang.srt.runtime_context import _CONTEXT, get_parallel, reset_context
+    from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
     from sglang.srt.server_args import ServerArgs
 
     server_args = ServerArgs(model_path=str(model_path), device="cpu", disable_radix_cache=True)
-    server_args.resolve_once()  # SGLang's model classes read resolved fields as they build
     patches = [
         (rope_base, "_is_cpu", True),
         (sgl_linear, "use_symmetric_memory", lambda *a, **k: contextlib.nullcontext()),
@@ -133,21 +132,18 @@ def sglang_cpu_model_context(model_path: str | os.PathLike) -> Iterator[None]:
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     for obj, name, value in patches:
         setattr(obj, name, value)
-    _CONTEXT.set_server_args(server_args)
-    ones = dict(tp_size=1, pp_size=1, attn_tp_size=1, attn_dp_size=1)
-    zeros = dict(tp_rank=0, pp_rank=0, attn_tp_rank=0, attn_dp_rank=0)
-    ps.init_distributed_environment(
-        backend="gloo",
-        world_size=1,
-        rank=0,
-        local_rank=0,
-        distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
-    )
-    try:
-        # SGLang builds its groups at the widths its runtime context publishes
-        with get_parallel().override(**ones, **zeros):
-            ps.initialize_model_parallel(backend="gloo")
-            yield
+    try:  # a failure part-way through still undoes the patches and the groups
+        # The process's place (world rank 0) gives every rank SGLang's layers read: all 0.
+        publish(server_args, role="test", ranks=SpawnRanks(world_rank=0))
+        ps.init_distributed_environment(
+            backend="gloo",
+            world_size=1,
+            rank=0,
+            local_rank=0,
+            distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
+        )
+        ps.initialize_model_parallel()  # widths from the published ServerArgs: all 1
+        yield
     finally:
         ps.destroy_model_parallel()
         ps.destroy_distributed_environment()

@@ -1,4 +1,4 @@
-"""Seeded tiny checkpoints that both transformers 5.12.1 and SGLang 0.5.17 load.
+"""Seeded tiny checkpoints that both transformers 5.19.0 and SGLang 0.5.23 load.
 
 Every writer is deterministic for a given seed (same bytes on the same machine and Python):
 the tokenizer is trained on a sorted list of stdlib files, weights come from `torch.manual_seed`

@@ -1,4 +1,4 @@
-"""Contracts between the reference engine's parts (batch 1, CPU or GPU, transformers 5.12.1).
+"""Contracts between the reference engine's parts (batch 1, CPU or GPU, transformers 5.19.0).
 
 The round, in the paper's five steps:
   draft    DraftRunner.draft_logits(bonus, position) -> per-position logits of q_1..q_L

@@ -8,7 +8,9 @@ what the layer would compute if that node's path were appended to the committed 
 token by token; the plain reference for that is the model's own sequential decode, which the
 tests compare against.
 
-State layout follows transformers' `LinearAttentionLayer` cache (Qwen3.5 / Qwen3.6):
+State layout follows transformers' `LinearAttentionLayer` cache (Qwen3.5 / Qwen3.6), one batch
+row of its state 0 (transformers 5.19 keeps `conv_states[0]` [B, C, kernel] and
+`recurrent_states[0]` [B, Hv, Dk, Dv]):
   conv state       [C, kernel]       the last `kernel` pre-conv inputs (in_proj_qkv output),
                                      oldest first; C = 2 * key_dim + value_dim
   recurrent state  [Hv, Dk, Dv]      the delta-rule memory of every value head
@@ -16,6 +18,8 @@ State layout follows transformers' `LinearAttentionLayer` cache (Qwen3.5 / Qwen3
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -78,6 +82,17 @@ def _tree_conv(
     return F.silu(out).to(mixed.dtype), windows.to(conv_state0.dtype)
 
 
+def recurrent_kernel(module: nn.Module) -> Callable:
+    """The single-token delta-rule kernel the layer's own cached decode step calls.
+
+    transformers 5.19 calls a function of the layer's modeling module,
+    `torch_recurrent_gated_delta_rule` (FLA's fused kernel when installed, else the torch loop),
+    not a method of the layer; using the same one keeps the tree's states bit-comparable with
+    sequential decoding.
+    """
+    return sys.modules[type(module).__module__].torch_recurrent_gated_delta_rule
+
+
 def _delta_rule_tree(
     module: nn.Module,
     q: torch.Tensor,
@@ -95,6 +110,7 @@ def _delta_rule_tree(
     -> (core output [N, Hv, Dv], post-states [N, Hv, Dk, Dv] in state0's dtype).
     """
     n, hv, dv = v.shape
+    kernel = recurrent_kernel(module)
     core = v.new_empty(n, hv, dv)  # [N, Hv, Dv]
     states = state0.new_empty(n, *state0.shape)  # [N, Hv, Dk, Dv]
     for level, nodes in enumerate(levels):
@@ -104,7 +120,7 @@ def _delta_rule_tree(
         else:
             init = states[parents[nodes]]
         # the module's own single-token kernel (torch reference on CPU, FLA's when installed)
-        out, post = module.recurrent_gated_delta_rule(
+        out, post = kernel(
             q[nodes, None],
             k[nodes, None],
             v[nodes, None],

@@ -3,7 +3,7 @@
 `HFTargetRunner` wraps a transformers causal LM (Qwen3ForCausalLM, Qwen3_5ForCausalLM or
 Qwen3_5ForConditionalGeneration, text path) and keeps the model's own cache, created by the model
 itself on prefill (`DynamicCache(config=...)`: KV layers for full attention, `LinearAttentionLayer`
-conv + recurrent states for Gated DeltaNet).
+conv + recurrent states for Gated DeltaNet, kept as state 0 of each layer's dict of states).
 
 verify runs one tree through the model's layers with their own weights:
   attention layers   the N node queries attend to the whole committed prefix plus the tree nodes
@@ -88,6 +88,16 @@ def ancestor_visibility(parents: list[int]) -> torch.Tensor:
             vis[i] = vis[parents[i]]
         vis[i, i] = True
     return vis
+
+
+def gdn_cache_states(layer) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Gated DeltaNet cache layer's live (conv window [B, C, k], recurrent state [B, Hv, Dk, Dv]).
+
+    transformers 5.19's `LinearAttentionLayer` holds a dict of states per layer ({state_idx:
+    tensor}); Qwen3.5's GDN uses state 0 only. The model's own decode step updates these tensors
+    in place, so writes must be in place too.
+    """
+    return layer.conv_states[0], layer.recurrent_states[0]
 
 
 def _decoder_layer(layer: nn.Module, hidden: torch.Tensor, mixer) -> torch.Tensor:
@@ -236,12 +246,10 @@ class HFTargetRunner:
         return mixer
 
     def _gdn_mixer(self, idx: int, gdn: nn.Module, parents: torch.Tensor, record: TreeVerifyState):
-        layer = self.cache.layers[idx]
+        conv, ssm = gdn_cache_states(self.cache.layers[idx])
 
         def mixer(x: torch.Tensor) -> torch.Tensor:
-            res = gdn_tree_forward(
-                gdn, x[0], parents, layer.conv_states[0], layer.recurrent_states[0]
-            )
+            res = gdn_tree_forward(gdn, x[0], parents, conv[0], ssm[0])
             record.conv_states[idx] = res.conv_states
             record.recurrent_states[idx] = res.recurrent_states
             return res.out[None]
@@ -288,9 +296,9 @@ class HFTargetRunner:
 
     def _gdn_commit(self, idx: int, node: int) -> None:
         """Conv window and recurrent state after the deepest accepted node become the live ones."""
-        layer = self.cache.layers[idx]
-        layer.conv_states.copy_(self._pending.conv_states[idx][node][None])  # in place, like HF
-        layer.recurrent_states.copy_(self._pending.recurrent_states[idx][node][None])
+        conv, ssm = gdn_cache_states(self.cache.layers[idx])
+        conv.copy_(self._pending.conv_states[idx][node][None])  # in place, like HF's decode step
+        ssm.copy_(self._pending.recurrent_states[idx][node][None])
 
     # ---- ground truth --------------------------------------------------------------------------
 

@@ -73,7 +73,7 @@ def exact_distribution(model, prompt: list[int], num_tokens: int,
 
 def _penalised(logits, prompt: list[int], output: list[int], pen: Penalties):
     """One step's penalties, written out token by token (the definition, not the engine's), as
-    SGLang 0.5.17 applies them: over the output tokens, the additive ones first, then the
+    SGLang 0.5.23 applies them: over the output tokens, the additive ones first, then the
     repetition penalty on the result (`prompt` is not looked at)."""
     out = logits.clone()
     for t in set(output):
