@@ -399,3 +399,12 @@ def build_target_verify_state(model_runner: Any, width: int) -> tuple[Any, Any] 
 def graph_batch_sizes(runner: Any) -> tuple[int, ...]:
     """The batch sizes a decode CUDA-graph runner captured (none: no runner)."""
     return tuple(sorted(getattr(runner, "capture_bs", None) or ()))
+
+
+def front_end_sizes(tokenizer_manager: Any) -> tuple[int | None, int | None]:
+    """(vocabulary size, context length) as the tokenizer manager holds them (0.5.17 and 0.5.23:
+    `model_config.vocab_size`, `context_len`; None where absent, e.g. a stand-in)."""
+    vocab = getattr(getattr(tokenizer_manager, "model_config", None), "vocab_size", None)
+    context = getattr(tokenizer_manager, "context_len", None)
+    return (int(vocab) if vocab is not None else None,
+            int(context) if context is not None else None)  # fmt: skip
