@@ -49,6 +49,9 @@ SEED_RANGE = (-(1 << 63), (1 << 63) - 1)  # int64, the scheduler's seed tensor (
 GRAMMARS = ("json_schema", "regex", "ebnf", "structural_tag")
 # float fields SGLang range-checks itself (SamplingParams.verify); only their type is ours
 _SGLANG_RANGED = ("top_p", "min_p", "frequency_penalty", "presence_penalty")
+# flags the scheduler and the detokenizer read as they come (a string there reaches
+# tokenizer.decode or a modulo in the scheduler's output streamer)
+_FLAGS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +80,7 @@ def check_request(obj, input_ids, sizes: Sizes) -> None:
     if not isinstance(sampling, dict):
         raise ValueError(f"sampling_params must be a JSON object, got {_show(sampling)}.")
     _check_numbers(sampling)
+    _check_flags(sampling)
     _check_lengths(sampling, prompt_len, sizes.context)
     _check_logit_bias(sampling.get("logit_bias"), sizes.vocab)
     _check_stops(sampling, sizes.vocab)
@@ -133,6 +137,17 @@ def _check_numbers(sampling: dict) -> None:
     if seed is not None:
         _within("sampling_seed (seed)", _whole("sampling_seed (seed)", seed), *SEED_RANGE,
                 "(the scheduler's int64 seed tensor)")  # fmt: skip
+
+
+def _check_flags(sampling: dict) -> None:
+    """The booleans a true or false, stream_interval a whole number >= 1."""
+    for name in _FLAGS:
+        if sampling.get(name) is not None and not isinstance(sampling[name], bool):
+            raise ValueError(f"{name} must be true or false, got {_show(sampling[name])}.")
+    interval = sampling.get("stream_interval")
+    if interval is not None:
+        _within("stream_interval", _whole("stream_interval", interval), 1, INT32_MAX,
+                "tokens (the scheduler streams every that many)")  # fmt: skip
 
 
 def _check_lengths(sampling: dict, prompt_len: int | None, context: int | None) -> None:

@@ -140,6 +140,10 @@ MALFORMED = {
     "json_schema an object": (dict(sampling={"json_schema": {"type": "object"}}), ["json_schema must be a string"]),
     "token_ids_logprob a number": (dict(token_ids_logprob=5), ["token_ids_logprob must be a list"]),
     "top_logprobs_num a string": (dict(top_logprobs_num="all"), ["top_logprobs_num", "'all'"]),
+    "stream_interval a string": (dict(sampling={"stream_interval": "often"}), ["stream_interval", "'often'"]),
+    "stream_interval zero": (dict(sampling={"stream_interval": 0}), ["stream_interval=0", "[1, "]),
+    "ignore_eos a string": (dict(sampling={"ignore_eos": "yes"}), ["ignore_eos must be true or false", "'yes'"]),
+    "skip_special_tokens a number": (dict(sampling={"skip_special_tokens": 2}), ["skip_special_tokens", "2"]),
     "a custom logit processor": (dict(custom_logit_processor='{"callable": "x"}'),
                                  ["custom_logit_processor", "first token"]),
 }  # fmt: skip
