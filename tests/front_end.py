@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import importlib
 import importlib.util
 import json
@@ -101,7 +102,7 @@ class FrontEnd:
         for name in ("_validate_one_request", "_validate_token_ids_logprob"):
             method = tokenizer_manager_method(name)
             setattr(self.manager, name, types.MethodType(method, self.manager))
-        self.manager._validate_one_request(item, list(ids))
+        self.manager._validate_one_request(item, list(ids))  # SGLang's, compiled once
         params = SamplingParams(**item.sampling_params)
         params.normalize(self.tokenizer)
         params.verify(self.vocab)
@@ -149,6 +150,7 @@ class FrontEnd:
 TOKENIZER_MANAGER = "sglang.srt.managers.tokenizer_manager"
 
 
+@functools.cache
 def tokenizer_manager_method(name: str):
     """TokenizerManager.<name> compiled from SGLang's source with the names it uses imported as
     its module imports them (the module itself needs uvloop, which the CPU stack leaves out)."""
