@@ -39,7 +39,7 @@ MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_STOPS = 32  # SGLang 0.5.23's MAX_STOP_COUNT, also for stop_regex
 MAX_STOP_CHARS = 256  # SGLang 0.5.23's MAX_STOP_REGEX_LEN (bytes for stop_regex, as there)
 MAX_STOP_TOKEN_IDS = 1024
-MAX_SAMPLED_TOKENS = 1 << 20  # n x max_tokens: 128 samples of 8,192 tokens
+MAX_SAMPLED_TOKENS = 1 << 20  # n x max_tokens (or the context, if longer): 128 x 8,192
 MAX_GRAMMAR_CHARS = 1 << 16
 MAX_TEMPERATURE = 100.0
 MIN_REPETITION_PENALTY = 0.01
@@ -165,12 +165,12 @@ def _check_lengths(sampling: dict, prompt_len: int | None, context: int | None) 
     samples = sampling.get("n")
     samples = 1 if samples is None else _whole("n", samples)
     each = most if most is not None else room
-    if each is not None and samples * each > MAX_SAMPLED_TOKENS:
+    limit = MAX_SAMPLED_TOKENS if context is None else max(MAX_SAMPLED_TOKENS, context)
+    if each is not None and samples * each > limit:  # one sample alone is the context's business
         raise ValueError(
             f"n x max_tokens = {samples} x {each} = {samples * each} tokens is above DDTREE's "
-            f"limit of {MAX_SAMPLED_TOKENS} per request (each of the n samples decodes up to "
-            f"max_tokens; unset, to the context); lower n or max_tokens, or send several "
-            "requests."
+            f"limit of {limit} per request (each of the n samples decodes up to max_tokens; "
+            "unset, to the context); lower n or max_tokens, or send several requests."
         )
 
 

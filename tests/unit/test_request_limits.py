@@ -157,6 +157,14 @@ def test_malformed_values_are_refused_by_name(case):
         assert word in message, (word, message)
 
 
+def test_one_sample_may_run_to_a_context_longer_than_the_product_bound():
+    long_context = Sizes(vocab=1000, context=2**21)
+    _passes(sampling={"max_new_tokens": None}, sizes=long_context)
+    _passes(sampling={"max_new_tokens": 2**21 - 3}, sizes=long_context)
+    assert "limit of 2097152" in _refused(sampling={"n": 2, "max_new_tokens": None},
+                                          sizes=long_context)  # fmt: skip
+
+
 def test_a_long_value_is_named_by_its_start_and_length():
     message = _refused(sampling={"stop": ["z" * 10_000]})
     assert "zzz" in message and "(10002 characters)" in message and len(message) < 300
