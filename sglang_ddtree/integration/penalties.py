@@ -160,13 +160,15 @@ def _restore(info, saved) -> None:
 
 def stop_tokens(req, vocab: int) -> list[int]:
     """A request's stop tokens as SGLang's min_new_tokens penalizer takes them (stop_token_ids,
-    the tokenizer's additional stop tokens and its EOS), those in [0, vocab)."""
+    the model's EOS ids (SGLang 0.5.23's penalizer joins Req.eos_token_ids), the tokenizer's
+    additional stop tokens and its EOS), those in [0, vocab)."""
     tok = getattr(req, "tokenizer", None)
     stops = set(req.sampling_params.stop_token_ids or ())
+    stops |= set(getattr(req, "eos_token_ids", None) or ())
     stops |= set(getattr(tok, "additional_stop_token_ids", None) or ())
     if getattr(tok, "eos_token_id", None) is not None:
         stops.add(tok.eos_token_id)
-    return sorted(s for s in stops if 0 <= s < vocab)
+    return sorted(s for s in stops if s is not None and 0 <= s < vocab)
 
 
 def _device(values: list, device, dtype=torch.int64) -> torch.Tensor:

@@ -295,9 +295,10 @@ def test_each_requests_stop_tokens_are_written_once_at_its_prefill(monkeypatch):
     table = PenaltyTable(rows=4, vocab=V, device="cpu")
     table.stops[2, [1, 5, 9]] = True  # a previous occupant's stops
     reqs = [_req(min_new=3, stops=[4, 40], eos=7), _req(stops=[11])]  # 40: past the vocabulary
+    reqs[0].eos_token_ids = {12, None}  # the model's EOS ids (SGLang 0.5.23's penalizer's too)
     slots = torch.tensor([2, 0])
     table.restart(reqs, slots, torch.tensor([1, 1]))
-    assert table.stops[2].nonzero().flatten().tolist() == [4, 7]
+    assert table.stops[2].nonzero().flatten().tolist() == [4, 7, 12]
     assert not table.stops[0].any()  # no min_new_tokens: its row is never read, not written
     built = []
     monkeypatch.setattr(penalties, "stop_tokens", lambda *a: built.append(a) or [])
@@ -307,8 +308,8 @@ def test_each_requests_stop_tokens_are_written_once_at_its_prefill(monkeypatch):
         out = table.penalize_(raw.clone(), reqs, slots, tree.tokens, tree.visibility, tree.depth)
         early = tree.depth[0] + 1 < 3  # one output token so far, the floor 3
         assert early.any() and not early.all()
-        assert torch.isinf(out[0][early][:, [4, 7]]).all()
-        assert not torch.isinf(out[0][~early][:, [4, 7]]).any()
+        assert torch.isinf(out[0][early][:, [4, 7, 12]]).all()
+        assert not torch.isinf(out[0][~early][:, [4, 7, 12]]).any()
         assert not torch.isinf(out[0][:, 5]).any()
         assert torch.equal(out[1], raw[1])
     assert built == []
