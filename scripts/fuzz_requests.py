@@ -4,12 +4,15 @@ a running server while good greedy requests run beside them.
     python scripts/fuzz_requests.py http://127.0.0.1:31010 [--rounds 3] [--context 2048] \
         [--out fuzz.json]
 
-Every malformed request must get a 4xx with a message (a few, such as unknown top-level
-fields, may also be ignored with a 200: OpenAI-compatible servers differ there, and the report
-says which); none may get a 5xx or break the connection. The good requests' greedy text during
-the fuzz must equal their text before it (exactly so only on a batch-invariant server, e.g.
---enable-deterministic-inference: otherwise bf16 near-ties can flip with the batch), and the
-server must still answer after it.
+Every malformed request must get a 4xx with a message (a streamed /generate: SGLang answers 200
+and sends the 4xx as the stream's first event; a few, such as unknown top-level fields, may also
+be ignored with a 200: OpenAI-compatible servers differ there, and the report says which); none
+may get a 5xx or break the connection. The corpus holds every class of the per-request limits
+(README) on chat and /generate, streamed and not. The good requests' greedy text during the
+fuzz must equal their text before it (exactly so only on a batch-invariant server, e.g.
+--enable-deterministic-inference: otherwise bf16 near-ties can flip with the batch), a fixed
+greedy probe sent alone must give the same text before and after, and the server must still
+answer after it.
 Only 127.0.0.1 / localhost servers are accepted. Exit 1 when a check fails.
 """
 
@@ -24,13 +27,90 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-CHAT, GENERATE = "/v1/chat/completions", "/generate"
+CHAT, GENERATE, COMPLETIONS = "/v1/chat/completions", "/generate", "/v1/completions"
 GOOD = [f"def f{i}(x):\n    return" for i in range(4)]
+PROBE = {"text": "def fibonacci(n):", "sampling_params": {"max_new_tokens": 32, "temperature": 0}}
 
 
 def _chat(**fields) -> dict:
     return {"model": "default", "messages": [{"role": "user", "content": "hi"}],
             "max_tokens": 8, **fields}  # fmt: skip
+
+
+def _generate(sampling: dict, **top) -> dict:
+    return {"text": "hi", "sampling_params": {"max_new_tokens": 8, **sampling}, **top}
+
+
+NAN, BIG = float("nan"), 1e300
+SCHEMA = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(5000)}}
+# A server's per-request limits, one class each (README, "Per-request limits"): (name, chat
+# fields or None where chat has no such field, /generate sampling fields, /generate top-level
+# fields). Every class goes to chat and /generate, streamed and not.
+LIMITS = [
+    ("top_logprobs past the vocabulary", {"logprobs": True, "top_logprobs": 10**6}, {},
+     {"return_logprob": True, "top_logprobs_num": 10**6}),
+    ("top_logprobs negative", {"logprobs": True, "top_logprobs": -1}, {},
+     {"return_logprob": True, "top_logprobs_num": -1}),
+    ("token_ids_logprob 100k ids", None, {},
+     {"return_logprob": True, "token_ids_logprob": [1] * 100_000}),
+    ("logprob_start_len negative", None, {}, {"return_logprob": True, "logprob_start_len": -5}),
+    ("logprob_start_len past the prompt", None, {},
+     {"return_logprob": True, "logprob_start_len": 10**9}),
+    ("logit_bias NaN", {"logit_bias": {"5": NAN}}, {"logit_bias": {"5": NAN}}, {}),
+    ("logit_bias 1e300", {"logit_bias": {"5": BIG}}, {"logit_bias": {"5": BIG}}, {}),
+    ("logit_bias a string", {"logit_bias": {"5": "big"}}, {"logit_bias": {"5": "big"}}, {}),
+    ("logit_bias key past the vocabulary", {"logit_bias": {"999999999": 1}},
+     {"logit_bias": {"999999999": 1}}, {}),
+    ("logit_bias 2000 entries", {"logit_bias": {str(i): 1 for i in range(2000)}},
+     {"logit_bias": {str(i): 1 for i in range(2000)}}, {}),
+    ("stop 1000 strings", {"stop": ["x"] * 1000}, {"stop": ["x"] * 1000}, {}),
+    ("stop a 100k-character string", {"stop": "x" * 100_000}, {"stop": "x" * 100_000}, {}),
+    ("stop_regex that does not compile", {"stop_regex": "(a"}, {"stop_regex": "(a"}, {}),
+    ("stop_regex 10k bytes", {"stop_regex": "a" * 10_000}, {"stop_regex": "a" * 10_000}, {}),
+    ("stop_token_ids past the vocabulary", {"stop_token_ids": [10**9]},
+     {"stop_token_ids": [10**9]}, {}),
+    ("stop_token_ids negative", {"stop_token_ids": [-1]}, {"stop_token_ids": [-1]}, {}),
+    ("stop_token_ids 100k ids", {"stop_token_ids": [1] * 100_000},
+     {"stop_token_ids": [1] * 100_000}, {}),
+    ("n x max_tokens", {"n": 128, "max_tokens": 10**7}, {"n": 128, "max_new_tokens": 10**7}, {}),
+    ("min_tokens 10**12", {"min_tokens": 10**12}, {"min_new_tokens": 10**12}, {}),
+    ("json_schema 100k characters", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": SCHEMA}}}, {"json_schema": json.dumps(SCHEMA)}, {}),
+    ("regex 100k characters", {"regex": "a" * 100_000}, {"regex": "a" * 100_000}, {}),
+    ("ebnf 100k characters", {"ebnf": "root ::= " + "'a' " * 25_000},
+     {"ebnf": "root ::= " + "'a' " * 25_000}, {}),
+    ("temperature NaN", {"temperature": NAN}, {"temperature": NAN}, {}),
+    ("temperature 1e300", {"temperature": BIG}, {"temperature": BIG}, {}),
+    ("top_p NaN", {"top_p": NAN}, {"top_p": NAN}, {}),
+    ("top_k 1e300", None, {"top_k": BIG}, {}),
+    ("top_k 2**40", {"top_k": 2**40}, {"top_k": 2**40}, {}),
+    ("min_p NaN", {"min_p": NAN}, {"min_p": NAN}, {}),
+    ("frequency_penalty NaN", {"frequency_penalty": NAN}, {"frequency_penalty": NAN}, {}),
+    ("repetition_penalty 1e-40", {"repetition_penalty": 1e-40},
+     {"repetition_penalty": 1e-40}, {}),
+    ("seed 2**70", {"seed": 2**70}, {"sampling_seed": 2**70}, {}),
+    ("seed a string", None, {"sampling_seed": "abc"}, {}),
+    ("stream_interval a string", None, {"stream_interval": "often"}, {}),
+    ("ignore_eos a string", None, {"ignore_eos": "yes"}, {}),
+    ("custom_logit_processor", {"custom_logit_processor": "{}"}, {},
+     {"custom_logit_processor": "{}"}),
+]  # fmt: skip
+
+
+def limit_cases() -> list[tuple[str, str, dict, bool]]:
+    """Every LIMITS class on chat and /generate, streamed and not (and the top logprobs on
+    /v1/completions, whose field is `logprobs`)."""
+    out = []
+    for name, chat, sampling, top in LIMITS:
+        for stream in (False, True):
+            tag = " (streamed)" if stream else ""
+            out.append((f"generate: {name}{tag}", GENERATE,
+                        {**_generate(sampling, **top), "stream": stream}, False))  # fmt: skip
+            if chat is not None:
+                out.append((f"chat: {name}{tag}", CHAT, _chat(**chat, stream=stream), False))
+    completion = {"model": "default", "prompt": "hi", "max_tokens": 8, "logprobs": 10**6}
+    out.append(("completions: top logprobs past the vocabulary", COMPLETIONS, completion, False))
+    return out
 
 
 def corpus(context: int, seed: int = 0) -> list[tuple[str, str, bytes, bool]]:
@@ -65,6 +145,7 @@ def corpus(context: int, seed: int = 0) -> list[tuple[str, str, bytes, bool]]:
          {"input_ids": [1, 10**9], "sampling_params": {"max_new_tokens": 4}}, False),
         ("generate: max_new_tokens negative", GENERATE,
          {"text": "hi", "sampling_params": {"max_new_tokens": -1}}, False),
+        *limit_cases(),
     ]  # fmt: skip
     out = [
         (n, p, b if isinstance(b, bytes) else json.dumps(b).encode(), ok) for n, p, b, ok in cases
@@ -85,13 +166,34 @@ def post(url: str, body: bytes, timeout: float = 120) -> tuple[int | None, str]:
         return None, repr(e)
 
 
-def judge(status: int | None, text: str, may_be_ignored: bool) -> str:
-    """ "ok" (a 4xx with a message, or an allowed 200), else what was wrong."""
+def judge(status: int | None, text: str, may_be_ignored: bool, streamed: bool = False) -> str:
+    """ "ok" (a 4xx with a message, an allowed 200, or for a streamed /generate SGLang's refusal:
+    a 200 stream whose first event is an error with a 4xx code), else what was wrong."""
     if status is not None and 400 <= status < 500:
         return "ok" if text.strip() else "4xx without a message"
     if status == 200 and may_be_ignored:
         return "ok"
+    if status == 200 and streamed:
+        return _streamed_refusal(text)
     return f"got {status}"
+
+
+def _streamed_refusal(text: str) -> str:
+    events = [line[6:] for line in text.splitlines() if line.startswith("data: {")]
+    first = json.loads(events[0]) if events else {}
+    error = first.get("error") if isinstance(first, dict) else None
+    code = error.get("code") if isinstance(error, dict) else None
+    if isinstance(code, int) and 400 <= code < 500 and error.get("message"):
+        return "ok"
+    return f"a 200 stream whose first event is not a 4xx error: {text[:120]!r}"
+
+
+def is_streamed(path: str, body: bytes) -> bool:
+    """Whether a /generate body asks for a stream (SGLang refuses those inside the stream)."""
+    try:
+        return path == GENERATE and json.loads(body).get("stream") is True
+    except (ValueError, AttributeError):
+        return False
 
 
 def greedy(url: str, prompt: str) -> str | None:
@@ -100,24 +202,37 @@ def greedy(url: str, prompt: str) -> str | None:
     return json.loads(text)["text"] if status == 200 else None
 
 
+def probe(url: str) -> str | None:
+    """The fixed greedy probe's text (None: not served)."""
+    status, text = post(url + GENERATE, json.dumps(PROBE).encode())
+    return json.loads(text)["text"] if status == 200 else None
+
+
 def run(url: str, rounds: int, context: int, seed: int) -> dict:
+    """The corpus `rounds` times over (seeded orders) with the good greedy requests running beside
+    it, between two runs of the fixed probe alone."""
     cases = [c for r in range(rounds) for c in corpus(context, seed + r)]
     rows = []
+    probe_before = probe(url)
     with cf.ThreadPoolExecutor(max_workers=8) as pool:
         before = list(pool.map(lambda p: greedy(url, p), GOOD))  # batched as during the fuzz
         during = [pool.submit(greedy, url, p) for p in GOOD * rounds]
         for name, path, body, may in cases:
             status, text = post(url + path, body)
-            rows.append({"case": name, "status": status, "verdict": judge(status, text, may),
+            rows.append({"case": name, "status": status,
+                         "verdict": judge(status, text, may, is_streamed(path, body)),
                          "message": text[:200]})  # fmt: skip
         during = [f.result() for f in during]
     alive = post(url + GENERATE, json.dumps({"text": "hi", "sampling_params": {
         "max_new_tokens": 1}}).encode())[0] == 200  # fmt: skip
+    probe_after = probe(url)
     bad = [r for r in rows if r["verdict"] != "ok"]
     same = all(t == before[i % len(GOOD)] for i, t in enumerate(during)) and None not in before
+    probed = probe_before is not None and probe_after == probe_before
     return {"cases": len(rows), "bad": bad, "ignored_with_200": sorted({r["case"] for r in rows
-            if r["status"] == 200}), "good_text_unchanged": same, "alive_after": alive,
-            "ok": not bad and same and alive}  # fmt: skip
+            if r["status"] == 200 and r["verdict"] == "ok" and not r["case"].endswith(
+                "(streamed)")}), "good_text_unchanged": same, "probe_unchanged": probed,
+            "alive_after": alive, "ok": not bad and same and alive and probed}  # fmt: skip
 
 
 def main() -> int:

@@ -11,7 +11,9 @@ request list goes to every server, one server after another.
 
 Before and after each server's soak: a fixed greedy probe (its text must not change), /health,
 and /v1/loads (the KV pool back to idle); with --log NAME=PATH, the server log's new lines are
-searched for a Traceback or a leak report. Only 127.0.0.1 / localhost servers are accepted.
+searched for a Traceback or a leak report; with --memory NAME=PID, that server's process group's
+host RSS and the GPUs' memory in use are sampled every --sample-every s (30) and the report gives
+their least-squares slopes in MiB per minute after --warm-up s (300), and every sample. Only 127.0.0.1 / localhost servers are accepted.
 Report per server: completed, cancelled, refused (4xx) and failed requests (also per option),
 p50 / p99 latency, generated tokens per second; exit 1 when a check fails.
 """
@@ -20,7 +22,9 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import contextlib
 import json
+import os
 import random
 import statistics
 import time
@@ -287,6 +291,113 @@ def checked_soak(
             "kv_tokens_in_use_after": after["kv_tokens_in_use"]}  # fmt: skip
 
 
+# --- memory over a long soak: the server's host RSS and the GPU's memory, sampled every 30 s ---
+
+
+def group_pids(pgid: int) -> list[int]:
+    """The processes of process group `pgid` (a server started in its own session: its main
+    process, SGLang's scheduler and detokenizer), from /proc."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[2]) == pgid:  # after the name: state, ppid, pgrp
+            pids.append(int(stat.parent.name))
+    return sorted(pids)
+
+
+def rss_mib(pids: list[int]) -> float:
+    """The summed resident set of `pids`, MiB (VmRSS)."""
+    total = 0
+    for pid in pids:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        total += sum(int(line.split()[1]) for line in status.splitlines()
+                     if line.startswith("VmRSS:"))  # fmt: skip
+    return total / 1024
+
+
+def gpu_used_mib(pids: list[int] | None = None) -> float | None:
+    """GPU memory in use, MiB (nvidia-smi): that of `pids` where nvidia-smi lists them (it
+    cannot inside some containers), else every visible GPU's; None without nvidia-smi."""
+    apps = _nvidia_smi("--query-compute-apps=pid,used_memory") if pids else None
+    rows = [line.split(",") for line in (apps or "").splitlines() if "," in line]
+    mine = [float(used) for pid, used in rows if pid.strip().isdigit() and int(pid) in pids]
+    if mine:
+        return sum(mine)
+    total = _nvidia_smi("--query-gpu=memory.used")
+    return None if total is None else float(sum(float(x) for x in total.split()))
+
+
+def _nvidia_smi(query: str) -> str | None:
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", query, "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30, check=True)  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout
+
+
+class MemorySampler:
+    """Every `every_s` seconds in a thread: (seconds since start, the group's host RSS MiB, its
+    GPU memory in use MiB, gpu_used_mib's). Use as a context manager around the soak."""
+
+    def __init__(self, pgid: int, every_s: float = 30.0) -> None:
+        import threading
+
+        self.pgid, self.every_s, self.samples = pgid, every_s, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> MemorySampler:
+        self._t0 = time.time()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+        self._sample()  # the last one, after the soak
+
+    def _sample(self) -> None:
+        pids = group_pids(self.pgid)
+        self.samples.append((round(time.time() - self._t0, 1), round(rss_mib(pids), 1),
+                             gpu_used_mib(pids)))  # fmt: skip
+
+    def _run(self) -> None:
+        while True:
+            self._sample()
+            if self._stop.wait(self.every_s):
+                return
+
+
+def memory_slopes(samples: list[tuple], warm_up_s: float) -> dict:
+    """The least-squares slope of host RSS and GPU memory, MiB per minute, over the samples
+    after `warm_up_s` (caches and allocators fill first), with their first and last values."""
+    kept = [s for s in samples if s[0] >= warm_up_s]
+    out = {"samples": len(samples), "fitted": len(kept)}
+    for i, key in ((1, "rss"), (2, "gpu")):
+        points = [(s[0] / 60.0, s[i]) for s in kept if s[i] is not None]
+        out[f"{key}_mib_per_min"] = _slope(points)
+        out[f"{key}_first_last_mib"] = (points[0][1], points[-1][1]) if points else None
+    return out
+
+
+def _slope(points: list[tuple[float, float]]) -> float | None:
+    if len(points) < 3:
+        return None
+    n = len(points)
+    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    var = sum((x - mx) ** 2 for x, _ in points)
+    return round(sum((x - mx) * (y - my) for x, y in points) / var, 3) if var else None
+
+
 def log_problems(path: Path, start: int) -> list[str]:
     """Traceback / leak in the log past byte `start`."""
     with open(path, "rb") as f:
@@ -304,16 +415,27 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--memory", action="append", default=[],
+                   help="NAME=PID: sample that server's process group (host RSS) and the GPUs' "
+                        "memory every --sample-every s, and report the slopes")  # fmt: skip
+    p.add_argument("--sample-every", type=float, default=30.0)
+    p.add_argument("--warm-up", type=float, default=300.0, help="s left out of the slopes")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     servers = {n: check_local(u) for n, u in (s.split("=", 1) for s in args.server)}
     logs = {n: Path(v) for n, v in (s.split("=", 1) for s in args.log)}
+    groups = {n: os.getpgid(int(v)) for n, v in (s.split("=", 1) for s in args.memory)}
     reqs = request_mix(args.requests, args.context, args.seed)
     report, ok = {}, True
     for name, url in servers.items():
         log = logs.get(name)
-        report[name] = checked_soak(url, reqs, args.seconds, args.concurrency, log,
-                                    log.stat().st_size if log else 0)  # fmt: skip
+        sampler = MemorySampler(groups[name], args.sample_every) if name in groups else None
+        with sampler or contextlib.nullcontext():
+            report[name] = checked_soak(url, reqs, args.seconds, args.concurrency, log,
+                                        log.stat().st_size if log else 0)  # fmt: skip
+        if sampler is not None:
+            report[name]["memory"] = {"slopes": memory_slopes(sampler.samples, args.warm_up),
+                                      "samples": sampler.samples}  # fmt: skip
         ok &= all(report[name]["checks"].values()) and report[name]["failed"] == 0
         print(name, json.dumps(report[name]), flush=True)
     report["mix"] = [asdict(r) for r in reqs[:3]]

@@ -188,18 +188,9 @@ class Options:
                                               and its move to the block front in one Triton
                                               launch each (integration/accept_path.py, the
                                               default); sglang: SGLang's torch code
-    gdn_check     SGLANG_DDTREE_GDN_CHECK     a directory: without CUDA graphs, every chunked GDN
-                                              verify is checked against the root-path kernel and
-                                              the inputs of one that differs are saved there
-    gdn_check_serve SGLANG_DDTREE_GDN_CHECK_SERVE  chunk | paths: whose outputs a checked
-                                              verify serves (paths: the chunked kernel's scratch,
-                                              the root paths' outputs; needs gdn_check)
-    gdn_check_save SGLANG_DDTREE_GDN_CHECK_SAVE  without CUDA graphs, also save the inputs of
-                                              the first this many checked calls (0)
-    gdn_perturb   SGLANG_DDTREE_GDN_PERTURB   a relative size (0: off): every GDN tree-verify
-                                              output times 1 + size x a fixed pattern in [-1, 1],
-                                              another kernel's rounding (debugging: a fragile
-                                              model or a kernel bug?)
+    (the GDN debugging aids, the check against the root paths and the perturbation, are test
+    tooling: tests/gpu/gdn_debug; their old SGLANG_DDTREE_GDN_CHECK* / _PERTURB switches are
+    refused, since they change served tokens or stop the decode loop)
     """
 
     tree_builder: str | None = None
@@ -213,10 +204,6 @@ class Options:
     verify_plan: str = "host"
     mask_pack: str = "triton"
     accept_path: str = "triton"
-    gdn_check: str | None = None
-    gdn_check_serve: str = "chunk"
-    gdn_check_save: int = 0
-    gdn_perturb: float = 0.0
     gdn_precision: str = "split"
     width: str = "auto"
     widths: tuple[int, ...] | None = None
@@ -231,6 +218,7 @@ class Options:
         served tokens are batch-invariant (the chunked verify's were not in the GPU suite,
         docs/benchmarks.md session 9; SGLANG_DDTREE_GDN_VERIFY=chunk still picks it).
         tensor_parallel (--tp-size > 1): a fixed width unless asked for auto (`_width_mode`)."""
+        _refuse_debug_switches()
         builder = env_value("SGLANG_DDTREE_TREE_BUILDER")
         if builder is not None:
             builder = env_choice("SGLANG_DDTREE_TREE_BUILDER", ("torch", "triton"))
@@ -269,10 +257,6 @@ class Options:
                 default="torch" if plan == "sglang" else "triton",
             ),
             accept_path=env_choice("SGLANG_DDTREE_ACCEPT_PATH", ("triton", "sglang")),
-            gdn_check=env_value("SGLANG_DDTREE_GDN_CHECK") or None,
-            gdn_check_serve=env_choice("SGLANG_DDTREE_GDN_CHECK_SERVE", ("chunk", "paths")),
-            gdn_check_save=_count("SGLANG_DDTREE_GDN_CHECK_SAVE"),
-            gdn_perturb=_fraction("SGLANG_DDTREE_GDN_PERTURB"),
             gdn_precision=precision,
             width=_width_mode(deterministic, tensor_parallel),
             widths=_widths("SGLANG_DDTREE_WIDTHS"),
@@ -303,13 +287,6 @@ class Options:
         if self.gdn_precision != "split" and self.gdn_verify != "chunk":
             raise ValueError(f"SGLANG_DDTREE_GDN_PRECISION={self.gdn_precision} sets the chunked "
                              "verify's products; add SGLANG_DDTREE_GDN_VERIFY=chunk or drop it.")  # fmt: skip
-        if self.gdn_check and self.gdn_verify != "chunk":
-            raise ValueError("SGLANG_DDTREE_GDN_CHECK checks the chunked verify against the root "
-                             "paths; add SGLANG_DDTREE_GDN_VERIFY=chunk (the default but under "
-                             "--enable-deterministic-inference) or drop the check.")  # fmt: skip
-        if (self.gdn_check_serve != "chunk" or self.gdn_check_save) and not self.gdn_check:
-            raise ValueError("SGLANG_DDTREE_GDN_CHECK_SERVE / _SAVE belong to the GDN check; "
-                             "set SGLANG_DDTREE_GDN_CHECK=DIR too.")  # fmt: skip
         if self.mask_pack != "torch" and self.verify_plan != "host":
             raise ValueError(f"SGLANG_DDTREE_MASK_PACK={self.mask_pack} packs the host plan's "
                              "mask (SGLANG_DDTREE_VERIFY_PLAN=host, the default), which "
@@ -328,18 +305,6 @@ class Options:
         return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
 
 
-def _fraction(name: str) -> float:
-    """A switch holding a number in [0, 1) (unset: 0), or an error naming it."""
-    text = env_value(name, "0")
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < 1:
-        raise ValueError(f"{name} must be a number in [0, 1), got {text!r}")
-    return value
-
-
 def _widths(name: str) -> tuple[int, ...] | None:
     """A comma-separated list of whole numbers >= 1 (unset: None), or an error naming it."""
     text = env_value(name)
@@ -352,12 +317,22 @@ def _widths(name: str) -> tuple[int, ...] | None:
     return tuple(sorted({int(part) for part in parts}))
 
 
-def _count(name: str) -> int:
-    """A switch holding a whole number >= 0 (unset: 0), or an error naming it."""
-    text = env_value(name, "0")
-    if not text.isdigit():
-        raise ValueError(f"{name} must be a whole number >= 0, got {text!r}")
-    return int(text)
+# debugging aids that were server switches: the check's SERVE and the perturbation change
+# served tokens, and the check reads back and saves on the decode thread
+DEBUG_SWITCHES = ("SGLANG_DDTREE_GDN_CHECK", "SGLANG_DDTREE_GDN_CHECK_SERVE",
+                  "SGLANG_DDTREE_GDN_CHECK_SAVE", "SGLANG_DDTREE_GDN_PERTURB")  # fmt: skip
+
+
+def _refuse_debug_switches() -> None:
+    """A server does not start with a debugging aid's old switch set: they are test tooling."""
+    for name in DEBUG_SWITCHES:
+        if env_value(name) is not None:
+            raise ValueError(
+                f"{name} is no longer a server switch: the GDN check and perturbation are "
+                "debugging aids that change served tokens or stop the decode loop, run from "
+                "test tooling (tests/gpu/gdn_debug, DDTREE_GDN_* there; docs/testing.md). "
+                f"Unset {name}."
+            )
 
 
 _GDN_SWITCHES = ("SGLANG_DDTREE_GDN_VERIFY", "SGLANG_DDTREE_CONV", "SGLANG_DDTREE_GDN_SCRATCH",

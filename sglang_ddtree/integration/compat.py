@@ -325,7 +325,6 @@ def draft_block_embeds(worker: Any, block_ids: Any) -> Any:
     """The draft block's input embeddings [bs x B, hidden], as DFlashWorkerV2's decode round
     makes them: the (gathered) target embedding or the draft's own, times its noise scale."""
     import torch
-
     from sglang.srt.lora.layers import unwrap_lora_layer
     from sglang.srt.speculative.dflash_worker_v2 import _resolve_dflash_embedding_module
 
@@ -370,7 +369,6 @@ def non_padded_tokens(tokens: int, device: Any) -> dict:
     """ForwardBatch's token counts for a batch with no padding, as DFlashWorkerV2's draft block
     gives them."""
     import torch
-
     from sglang.srt.model_executor.forward_batch_info import enable_num_token_non_padded
 
     on_device = (torch.full((), tokens, dtype=torch.int32, device=device)
@@ -468,3 +466,12 @@ def build_target_verify_state(model_runner: Any, width: int) -> tuple[Any, Any] 
 def graph_batch_sizes(runner: Any) -> tuple[int, ...]:
     """The batch sizes a decode CUDA-graph runner captured (none: no runner)."""
     return tuple(sorted(getattr(runner, "capture_bs", None) or ()))
+
+
+def front_end_sizes(tokenizer_manager: Any) -> tuple[int | None, int | None]:
+    """(vocabulary size, context length) as the tokenizer manager holds them (0.5.17 and 0.5.23:
+    `model_config.vocab_size`, `context_len`; None where absent, e.g. a stand-in)."""
+    vocab = getattr(getattr(tokenizer_manager, "model_config", None), "vocab_size", None)
+    context = getattr(tokenizer_manager, "context_len", None)
+    return (int(vocab) if vocab is not None else None,
+            int(context) if context is not None else None)  # fmt: skip

@@ -34,7 +34,7 @@ import dataclasses
 import logging
 
 from sglang_ddtree.config import Options, options
-from sglang_ddtree.integration import compat, gdn_check, gdn_pool
+from sglang_ddtree.integration import compat, gdn_pool
 
 logger = logging.getLogger(__name__)
 
@@ -48,10 +48,6 @@ class GDNPath:
     conv: bool = True  # SGLANG_DDTREE_CONV=ddtree: gdn/conv_tree.py's tree conv1d
     compact: bool = True  # SGLANG_DDTREE_GDN_SCRATCH=compact: integration/gdn_pool.py
     precision: str = "split"  # SGLANG_DDTREE_GDN_PRECISION: the chunked verify's products
-    check: str | None = None  # SGLANG_DDTREE_GDN_CHECK: where integration/gdn_check.py saves
-    check_serve: str = "chunk"  # SGLANG_DDTREE_GDN_CHECK_SERVE: whose outputs a check serves
-    check_save: int = 0  # SGLANG_DDTREE_GDN_CHECK_SAVE: checked calls saved whatever they differ
-    perturb: float = 0.0  # SGLANG_DDTREE_GDN_PERTURB: gdn_check.perturb's size
 
     @property
     def conv_inputs(self) -> bool:
@@ -77,10 +73,6 @@ def path_of(options: Options, block_size: int) -> GDNPath | None:
         conv=options.conv == "ddtree",
         compact=options.compact_scratch,
         precision=options.gdn_precision,
-        check=options.gdn_check,
-        check_serve=options.gdn_check_serve,
-        check_save=options.gdn_check_save,
-        perturb=options.gdn_perturb,
     )
 
 
@@ -106,8 +98,8 @@ def configure(server_args, opts: Options) -> None:
     nodes = int(getattr(args, "speculative_num_draft_tokens", 0) or 0)
     if path is not None and path.verify == "chunk" and not path.chunked(nodes):
         logger.warning("sglang_ddtree: %d-node trees are wider than the chunked GDN verify takes: "
-                       "they use the root paths, and SGLANG_DDTREE_GDN_PRECISION / _CHECK do not "
-                       "apply.", nodes)  # fmt: skip
+                       "they use the root paths, and SGLANG_DDTREE_GDN_PRECISION does not apply.",
+                       nodes)  # fmt: skip
 
 
 def describe(path: GDNPath | None) -> str:
@@ -155,10 +147,6 @@ def target_verify(original, dispatcher, A_log, dt_bias, q, k, v, a, b, **kwargs)
             f"DDTREE's Gated DeltaNet tree verify cannot run on this Mamba pool ({exc}); serve "
             "with SGLANG_DDTREE_GDN=sglang to use SGLang's own."
         ) from exc
-    if chunked and path.check:
-        o = gdn_check.compare(o, args, path)
-    if path.perturb:
-        o = gdn_check.perturb(o, path.perturb)
     return o.reshape(v.shape)
 
 
@@ -226,8 +214,6 @@ def commit(original, backend, last_correct_step_indices, mamba_track_indices,
                         mamba_steps_to_track, model, req_pool_indices)  # fmt: skip
     from sglang_ddtree.gdn.tree_verify import as_scratch, commit_paths
 
-    if path.check:
-        gdn_check.after_round()
     first_use("GDN state commit through sglang_ddtree.gdn.tree_verify.commit_paths")
     bs = last_correct_step_indices.shape[0]
     state_idx = meta.mamba_cache_indices[:bs]  # physical slots already

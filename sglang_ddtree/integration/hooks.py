@@ -9,7 +9,8 @@
 |                                         | (GDN reads retrieve_next_token when topk > 1) and the |
 |                                         | draft runs B tokens, not N                            |
 | TokenizerManager._validate_one_request  | (front end) reject what DDTREE cannot serve with a    |
-|                                         | 400 before it is scheduled: logprobs, max_tokens < 1  |
+|                                         | 400 before it is scheduled: logprobs, max_tokens < 1, |
+|                                         | every limit of request_limits.py                      |
 | GDNKernelDispatcher.target_verify       | Gated DeltaNet tree verify without per-node states    |
 | HybridLinearAttnBackend                 | and the commit by replaying the accepted path         |
 |   .update_mamba_state_after_mtp_verify  | (integration/gdn.py; SGLANG_DDTREE_GDN=sglang: off)   |
@@ -51,6 +52,7 @@ from sglang_ddtree.integration import (
     gdn_pool,
     json_bodies,
     penalties,
+    request_limits,
     verify_plan,
 )
 
@@ -175,6 +177,8 @@ def _reject_unsupported(tokenizer_manager, obj, *args, **kwargs):
     server_args = getattr(tokenizer_manager, "server_args", None)
     if not _serves_ddtree(server_args):
         return None
+    sizes = request_limits.Sizes(*compat.front_end_sizes(tokenizer_manager))
+    request_limits.check_request(obj, args[0] if args else None, sizes)
     if getattr(obj, "return_logprob", False) and not _logprobs_on():
         raise ValueError(
             "DDTREE speculative decoding does not return logprobs; drop logprobs/return_logprob "

@@ -27,10 +27,10 @@ from functools import partial
 import torch
 
 from sglang_ddtree.integration import compat
-from sglang_ddtree.tree.penalties import penalize_tree_
+from sglang_ddtree.tree.penalties import block_stops_, min_p_filter_, penalize_tree_
 
 # the penalties applied per node and their neutral values (the sampling-parameter names; min_p,
-# the other option applied here, acts on the probabilities, `min_p_filter`)
+# the other option applied here, acts on the probabilities, `tree.penalties.min_p_filter_`)
 PENALTIES = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
              "min_new_tokens": 0}  # fmt: skip
 _table: list = [None]  # the worker's PenaltyTable (activate), read by the eagle_sample hook
@@ -38,10 +38,12 @@ _table: list = [None]  # the worker's PenaltyTable (activate), read by the eagle
 
 class PenaltyTable:
     """Output-token counts [rows, vocab] float32 on the device, a row per request slot
-    (req_pool_indices)."""
+    (req_pool_indices), and each min_new_tokens request's stop tokens [rows, vocab] bool, written
+    once at its prefill (`restart`) rather than rebuilt from its lists every round."""
 
     def __init__(self, rows: int, vocab: int, device) -> None:
         self.counts = torch.zeros(rows, vocab, dtype=torch.float32, device=device)
+        self.stops = torch.zeros(rows, vocab, dtype=torch.bool, device=device)
 
     def restart(self, reqs, req_pool_indices: torch.Tensor, first_tokens: torch.Tensor) -> None:
         """An extend batch: each request's row from its output so far (empty for a new request;
@@ -59,6 +61,23 @@ class PenaltyTable:
         if tokens:
             self._add(rows[_device(at, rows.device)], _device(tokens, rows.device), None)
         self._add(rows, first_tokens.reshape(-1)[: len(reqs)], None)
+        self._write_stops(reqs, rows)
+
+    def _write_stops(self, reqs, rows: torch.Tensor) -> None:
+        """The stop-token rows of the requests that ask for min_new_tokens (the others' rows are
+        never read: their floor is 0)."""
+        blocked = [b for b, req in enumerate(reqs) if req.sampling_params.min_new_tokens > 0]
+        if not blocked:
+            return
+        mine = rows[_device(blocked, rows.device)]
+        self.stops.index_fill_(0, mine, False)
+        at, ids = [], []
+        for i, b in enumerate(blocked):
+            stops = stop_tokens(reqs[b], self.stops.shape[1])
+            at += [i] * len(stops)
+            ids += stops
+        if ids:
+            self.stops[mine[_device(at, rows.device)], _device(ids, rows.device)] = True
 
     def observe(self, req_pool_indices: torch.Tensor, emitted: torch.Tensor,
                 accept_lens: torch.Tensor) -> None:  # fmt: skip
@@ -90,8 +109,10 @@ class PenaltyTable:
         penalize_tree_(logits, tree_tokens, visibility, counts[:, :V], f, p, r)
         if any(params[3]):  # min_new_tokens: no stop token while output + depth < the floor
             early = counts.sum(-1, keepdim=True) + depth.to(torch.float32) < floor[:, None]
-            logits.masked_fill_(early[:, :, None] & _stop_mask(reqs, V, dev)[:, None, :],
-                                float("-inf"))  # fmt: skip
+            stops = self.stops[req_pool_indices.to(torch.int64)]
+            if stops.shape[1] < V:  # a padded vocabulary: no stop token lies beyond the table
+                stops = torch.nn.functional.pad(stops, (0, V - stops.shape[1]))
+            block_stops_(logits, early, stops[:, :V])
         return logits
 
 
@@ -109,8 +130,8 @@ def eagle_sample(original, verify_input, batch, logits_output, grammar_mask=None
     """AROUND SGLang's eagle_sample: for a DDTREE verify whose batch asks for penalties, every
     node's logits penalised by its own path (in place), SGLang's shared penalty vectors hidden
     from the call; for one that asks for min_p at T > 0, every node's target probs filtered as
-    SGLang's plain sampler filters them (`min_p_filter`); every other call as it came (SGLang's
-    further arguments, UNO's and the watermark's, passed on as they came)."""
+    SGLang's plain sampler filters them (`tree.penalties.min_p_filter_`); every other call as it
+    came (SGLang's further arguments, UNO's and the watermark's, passed on as they came)."""
     table = _table[0]
     visibility = getattr(verify_input, "tree_visibility", None)
     info = batch.sampling_info
@@ -128,46 +149,27 @@ def eagle_sample(original, verify_input, batch, logits_output, grammar_mask=None
                             verify_input.tree_depth)  # fmt: skip
             info.acc_additive_penalties = info.acc_scaling_penalties = None
             stack.callback(_restore, info, saved)
-        if min_p:
-            stack.enter_context(compat.tree_sampling_probs(partial(min_p_filter,
+        if min_p:  # in place on SGLang's target probs, which the sampling kernel reads last
+            stack.enter_context(compat.tree_sampling_probs(partial(min_p_filter_,
                                                                    min_ps=info.min_ps)))  # fmt: skip
         return original(verify_input, batch, logits_output, grammar_mask, *args, **kwargs)
-
-
-def min_p_filter(probs: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
-    """SGLang's min-p on every node's (top-k / top-p renormalised) target probs [bs, N, V]:
-    a token below min_p x its node's largest probability is dropped and the rest renormalised
-    (flashinfer's min_p_sampling_from_probs samples the same tokens in the same proportions);
-    requests with min_p 0 untouched."""
-    peak = probs.amax(-1, keepdim=True)
-    kept = torch.where(probs >= peak * min_ps.to(probs.dtype)[:, None, None], probs, 0.0)
-    filtered = kept / kept.sum(-1, keepdim=True)
-    return torch.where((min_ps > 0)[:, None, None], filtered, probs)
 
 
 def _restore(info, saved) -> None:
     info.acc_additive_penalties, info.acc_scaling_penalties = saved
 
 
-def _stop_mask(reqs, vocab: int, device) -> torch.Tensor:
-    """[bs, vocab] bool: each request's stop tokens as SGLang's min_new_tokens penalizer takes
-    them (stop_token_ids, the model's EOS ids, the tokenizer's additional stop tokens and its
-    EOS)."""
-    at, ids = [], []
-    for b, req in enumerate(reqs):
-        tok = getattr(req, "tokenizer", None)
-        stops = set(req.sampling_params.stop_token_ids or ())
-        stops |= set(getattr(req, "eos_token_ids", None) or ())
-        stops |= set(getattr(tok, "additional_stop_token_ids", None) or ())
-        if getattr(tok, "eos_token_id", None) is not None:
-            stops.add(tok.eos_token_id)
-        stops = [s for s in stops if s is not None and 0 <= s < vocab]
-        at += [b] * len(stops)
-        ids += stops
-    mask = torch.zeros(len(reqs), vocab, dtype=torch.bool, device=device)
-    if ids:
-        mask[_device(at, device), _device(ids, device)] = True
-    return mask
+def stop_tokens(req, vocab: int) -> list[int]:
+    """A request's stop tokens as SGLang's min_new_tokens penalizer takes them (stop_token_ids,
+    the model's EOS ids (SGLang 0.5.23's penalizer joins Req.eos_token_ids), the tokenizer's
+    additional stop tokens and its EOS), those in [0, vocab)."""
+    tok = getattr(req, "tokenizer", None)
+    stops = set(req.sampling_params.stop_token_ids or ())
+    stops |= set(getattr(req, "eos_token_ids", None) or ())
+    stops |= set(getattr(tok, "additional_stop_token_ids", None) or ())
+    if getattr(tok, "eos_token_id", None) is not None:
+        stops.add(tok.eos_token_id)
+    return sorted(s for s in stops if s is not None and 0 <= s < vocab)
 
 
 def _device(values: list, device, dtype=torch.int64) -> torch.Tensor:

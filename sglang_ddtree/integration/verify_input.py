@@ -39,9 +39,11 @@ class DDTreeVerifyInput(EagleVerifyInput):
     tree_tokens: torch.Tensor | None = None
     tree_visibility: torch.Tensor | None = None
     tree_depth: torch.Tensor | None = None
-    # False: custom_mask is allocated, not written (the host plan packs it from the tree;
-    # verify_plan.write_mask writes it where SGLang's plan runs instead); the committed lengths
+    # False: custom_mask is an empty stand-in, neither allocated nor written (the host plan
+    # packs the mask from the tree; verify_plan.write_mask allocates tree_mask_size bools and
+    # writes them where SGLang's plan runs instead); the committed lengths
     tree_mask_written: bool = True
+    tree_mask_size: int = 0
     tree_seq_lens: torch.Tensor | None = None
     # set by the host plan (verify_plan.call_begin_forward) for the plan's one call
     staged_attn_args: StagedAttnArgs | None = None
@@ -57,8 +59,8 @@ class DDTreeVerifyInput(EagleVerifyInput):
         bs, N = len(req_pool_indices), int(self.draft_token_num)
         size = paged_kernel_lens_sum + N * bs  # SGLang's KV indices' length
         # the staged lengths fit it (SGLang's sum is the host lengths'), and the mask its size
-        if (staged is None or len(staged.kv_lens) != bs or staged.total_kv > size
-                or self.custom_mask.numel() < size * N):  # fmt: skip
+        short = self.tree_mask_written and self.custom_mask.numel() < size * N  # unpacked only
+        if staged is None or len(staged.kv_lens) != bs or staged.total_kv > size or short:
             return super().generate_attn_arg_prefill(
                 req_pool_indices=req_pool_indices, paged_kernel_lens=paged_kernel_lens,
                 paged_kernel_lens_sum=paged_kernel_lens_sum, translator=translator, plan=plan,
@@ -82,9 +84,9 @@ def make_verify_input(
     write_mask: bool = True,  # False: the host plan packs the mask from the tree itself
 ) -> DDTreeVerifyInput:
     bs, N = tokens.shape
-    mask = torch.empty(
-        tree_layout.full_mask_size(N, bs, seq_lens_sum), dtype=torch.bool, device=tokens.device
-    )
+    size = tree_layout.full_mask_size(N, bs, seq_lens_sum)
+    # the packer reads the tree, not this mask: one mask-sized buffer a round (the packed one)
+    mask = torch.empty(size if write_mask else 0, dtype=torch.bool, device=tokens.device)
     if write_mask:
         tree_layout.write_full_mask(visibility, seq_lens, mask)
     return _verify_input(
@@ -95,6 +97,7 @@ def make_verify_input(
         tree_visibility=visibility,
         tree_depth=depth,
         tree_mask_written=write_mask,
+        tree_mask_size=size,
         tree_seq_lens=seq_lens,
         draft_token=tokens.reshape(-1),
         positions=tree_layout.node_positions(depth, seq_lens),

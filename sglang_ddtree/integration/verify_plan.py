@@ -58,6 +58,9 @@ def host_plan(seq_lens_cpu: torch.Tensor, num_nodes: int) -> HostPlan:
     kv = [s + N for s in seq_lens_cpu.tolist()]  # host memory
     bits = [N * k for k in kv]
     bs = len(kv)
+    if sum(bits) >= 1 << 31:  # round_memory.check bounds this at start-up: a bug if reached
+        raise RuntimeError(f"DDTREE: a verify mask of {sum(bits)} bits overflows the plan's "
+                           "int32 offsets, past the start-up bound (round_memory.check)")  # fmt: skip
     return HostPlan(
         qo_indptr=torch.arange(0, (bs + 1) * N, N, dtype=torch.int32),
         lengths=torch.tensor(
@@ -174,14 +177,16 @@ def packs_from_tree() -> bool:
 
 
 def write_mask(spec_info) -> None:
-    """A DDTREE verify input whose unpacked mask was left unwritten, about to be planned by
-    SGLang's plan (which reads it): written now (tree_layout.write_full_mask)."""
+    """A DDTREE verify input whose unpacked mask was left out, about to be planned by SGLang's
+    plan (which reads it): allocated and written now (tree_layout.write_full_mask)."""
     from sglang_ddtree.integration import tree_layout
     from sglang_ddtree.integration.verify_input import DDTreeVerifyInput
 
     if isinstance(spec_info, DDTreeVerifyInput) and not spec_info.tree_mask_written:
-        tree_layout.write_full_mask(spec_info.tree_visibility, spec_info.tree_seq_lens,
-                                    spec_info.custom_mask)  # fmt: skip
+        vis = spec_info.tree_visibility
+        spec_info.custom_mask = torch.empty(spec_info.tree_mask_size, dtype=torch.bool,
+                                            device=vis.device)  # fmt: skip
+        tree_layout.write_full_mask(vis, spec_info.tree_seq_lens, spec_info.custom_mask)
         spec_info.tree_mask_written = True
 
 

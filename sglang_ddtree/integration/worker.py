@@ -43,7 +43,7 @@ from sglang.srt.utils import get_available_gpu_memory
 from torch.profiler import record_function
 
 from sglang_ddtree.config import DDTreeConfig, options
-from sglang_ddtree.integration import compat, penalties, verify_plan
+from sglang_ddtree.integration import compat, penalties, round_memory, verify_plan
 from sglang_ddtree.integration.draft_head import DraftTreeHead, VocabShard
 from sglang_ddtree.integration.penalties import PenaltyTable
 from sglang_ddtree.integration.round_dump import RoundDump
@@ -329,49 +329,49 @@ class DDTreeWorker(DFlashWorkerV2):
 
     def alloc_memory_pool(self, *args, **kwargs):
         """DFlashWorkerV2's (the draft's pools, sharing the target's request pool), then the
-        penalty table, which sizes its rows from that pool."""
+        check of DDTREE's own memory at this server's maximum and the penalty table, both sized
+        from that pool."""
         out = super().alloc_memory_pool(*args, **kwargs)
+        self._check_round_memory()
         self._penalties = self._penalty_table()
         return out
+
+    def _check_round_memory(self) -> None:
+        """DDTREE's memory beside SGLang's pools at this server's maximum (round_memory.py:
+        the penalty tables, a round's temporaries and verify mask at the largest batch, N and
+        context) against what SGLang's pools left, and the verify plan's int32 offsets: a
+        configuration that does not fit stops the start-up here with the numbers."""
+        target = self.target_worker.model_runner  # the target's pools and vocabulary
+        rows, row = target.req_to_token_pool.req_to_token.shape
+        memory = round_memory.at_maximum(
+            max_bs=self._tree_head.max_bs, num_nodes=self.cfg.num_nodes,
+            vocab=target.model_config.vocab_size, rows=rows, row=row,
+            penalties=options().penalties, unpacked_mask=not verify_plan.packs_from_tree(),
+        )  # fmt: skip
+        on_gpu = torch.device(self.device).type == "cuda"
+        free = get_available_gpu_memory(self.device, self.gpu_id) if on_gpu else None
+        warning = round_memory.check(memory, free)
+        if self._tp_rank == 0:
+            logger.info("DDTREE memory beside SGLang's pools at this server's maximum: %s",
+                        memory.describe())  # fmt: skip
+            if warning:
+                logger.warning(warning)
 
     def _penalty_table(self) -> PenaltyTable | None:
         """SGLANG_DDTREE_PENALTIES=1: the output-token counts per request slot on the device
         (integration/penalties.py), made the eagle_sample hook's."""
         if not options().penalties:
             return None
-        # the target's pool (this worker's model_runner is the target's in 0.5.17) and
-        # vocabulary, the penalised logits' width
+        # the target's pool and vocabulary, the penalised logits' width
         target = self.target_worker.model_runner
         rows = target.req_to_token_pool.req_to_token.shape[0]
         vocab = target.model_config.vocab_size
-        gib = self._check_penalty_table_fits(rows, vocab)
         table = PenaltyTable(rows, vocab, self.device)
         if self._tp_rank == 0:  # beside SGLang's pools, which were sized without it
             logger.info("DDTREE penalty counts: %d request slots x %d tokens, %.2f GiB (off: "
-                        "SGLANG_DDTREE_PENALTIES=0)", rows, vocab, gib)  # fmt: skip
+                        "SGLANG_DDTREE_PENALTIES=0)", rows, vocab, rows * vocab * 5 / (1 << 30))  # fmt: skip
         penalties.activate(table)
         return table
-
-    def _check_penalty_table_fits(self, rows: int, vocab: int) -> float:
-        """The count table's GiB (float32 counts). It comes after SGLang has sized its pools
-        from --mem-fraction-static: one that cannot be allocated stops the start-up here with
-        the numbers and the ways out, not with an out-of-memory error; one that leaves under
-        1 GiB free is logged."""
-        need = rows * vocab * 4 / (1 << 30)
-        if torch.device(self.device).type != "cuda":
-            return need
-        free = get_available_gpu_memory(self.device, self.gpu_id)
-        if need > free:
-            raise RuntimeError(
-                f"DDTREE: the per-node penalty counts need {need:.2f} GiB ({rows} request slots "
-                f"x {vocab} tokens x 4 bytes) and {free:.2f} GiB are free after SGLang's "
-                "pools. Lower --max-running-requests or --mem-fraction-static, or set "
-                "SGLANG_DDTREE_PENALTIES=0 (requests with penalties or min_p then get a 400)."
-            )
-        if free - need < 1.0:
-            logger.warning("DDTREE: the penalty counts (%.2f GiB) leave %.2f GiB free for the "
-                           "CUDA graphs", need, free - need)  # fmt: skip
-        return need
 
     # -- step 1 + 2: draft the block, build the tree -----------------------------------------
     def _draft(self, batch, draft_input) -> tuple[torch.Tensor, torch.Tensor]:

@@ -183,3 +183,40 @@ def suppress_eos_before_min_tokens(logits: torch.Tensor, depth: torch.Tensor,
     eos = eos_ids[None, None, :].expand(*depth.shape, eos_ids.numel())
     blocked = torch.where(early[:, :, None], float("-inf"), out.gather(2, eos))
     return out.scatter(2, eos, blocked)
+
+
+def requests_at_once(num_nodes: int, vocab: int, bytes_per_value: int,
+                     temp_bytes: int = TEMP_BYTES) -> int:  # fmt: skip
+    """How many requests' [N, V] temporaries of `bytes_per_value` bytes a value fit in
+    `temp_bytes` (at least one: a single request's are taken whatever their size)."""
+    return max(1, temp_bytes // max(num_nodes * vocab * bytes_per_value, 1))
+
+
+def min_p_filter_(probs: torch.Tensor, min_ps: torch.Tensor,
+                  temp_bytes: int = TEMP_BYTES) -> torch.Tensor:  # fmt: skip
+    """SGLang's min-p in place on every node's target probs [bs, N, V]: a token below min_p x
+    its node's largest probability is dropped and the rest renormalised (flashinfer's
+    min_p_sampling_from_probs samples the same tokens in the same proportions); requests with
+    min_p 0 untouched. min_ps [bs] on probs' device. Worked a few requests at a time, so a round
+    holds one bool [requests, N, V] temporary within `temp_bytes` (no host sync)."""
+    bs, N, V = probs.shape
+    step = requests_at_once(N, V, 1, temp_bytes)
+    for lo in range(0, bs, step):
+        p, m = probs[lo : lo + step], min_ps[lo : lo + step].to(probs.dtype)[:, None, None]
+        p.masked_fill_(p < p.amax(-1, keepdim=True) * m, 0.0)
+        p.div_(torch.where(m > 0, p.sum(-1, keepdim=True), 1.0))
+    return probs
+
+
+def block_stops_(logits: torch.Tensor, early: torch.Tensor, stops: torch.Tensor,
+                 temp_bytes: int = TEMP_BYTES) -> torch.Tensor:  # fmt: skip
+    """min_new_tokens in place: -inf on every stop token of a node that may not stop yet.
+    logits [bs, N, V]; early [bs, N] bool (the node's output + depth below the floor); stops
+    [bs, V] bool (each request's stop tokens). A few requests at a time: one bool
+    [requests, N, V] temporary within `temp_bytes`."""
+    bs, N, V = logits.shape
+    step = requests_at_once(N, V, 1, temp_bytes)
+    for lo in range(0, bs, step):
+        hi = lo + step
+        logits[lo:hi].masked_fill_(early[lo:hi, :, None] & stops[lo:hi, None, :], float("-inf"))
+    return logits

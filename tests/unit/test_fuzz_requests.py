@@ -1,6 +1,7 @@
-"""scripts/fuzz_requests.py against a stand-in server on 127.0.0.1 that validates like a careful
-server: every malformed case is judged, a 5xx or a 4xx without a message is caught, and a changed
-greedy text is caught."""
+"""scripts/fuzz_requests.py against a stand-in server on 127.0.0.1 that answers as a DDTREE server's
+front end does (SGLang's request path with DDTREE's hook, tests/front_end.py): every malformed
+case is judged, a 5xx, a 4xx without a message, a streamed refusal without its error event and a
+changed greedy text are caught, and the same front end without DDTREE's limits fails."""
 
 from __future__ import annotations
 
@@ -18,43 +19,20 @@ def fuzz():
     return load_script("fuzz_requests")
 
 
-def _chat_error(b) -> str | None:
-    msgs = b.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        return "messages must be a non-empty list"
-    for m in msgs:
-        if m.get("role") not in ("system", "user", "assistant") or not isinstance(
-            m.get("content"), str
-        ):
-            return "bad message"
-        if len(m["content"].split()) > 2048:
-            return "prompt longer than the context"
-    mt, t, n = b.get("max_tokens", 1), b.get("temperature", 1.0), b.get("n", 1)
-    if not isinstance(mt, int) or not 1 <= mt <= 4096 or not isinstance(t, int | float) or t < 0:
-        return "bad max_tokens / temperature"
-    if b.get("top_p", 1.0) > 1 or not isinstance(n, int) or not 1 <= n <= 16:
-        return "bad top_p / n"
-    return None
-
-
-def _generate_error(b) -> str | None:
-    sp = b.get("sampling_params")
-    if not isinstance(sp, dict) or sp.get("max_new_tokens", 1) < 0:
-        return "bad sampling_params"
-    if "input_ids" in b:
-        return None if all(0 <= i < 1000 for i in b["input_ids"]) else "token id out of range"
-    return None if isinstance(b.get("text"), str) else "text must be a string"
-
-
 class _Handler(BaseHTTPRequestHandler):
+    """A stand-in server whose answers are a DDTREE server's front end's (tests/front_end.py:
+    SGLang's request classes and checks with DDTREE's hook) for everything the fuzz sends; the
+    good greedy requests and the probe get a fixed text."""
+
+    front_end = None  # set by the fixture
     broken: set[str] = set()  # behaviours switched on by a test
     greedy_calls = 0
 
     def log_message(self, *args):
         pass
 
-    def _reply(self, code, body):
-        data = json.dumps(body).encode() if body is not None else b""
+    def _reply(self, code, body, raw: bytes | None = None):
+        data = raw if raw is not None else json.dumps(body).encode() if body is not None else b""
         self.send_response(code)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
@@ -64,50 +42,105 @@ class _Handler(BaseHTTPRequestHandler):
         raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
         try:
             b = json.loads(raw)
-            assert isinstance(b, dict)
-        except (json.JSONDecodeError, AssertionError):
-            return self._reply(400, {"error": "body must be a JSON object"})
-        if self.path == "/generate":
-            error = _generate_error(b)
-            if error:
-                return self._reply(400, {"error": error})
-            if str(b.get("text")).startswith("def f"):
-                _Handler.greedy_calls += 1
-            # "drift": one good prompt's text changes once the fuzz has begun
-            drift = "drift" in self.broken and _Handler.greedy_calls > 4
-            drift &= str(b.get("text")).startswith("def f1")
-            return self._reply(200, {"text": "drift" if drift else "ok"})
-        if "n500" in self.broken and b.get("n") == 5000:
+        except json.JSONDecodeError:
+            b = None
+        if self.path == "/generate" and isinstance(b, dict) and _good(b):
+            return self._good(b)
+        if isinstance(b, dict) and "n500" in self.broken and b.get("n") == 5000:
             return self._reply(500, {"error": "internal"})
-        if "mute" in self.broken and b.get("max_tokens") == 0:
+        if isinstance(b, dict) and "mute" in self.broken and b.get("max_tokens") == 0:
             return self._reply(400, None)
-        error = _chat_error(b)
-        return self._reply(400, {"error": error}) if error else self._reply(200, {"choices": []})
+        answer = self.front_end.answer(self.path, raw)
+        if answer.streamed and "unstreamed" not in self.broken:  # SGLang's streamed refusal
+            event = {"error": {"message": answer.message, "code": 400}}
+            return self._reply(200, None, f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode())
+        if answer.status == 200:
+            return self._reply(200, {"text": "served", "choices": []})
+        return self._reply(answer.status, {"error": answer.message})
+
+    def _good(self, b):
+        text = str(b.get("text"))
+        if text.startswith("def f"):
+            _Handler.greedy_calls += 1
+        # "drift": one good prompt's text changes once the fuzz has begun
+        drift = "drift" in self.broken and _Handler.greedy_calls > 4 and text.startswith("def f1")
+        return self._reply(200, {"text": "drift" if drift else "ok"})
+
+
+def _good(b) -> bool:
+    """The fuzz's own good requests: its greedy prompts, the probe and the liveness check."""
+    return str(b.get("text")).startswith(("def f", "def fibonacci")) or b.get("text") == "hi" and (
+        b.get("sampling_params") == {"max_new_tokens": 1})
+
+
+@pytest.fixture(scope="module")
+def front_ends():
+    pytest.importorskip("sglang")
+    from sglang_ddtree import DEMO_PAIR_DIR
+    from tests.front_end import FrontEnd
+
+    ddtree = FrontEnd(DEMO_PAIR_DIR / "target", context=2048)
+    plain = FrontEnd(DEMO_PAIR_DIR / "target", context=2048, algorithm="DFLASH")
+    return {"DDTREE": ddtree, "DFLASH": plain}
 
 
 @pytest.fixture()
-def url():
+def url(front_ends):
     _Handler.broken, _Handler.greedy_calls = set(), 0
+    _Handler.front_end = front_ends["DDTREE"]
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
 
 
-def test_a_careful_server_passes(fuzz, url):
+def test_a_ddtree_front_end_passes(fuzz, url):
+    """Every malformed case, the per-request limits' classes on chat and /generate streamed and
+    not among them, gets a 4xx (a streamed /generate: SGLang's error event) from SGLang's request
+    path with DDTREE's hook."""
     report = fuzz.run(url, rounds=2, context=2048, seed=0)
-    assert report["ok"], report
+    assert report["ok"], report["bad"][:5]
     assert report["cases"] == 2 * len(fuzz.corpus(2048)) and report["ignored_with_200"] == [
         "unknown field"
     ]
+    assert report["probe_unchanged"]
 
 
-def test_a_5xx_a_silent_4xx_and_a_changed_text_are_caught(fuzz, url):
-    _Handler.broken = {"n500", "mute", "drift"}
+def test_the_corpus_holds_every_limit_on_both_endpoints_streamed_and_not(fuzz):
+    names = [name for name, *_ in fuzz.corpus(2048)]
+    for limit, chat, *_ in fuzz.LIMITS:
+        for stream in ("", " (streamed)"):
+            assert f"generate: {limit}{stream}" in names
+            assert chat is None or f"chat: {limit}{stream}" in names
+    assert sum(chat is not None for _, chat, *_ in fuzz.LIMITS) >= 25
+
+
+def test_a_front_end_without_ddtrees_limits_fails_the_fuzz(fuzz, url, front_ends):
+    """The negative control: SGLang's request path alone (another algorithm, DDTREE's hook off)
+    schedules or 500s what DDTREE refuses: the fuzz names those cases."""
+    _Handler.front_end = front_ends["DFLASH"]
+    report = fuzz.run(url, rounds=1, context=2048, seed=0)
+    bad = {r["case"] for r in report["bad"]}
+    assert not report["ok"]
+    for case in ("generate: logit_bias 1e300", "chat: logit_bias NaN (streamed)",
+                 "generate: stop_token_ids past the vocabulary", "generate: top_k 1e300",
+                 "chat: top_logprobs past the vocabulary", "generate: seed 2**70"):  # fmt: skip
+        assert case in bad, (case, sorted(bad)[:20])
+
+
+def test_a_5xx_a_silent_4xx_a_silent_stream_and_a_changed_text_are_caught(fuzz, url):
+    _Handler.broken = {"n500", "mute", "drift", "unstreamed"}
     report = fuzz.run(url, rounds=1, context=2048, seed=0)
     verdicts = {r["case"]: r["verdict"] for r in report["bad"]}
-    assert verdicts == {"n in the thousands": "got 500", "max_tokens 0": "4xx without a message"}
+    assert verdicts.pop("n in the thousands") == "got 500"
+    assert verdicts.pop("max_tokens 0") == "4xx without a message"
+    # without the error event, a streamed /generate refusal is a plain 400: not SGLang's shape,
+    # but a refusal; the judge takes a 200 stream only with a 4xx error event first
+    assert all(v == "ok" for v in verdicts.values())
     assert not report["good_text_unchanged"] and not report["ok"]
+    assert fuzz.judge(200, "data: {\"text\": \"hi\"}\n\ndata: [DONE]", False, streamed=True) != "ok"
+    assert fuzz.judge(200, 'data: {"error": {"message": "no", "code": 400}}', False, True) == "ok"
+    assert fuzz.judge(200, 'data: {"error": {"message": "no", "code": 500}}', False, True) != "ok"
 
 
 def test_the_corpus_is_seeded(fuzz):

@@ -309,125 +309,20 @@ def test_options_are_parsed_once_and_the_activated_ones_win(monkeypatch):
         config.Options.from_env()
 
 
-def test_gdn_check_saves_the_inputs_of_a_verify_that_differs(monkeypatch, tmp_path, caplog):
-    """SGLANG_DDTREE_GDN_CHECK: the root-path kernel runs beside the chunked one (on a copy of
-    the scratch); a verify with a row that differs by more than the tolerance of its own size
-    is saved and logged, one that agrees is not; inside a CUDA graph the round's worst row
-    accumulates on the device and the commit hook reports it."""
-    import sglang_ddtree.gdn.tree_verify as tv
+def test_the_precision_switch_needs_the_chunked_verify(monkeypatch):
     from sglang_ddtree import config
-    from sglang_ddtree.integration import gdn_check
 
-    monkeypatch.setenv("SGLANG_DDTREE_GDN_CHECK", str(tmp_path))
-    assert config.Options.from_env().gdn_check == str(tmp_path)
-    path = gdn.GDNPath(16, verify="chunk", check=str(tmp_path))
-    monkeypatch.setattr(gdn_check, "_counts", dict.fromkeys(gdn_check._counts, 0))
-    monkeypatch.setattr(gdn_check, "_worst", [])
-    o = torch.ones(4, 2, 3)
-    state, slots = torch.zeros(3, 2, 3, 5), torch.tensor([1], dtype=torch.int32)
-    scratch = torch.zeros(2, 8)
-    args = (*[torch.zeros(1)] * 7, state, slots, torch.zeros(1, 4, dtype=torch.int64), scratch,
-            torch.zeros(1, dtype=torch.int32))  # fmt: skip
-    seen = []
-
-    def root_paths(*a, **kw):
-        seen.append(a[10] is not scratch)  # a copy of the scratch
-        return ref
-
-    monkeypatch.setattr(tv, "tree_verify", root_paths)
-    ref = o.clone()
-    assert gdn_check.compare(o, args, path) is o
-    assert list(tmp_path.iterdir()) == [] and gdn_check._counts["differed"] == 0
-    ref = o.clone()
-    ref[2, 1] = 10.0  # one small row off: judged against its own size, not the largest row's
-    ref[0] = o[0] = 100.0
-    with caplog.at_level("INFO"):
-        gdn_check.compare(o, args, path)
-    import os
-
-    saved = torch.load(tmp_path / f"verify_{os.getpid()}_2.pt")
-    assert torch.equal(saved["paths"], ref) and torch.equal(saved["chunk"], o)
-    assert saved["states"].shape == (1, 2, 3, 5) and saved["call"] == 2
-    assert saved["scratch_chunk"].shape == saved["scratch_paths"].shape == (1, 8)
-    assert "verify 2: worst difference so far 0.9" in caplog.text
-    assert "by 0.9 of the row's max |o| at node 2 (request 0), value head 1" in caplog.text
-    assert all(seen)
-    assert float(gdn_check._worst[0]) == 0.0  # the graphs' accumulator, made by an eager call
-    nan = o.clone()
-    nan[1, 0, 0] = float("nan")  # a NaN output is as far off as can be
-    assert gdn_check.row_error(nan, ref)[1, 0] == float("inf")
-    # as if captured: the worst row accumulates, after_round reads and resets it
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    gdn_check.compare(o, args, path)
-    ref = o.clone()
-    gdn_check.compare(o, args, path)
-    assert float(gdn_check._worst[0]) == pytest.approx(0.9)
-    with caplog.at_level("WARNING"):
-        gdn_check.after_round()
-    assert "round 1 (CUDA graph)" in caplog.text and float(gdn_check._worst[0]) == 0.0
-
-
-def test_gdn_check_serves_the_root_paths_and_saves_the_first_calls(monkeypatch, tmp_path):
-    """SGLANG_DDTREE_GDN_CHECK_SERVE=paths: the checked verify returns the root paths' outputs;
-    SGLANG_DDTREE_GDN_CHECK_SAVE=N: the first N calls are saved even when they agree; both
-    need the check, and the precision switch needs the chunked verify."""
-    import dataclasses
-    import os
-
-    import sglang_ddtree.gdn.tree_verify as tv
-    from sglang_ddtree import config
-    from sglang_ddtree.integration import gdn_check
-
-    monkeypatch.setenv("SGLANG_DDTREE_GDN_CHECK_SERVE", "paths")
-    with pytest.raises(ValueError, match="set SGLANG_DDTREE_GDN_CHECK=DIR too"):
-        config.Options.from_env()
-    monkeypatch.setenv("SGLANG_DDTREE_GDN_CHECK", str(tmp_path))
-    monkeypatch.setenv("SGLANG_DDTREE_GDN_CHECK_SAVE", "2")
     monkeypatch.setenv("SGLANG_DDTREE_GDN_VERIFY", "chunk")
     monkeypatch.setenv("SGLANG_DDTREE_GDN_PRECISION", "ieee")
-    opts = config.Options.from_env()
-    path = gdn.path_of(opts, 16)
-    assert (path.check_serve, path.check_save, path.precision) == ("paths", 2, "ieee")
-    assert "verify: chunk (ieee)" in gdn.describe(path)
-    for name, bad, words in (("SGLANG_DDTREE_GDN_CHECK_SAVE", "-1", "whole number >= 0"),
-                             ("SGLANG_DDTREE_GDN_PRECISION", "bf16", "must be 'split' or"),
-                             ("SGLANG_DDTREE_GDN_CHECK_SERVE", "both", "must be 'chunk' or")):  # fmt: skip
-        monkeypatch.setenv(name, bad)
-        with pytest.raises(ValueError, match=words):
-            config.Options.from_env()
-        monkeypatch.delenv(name)
+    path = gdn.path_of(config.Options.from_env(), 16)
+    assert path.precision == "ieee" and "verify: chunk (ieee)" in gdn.describe(path)
+    monkeypatch.setenv("SGLANG_DDTREE_GDN_PRECISION", "bf16")
+    with pytest.raises(ValueError, match="must be 'split' or"):
+        config.Options.from_env()
     monkeypatch.setenv("SGLANG_DDTREE_GDN_PRECISION", "tf32")
     monkeypatch.setenv("SGLANG_DDTREE_GDN_VERIFY", "paths")
     with pytest.raises(ValueError, match="add SGLANG_DDTREE_GDN_VERIFY=chunk"):
         config.Options.from_env()
-
-    monkeypatch.setattr(gdn_check, "_counts", dict.fromkeys(gdn_check._counts, 0))
-    monkeypatch.setattr(gdn_check, "_worst", [])
-    monkeypatch.setattr(gdn_check, "_so_far", [0.0])
-    o, ref = torch.ones(4, 2, 3), torch.ones(4, 2, 3) + 1e-4
-    monkeypatch.setattr(tv, "tree_verify", lambda *a, **kw: ref)
-    args = (*[torch.zeros(1)] * 7, torch.zeros(3, 2, 3, 5), torch.tensor([1], dtype=torch.int32),
-            torch.zeros(1, 4, dtype=torch.int64), torch.zeros(2, 8),
-            torch.zeros(1, dtype=torch.int32))  # fmt: skip
-    for _ in range(3):
-        assert gdn_check.compare(o, args, path) is ref
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
-        f"verify_{os.getpid()}_{n}.pt" for n in (1, 2)
-    ]
-    assert gdn_check._counts["differed"] == 0
-    # calls that differ: the first check_save calls are saved whatever KEEP says, and KEEP
-    # counts only the differing ones beyond them
-    for f in tmp_path.iterdir():
-        f.unlink()
-    monkeypatch.setattr(gdn_check, "_counts", dict.fromkeys(gdn_check._counts, 0))
-    monkeypatch.setattr(gdn_check, "KEEP", 1)
-    ref = torch.ones(4, 2, 3) * 2  # every call differs by 0.5 of the row
-    path = dataclasses.replace(path, check_save=3)
-    for _ in range(5):
-        gdn_check.compare(o, args, path)
-    saved = sorted(int(p.stem.rsplit("_", 1)[1]) for p in tmp_path.iterdir())
-    assert saved == [1, 2, 3] and gdn_check._counts["differed"] == 5
 
 
 def test_server_info_reports_the_resolved_options(monkeypatch):
@@ -468,30 +363,8 @@ def test_server_info_reports_the_resolved_options(monkeypatch):
     assert hooks._internal_state(original, dflash, None).internal_state == {"startup_time": 1.0}
 
 
-def test_gdn_perturb_is_a_bounded_fixed_relative_error(monkeypatch):
-    """SGLANG_DDTREE_GDN_PERTURB: parsed in [0, 1), carried into the GDN path, and the
-    perturbation is deterministic, within its size, and off at 0."""
-    from sglang_ddtree import config
-    from sglang_ddtree.integration import gdn_check
-
-    monkeypatch.setenv("SGLANG_DDTREE_GDN_PERTURB", "0.004")
-    opts = config.Options.from_env()
-    assert opts.gdn_perturb == 0.004 and gdn.path_of(opts, 16).perturb == 0.004
-    for bad in ("-0.1", "1.5", "lots"):
-        monkeypatch.setenv("SGLANG_DDTREE_GDN_PERTURB", bad)
-        with pytest.raises(ValueError, match="SGLANG_DDTREE_GDN_PERTURB must be a number"):
-            config.Options.from_env()
-    o = torch.randn(31, 2, 128)
-    a, b = gdn_check.perturb(o, 0.004), gdn_check.perturb(o, 0.004)
-    rel = ((a - o).abs() / o.abs().clamp(min=1e-12)).max()
-    assert torch.equal(a, b) and 1e-3 < rel <= 0.004 + 1e-6
-    assert torch.equal(gdn_check.perturb(o, 0.0), o)
-    assert gdn_check.perturb(o.bfloat16(), 0.004).dtype == torch.bfloat16
-
-
 def test_configure_says_when_the_chunked_switches_cannot_apply(monkeypatch, caplog):
-    """Trees wider than the chunked verify takes run the root paths: startup says so; the GDN
-    check needs the chunked verify (it is what it checks)."""
+    """Trees wider than the chunked verify takes run the root paths: startup says so."""
     from sglang_ddtree import config
 
     opts = config.Options(gdn_precision="ieee")
@@ -502,10 +375,6 @@ def test_configure_says_when_the_chunked_switches_cannot_apply(monkeypatch, capl
             gdn.configure(args, opts)
         assert "GDN path: ddtree (verify: chunk (ieee)" in caplog.text
         assert ("wider than the chunked GDN verify takes" in caplog.text) == warned, nodes
-    monkeypatch.setenv("SGLANG_DDTREE_GDN_CHECK", "/tmp/x")
-    with pytest.raises(ValueError, match="checks the chunked verify"):
-        config.Options.from_env(deterministic=True)
-    assert config.Options.from_env().gdn_check == "/tmp/x"
 
 
 def test_the_compact_scratch_is_sized_per_tensor_parallel_rank():

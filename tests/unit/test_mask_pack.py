@@ -114,6 +114,7 @@ def test_the_plan_packs_an_unwritten_mask_from_the_tree(monkeypatch):
                                            plan.packed_bytes)  # fmt: skip
     assert "custom_mask" not in kw and torch.equal(kw["packed_custom_mask"], want)
     assert not info.tree_mask_written  # never needed
+    assert info.custom_mask.numel() == 0  # the packed mask is the round's one mask-sized buffer
 
 
 def test_an_unwritten_mask_is_written_before_sglangs_plan_reads_it(monkeypatch):
@@ -124,6 +125,7 @@ def test_an_unwritten_mask_is_written_before_sglangs_plan_reads_it(monkeypatch):
     monkeypatch.setattr(config, "_active", config.Options(mask_pack="triton"))
     seq, N = torch.tensor([6, 2, 11]), 4
     info, vis = _unwritten_verify(seq, N)
+    assert info.custom_mask.numel() == 0 and info.tree_mask_size == _written(vis, seq).numel()
     read, kw = _plan_call(info, seq, None)
     assert "packed_custom_mask" not in kw and info.tree_mask_written
     assert torch.equal(read, _written(vis, seq))

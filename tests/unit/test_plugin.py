@@ -4,7 +4,6 @@ calls, flag validation and defaults, runtime hooks. Needs sglang 0.5.17's Python
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.metadata
 import inspect
 import json

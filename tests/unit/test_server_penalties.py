@@ -13,7 +13,7 @@ import torch
 from sglang_ddtree.integration import penalties
 from sglang_ddtree.integration.penalties import PenaltyTable
 from sglang_ddtree.tree import build_tree_reference
-from sglang_ddtree.tree.penalties import penalize
+from sglang_ddtree.tree.penalties import block_stops_, min_p_filter_, penalize
 from sglang_ddtree.tree.testing import random_build_inputs
 
 V = 29
@@ -172,14 +172,15 @@ def test_the_hook_target_has_the_signature_the_hook_assumes():
 
 
 def test_min_p_keeps_what_sglangs_plain_sampler_keeps_in_the_same_proportions():
-    """min_p_filter against SGLang's plain sampler's rule (sglang.srt.layers.sampler: a token
+    """min_p_filter_ against SGLang's plain sampler's rule (sglang.srt.layers.sampler: a token
     below min_p x its row's largest probability is zeroed, the rest sampled in proportion): the
-    kept set and the renormalised probabilities; min_p 0 leaves a request's rows alone."""
+    kept set and the renormalised probabilities; min_p 0 leaves a request's rows alone; worked a
+    request or two at a time, the same bits."""
     gen = torch.Generator().manual_seed(2)
     probs = torch.rand(3, 4, 50, generator=gen) ** 4
     probs /= probs.sum(-1, keepdim=True)
     min_ps = torch.tensor([0.3, 0.0, 0.05])
-    got = penalties.min_p_filter(probs, min_ps)
+    got = min_p_filter_(probs.clone(), min_ps)
     assert torch.equal(got[1], probs[1])
     for b in (0, 2):
         rows = probs[b]
@@ -187,6 +188,9 @@ def test_min_p_keeps_what_sglangs_plain_sampler_keeps_in_the_same_proportions():
         torch.testing.assert_close(
             got[b], torch.where(keep, rows, 0) / (rows * keep).sum(-1, keepdim=True)
         )
+    per_request = 4 * 50  # one bool [N, V]
+    for budget in (1, per_request, 2 * per_request + 1):
+        assert torch.equal(min_p_filter_(probs.clone(), min_ps, temp_bytes=budget), got)
 
 
 def test_min_p_rides_on_sglangs_tree_sampling_for_the_call_only(monkeypatch):
@@ -239,11 +243,12 @@ def test_the_worker_makes_its_table_once_the_request_pool_exists(monkeypatch):
     request pool in __init__, which SGLang's scheduler runs before it allocates any pool
     (the pool is None then; the worker's model_runner is the target's). The table is made in
     alloc_memory_pool, after DFlashWorkerV2's allocation, from the target's pool rows and
-    vocabulary."""
+    vocabulary, once DDTREE's memory at the maximum has been checked."""
     pytest.importorskip("sglang.srt.speculative.dflash_worker_v2")
     from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
 
     from sglang_ddtree import config
+    from sglang_ddtree.config import DDTreeConfig
     from sglang_ddtree.integration.worker import DDTreeWorker
 
     monkeypatch.setenv("SGLANG_DDTREE_PENALTIES", "1")
@@ -251,10 +256,7 @@ def test_the_worker_makes_its_table_once_the_request_pool_exists(monkeypatch):
     activated = []
     monkeypatch.setattr(penalties, "activate", activated.append)
     runner = SimpleNamespace(req_to_token_pool=None, model_config=SimpleNamespace(vocab_size=V))
-    worker = object.__new__(DDTreeWorker)  # the attributes the two methods read, no __init__
-    worker.model_runner, worker.device = runner, "cpu"
-    worker._tp_rank = 0  # the table's size goes to the log on rank 0
-    worker._target_worker = SimpleNamespace(model_runner=runner)  # behind target_worker
+    worker = _bare_worker(DDTreeWorker, runner)
     with pytest.raises(AttributeError):  # what __init__ met: no pool yet
         DDTreeWorker._penalty_table(worker)
 
@@ -263,25 +265,80 @@ def test_the_worker_makes_its_table_once_the_request_pool_exists(monkeypatch):
         return "allocated"
 
     monkeypatch.setattr(DFlashWorkerV2, "alloc_memory_pool", allocate)
+    worker.cfg = DDTreeConfig(block_size=4, num_nodes=8, topk=2)
+    worker._tree_head = SimpleNamespace(max_bs=4)
     assert worker.alloc_memory_pool(memory_pool_config=None) == "allocated"
     assert activated == [worker._penalties]
     assert tuple(worker._penalties.counts.shape) == (7, V)
 
 
-def test_a_count_table_that_does_not_fit_stops_the_start_up_with_the_numbers(monkeypatch):
-    """On a GPU the table is checked against the free memory SGLang's pools left: one that
-    cannot be allocated is refused with its size, the free memory and the ways out."""
+def _bare_worker(cls, runner, device="cpu"):
+    """A DDTreeWorker with the attributes the start-up methods read, no __init__."""
+    worker = object.__new__(cls)
+    worker.model_runner, worker.device, worker.gpu_id = runner, device, 0
+    worker._tp_rank = 0  # the sizes go to the log on rank 0
+    worker._target_worker = SimpleNamespace(model_runner=runner)  # behind target_worker
+    return worker
+
+
+def test_memory_that_does_not_fit_at_the_maximum_stops_the_start_up_with_the_numbers(monkeypatch):
+    """On a GPU, DDTREE's memory at the server's maximum (round_memory.at_maximum: the tables,
+    a round's temporaries and mask) is checked against what SGLang's pools left: one that does
+    not fit is refused with its parts, the free memory and the ways out."""
+    pytest.importorskip("sglang.srt.speculative.dflash_worker_v2")
+    from sglang_ddtree import config
+    from sglang_ddtree.config import DDTreeConfig
     from sglang_ddtree.integration import worker as worker_mod
 
-    worker = object.__new__(worker_mod.DDTreeWorker)
-    worker.device, worker.gpu_id = "cuda:0", 0
+    monkeypatch.setattr(config, "_active", config.Options(penalties=True))
+    runner = SimpleNamespace(req_to_token_pool=SimpleNamespace(req_to_token=torch.zeros(0, 0)),
+                             model_config=SimpleNamespace(vocab_size=248320))  # fmt: skip
+    runner.req_to_token_pool.req_to_token = SimpleNamespace(shape=(1000, 4096 + 68))
+    worker = _bare_worker(worker_mod.DDTreeWorker, runner, device="cuda:0")
+    worker.cfg, worker._tree_head = DDTreeConfig(16, 32, 8), SimpleNamespace(max_bs=16)
     monkeypatch.setattr(worker_mod, "get_available_gpu_memory", lambda device, gpu: 0.5)
-    with pytest.raises(
-        RuntimeError,
-        match=r"need 0\.93 GiB \(1000 request slots x 248320 .*"
-        r"0\.50 GiB are free.*SGLANG_DDTREE_PENALTIES=0",
-    ):
-        worker._check_penalty_table_fits(1000, 248320)
-    worker._check_penalty_table_fits(100, 248320)  # 0.09 GiB: fits (with a warning)
+    with pytest.raises(RuntimeError, match=r"needs 1\.40 GiB: penalty tables 1\.16, per-round "
+                       r"penalty temporaries 0\.24, verify mask 0\.00, and 0\.50 GiB are free"
+                       r".*--max-running-requests.*SGLANG_DDTREE_PENALTIES=0"):  # fmt: skip
+        worker._check_round_memory()
+    monkeypatch.setattr(worker_mod, "get_available_gpu_memory", lambda device, gpu: 40.0)
+    worker._check_round_memory()  # fits
     worker.device = "cpu"
-    worker._check_penalty_table_fits(10**6, 248320)  # no GPU: nothing to check
+    monkeypatch.setattr(worker_mod, "get_available_gpu_memory", lambda device, gpu: 0.0)
+    worker._check_round_memory()  # no GPU: nothing to check
+
+
+def test_each_requests_stop_tokens_are_written_once_at_its_prefill(monkeypatch):
+    """The stop-token rows come from a request's lists at its prefill (restart), a previous
+    occupant's row cleared, and no round rebuilds them: penalize_ reads the table only."""
+    table = PenaltyTable(rows=4, vocab=V, device="cpu")
+    table.stops[2, [1, 5, 9]] = True  # a previous occupant's stops
+    reqs = [_req(min_new=3, stops=[4, 40], eos=7), _req(stops=[11])]  # 40: past the vocabulary
+    reqs[0].eos_token_ids = {12, None}  # the model's EOS ids (SGLang 0.5.23's penalizer's too)
+    slots = torch.tensor([2, 0])
+    table.restart(reqs, slots, torch.tensor([1, 1]))
+    assert table.stops[2].nonzero().flatten().tolist() == [4, 7, 12]
+    assert not table.stops[0].any()  # no min_new_tokens: its row is never read, not written
+    built = []
+    monkeypatch.setattr(penalties, "stop_tokens", lambda *a: built.append(a) or [])
+    tree = _tree(2, 5, seed=6)
+    raw = torch.randn(2, 5, V, generator=torch.Generator().manual_seed(6))
+    for _ in range(3):  # rounds
+        out = table.penalize_(raw.clone(), reqs, slots, tree.tokens, tree.visibility, tree.depth)
+        early = tree.depth[0] + 1 < 3  # one output token so far, the floor 3
+        assert early.any() and not early.all()
+        assert torch.isinf(out[0][early][:, [4, 7, 12]]).all()
+        assert not torch.isinf(out[0][~early][:, [4, 7, 12]]).any()
+        assert not torch.isinf(out[0][:, 5]).any()
+        assert torch.equal(out[1], raw[1])
+    assert built == []
+
+
+def test_the_stop_block_works_a_few_requests_at_a_time_to_the_same_bits():
+    gen = torch.Generator().manual_seed(8)
+    logits = torch.randn(5, 3, V, generator=gen)
+    early = torch.rand(5, 3, generator=gen) < 0.5
+    stops = torch.rand(5, V, generator=gen) < 0.2
+    want = logits.masked_fill(early[:, :, None] & stops[:, None, :], float("-inf"))
+    for budget in (1, 3 * V, 2 * 3 * V + 1, 10**9):
+        assert torch.equal(block_stops_(logits.clone(), early, stops, temp_bytes=budget), want)

@@ -4,6 +4,8 @@ server round become the same record, a text outline and a picture."""
 from __future__ import annotations
 
 import json
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -115,3 +117,60 @@ def test_the_dump_is_off_unless_asked_and_refuses_a_bad_interval(monkeypatch, tm
 def test_an_emitted_token_off_the_tree_is_an_error():
     with pytest.raises(ValueError, match="no child of node 0"):
         accepted_path([5, 6, 7], [-1, 0, 0], [9, 1])
+
+
+def _round_tensors():
+    gen = torch.Generator().manual_seed(5)
+    root, ids, lps = random_build_inputs(gen, 2, 5, 3, 50, "continuous")
+    tree = build_tree_reference(root, ids, lps, 11)
+    emitted = torch.zeros(2, 6, dtype=torch.int64)
+    return tree.tokens, tree.parents, tree.scores, emitted, torch.tensor([2, 1])
+
+
+def test_a_dump_that_cannot_write_logs_once_turns_off_and_never_blocks(tmp_path, caplog):
+    """An unwritable path and a full disk (/dev/full): one warning, the dump off, rounds and
+    close return at once."""
+    blocked = tmp_path / "a file"
+    blocked.write_text("")
+    targets = [blocked / "rounds.jsonl"]
+    if Path("/dev/full").exists():
+        targets.append(Path("/dev/full"))
+    for target in targets:
+        caplog.clear()
+        dump = RoundDump(target, every=1, max_pending=2)
+        with caplog.at_level("WARNING"):
+            for _ in range(50):
+                dump.round(*_round_tensors())
+            t0 = time.time()
+            dump.close(timeout=5)
+        assert time.time() - t0 < 5 and not dump._thread.is_alive(), target
+        assert not dump.on and caplog.text.count("the round dump stopped") == 1, target
+
+
+def test_the_dump_stops_at_its_size_cap(tmp_path, caplog):
+    path = tmp_path / "rounds.jsonl"
+    path.write_text("x" * 100)  # an existing file counts
+    dump = RoundDump(path, every=1, max_bytes=1000)
+    with caplog.at_level("WARNING"):
+        for _ in range(40):
+            dump.round(*_round_tensors())
+            time.sleep(0.01)
+        dump.close()
+    size = path.stat().st_size
+    one_round = 2 * 400  # two requests' lines, about 330 characters each
+    assert 1000 <= size <= 1000 + one_round, size
+    assert caplog.text.count("reached its cap of 1000 bytes") == 1 and not dump.on
+
+
+def test_close_waits_at_most_its_timeout_for_a_stuck_writer(tmp_path, monkeypatch):
+    import threading
+
+    release = threading.Event()
+    monkeypatch.setattr(RoundDump, "_write_round", staticmethod(lambda *a: release.wait() or 0))
+    dump = RoundDump(tmp_path / "rounds.jsonl", every=1, max_pending=1)
+    for _ in range(5):  # the writer takes one and hangs; the queue fills; the rest are skipped
+        dump.round(*_round_tensors())
+    t0 = time.time()
+    dump.close(timeout=0.3)
+    assert time.time() - t0 < 2
+    release.set()

@@ -183,3 +183,42 @@ def test_a_checked_soak_reports_its_checks_and_reads_the_log_window(soak, url, t
                              "log_clean": True}  # fmt: skip
     log.write_text(log.read_text() + "a memory leak\n")
     assert soak.checked_soak(url, [], 10, 2, log, start)["log_problems"] == ["leak"]
+
+
+def test_the_slopes_are_least_squares_after_the_warm_up(soak):
+    """MiB per minute over the samples after the warm-up: a steady 3 MiB/min growth reads 3, a
+    flat line with noise about 0, and the warm-up's jump is left out."""
+    grow = [(t, 1000 + 3 * t / 60 + (500 if t < 300 else 0), 2000.0) for t in range(0, 1800, 30)]
+    slopes = soak.memory_slopes(grow, warm_up_s=300)
+    assert slopes["rss_mib_per_min"] == pytest.approx(3.0, abs=1e-6)
+    assert slopes["gpu_mib_per_min"] == 0.0 and slopes["fitted"] == 50
+    assert slopes["rss_first_last_mib"] == (1015.0, 1000 + 3 * 1770 / 60)
+    noisy = [(t, 1000 + (5 if (t // 30) % 2 else -5), None) for t in range(0, 1800, 30)]
+    flat = soak.memory_slopes(noisy, warm_up_s=300)
+    assert abs(flat["rss_mib_per_min"]) < 0.05 and flat["gpu_mib_per_min"] is None
+    assert soak.memory_slopes(grow[:2], warm_up_s=0)["rss_mib_per_min"] is None  # too few
+
+
+def test_the_sampler_reads_a_process_groups_rss(soak):
+    """The sampler finds a process group's members in /proc and sums their resident sets: a
+    child that allocates 200 MiB raises the group's RSS by about that much."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    child = subprocess.Popen([sys.executable, "-c", "import sys, time; x = bytearray(200 << 20); "
+                              "x[::4096] = b'1' * len(x[::4096]); print('ready', flush=True); "
+                              "time.sleep(60)"], stdout=subprocess.PIPE, start_new_session=True)  # fmt: skip
+    try:
+        assert child.stdout.readline().strip() == b"ready"
+        pids = soak.group_pids(os.getpgid(child.pid))
+        assert pids == [child.pid]
+        assert 190 < soak.rss_mib(pids) < 400
+        with soak.MemorySampler(os.getpgid(child.pid), every_s=0.2) as sampler:
+            time.sleep(0.7)
+        assert len(sampler.samples) >= 4 and all(190 < s[1] < 400 for s in sampler.samples)
+        assert [s[0] for s in sampler.samples] == sorted(s[0] for s in sampler.samples)
+    finally:
+        child.kill()
+        child.wait()

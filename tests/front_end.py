@@ -1,0 +1,169 @@
+"""A DDTREE server's request path in miniature, on the CPU: SGLang's own request classes and checks
+in the order the HTTP server runs them, with DDTREE's front-end hook, for /generate,
+/v1/chat/completions and /v1/completions; `answer(path, body)` gives the HTTP status the server
+would answer before anything reaches the scheduler (200: the request would be scheduled).
+
+The path, SGLang 0.5.17 (http_server.py, serving_chat.py, serving_completions.py,
+tokenizer_manager.py):
+- the body parsed into the endpoint's request model (GenerateReqInput, ChatCompletionRequest,
+  CompletionRequest); a validation error is a 400 (SGLang's RequestValidationError handler);
+- OpenAI requests converted as SGLang converts them (`to_sampling_params` / the completions
+  server's `_build_sampling_params`, top_logprobs into top_logprobs_num); the chat template is
+  left out (the prompt's text is the messages' contents);
+- `normalize_batch_and_arguments`, then per request of the batch (and sample of n): DDTREE's
+  `_reject_unsupported`, SGLang's `_validate_one_request` and `SamplingParams(...)
+  .normalize(tokenizer).verify(vocab)`.
+A ValueError anywhere is a 400 (a streamed /generate: HTTP 200 with an error event, which
+SGLang sends; `answer` reports it as 400 with streamed=True); any other exception is what the
+server would answer with a 500.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import importlib
+import importlib.util
+import json
+import logging
+import types
+
+import pydantic
+
+STREAMED_ERROR = "streamed error event"
+
+
+@dataclasses.dataclass(frozen=True)
+class Answer:
+    status: int  # 200, 400, or 500
+    message: str
+    streamed: bool = False  # a streamed /generate refusal: HTTP 200 carrying an error event
+
+
+class FrontEnd:
+    """The request path of a DDTREE server on the model at `model_dir` (its tokenizer, the
+    vocabulary of its config) with a context of `context` tokens."""
+
+    def __init__(self, model_dir, context: int, algorithm: str = "DDTREE") -> None:
+        from transformers import AutoConfig, AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        config = AutoConfig.from_pretrained(model_dir)
+        vocab = getattr(config, "vocab_size", None) or config.text_config.vocab_size
+        self.manager = types.SimpleNamespace(
+            server_args=types.SimpleNamespace(speculative_algorithm=algorithm,
+                                              enable_custom_logit_processor=True,
+                                              return_hidden_states_mode=None),  # fmt: skip
+            model_config=types.SimpleNamespace(vocab_size=vocab),
+            context_len=context, num_reserved_tokens=0, allow_auto_truncate=False,
+            validate_total_tokens=True,
+        )  # fmt: skip
+
+    @property
+    def vocab(self) -> int:
+        return self.manager.model_config.vocab_size
+
+    def answer(self, path: str, body: bytes | dict) -> Answer:
+        try:
+            raw = json.loads(body) if isinstance(body, bytes | str) else body
+        except json.JSONDecodeError as exc:
+            return Answer(400, f"JSON decode error: {exc}")
+        if not isinstance(raw, dict):
+            return Answer(400, "the body must be a JSON object")
+        streamed = path == "/generate" and bool(raw.get("stream"))
+        try:
+            self._run(path, raw)
+        except pydantic.ValidationError as exc:
+            return Answer(400, str(exc)[:300])
+        except ValueError as exc:
+            return Answer(400, str(exc), streamed)
+        except Exception as exc:  # what the server answers with a 500
+            return Answer(500, f"{type(exc).__name__}: {exc}")
+        return Answer(200, "")
+
+    def _run(self, path: str, raw: dict) -> None:
+        obj = {"/generate": self._generate, "/v1/chat/completions": self._chat,
+               "/v1/completions": self._completion}[path](raw)  # fmt: skip
+        obj.normalize_batch_and_arguments()
+        items = [obj] if obj.is_single else [obj[i] for i in range(len(obj.sampling_params))]
+        for item in items:
+            self._one(item)
+
+    def _one(self, item) -> None:
+        from sglang.srt.sampling.sampling_params import SamplingParams
+
+        from sglang_ddtree.integration import hooks
+
+        ids = item.input_ids
+        if ids is None:
+            ids = self.tokenizer(item.text)["input_ids"]
+        hooks._reject_unsupported(self.manager, item, ids)
+        for name in ("_validate_one_request", "_validate_token_ids_logprob"):
+            method = tokenizer_manager_method(name)
+            setattr(self.manager, name, types.MethodType(method, self.manager))
+        self.manager._validate_one_request(item, list(ids))  # SGLang's, compiled once
+        params = SamplingParams(**item.sampling_params)
+        params.normalize(self.tokenizer)
+        params.verify(self.vocab)
+
+    @staticmethod
+    def _generate(raw: dict):
+        from sglang.srt.managers.io_struct import GenerateReqInput
+
+        return pydantic.TypeAdapter(GenerateReqInput).validate_python(raw)
+
+    @staticmethod
+    def _chat(raw: dict):
+        from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
+        from sglang.srt.managers.io_struct import GenerateReqInput
+
+        request = ChatCompletionRequest.model_validate(raw)
+        if not request.messages:
+            raise ValueError("Messages cannot be empty.")
+        sampling = request.to_sampling_params(stop=request.stop, model_generation_config={})
+        text = " ".join(str(m.content) for m in request.messages)
+        return GenerateReqInput(text=text, sampling_params=sampling,
+                                return_logprob=request.logprobs, logprob_start_len=-1,
+                                top_logprobs_num=request.top_logprobs or 0,
+                                stream=request.stream,
+                                custom_logit_processor=request.custom_logit_processor)  # fmt: skip
+
+    @staticmethod
+    def _completion(raw: dict):
+        from sglang.srt.entrypoints.openai.protocol import CompletionRequest
+        from sglang.srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
+        from sglang.srt.managers.io_struct import GenerateReqInput
+
+        request = CompletionRequest.model_validate(raw)
+        sampling = OpenAIServingCompletion._build_sampling_params(None, request)
+        prompt = request.prompt
+        ids = isinstance(prompt, list) and prompt and isinstance(prompt[0], int)
+        return GenerateReqInput(**({"input_ids": prompt} if ids else {"text": prompt}),
+                                sampling_params=sampling,
+                                return_logprob=request.logprobs is not None,
+                                top_logprobs_num=request.logprobs or 0,
+                                logprob_start_len=-1, stream=request.stream,
+                                custom_logit_processor=request.custom_logit_processor)  # fmt: skip
+
+
+TOKENIZER_MANAGER = "sglang.srt.managers.tokenizer_manager"
+
+
+@functools.cache
+def tokenizer_manager_method(name: str):
+    """TokenizerManager.<name> compiled from SGLang's source with the names it uses imported as
+    its module imports them (the module itself needs uvloop, which the CPU stack leaves out)."""
+    spec = importlib.util.find_spec(TOKENIZER_MANAGER)
+    tree = ast.parse(open(spec.origin).read())
+    imported = {alias.asname or alias.name: (node.module, alias.name)
+                for node in tree.body if isinstance(node, ast.ImportFrom)
+                for alias in node.names}  # fmt: skip
+    cls = next(c for c in tree.body if isinstance(c, ast.ClassDef) and c.name == "TokenizerManager")
+    fn = next(f for f in cls.body if isinstance(f, ast.FunctionDef) and f.name == name)
+    namespace = {"logger": logging.getLogger(TOKENIZER_MANAGER)}
+    for used in {n.id for n in ast.walk(fn) if isinstance(n, ast.Name)} & set(imported):
+        module, attr = imported[used]
+        namespace[used] = getattr(importlib.import_module(module), attr)
+    exec(compile(ast.Module(body=[fn], type_ignores=[]), spec.origin, "exec"), namespace)
+    return namespace[name]

@@ -1,0 +1,298 @@
+"""The front end's per-request limits (integration/request_limits.py): each refusal names the
+field, the value and the limit; the value at the limit passes; and through SGLang's own request
+path (tests/front_end.py) every class is a 400 on /generate, chat and completions, streamed or
+not, never a 500, while the same requests within the limits would be scheduled."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+
+from sglang_ddtree.integration import request_limits as limits
+from sglang_ddtree.integration.request_limits import Sizes, check_request
+
+SIZES = Sizes(vocab=1000, context=2048)
+
+
+def _request(sampling=None, prompt=(1, 2, 3), **fields):
+    obj = types.SimpleNamespace(sampling_params={"max_new_tokens": 8, **(sampling or {})},
+                                **fields)  # fmt: skip
+    return obj, list(prompt)
+
+
+def _refused(sampling=None, sizes=SIZES, **fields) -> str:
+    obj, prompt = _request(sampling, **fields)
+    with pytest.raises(ValueError) as info:
+        check_request(obj, prompt, sizes)
+    return str(info.value)
+
+
+def _passes(sampling=None, sizes=SIZES, **fields) -> None:
+    obj, prompt = _request(sampling, **fields)
+    assert check_request(obj, prompt, sizes) is None
+
+
+# (fields at the limit: pass, fields one past it: refused, words the refusal must hold)
+BOUNDS = {
+    "top_logprobs_num": (dict(top_logprobs_num=20), dict(top_logprobs_num=21),
+                         ["top_logprobs_num", "=21", "[0, 20]"]),
+    "top_logprobs_num negative": (dict(top_logprobs_num=0), dict(top_logprobs_num=-1),
+                                  ["top_logprobs_num", "=-1", "[0, 20]"]),
+    "token_ids_logprob": (dict(token_ids_logprob=[1] * 256), dict(token_ids_logprob=[1] * 257),
+                          ["len(token_ids_logprob)=257", "[0, 256]"]),
+    "logprob_start_len past the prompt": (dict(logprob_start_len=3), dict(logprob_start_len=4),
+                                          ["logprob_start_len=4", "[0, 3]"]),
+    "logprob_start_len negative": (dict(logprob_start_len=-1), dict(logprob_start_len=-2),
+                                   ["logprob_start_len=-2", "[0, 3]", "-1"]),
+    "logit_bias value": (dict(sampling={"logit_bias": {"5": 100.0, "6": -100}}),
+                         dict(sampling={"logit_bias": {"5": 100.5}}),
+                         ["logit_bias[5]=100.5", "[-100.0, 100.0]"]),
+    "logit_bias key": (dict(sampling={"logit_bias": {"999": 1.0}}),
+                       dict(sampling={"logit_bias": {"1000": 1.0}}),
+                       ["logit_bias key 1000", "[0, 1000)"]),
+    "logit_bias entries": (dict(sampling={"logit_bias": {str(i): 1.0 for i in range(1000)}}),
+                           dict(sampling={"logit_bias": {str(i): 1.0 for i in range(1025)}}),
+                           ["len(logit_bias)=1025", "[0, 1024]"]),
+    "stop count": (dict(sampling={"stop": ["x"] * 32}), dict(sampling={"stop": ["x"] * 33}),
+                   ["len(stop)=33", "[0, 32]"]),
+    "stop length": (dict(sampling={"stop": "y" * 256}), dict(sampling={"stop": ["y" * 257]}),
+                    ["len(stop", "=257", "[0, 256] characters"]),
+    "stop_regex bytes": (dict(sampling={"stop_regex": "é" * 128}),
+                         dict(sampling={"stop_regex": "é" * 128 + "a"}),
+                         ["len(stop_regex", "=257", "[0, 256] bytes"]),
+    "stop_token_ids count": (dict(sampling={"stop_token_ids": list(range(1000)) + [1] * 24}),
+                             dict(sampling={"stop_token_ids": [1] * 1025}),
+                             ["len(stop_token_ids)=1025", "[0, 1024]"]),
+    "stop_token_ids in the vocabulary": (dict(sampling={"stop_token_ids": [0, 999]}),
+                                         dict(sampling={"stop_token_ids": [1000]}),
+                                         ["stop_token_ids holds 1000", "[0, 1000)"]),
+    "stop_token_ids negative": (dict(sampling={"stop_token_ids": ["7"]}),
+                                dict(sampling={"stop_token_ids": [-1]}),
+                                ["stop_token_ids holds -1", "[0, 1000)"]),
+    "n x max_tokens": (dict(sampling={"n": 128, "max_new_tokens": 8192}),
+                       dict(sampling={"n": 128, "max_new_tokens": 8193}),
+                       ["n x max_tokens = 128 x 8193", "1048576"]),
+    "n x the context left": (dict(sampling={"n": 2, "max_new_tokens": None}),
+                             dict(sampling={"n": 2, "max_new_tokens": None}, sizes=Sizes(1000, 2**20)),
+                             ["n x max_tokens = 2 x 1048573", "1048576"]),
+    "min_new_tokens": (dict(sampling={"min_new_tokens": 8}),
+                       dict(sampling={"min_new_tokens": 9}),
+                       ["min_new_tokens", "=9", "[0, 8]"]),
+    "min_new_tokens without max_new_tokens": (
+        dict(sampling={"min_new_tokens": 2045, "max_new_tokens": None}),
+        dict(sampling={"min_new_tokens": 2**40, "max_new_tokens": None}),
+        ["min_new_tokens", "=1099511627776", "[0, 2045]"]),
+    "json_schema length": (dict(sampling={"json_schema": "x" * 65536}),
+                           dict(sampling={"json_schema": "x" * 65537}),
+                           ["len(json_schema)=65537", "[0, 65536]"]),
+    "ebnf length": (dict(sampling={"ebnf": "x" * 10}), dict(sampling={"ebnf": "x" * 65537}),
+                    ["len(ebnf)=65537", "[0, 65536]"]),
+    "regex length": (dict(sampling={"regex": "x" * 10}), dict(sampling={"regex": "x" * 65537}),
+                     ["len(regex)=65537"]),
+    "temperature": (dict(sampling={"temperature": 100}), dict(sampling={"temperature": 1e300}),
+                    ["temperature=1e+300", "limit of 100.0"]),
+    "top_k": (dict(sampling={"top_k": 2**30}), dict(sampling={"top_k": 2**30 + 1}),
+              ["top_k=1073741825", "[1, 1073741824]"]),
+    "top_k off": (dict(sampling={"top_k": -1}), dict(sampling={"top_k": 0}),
+                  ["top_k=0", "[1, 1073741824]", "-1: off"]),
+    "repetition_penalty": (dict(sampling={"repetition_penalty": 0.01}),
+                           dict(sampling={"repetition_penalty": 1e-40}),
+                           ["repetition_penalty=1e-40", "limit of 0.01"]),
+    "seed": (dict(sampling={"sampling_seed": 2**63 - 1}), dict(sampling={"sampling_seed": 2**63}),
+             ["sampling_seed (seed)=9.22337e+18", "9223372036854775807]"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", BOUNDS)
+def test_each_limit_passes_at_its_bound_and_names_field_value_and_limit_past_it(case):
+    inside, outside, words = BOUNDS[case]
+    _passes(**inside)
+    message = _refused(**outside)
+    for word in words:
+        assert word in message, (word, message)
+
+
+# (fields: refused whatever the sizes, words of the refusal)
+MALFORMED = {
+    "a NaN bias": (dict(sampling={"logit_bias": {"5": float("nan")}}),
+                   ["logit_bias[5]", "finite", "nan"]),
+    "an infinite bias": (dict(sampling={"logit_bias": {"5": float("inf")}}), ["logit_bias[5]", "inf"]),
+    "a bias a string": (dict(sampling={"logit_bias": {"5": "big"}}), ["logit_bias[5]", "number", "'big'"]),
+    "a bias key not a number": (dict(sampling={"logit_bias": {"five": 1}}), ["logit_bias key 'five'"]),
+    "logit_bias a list": (dict(sampling={"logit_bias": [1, 2]}), ["logit_bias must be an object"]),
+    "temperature a string": (dict(sampling={"temperature": "hot"}), ["temperature", "'hot'"]),
+    "temperature NaN": (dict(sampling={"temperature": float("nan")}), ["temperature", "nan"]),
+    "top_p NaN": (dict(sampling={"top_p": float("nan")}), ["top_p", "nan"]),
+    "top_p a string": (dict(sampling={"top_p": "0.5"}), ["top_p", "'0.5'"]),
+    "min_p infinite": (dict(sampling={"min_p": float("inf")}), ["min_p", "inf"]),
+    "frequency_penalty a list": (dict(sampling={"frequency_penalty": [1]}), ["frequency_penalty", "[1]"]),
+    "presence_penalty NaN": (dict(sampling={"presence_penalty": float("nan")}), ["presence_penalty"]),
+    "top_k fractional": (dict(sampling={"top_k": 2.5}), ["top_k", "integer", "2.5"]),
+    "top_k NaN": (dict(sampling={"top_k": float("nan")}), ["top_k", "integer", "nan"]),
+    "seed a string": (dict(sampling={"sampling_seed": "abc"}), ["sampling_seed", "'abc'"]),
+    "max_new_tokens a string": (dict(sampling={"max_new_tokens": "ten"}), ["max_new_tokens", "'ten'"]),
+    "n a float": (dict(sampling={"n": 1.5}), ["n must be an integer", "1.5"]),
+    "stop a number": (dict(sampling={"stop": 5}), ["stop must be a string or a list"]),
+    "stop_regex that does not compile": (dict(sampling={"stop_regex": "(a"}), ["stop_regex '(a'", "not a regular"]),
+    "stop_token_ids a dict": (dict(sampling={"stop_token_ids": {"a": 1}}), ["stop_token_ids must be a list"]),
+    "json_schema an object": (dict(sampling={"json_schema": {"type": "object"}}), ["json_schema must be a string"]),
+    "token_ids_logprob a number": (dict(token_ids_logprob=5), ["token_ids_logprob must be a list"]),
+    "top_logprobs_num a string": (dict(top_logprobs_num="all"), ["top_logprobs_num", "'all'"]),
+    "stream_interval a string": (dict(sampling={"stream_interval": "often"}), ["stream_interval", "'often'"]),
+    "stream_interval zero": (dict(sampling={"stream_interval": 0}), ["stream_interval=0", "[1, "]),
+    "ignore_eos a string": (dict(sampling={"ignore_eos": "yes"}), ["ignore_eos must be true or false", "'yes'"]),
+    "skip_special_tokens a number": (dict(sampling={"skip_special_tokens": 2}), ["skip_special_tokens", "2"]),
+    "a custom logit processor": (dict(custom_logit_processor='{"callable": "x"}'),
+                                 ["custom_logit_processor", "first token"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", MALFORMED)
+def test_malformed_values_are_refused_by_name(case):
+    fields, words = MALFORMED[case]
+    message = _refused(**fields)
+    for word in words:
+        assert word in message, (word, message)
+
+
+def test_one_sample_may_run_to_a_context_longer_than_the_product_bound():
+    long_context = Sizes(vocab=1000, context=2**21)
+    _passes(sampling={"max_new_tokens": None}, sizes=long_context)
+    _passes(sampling={"max_new_tokens": 2**21 - 3}, sizes=long_context)
+    assert "limit of 2097152" in _refused(sampling={"n": 2, "max_new_tokens": None},
+                                          sizes=long_context)  # fmt: skip
+
+
+def test_a_long_value_is_named_by_its_start_and_length():
+    message = _refused(sampling={"stop": ["z" * 10_000]})
+    assert "zzz" in message and "(10002 characters)" in message and len(message) < 300
+
+
+def test_requests_within_every_limit_pass_and_unknown_sizes_skip_their_bounds():
+    _passes(sampling={"temperature": 0.7, "top_p": 0.9, "top_k": 20, "min_p": 0.05,
+                      "frequency_penalty": 0.5, "presence_penalty": -0.5,
+                      "repetition_penalty": 1.2, "min_new_tokens": 2, "n": 4, "sampling_seed": -3,
+                      "logit_bias": {"17": 2.5, 18: -1}, "stop": ["\n\n", "END"],
+                      "stop_regex": r"\d+\.", "stop_token_ids": [2, 3], "ebnf": "root ::= 'a'"},
+            top_logprobs_num=5, token_ids_logprob=[1, 2], logprob_start_len=0,
+            custom_logit_processor=None)  # fmt: skip
+    obj = types.SimpleNamespace(sampling_params={"logit_bias": {"10000": 1.0}, "n": 100,
+                                                 "max_new_tokens": None})  # fmt: skip
+    assert check_request(obj, None, Sizes(None, None)) is None  # no vocabulary, no context
+
+
+# ------------------------------------------------------------ through SGLang's request path
+
+
+@pytest.fixture(scope="module")
+def front_end():
+    pytest.importorskip("sglang")
+    from sglang_ddtree import DEMO_PAIR_DIR
+    from tests.front_end import FrontEnd
+
+    return FrontEnd(DEMO_PAIR_DIR / "target", context=2048)
+
+
+def _bodies(chat: dict, generate: dict, top: dict, completion: dict | None = None) -> dict:
+    """The same option on the three endpoints: chat fields, /generate sampling fields, top-level
+    /generate fields, and completions fields (default: chat's)."""
+    msg = [{"role": "user", "content": "def f(x):"}]
+    completion = chat if completion is None else completion
+    return {
+        "/v1/chat/completions": {"model": "x", "messages": msg, "max_tokens": 8, **chat},
+        "/v1/completions": {"model": "x", "prompt": "def f(x):", "max_tokens": 8, **completion},
+        "/generate": {"text": "def f(x):", "sampling_params": {"max_new_tokens": 8, **generate},
+                      **top},
+    }  # fmt: skip
+
+
+SCHEMA = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(5000)}}
+# (chat / completions fields, /generate sampling fields, /generate top-level fields[,
+# completions fields where they differ from chat's])
+THROUGH_SGLANG = {
+    "top_logprobs": ({"logprobs": True, "top_logprobs": 10**6}, {},
+                     {"return_logprob": True, "top_logprobs_num": 10**6}, {"logprobs": 10**6}),
+    "logit_bias NaN": ({"logit_bias": {"5": float("nan")}}, {"logit_bias": {"5": float("nan")}}, {}),
+    "logit_bias 1e300": ({"logit_bias": {"5": 1e300}}, {"logit_bias": {"5": 1e300}}, {}),
+    "stop strings": ({"stop": ["x"] * 1000}, {"stop": ["x"] * 1000}, {}),
+    "a long stop string": ({"stop": "x" * 100_000}, {"stop": "x" * 100_000}, {}),
+    "stop_token_ids past the vocabulary": ({"stop_token_ids": [10**9]}, {"stop_token_ids": [10**9]}, {}),
+    "many stop_token_ids": ({"stop_token_ids": [1] * 100_000}, {"stop_token_ids": [1] * 100_000}, {}),
+    "n x max_tokens": ({"n": 128, "max_tokens": 10**7}, {"n": 128, "max_new_tokens": 10**7}, {}),
+    "a huge regex": ({"regex": "a" * 100_000}, {"regex": "a" * 100_000}, {}),
+    "a huge json_schema": ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": SCHEMA}}}, {"json_schema": json.dumps(SCHEMA)}, {},
+        {"json_schema": json.dumps(SCHEMA)}),
+    "temperature 1e300": ({"temperature": 1e300}, {"temperature": 1e300}, {}),
+    "top_k 2**40": ({"top_k": 2**40}, {"top_k": 2**40}, {}),
+    "min_p NaN": ({"min_p": float("nan")}, {"min_p": float("nan")}, {}),
+    "repetition_penalty 1e-40": ({"repetition_penalty": 1e-40}, {"repetition_penalty": 1e-40}, {}),
+    "seed 2**70": ({"seed": 2**70}, {"sampling_seed": 2**70}, {}),
+    "min_tokens 10**12": ({"min_tokens": 10**12}, {"min_new_tokens": 10**12}, {}),
+    "custom_logit_processor": ({"custom_logit_processor": "{}"}, {}, {"custom_logit_processor": "{}"}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("case", THROUGH_SGLANG)
+def test_every_class_is_a_400_on_every_endpoint_streamed_or_not(front_end, case, stream):
+    for path, body in _bodies(*THROUGH_SGLANG[case]).items():
+        answer = front_end.answer(path, json.dumps({**body, "stream": stream}).encode())
+        assert answer.status == 400, (path, answer)
+        assert answer.streamed == (stream and path == "/generate"), (path, answer)
+
+
+def test_the_same_requests_within_the_limits_would_be_scheduled(front_end):
+    """The negative control: every option above at a value inside its limit passes SGLang's
+    whole request path and DDTREE's."""
+    chat = {"logprobs": True, "top_logprobs": 5, "logit_bias": {"5": 2.0}, "stop": ["\n\n"],
+            "stop_token_ids": [2], "n": 2, "temperature": 0.7, "top_k": 20, "min_p": 0.05,
+            "repetition_penalty": 1.1, "seed": 7}  # fmt: skip
+    generate = {k: v for k, v in chat.items() if k not in ("logprobs", "top_logprobs", "seed")}
+    generate.update(sampling_seed=7, min_new_tokens=2)
+    top = {"return_logprob": True, "top_logprobs_num": 5}
+    for stream in (False, True):
+        for path, body in _bodies(chat, generate, top).items():
+            assert front_end.answer(path, {**body, "stream": stream}).status == 200, path
+
+
+def test_sglangs_own_checks_still_answer_for_what_they_cover(front_end):
+    """What SGLang range-checks itself stays SGLang's (its message, a 400)."""
+    for sampling, words in [({"temperature": -1.0}, "temperature must be a non-negative"),
+                            ({"top_p": 2.0}, "top_p must be in (0, 1]"),
+                            ({"frequency_penalty": 5.0}, "frequency_penalty must be in [-2, 2]"),
+                            ({"repetition_penalty": 0.0}, "repetition_penalty must be in (0, 2]"),
+                            ({"logit_bias": {"5": 1.0}, "json_schema": "{}", "regex": "a"},
+                             "Only one of json_schema")]:  # fmt: skip
+        answer = front_end.answer("/generate", {"text": "hi", "sampling_params": sampling})
+        assert answer.status == 400 and words in answer.message, answer
+
+
+def test_other_algorithms_are_left_to_sglang(front_end):
+    from tests.front_end import FrontEnd
+
+    plain = FrontEnd.__new__(FrontEnd)
+    plain.tokenizer, plain.manager = front_end.tokenizer, types.SimpleNamespace(
+        **{**vars(front_end.manager), "server_args": types.SimpleNamespace(
+            speculative_algorithm=None, enable_custom_logit_processor=True,
+            return_hidden_states_mode=None)})  # fmt: skip
+    body = {"text": "hi", "sampling_params": {"max_new_tokens": 4, "logit_bias": {"5": 1e300}}}
+    assert plain.answer("/generate", body).status == 200  # SGLang alone takes it
+    assert front_end.answer("/generate", body).status == 400
+
+
+def test_the_limits_are_the_readmes():
+    """The README's per-request limits table states every bound with its number."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    table = readme[readme.index("### Per-request limits"):]
+    table = table[: table.index("\n\n", table.index("|"))]
+    for number in (limits.MAX_TOP_LOGPROBS, limits.MAX_TOKEN_IDS_LOGPROB, int(limits.MAX_LOGIT_BIAS),
+                   limits.MAX_LOGIT_BIAS_ENTRIES, limits.MAX_STOPS, limits.MAX_STOP_CHARS,
+                   limits.MAX_STOP_TOKEN_IDS, f"{limits.MAX_SAMPLED_TOKENS:,}",
+                   f"{limits.MAX_GRAMMAR_CHARS:,}", int(limits.MAX_TEMPERATURE),
+                   limits.MIN_REPETITION_PENALTY):  # fmt: skip
+        assert str(number) in table, number
