@@ -55,7 +55,7 @@ def run_one(bs: int, nodes: int, parents: torch.Tensor, iters: int, device: str 
             heads: tuple[int, int, int, int] = (H, HV, K, V), tiles=(),
             chunk_tiles=()) -> dict:  # fmt: skip
     """One configuration; on a CPU device (Triton's interpreter) only the equality checks."""
-    from sglang.kernels.ops.attention.fla.fused_sigmoid_gating_recurrent import (
+    from sglang.kernels.ops.attention.linear.fused_sigmoid_gating_recurrent import (
         fused_sigmoid_gating_delta_rule_update,
     )
 

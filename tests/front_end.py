@@ -3,7 +3,7 @@ in the order the HTTP server runs them, with DDTREE's front-end hook, for /gener
 /v1/chat/completions and /v1/completions; `answer(path, body)` gives the HTTP status the server
 would answer before anything reaches the scheduler (200: the request would be scheduled).
 
-The path, SGLang 0.5.17 (http_server.py, serving_chat.py, serving_completions.py,
+The path, SGLang 0.5.23 (http_server.py, serving_chat.py, serving_completions.py,
 tokenizer_manager.py):
 - the body parsed into the endpoint's request model (GenerateReqInput, ChatCompletionRequest,
   CompletionRequest); a validation error is a 400 (SGLang's RequestValidationError handler);
@@ -21,12 +21,14 @@ server would answer with a 500.
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import functools
 import importlib
 import importlib.util
 import json
 import logging
+import threading
 import types
 
 import pydantic
@@ -51,11 +53,21 @@ class FrontEnd:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         config = AutoConfig.from_pretrained(model_dir)
         vocab = getattr(config, "vocab_size", None) or config.text_config.vocab_size
+        # the runtime context SGLang's checks read (the server's features), published for each
+        # answer and reset after it (tests.fixtures' model context publishes its own)
+        from sglang.srt.server_args import ServerArgs
+
+        self._server_args = ServerArgs(model_path=str(model_dir), device="cpu",
+                                       disable_radix_cache=True,
+                                       enable_custom_logit_processor=True)  # fmt: skip
+        self._server_args.resolve_once()
+        self._lock = threading.Lock()  # one answer at a time: the context is process-wide
         self.manager = types.SimpleNamespace(
             server_args=types.SimpleNamespace(speculative_algorithm=algorithm,
                                               enable_custom_logit_processor=True,
                                               return_hidden_states_mode=None),  # fmt: skip
-            model_config=types.SimpleNamespace(vocab_size=vocab),
+            model_config=types.SimpleNamespace(vocab_size=vocab, joint_head_config=None,
+                                               pointer_head=None),  # fmt: skip
             context_len=context, num_reserved_tokens=0, allow_auto_truncate=False,
             validate_total_tokens=True,
         )  # fmt: skip
@@ -73,7 +85,8 @@ class FrontEnd:
             return Answer(400, "the body must be a JSON object")
         streamed = path == "/generate" and bool(raw.get("stream"))
         try:
-            self._run(path, raw)
+            with self._published():
+                self._run(path, raw)
         except pydantic.ValidationError as exc:
             return Answer(400, str(exc)[:300])
         except ValueError as exc:
@@ -81,6 +94,17 @@ class FrontEnd:
         except Exception as exc:  # what the server answers with a 500
             return Answer(500, f"{type(exc).__name__}: {exc}")
         return Answer(200, "")
+
+    @contextlib.contextmanager
+    def _published(self):
+        from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
+
+        with self._lock:
+            publish(self._server_args, role="test", ranks=SpawnRanks(world_rank=0))
+            try:
+                yield
+            finally:
+                reset_context()
 
     def _run(self, path: str, raw: dict) -> None:
         obj = {"/generate": self._generate, "/v1/chat/completions": self._chat,
@@ -99,7 +123,8 @@ class FrontEnd:
         if ids is None:
             ids = self.tokenizer(item.text)["input_ids"]
         hooks._reject_unsupported(self.manager, item, ids)
-        for name in ("_validate_one_request", "_validate_token_ids_logprob"):
+        for name in ("_validate_one_request", "_validate_token_ids_logprob",
+                     "_validate_joint_schema_request"):
             method = tokenizer_manager_method(name)
             setattr(self.manager, name, types.MethodType(method, self.manager))
         self.manager._validate_one_request(item, list(ids))  # SGLang's, compiled once

@@ -45,7 +45,6 @@ MAX_TEMPERATURE = 100.0
 MIN_REPETITION_PENALTY = 0.01
 INT32_MAX = (1 << 31) - 1  # the scheduler's int32 tensors (top_k, min_new_tokens)
 TOP_K_ALL = 1 << 30  # SGLang's "the whole vocabulary" (sampling_params.TOP_K_ALL)
-SEED_RANGE = (-(1 << 63), (1 << 63) - 1)  # int64, the scheduler's seed tensor (0.5.23's check)
 GRAMMARS = ("json_schema", "regex", "ebnf", "structural_tag")
 # float fields SGLang range-checks itself (SamplingParams.verify); only their type is ours
 _SGLANG_RANGED = ("top_p", "min_p", "frequency_penalty", "presence_penalty")
@@ -133,10 +132,6 @@ def _check_numbers(sampling: dict) -> None:
     top_k = None if top_k is None else _whole("top_k", top_k)
     if top_k is not None and top_k != -1:
         _within("top_k", top_k, 1, TOP_K_ALL, "(-1: off; the scheduler holds top_k in int32)")
-    seed = sampling.get("sampling_seed")
-    if seed is not None:
-        _within("sampling_seed (seed)", _whole("sampling_seed (seed)", seed), *SEED_RANGE,
-                "(the scheduler's int64 seed tensor)")  # fmt: skip
 
 
 def _check_flags(sampling: dict) -> None:

@@ -245,12 +245,12 @@ def test_commit_replays_the_accepted_path_into_every_layer_and_the_track_slot(ke
 
 @interpreter_only
 def test_tree_verify_and_commit_equal_sglangs_own_verify_and_commit():
-    """scripts/bench_gdn_tree.py's comparison, on the CPU: SGLang 0.5.17's tree-verify kernel
+    """scripts/bench_gdn_tree.py's comparison, on the CPU: SGLang's tree-verify kernel
     (fused_sigmoid_gating_delta_rule_update with retrieve_parent_token) and its commit (the
     accepted node's stored state) against tree_verify + commit_paths on the same builder trees."""
     from tests.fixtures import load_script
 
-    pytest.importorskip("sglang.kernels.ops.attention.fla.fused_sigmoid_gating_recurrent")
+    pytest.importorskip("sglang.kernels.ops.attention.linear.fused_sigmoid_gating_recurrent")
     bench = load_script("bench_gdn_tree")
     row = bench.run_one(2, 12, bench.trees(2, 12, seed=3), 1, device="cpu", heads=(2, 4, 16, 32))
     assert row["max_abs_diff_o"] <= 2**-8, row  # one bf16 step at |o| < 1
