@@ -34,6 +34,9 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("sglang")
+if "pair" not in os.environ.get("DDTREE_GPU_MODELS", "pair").split(","):
+    # one pytest per model runs the suite (scripts/gpu_session.sh): these run in the pair's
+    pytest.skip("the pair's limits servers are tested by the pair's process", allow_module_level=True)
 
 from tests.fixtures import load_script  # noqa: E402
 from tests.gpu import harness  # noqa: E402
