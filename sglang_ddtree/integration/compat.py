@@ -257,6 +257,19 @@ def attention_backends(server_args: Any) -> tuple[str | None, str | None]:
     return prefill, decode
 
 
+def resolved_config():
+    """DDTREE's (B, N, K) as SGLang resolved them for this server (its runtime context: the
+    plugin's resolutions are recorded there, not written into the raw server args)."""
+    from sglang.srt.runtime_context import get_spec
+
+    from sglang_ddtree.config import DDTreeConfig
+
+    spec = get_spec()
+    return DDTreeConfig(block_size=int(spec.speculative_dflash_block_size),
+                        num_nodes=int(spec.speculative_num_draft_tokens),
+                        topk=int(spec.speculative_eagle_topk))  # fmt: skip
+
+
 def dflash_block_size() -> int:
     """The DFlash block size SGLang resolved for this server (its runtime context)."""
     from sglang.srt.runtime_context import get_spec

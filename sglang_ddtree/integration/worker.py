@@ -115,11 +115,7 @@ class DDTreeWorker(DFlashWorkerV2):
             super().__init__(server_args, gpu_id, nccl_port, target_worker)
         finally:
             dflash_logger.removeFilter(width_note)
-        self.cfg = DDTreeConfig(
-            block_size=int(server_args.speculative_dflash_block_size),
-            num_nodes=int(server_args.speculative_num_draft_tokens),
-            topk=int(server_args.speculative_eagle_topk),
-        )
+        self.cfg = compat.resolved_config()
         self._tp_rank = compat.tp_rank()
         # DFlashWorkerV2 took N (the verify width) for its block size; the DFlash block is B.
         self.block_size = self.cfg.block_size
