@@ -205,11 +205,12 @@ def run(args: argparse.Namespace) -> int:
     sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     sampling.update(seed=args.seed, eos_token_id=eos)
     budget, topk = args.budget, args.topk
-    on_round = _tree_shower(args.show_tree, tokenizer) if args.show_tree else None
+    shower = _TreeShower(args.show_tree, tokenizer) if args.show_tree else None
     t0 = time.perf_counter()
     tree = generate(target, drafter, prompt_ids, args.max_new_tokens, budget=budget, topk=topk,
-                    on_round=on_round, **sampling)  # fmt: skip
-    rows = [("DDTree", tree, time.perf_counter() - t0)]
+                    on_round=shower, **sampling)  # fmt: skip
+    drawing = shower.seconds if shower else 0.0
+    rows = [("DDTree", tree, time.perf_counter() - t0 - drawing)]
     _report(f"DDTree budget={args.budget} topk={args.topk}", tokenizer, tree)
     if args.compare_chain:
         t0 = time.perf_counter()
@@ -223,20 +224,26 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _tree_shower(out_dir: str, tokenizer):
-    """on_round callback of --show-tree: the round's outline on stdout, its picture in out_dir."""
-    from sglang_ddtree.tree.show import from_round, render_picture, render_text, token_decoder
+class _TreeShower:
+    """on_round callback of --show-tree: the round's outline on stdout, its picture in out_dir.
+    It runs inside the DDTree loop, so it keeps its own time for the summary to leave out."""
 
-    decode, count = token_decoder(tokenizer), [0]
+    def __init__(self, out_dir: str, tokenizer) -> None:
+        from sglang_ddtree.tree.show import token_decoder
 
-    def show(trace) -> None:
-        count[0] += 1
+        self.out_dir, self.decode = Path(out_dir), token_decoder(tokenizer)
+        self.rounds, self.seconds = 0, 0.0
+
+    def __call__(self, trace) -> None:
+        from sglang_ddtree.tree.show import from_round, render_picture, render_text
+
+        t0 = time.perf_counter()
+        self.rounds += 1
         record = from_round(trace.tree, trace.accept)
-        print(f"--- round {count[0]}\n{render_text(record, decode)}")
-        render_picture(record, Path(out_dir) / f"round_{count[0]:03d}.svg", decode,
-                       title=f"round {count[0]}")  # fmt: skip
-
-    return show
+        print(f"--- round {self.rounds}\n{render_text(record, self.decode)}")
+        render_picture(record, self.out_dir / f"round_{self.rounds:03d}.svg", self.decode,
+                       title=f"round {self.rounds}")  # fmt: skip
+        self.seconds += time.perf_counter() - t0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

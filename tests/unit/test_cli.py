@@ -310,3 +310,32 @@ def test_a_cuda_index_beyond_the_machines_devices_is_named(monkeypatch):
         check_device("cuda:2")
     with pytest.raises(ValueError, match="runs on cpu or cuda"):
         check_device("cuda:x")
+
+
+def test_show_tree_prints_and_draws_every_round_outside_the_timing(pair, tmp_path, capsys,
+                                                                     monkeypatch):  # fmt: skip
+    """--show-tree: an outline per round on stdout and round_NNN.svg per round; the drawing
+    runs inside the DDTree loop, and its time is left out of the summary's tokens/s."""
+    import time as clock
+
+    from sglang_ddtree.tree import show
+
+    drawn, draw = [], show.render_picture
+    pause = 2.0  # far longer than a tiny model's round
+
+    def slow_render(record, path, *args, **kwargs):
+        clock.sleep(pause)
+        drawn.append(draw(record, path, *args, **kwargs))
+
+    monkeypatch.setattr(show, "render_picture", slow_render)
+    target, draft = pair
+    code, out, err = _run(capsys, "--target", target, "--draft", draft, "--prompt", "x = 1",
+                          "--no-chat", "--max-new-tokens", "6", "--budget", "6", "--topk", "2",
+                          "--show-tree", tmp_path / "trees")  # fmt: skip
+    assert code == 0, err
+    rounds = sum(line.startswith("--- round ") for line in out.splitlines())
+    assert rounds >= 1 and [p.name for p in drawn][:1] == ["round_001.svg"]
+    assert sorted(p.name for p in (tmp_path / "trees").iterdir()) == [p.name for p in drawn]
+    row = next(line for line in out.splitlines() if line.startswith("DDTree "))
+    tokens, tokens_per_s = int(row.split()[1]), float(row.split()[4])
+    assert tokens_per_s > tokens / (pause * rounds)  # the pauses are not in the time
