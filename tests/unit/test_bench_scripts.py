@@ -505,7 +505,7 @@ def test_bench_serving_profiles_each_server_at_every_temperature(tmp_path, monke
     servers = [SimpleNamespace(name="ddtree"), SimpleNamespace(name="dflash")]
     bench.profile(servers, ["ddtree"], tmp_path, [0.0, 1.0])
     assert calls == [("ddtree", 1, 0.0), ("ddtree", 4, 0.0), ("ddtree", 1, 1.0), ("ddtree", 4, 1.0)]
-    rows = [json.loads(x) for x in (tmp_path / "profile.jsonl").read_text().splitlines()]
+    rows = [json.loads(x) for x in (tmp_path / "round_profile_pair.jsonl").read_text().splitlines()]
     assert [(r["bs"], r["temperature"]) for r in rows] == [(1, 0.0), (4, 0.0), (1, 1.0), (4, 1.0)]
 
 
@@ -533,7 +533,7 @@ def test_bench_serving_first_token_probe_alternates_servers_by_length(tmp_path, 
     got = {(r["server"], r["max_new_tokens"]): r["median_ms"] for r in rows}
     assert got[("ddtree", 3)] == pytest.approx(12.0) and got[("dflash", 1)] == pytest.approx(3.0)
     assert all(r["requests"] == 2 and r["probe"] == "first_token" for r in rows)
-    written = [json.loads(x) for x in (tmp_path / "first_token.jsonl").read_text().splitlines()]
+    written = [json.loads(x) for x in (tmp_path / "first_token_pair.jsonl").read_text().splitlines()]
     assert written == rows and bench.first_token(servers, [], tmp_path, 0) == []
     # a --host-profile server then takes the one-token requests alone, its sampler on
     sampler = tmp_path / "sampler"
