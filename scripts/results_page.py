@@ -23,6 +23,7 @@ import math
 import re
 import statistics
 import sys
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +60,31 @@ def _ms(value: float | None, digits: int = 2) -> str:
     return "" if value is None else f"{value:.{digits}f}"
 
 
+def _wrap(command: str, width: int = 92) -> str:
+    """An indented shell command, continued with backslashes so that no line passes `width`
+    (a flag stays on the line of its value)."""
+    units, words = [], command.split()
+    for word in words:
+        flag = units and units[-1].startswith("-") and " " not in units[-1]
+        if flag and not word.startswith("-"):
+            units[-1] += " " + word  # the flag's value
+        else:
+            units.append(word)
+    lines, line = [], "   "
+    for unit in units:
+        if len(line) + len(unit) + 3 > width and line.strip():
+            lines.append(line + " \\")
+            line = "       "
+        line += " " + unit
+    return "\n".join([*lines, line])
+
+
+def prose(text: str, width: int = 100) -> str:
+    """Paragraphs (split on blank lines) filled to `width`."""
+    return "\n\n".join(textwrap.fill(part, width, break_on_hyphens=False,
+                                       break_long_words=False) for part in text.split("\n\n"))  # fmt: skip
+
+
 def table(header: list[str], body: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in body]
@@ -70,8 +96,9 @@ def shown(rows: list[dict], markdown: str) -> str:
     commands = list(dict.fromkeys(r["command"] for r in rows if r.get("command")))
     if not commands:
         return f"Measured {rows[0]['date']} (the command was not recorded).\n\n{markdown}"
-    listed = "\n".join(f"    {c}" for c in commands)
-    return f"Measured {rows[0]['date']}; reproduce (OUT: an output folder):\n\n{listed}\n\n{markdown}"
+    listed = "\n".join(_wrap(c) for c in commands)
+    head = f"Measured {rows[0]['date']}; reproduce (OUT: an output folder):"
+    return f"{head}\n\n{listed}\n\n{markdown}"
 
 
 # ---------------------------------------------------------------- tables, one per kind
@@ -123,9 +150,9 @@ def serving_table(rows: list[dict]) -> str:
                 runs = [r for r in cell if r["server"] == server]
                 if runs:
                     cpus = runs[0].get("cpus", "")
-                    body.append([f"{temp:g}", str(c), server, str(cpus), str(len(runs)),
+                    body.append([f"{temp:g}", str(c), server, str(cpus),
                                  *_serving_cells(runs, chain)])  # fmt: skip
-    header = ["T", "c", "server", "CPUs", "runs", "tok/s median (min-max)", "accept",
+    header = ["T", "c", "server", "CPUs", "tok/s median (min-max)", "accept",
               "/ dflash geo-mean (range)"]  # fmt: skip
     return shown(rows, table(header, body))
 
@@ -161,7 +188,7 @@ def host_profile_reports(rows: list[dict]) -> str:
     parts = [f"**{r['view']}** ({r['note']})\n\n{r['report']}" for r in short]
     long = [r["view"] for r in rows if r not in short]
     if long:
-        parts.append("In the data file, not shown here: " + "; ".join(long) + ".")
+        parts.append(prose("In the data file, not shown here: " + "; ".join(long) + "."))
     return shown(rows, "\n\n".join(parts))
 
 
@@ -190,9 +217,10 @@ def gdn_conv_table(rows: list[dict]) -> str:
     body = []
     for r in rows:
         ours, chain = r[CONV_DEFAULT], r["sglang_chain_conv_round_ms"]
+        equal = r["conv_windows_equal"] and r["conv_parents_equal"]
         body.append([str(r["bs"]), str(r["nodes"]), _ms(ours, 3),
                      _ms(r["ours_conv_round_windows_ms"], 3), _ms(chain, 3), _ms(ours / chain),
-                     "yes" if r["conv_windows_equal"] and r["conv_parents_equal"] else "NO"])  # fmt: skip
+                     "yes" if equal else "NO"])  # fmt: skip
     header = ["bs", "N", "tree conv1d (default)", "with per-node windows",
               "SGLang chain, same tokens", "tree / chain", "equal to SGLang's"]  # fmt: skip
     return shown(rows, table(header, body))
@@ -207,7 +235,8 @@ def tree_build_table(rows: list[dict]) -> str:
     cell = {(r["shape"], r["builder"], r["bs"], r["nodes"]): r for r in rows}
     body = []
     for shape, bs, n in sorted({(r["shape"], r["bs"], r["nodes"]) for r in rows}):
-        torch_row, triton_row = cell.get((shape, "torch", bs, n)), cell.get((shape, "triton", bs, n))
+        torch_row = cell.get((shape, "torch", bs, n))
+        triton_row = cell.get((shape, "triton", bs, n))
         body.append([shape, str(bs), str(n), *[_ms(x and x["build_ms"], 3) for x in
                      (torch_row, triton_row)], *[_ms(x and x["head_ms"], 3) for x in
                      (torch_row, triton_row)]])  # fmt: skip
@@ -260,7 +289,8 @@ def fresh_clone_table(rows: list[dict]) -> str:
     body = [[f"{r['machine']['cpus']} CPUs, {r['machine']['memory_gb']} GB",
              f"{r['setup_s']:.0f} s", f"{r['demo_s']:.0f} s", f"{r['test_s']:.0f} s",
              r["test_summary"]] for r in rows]  # fmt: skip
-    return shown(rows, table(["machine", "setup", "demo", "test (ruff + pytest)", "pytest said"], body))
+    header = ["machine", "setup", "demo", "test (ruff + pytest)", "pytest said"]
+    return shown(rows, table(header, body))
 
 
 # ---------------------------------------------------------------- sections
@@ -397,18 +427,16 @@ SECTIONS = (
 
 def render_section(section: Section, data: Path = DATA) -> str:
     if not (data / f"{section.name}.jsonl").exists():  # declared before its first rows
-        return f"## {section.title}\n\n{section.about}\n\nNo rows yet."
+        return f"## {section.title}\n\n{prose(section.about)}\n\nNo rows yet."
     rows = read_rows(section.name, data)
-    sittings = len({r["sitting"] for r in rows})
-    count = f"{len(rows)} rows, {sittings} sitting{'s' if sittings > 1 else ''}"
-    return "\n\n".join([f"## {section.title}", section.about, section.render(rows),
-                        f"Rows: `docs/data/{section.name}.jsonl` ({count})."])  # fmt: skip
+    return "\n\n".join([f"## {section.title}", prose(section.about), section.render(rows),
+                        f"Rows of every sitting: `docs/data/{section.name}.jsonl`."])  # fmt: skip
 
 
 def render_page(data: Path = DATA) -> str:
-    intro = ("# Results\n\nGenerated by `python scripts/results_page.py` from `docs/data/`; do "
-             "not edit by hand. Each section shows the newest sitting of its data file; the "
-             "earlier sittings stay in the file.\n\n"
+    intro = ("# Results\n\n" + prose("Generated by `python scripts/results_page.py` from "
+             "`docs/data/`; do not edit by hand. Each section shows the newest sitting of its "
+             "data file; the earlier sittings stay in the file.") + "\n\n"
              + "\n".join(f"- [{s.title}](#{_anchor(s.title)})" for s in SECTIONS))  # fmt: skip
     return "\n\n".join([intro, *[render_section(s, data) for s in SECTIONS]]) + "\n"
 

@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     prompt = p.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", help=f"prompt text (--demo: {DEMO_PROMPT!r})")
     prompt.add_argument("--prompt-file", metavar="FILE",
-                        help="read the prompt from FILE, verbatim ('-': standard input)")  # fmt: skip
+                        help="the prompt from FILE, verbatim ('-': standard input)")  # fmt: skip
     p.add_argument("--budget", type=int, default=32,
                    help="draft tree: nodes to verify per round, the root excluded")  # fmt: skip
     p.add_argument("--topk", type=int, default=8,

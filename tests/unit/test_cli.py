@@ -286,7 +286,8 @@ def test_module_entry_point_with_bad_bytes_and_a_bad_device_is_one_line(pair):
     base = [sys.executable, "-m", "sglang_ddtree.reference", "--target", str(target),
             "--draft", str(draft)]  # fmt: skip
     cases = [
-        (["--prompt", b"def f\xff(x):"], "error: --prompt is not valid UTF-8: byte 0xff at offset 5"),
+        (["--prompt", b"def f\xff(x):"],
+         "error: --prompt is not valid UTF-8: byte 0xff at offset 5"),
         (["--prompt", "x", "--device", "tpu"],
          "error: --device tpu: the reference engine runs on cpu or cuda; use --device cpu"),
     ]  # fmt: skip

@@ -42,13 +42,14 @@ def test_add_stamps_rows_as_the_next_sitting(tmp_path):
     new = [{"bs": 1, "round_ms": 20.0}, {"bs": 8, "round_ms": 30.0}]
     first = page.add_rows("x", new, "abc1234", "python scripts/bench_round.py --out OUT",
                           "2026-12-05", data=tmp_path)  # fmt: skip
-    second = page.add_rows("x", [{"bs": 1, "round_ms": 21.0, "date": "2026-12-06",
-                                  "commit": "def5678"}], None, None, None, data=tmp_path)  # fmt: skip
+    dated = {"bs": 1, "round_ms": 21.0, "date": "2026-12-06", "commit": "def5678"}
+    second = page.add_rows("x", [dated], None, None, None, data=tmp_path)
     rows = page.read_rows("x", tmp_path)
     assert rows == first + second
     assert [(r["sitting"], r["date"], r["commit"]) for r in rows] == [
         (1, "2026-12-05", "abc1234"), (1, "2026-12-05", "abc1234"), (2, "2026-12-06", "def5678")]
-    assert list(rows[0])[:4] == ["date", "commit", "sitting", "command"] and "command" not in rows[2]
+    assert list(rows[0])[:4] == ["date", "commit", "sitting", "command"]
+    assert "command" not in rows[2]
     with pytest.raises(SystemExit, match="pass --commit"):
         page.add_rows("x", new, None, None, None, data=tmp_path)
 
@@ -96,3 +97,14 @@ def test_the_readme_blocks_are_replaced_and_the_rest_kept(tmp_path):
     assert out.startswith("intro\n<!-- results:round_cost_27b -->\nMeasured 2026-12-05")
     assert "| 1 | 20.00 | 18.00 | 0.90 |" in out and "old table" not in out
     assert out.endswith("<!-- /results -->\nafter\n")
+
+
+def test_a_long_command_is_wrapped_into_the_same_shell_words():
+    command = ("python scripts/bench_gdn_tree.py --out OUT --bs 1,8,16 --nodes 16,32,64 --conv "
+               "--conv-tilings t1n256w2in,t2n256w2in,t2n256w4in --chunk-tiles 16x4xsplit,64x4xsplit")
+    text = page._wrap(command, width=60)
+    lines = text.splitlines()
+    assert len(lines) > 1 and all(line.startswith("    ") for line in lines)
+    assert all(line.endswith(" \\") for line in lines[:-1])
+    assert " ".join(line.rstrip("\\").strip() for line in lines).split() == command.split()
+    assert not any(line.rstrip(" \\").endswith("--bs") for line in lines)  # a flag keeps its value
