@@ -185,7 +185,9 @@ def host_profile_reports(rows: list[dict]) -> str:
     """The newest sitting's short views verbatim; the long call trees are named, not shown."""
     rows = latest(rows)
     short = [r for r in rows if len(r["report"]) <= 3000]
-    parts = [f"**{r['view']}** ({r['note']})\n\n{r['report']}" for r in short]
+    # a blank line between the report's header lines and its table, which markdown needs
+    parts = [f"**{r['view']}** ({r['note']})\n\n" + r["report"].replace("\n|", "\n\n|", 1)
+             for r in short]  # fmt: skip
     long = [r["view"] for r in rows if r not in short]
     if long:
         parts.append(prose("In the data file, not shown here: " + "; ".join(long) + "."))
@@ -284,12 +286,19 @@ def soak_table(rows: list[dict]) -> str:
     return shown(rows, table(header, body))
 
 
+def _load(row: dict) -> str:
+    """The machine's mean load average during setup / demo / test, where recorded."""
+    mean = row.get("load_mean") or {}
+    return " / ".join(f"{mean[n]:g}" for n in ("setup", "demo", "test") if n in mean)
+
+
 def fresh_clone_table(rows: list[dict]) -> str:
     rows = latest(rows)
-    body = [[f"{r['machine']['cpus']} CPUs, {r['machine']['memory_gb']} GB",
+    body = [[f"{r['machine']['cpus']} CPUs, {r['machine']['memory_gb']} GB", _load(r),
              f"{r['setup_s']:.0f} s", f"{r['demo_s']:.0f} s", f"{r['test_s']:.0f} s",
              r["test_summary"]] for r in rows]  # fmt: skip
-    header = ["machine", "setup", "demo", "test (ruff + pytest)", "pytest said"]
+    header = ["machine", "load average (setup / demo / test)", "setup", "demo",
+              "test (ruff + pytest)", "pytest said"]  # fmt: skip
     return shown(rows, table(header, body))
 
 
@@ -457,9 +466,11 @@ def readme_block(name: str, data: Path = DATA) -> str:
     rows = read_rows(name, data)
     if name == "fresh_clone":
         r = latest(rows)[0]
-        return (f"On a fresh clone on a {r['machine']['cpus']}-CPU machine ({r['date']}): setup "
-                f"{r['setup_s']:.0f} s, the demo {r['demo_s']:.0f} s, the tests "
-                f"{r['test_s']:.0f} s (`scripts/time_fresh_clone.sh`).\n")  # fmt: skip
+        cpus, load = r["machine"]["cpus"], _load(r)
+        shared = f", load average {load} during them: shared with other work" if load else ""
+        return prose(f"Measured on a fresh clone ({r['date']}, a {cpus}-CPU machine{shared}): "
+                     f"setup {r['setup_s']:.0f} s, the demo {r['demo_s']:.0f} s, the tests "
+                     f"{r['test_s']:.0f} s (`scripts/time_fresh_clone.sh`).") + "\n"  # fmt: skip
     section = next(s for s in SECTIONS if s.name == name)
     return section.render(rows) + "\n"
 
