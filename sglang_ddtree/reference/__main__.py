@@ -159,8 +159,9 @@ def check_budget_fits(args: argparse.Namespace, available: int | None = None) ->
 
 
 def resolve_inputs(args: argparse.Namespace) -> None:
-    """The settings that need no file: counts, sampling, device; then the demo's defaults, the
-    prompt's text (from --prompt-file too) and the checkpoint dirs."""
+    """The settings that need no model: first those that need no file (counts, sampling,
+    device), then the demo's defaults, the prompt's text (from --prompt-file too), the
+    checkpoint dirs and the budget against the tree's capacity and the free memory."""
     check_counts(args.max_new_tokens, args.budget)
     check_sampling(args.temperature, args.top_p, args.top_k)
     check_device(args.device)
