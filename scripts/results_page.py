@@ -286,6 +286,10 @@ def soak_table(rows: list[dict]) -> str:
     return shown(rows, table(header, body))
 
 
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
+
+
 def _load(row: dict) -> str:
     """The machine's mean load average during setup / demo / test, where recorded."""
     mean = row.get("load_mean") or {}
@@ -295,7 +299,7 @@ def _load(row: dict) -> str:
 def fresh_clone_table(rows: list[dict]) -> str:
     rows = latest(rows)
     body = [[f"{r['machine']['cpus']} CPUs, {r['machine']['memory_gb']} GB", _load(r),
-             f"{r['setup_s']:.0f} s", f"{r['demo_s']:.0f} s", f"{r['test_s']:.0f} s",
+             *[_duration(r[f"{step}_s"]) for step in ("setup", "demo", "test")],
              r["test_summary"]] for r in rows]  # fmt: skip
     header = ["machine", "load average (setup / demo / test)", "setup", "demo",
               "test (ruff + pytest)", "pytest said"]  # fmt: skip
@@ -427,8 +431,9 @@ SECTIONS = (
         "`scripts/time_fresh_clone.sh`: clone the repository into a temporary folder, then "
         "time `bash scripts/setup_cpu.sh` (creates `.venv`: about 3 GB downloaded from PyPI, "
         "so the link's speed counts), `bash scripts/demo.sh` and `bash scripts/test.sh`, one "
-        "after another. The CPUs may have been shared with other work (`load_before` in the "
-        "rows).",
+        "after another. The machine's CPUs may be shared with other work: the load average "
+        "column is the mean 1-minute load during each step (at 2 on a 2-CPU machine both CPUs "
+        "are busy).",
         fresh_clone_table,
     ),
 )
@@ -468,9 +473,10 @@ def readme_block(name: str, data: Path = DATA) -> str:
         r = latest(rows)[0]
         cpus, load = r["machine"]["cpus"], _load(r)
         shared = f", load average {load} during them: shared with other work" if load else ""
+        times = (f"setup {_duration(r['setup_s'])}, the demo {_duration(r['demo_s'])}, the "
+                 f"tests {_duration(r['test_s'])}")  # fmt: skip
         return prose(f"Measured on a fresh clone ({r['date']}, a {cpus}-CPU machine{shared}): "
-                     f"setup {r['setup_s']:.0f} s, the demo {r['demo_s']:.0f} s, the tests "
-                     f"{r['test_s']:.0f} s (`scripts/time_fresh_clone.sh`).") + "\n"  # fmt: skip
+                     f"{times} (`scripts/time_fresh_clone.sh`).") + "\n"
     section = next(s for s in SECTIONS if s.name == name)
     return section.render(rows) + "\n"
 

@@ -186,10 +186,12 @@ def render_picture(record: dict, path: str | Path, decode: Decode = str, title: 
     """Draw the round (`draw_round`) to `path` (.svg or .png)."""
     import matplotlib.pyplot as plt
 
-    fig = draw_round(record, decode, title)
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
+    # the same round draws the same bytes: no date in the file, SVG ids from a fixed salt
+    with plt.rc_context({"svg.hashsalt": "ddtree"}):
+        fig = draw_round(record, decode, title)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, metadata={"Date": None})
     plt.close(fig)
     return path
 

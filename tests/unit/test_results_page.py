@@ -108,3 +108,14 @@ def test_a_long_command_is_wrapped_into_the_same_shell_words():
     assert all(line.endswith(" \\") for line in lines[:-1])
     assert " ".join(line.rstrip("\\").strip() for line in lines).split() == command.split()
     assert not any(line.rstrip(" \\").endswith("--bs") for line in lines)  # a flag keeps its value
+
+
+def test_the_fresh_clone_sentence_gives_the_times_and_the_load(tmp_path):
+    row = {"date": "2026-12-05", "commit": "abc1234", "sitting": 1,
+           "machine": {"cpus": 2, "memory_gb": 24}, "load_mean": {"setup": 0.5, "demo": 1.0,
+           "test": 3.2}, "setup_s": 117.4, "demo_s": 11.6, "test_s": 420.0}  # fmt: skip
+    (tmp_path / "fresh_clone.jsonl").write_text(json.dumps(row) + "\n")
+    text = " ".join(page.readme_block("fresh_clone", tmp_path).split())
+    assert text == ("Measured on a fresh clone (2026-12-05, a 2-CPU machine, load average "
+                    "0.5 / 1 / 3.2 during them: shared with other work): setup 117 s, the demo "
+                    "12 s, the tests 7.0 min (`scripts/time_fresh_clone.sh`).")  # fmt: skip

@@ -150,3 +150,13 @@ def test_the_dump_is_off_unless_asked_and_refuses_a_bad_interval(monkeypatch, tm
 def test_an_emitted_token_off_the_tree_is_an_error():
     with pytest.raises(ValueError, match="no child of node 0"):
         accepted_path([5, 6, 7], [-1, 0, 0], [9, 1])
+
+
+def test_the_same_round_draws_the_same_bytes(tmp_path):
+    """Regenerated pictures (docs/trees) change only when the round does."""
+    record = _record([-1, 0, 0, 1], [0, 1])
+    first = render_picture(record, tmp_path / "a.svg").read_bytes()
+    assert render_picture(record, tmp_path / "b.svg").read_bytes() == first
+    assert b"<dc:date>" not in first
+    png = render_picture(record, tmp_path / "a.png").read_bytes()
+    assert render_picture(record, tmp_path / "b.png").read_bytes() == png
