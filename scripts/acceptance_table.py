@@ -1,16 +1,17 @@
 #!/usr/bin/env python
 """Mean acceptance length of chain DFlash and of DDTree at several node budgets, on held-out
-prompts, with the reference engine (transformers, CPU float32 by default): the issue-4 table.
+prompts, with the reference engine (transformers, CPU float32 by default).
 
     python scripts/acceptance_table.py [--target DIR --draft DIR] [--prompts 24] [--tokens 128]
-        [--budgets 16,32,64,128] [--topk 8] [--temperatures 0,1] [--out docs/acceptance.md]
+        [--budgets 16,32,64,128] [--topk 8] [--temperatures 0,1] [--out OUT]
 
 Defaults to the pair shipped in sglang_ddtree/assets/demo. Prompts: the opening 400 characters
 of files of the packages the training held out (training.corpus.heldout_prompts). Budgets count
 the nodes below the root (the server's --speculative-num-draft-tokens is budget + 1). At T > 0
 every method decodes prompt i with seed i (sampling is lossless, so the texts differ between
 methods only by chance). Every run also checks that at T=0 all methods emit the target's own
-greedy tokens (generate_plain), and stops with an error if one does not.
+greedy tokens (generate_plain), and stops with an error if one does not. Rows go to
+OUT/acceptance.jsonl (docs/data/acceptance.jsonl keeps them; docs/results.md shows them).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--temperatures", default="0,1")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    p.add_argument("--out", type=Path, help="write the markdown table here (and .jsonl beside)")
+    p.add_argument("--out", type=Path, help="folder for the rows, OUT/acceptance.jsonl")
     p.add_argument("--plot", type=Path, help="also draw acceptance against budget (.png/.svg)")
     p.add_argument("--rows", type=Path,
                    help="table and plot from these rows (a .jsonl this script wrote) instead of "
@@ -107,8 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     table = render(rows, args)
     print(table)
     if args.out:
-        args.out.write_text(table)
-        args.out.with_suffix(".jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "acceptance.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     if args.plot:
         plot(rows, args.plot)
     return 0

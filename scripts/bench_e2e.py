@@ -15,7 +15,8 @@ the GPU's compute to itself.
 `--attach ROOT`: measure the pair's servers of the GPU test set (tests/gpu/servers.py, already
 running under ROOT, as its ROOT/servers.json lists them: plain, DFLASH, DDTREE N=32 (torch and
 Triton tree builders) and N=64, top-8) instead of starting new ones.
-Output: OUT/bench_e2e.jsonl and a table.
+Output: OUT/budget_sweep_pair.jsonl (with --profile also OUT/round_profile_pair.jsonl) and a
+table.
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ def profile(servers: list, out: Path) -> None:
             row = {"server": server.name, "bs": bs,
                    **bench_round.profile_parts(server, bs, out / "traces")}  # fmt: skip
             print(json.dumps(row), flush=True)
-            with open(out / "profile.jsonl", "a") as f:
+            with open(out / "round_profile_pair.jsonl", "a") as f:
                 f.write(json.dumps(row) + "\n")
 
 
@@ -167,7 +168,7 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--reference-prompts", type=int, default=4)
     p.add_argument("--attach", type=Path, help="use the running GPU test servers under this root")
-    p.add_argument("--plot-only", type=Path, help="re-plot a bench_e2e.jsonl into OUT and stop")
+    p.add_argument("--plot-only", type=Path, help="re-plot a budget_sweep_pair.jsonl into OUT and stop")
     p.add_argument(
         "--profile",
         action="store_true",
@@ -232,7 +233,7 @@ def main() -> int:
                     ),
                     flush=True,
                 )
-                with open(args.out / "bench_e2e.jsonl", "a") as f:
+                with open(args.out / "budget_sweep_pair.jsonl", "a") as f:
                     f.write(json.dumps(row) + "\n")
         if args.profile:
             profile(servers, args.out)

@@ -11,7 +11,7 @@ Each measured call is captured in a CUDA graph and replayed `iters` times betwee
 (copying the accepted node's state into the pool), our verify, our commit (one layer; in the
 server one launch commits all 48). A 27B round runs 48 such layers. The commit replays the
 deepest path of each tree (the longest a round can accept).
-Output: JSON lines (OUT/bench_gdn_tree.jsonl if --out) and a table.
+Output: JSON lines (OUT/gdn_tree_kernel.jsonl if --out) and a table.
 """
 
 from __future__ import annotations
@@ -447,7 +447,7 @@ def main() -> int:
             print(json.dumps(rows[-1]), flush=True)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        with open(args.out / "bench_gdn_tree.jsonl", "w") as f:
+        with open(args.out / "gdn_tree_kernel.jsonl", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
     if args.conv_only:
         _print_conv(rows)

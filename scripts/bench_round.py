@@ -10,8 +10,8 @@ latency) / (rounds - 1), rounds = spec_verify_ct (speculative) or tokens (plain)
 accept at random, so this is the cost of a round, not a speed-up. Also recorded: the Gated DeltaNet
 verify scratch the server allocated, and (for `--profile` variants) GPU time per DDTREE part from
 SGLang's torch-profiler trace, using the worker's `ddtree.*` ranges.
-Output: OUT/bench_round.jsonl (one row per measurement), a table on stdout, OUT/bench_round.png.
-Run on the H200 in session 4 (docs/benchmarks.md); the unit tests check configs, variants and
+Output: OUT/round_cost_27b.jsonl (one row per measurement; docs/data/ keeps them, docs/results.md
+shows them), a table on stdout, OUT/bench_round.png. The unit tests check configs, variants and
 the trace parsers on CPU.
 """
 
@@ -501,7 +501,7 @@ def main() -> int:
     def emit(row: dict) -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
-        with open(args.out / "bench_round.jsonl", "a") as f:
+        with open(args.out / "round_cost_27b.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
 
     for i, spec in enumerate(args.variants.split(",")):

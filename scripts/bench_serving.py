@@ -24,10 +24,10 @@ set per server, all of one size, and one for the load generator, the lowest CPUs
 and the rest (`harness.cpu_sets`), so that an idle server's processes and the client do not
 share the measured server's cores; each such row says `"pinned": true` and its server's CPU
 count, `"cpus"` (OUT/interrupts_start.txt and interrupts_end.txt: /proc/interrupts around the
-runs). --first-token N adds one-at-a-time requests of 1-3 new tokens (OUT/first_token.jsonl;
+runs). --first-token N adds one-at-a-time requests of 1-3 new tokens (OUT/first_token_pair.jsonl;
 with --host-profile, host samples of the one-token requests too). --host-profile also writes
 host_profile.py's tables of every sampled run, the servers side by side
-(OUT/host/report_RUN.md). Output: OUT/bench_serving.jsonl (one row per run), OUT/table.md.
+(OUT/host/report_RUN.md). Output: OUT/serving_pair.jsonl (one row per run), OUT/table.md.
 """
 
 from __future__ import annotations
@@ -240,14 +240,14 @@ def _ratio_cell(s: dict) -> str:
 def profile(servers: list, names: list[str], out: Path, temperatures: list[float]) -> None:
     """bench_round.profile_parts on the named servers at batch 1 and 4 and each temperature,
     after the measured runs (a profiled run is slower, so it is never one of them):
-    OUT/profile.jsonl."""
+    OUT/round_profile_pair.jsonl."""
     import bench_round  # beside this script
 
     for server in (s for s in servers if s.name in names):
         for t, bs in itertools.product(temperatures, (1, 4)):
             row = {"server": server.name, "bs": bs, "temperature": t,
                    **bench_round.profile_parts(server, bs, out / "profiles", temperature=t)}  # fmt: skip
-            with open(out / "profile.jsonl", "a") as f:
+            with open(out / "round_profile_pair.jsonl", "a") as f:
                 f.write(json.dumps(row) + "\n")
             host = row.get("host", {})
             print(json.dumps({"server": server.name, "bs": bs, "temperature": t,
@@ -264,7 +264,7 @@ def first_token(servers: list, prompts: list[str], out: Path, n: int, send=None,
     prefill alone, at 2 and 3 one and two decode rounds behind it, so that a server's longer
     time to first token is placed in its prefill or in its first rounds. The servers alternate
     request by request (the same prompt on each in turn); a first request per server and
-    length, not counted, warms the path. Rows (median and min ms) to OUT/first_token.jsonl.
+    length, not counted, warms the path. Rows (median and min ms) to OUT/first_token_pair.jsonl.
     Servers named in `sampled` (--host-profile's) then take the n one-token requests once more,
     alone, with their host sampler on: OUT/host/NAME/first_token/, a round per request."""
     if n < 1:
@@ -286,7 +286,7 @@ def first_token(servers: list, prompts: list[str], out: Path, n: int, send=None,
                    "min_ms": min(ms[server.name])}  # fmt: skip
             rows.append(row)
             print(json.dumps(row), flush=True)
-            with open(out / "first_token.jsonl", "a") as f:
+            with open(out / "first_token_pair.jsonl", "a") as f:
                 f.write(json.dumps(row) + "\n")
     for server in (s for s in servers if s.name in sampled):
         with sampling(server, out / "host" / server.name / "first_token") as meta:
@@ -411,7 +411,7 @@ def main() -> int:
     p.add_argument("--profile", default="",
                    help="servers to profile after the runs (SGLang's torch profiler, batch 1 "
                         "and 4 at each of --temperatures): host ms per round by function, "
-                        "syncs by frame, GPU ms per part, into OUT/profile.jsonl")  # fmt: skip
+                        "syncs by frame, GPU ms per part, into OUT/round_profile_pair.jsonl")  # fmt: skip
     p.add_argument("--hold-until", type=Path,
                    help="start the servers, then wait for this file before measuring (the GPU "
                         "to itself: e.g. another job's end)")  # fmt: skip
@@ -428,7 +428,7 @@ def main() -> int:
                    help="after the runs, this many one-at-a-time /generate requests per server "
                         "and length (1, 2 and 3 new tokens, greedy; the servers alternate): "
                         "the prefill alone, then one and two decode rounds behind it, as "
-                        "rows of OUT/first_token.jsonl")  # fmt: skip
+                        "rows of OUT/first_token_pair.jsonl")  # fmt: skip
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     table_ = server_table(args.draft)
@@ -461,7 +461,7 @@ def main() -> int:
     concurrencies += [int(x) for x in args.host_concurrency.split(",")]
     requests = max(prompts_for(c, args.requests_per_client) for c in concurrencies)
     dataset = write_dataset(args.out / "heldout.jsonl", requests)
-    rows_path = args.out / "bench_serving.jsonl"
+    rows_path = args.out / "serving_pair.jsonl"
     rows = []
     try:
         for server in servers:  # staggered: SGLang sizes its pools from the free memory it sees

@@ -11,7 +11,7 @@ and replayed `iters` times between CUDA events, so the numbers are GPU time as t
 it (no launch overhead). Random bf16 LM head and hidden states, seeded. The torch and Triton trees
 are checked equal on every configuration. Shapes: `pair` (hidden 256, vocab 8192: the shipped
 pair) and `27b` (hidden 5120, vocab 248320: Qwen3.6-27B). B = 16, K = 8.
-Output: JSON lines (OUT/bench_tree_build.jsonl if --out) and a table.
+Output: JSON lines (OUT/tree_build.jsonl if --out) and a table.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def main() -> int:
                     print(json.dumps(row), flush=True)
                     if args.out:
                         args.out.mkdir(parents=True, exist_ok=True)
-                        with open(args.out / "bench_tree_build.jsonl", "a") as f:
+                        with open(args.out / "tree_build.jsonl", "a") as f:
                             f.write(json.dumps(row) + "\n")
                 first, *others = trees.values()
                 for other in others:

@@ -128,7 +128,7 @@ case "${1:-}" in
     done
     for dir in "$ROOT"/round*/; do
       name=$(basename "$dir")
-      cp "$dir/bench_round.jsonl" "$OUT/$name.jsonl" 2>/dev/null
+      cp "$dir/round_cost_27b.jsonl" "$OUT/$name.jsonl" 2>/dev/null
       echo "== $name"; tail -n 20 "$dir/run.log" | cut -c1-600
     done
     tar czf "$OUT/round_logs.tgz" -C "$ROOT" $(cd "$ROOT" && ls -d round*/*.log 2>/dev/null)

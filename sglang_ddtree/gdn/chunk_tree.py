@@ -32,7 +32,7 @@ node by node (the exact recurrence, so the pool holds the state the chain would 
 N <= MAX_NODES.
 
 Precision: one tf32 pass per product left the outputs 1.5e-3 of their largest entry from the
-float64 recurrence on the H200 (session 7), against 2e-7 for the root-path kernel; the GPU
+float64 recurrence on the H200, against 2e-7 for the root-path kernel; the GPU
 suite's greedy test on a hybrid model failed with it. So by default ("split") every float32
 operand is split into a tf32-exact high part and a remainder and each product takes the three
 tf32 passes that matter (`_mm`); the model's bf16 q and k are exact in tf32 and keep one part.
@@ -253,7 +253,7 @@ def chunk_tree_verify(q, k, v, a, b, A_log, dt_bias, state, state_idx, parents, 
         LOG=max(1, (max_path2 - 1).bit_length()), QK_BF16=qk_bf16, DOT=precision, num_warps=4,
     )  # fmt: skip
     # 64 x 4 warps: the fastest V tile of bench_gdn_tree's H200 sweep (16 / 32 / 64 x 4) at
-    # every (bs, N) in {1, 8, 16} x {16, 32, 64} but batch 1 (within 5 % there), session 9
+    # every (bs, N) in {1, 8, 16} x {16, 32, 64} but batch 1 (within 5 % there)
     BV = block_v or min(64, max(16, triton.next_power_of_2(V)))
     _chunk_out_kernel[(triton.cdiv(V, BV), bs * HV)](
         q, k, v, state, state_idx, state.stride(0), scratch, scratch_idx, scratch.stride(0),

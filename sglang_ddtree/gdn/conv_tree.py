@@ -5,7 +5,7 @@ SGLang 0.5.17's tree path of `causal_conv1d_update` (`_causal_conv1d_update_kern
 retrieve_next_token / retrieve_next_sibling) runs one program per (request, 256 channels) that
 walks the N nodes in an unrolled loop, re-deriving parent links with vector reductions at every
 node. At Qwen3.6-27B and N = 64 that is 3.4 ms of a DDTREE round against 0.6 ms for DFLASH's
-16-token chain (docs/benchmarks.md), and the unrolled loop is compiled per width. A node's conv
+16-token chain (docs/results.md), and the unrolled loop is compiled per width. A node's conv
 output only needs its own input and its K - 1 nearest ancestors' (or, above the root, the conv
 state's history columns), so here:
 
@@ -142,12 +142,12 @@ def conv_tree(x, conv_state, weight, bias, activation, *, conv_state_indices,
     returned o are [bs, dim, N] views, conv_state [slots, dim, K - 1], weight [dim, K],
     intermediate_conv_window [slots', N, dim, K - 1]; retrieve_parent_token is filled), with
     every node computed in parallel. The conv state is read, not rolled (module docstring).
-    4 nodes x 128 channels per program, 2 warps: the fastest tiling of session 12's H200 sweep
-    of a round as served (48 layers in one graph, inputs stored once: 0.702 ms at bs 8 / N 32
+    4 nodes x 128 channels per program, 2 warps: the fastest tiling of an H200 sweep of a
+    round as served (48 layers in one graph, inputs stored once: 0.702 ms at bs 8 / N 32
     against 0.723 for 4 x 256 x 4 warps, 1.19 against 1.24 at bs 16 / N 32; smaller node blocks
-    were slower). Session 7's sweep had moved it from 16 nodes to 4 (0.027 ms per layer at bs 8 /
-    N = 32 against 0.087 for 16 x 256: the program's chain of
-    dependent parent loads is its latency, so more programs hide more of it). ancestor_table:
+    were slower). An earlier per-layer sweep had moved it from 16 nodes to 4 (0.027 ms per
+    layer at bs 8 / N = 32 against 0.087 for 16 x 256: the program's chain of dependent parent
+    loads is its latency, so more programs hide more of it). ancestor_table:
     the parents kernel also writes each node's K - 1 ancestors, and this kernel reads them
     instead of walking the parent links (the same values; 1.33 against 1.27 ms per round at
     bs 8 / N 32 on the H200: no gain). fill_parents=False: retrieve_parent_token already holds
@@ -157,7 +157,7 @@ def conv_tree(x, conv_state, weight, bias, activation, *, conv_state_indices,
     intermediate_conv_window, as [N, dim] (a third of the stores; `commit_windows` then builds
     the accepted node's window from them: DDTREE's own pool, whose layout only DDTREE reads).
     ancestors: a [bs, N, K - 1] int32 table tree_parents already wrote this round (an earlier
-    layer's), read as ancestor_table reads its own; with fill_parents=False (session 12: 0.700
+    layer's), read as ancestor_table reads its own; with fill_parents=False (0.700
     against 0.723 ms per round at bs 8 / N 32, no better than the 4 x 128 tiling without it)."""
     bs, dim, N = x.shape
     KW = weight.shape[1]

@@ -2,8 +2,9 @@
 
     python -m sglang_ddtree.reference --demo
     python -m sglang_ddtree.reference --target DIR --draft DIR --prompt TEXT [--compare-chain]
+    python -m sglang_ddtree.reference --target DIR --draft DIR --prompt-file FILE  ('-': stdin)
 
-Bad settings print one line to stderr and exit with status 2.
+Bad settings print one line to stderr and exit with status 2, before any model loads.
 """
 
 from __future__ import annotations
@@ -19,6 +20,14 @@ import torch
 
 from sglang_ddtree import DEMO_PAIR_DIR
 from sglang_ddtree.config import cache_home
+from sglang_ddtree.reference.engine import (
+    check_counts,
+    check_sampling,
+    generate,
+    generate_chain,
+    load_pair,
+)
+from sglang_ddtree.reference.preflight import check_device, check_pair, prompt_text
 
 DEMO_PROMPT = "def fibonacci(n):"
 EXIT_USAGE = 2
@@ -31,11 +40,16 @@ class _OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # ArgumentDefaultsHelpFormatter prints "(default: ...)" only for options that have a help
+    # string, so every option with a default has one.
     p = _OneLineParser(prog="python -m sglang_ddtree.reference", description=__doc__.split("\n")[0],
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
     p.add_argument("--target", help="target checkpoint dir (Qwen3 / Qwen3.5)")
     p.add_argument("--draft", help="DFlash draft checkpoint dir")
-    p.add_argument("--prompt", help=f"prompt text (--demo: {DEMO_PROMPT!r})")
+    prompt = p.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", help=f"prompt text (--demo: {DEMO_PROMPT!r})")
+    prompt.add_argument("--prompt-file", metavar="FILE",
+                        help="the prompt from FILE, verbatim ('-': standard input)")  # fmt: skip
     p.add_argument("--budget", type=int, default=32,
                    help="draft tree: nodes to verify per round, the root excluded")  # fmt: skip
     p.add_argument("--topk", type=int, default=8,
@@ -46,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0,
                    help="sampling: keep the target's k most likely tokens at temperature > 0; "
                    "0 = all (not --topk)")  # fmt: skip
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate")
     p.add_argument("--compare-chain", action="store_true", help="also run chain DFlash")
     p.add_argument(
         "--chat",
@@ -56,9 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
         "whose code model completes the prompt)",
     )
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the eos token")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="torch's seed and the sampler's")
     p.add_argument("--device", default="cpu", help="cpu, or cuda when there is a GPU")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="the models' dtype")  # fmt: skip
     p.add_argument(
         "--demo",
         action="store_true",
@@ -119,18 +134,14 @@ def _summary(rows: list[tuple[str, object, float]]) -> str:
     return "\n".join(lines)
 
 
-def check_paths_and_device(args: argparse.Namespace) -> None:
-    """What can be refused before any model loads: checkpoint dirs and the device."""
+def check_paths(args: argparse.Namespace) -> None:
+    """The checkpoint dirs exist and hold a config.json."""
     for flag in ("target", "draft"):
         path = Path(getattr(args, flag))
         if not path.exists():
             raise ValueError(f"--{flag} {path} does not exist")
         if not (path / "config.json").is_file():
             raise ValueError(f"--{flag} {path} is not a model checkpoint (no config.json in it)")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(
-            f"--device {args.device}: this machine has no CUDA device; use --device cpu"
-        )
 
 
 def check_budget_fits(args: argparse.Namespace, available: int | None = None) -> None:
@@ -147,20 +158,14 @@ def check_budget_fits(args: argparse.Namespace, available: int | None = None) ->
                          f"nodes ({why})")  # fmt: skip
 
 
-def run(args: argparse.Namespace) -> int:
-    from transformers.utils import logging as hf_logging
-
-    from sglang_ddtree.reference.engine import (
-        check_counts,
-        check_generation_args,
-        generate,
-        generate_chain,
-        load_pair,
-    )
-
+def resolve_inputs(args: argparse.Namespace) -> None:
+    """The settings that need no model: first those that need no file (counts, sampling,
+    device), then the demo's defaults, the prompt's text (from --prompt-file too), the
+    checkpoint dirs and the budget against the tree's capacity and the free memory."""
     check_counts(args.max_new_tokens, args.budget)
-    hf_logging.set_verbosity_error()  # stderr is for our one-line errors
-    hf_logging.disable_progress_bar()
+    check_sampling(args.temperature, args.top_p, args.top_k)
+    check_device(args.device)
+    args.prompt = prompt_text(args.prompt, args.prompt_file)
     if args.demo:
         target_dir, draft_dir = _demo_dirs(args.cache_dir)
         args.target, args.draft = args.target or target_dir, args.draft or draft_dir
@@ -170,25 +175,43 @@ def run(args: argparse.Namespace) -> int:
     missing = [f"--{k}" for k in ("target", "draft", "prompt") if getattr(args, k) is None]
     if missing:
         raise ValueError(f"missing {', '.join(missing)} (or use --demo)")
-    check_paths_and_device(args)
+    check_paths(args)
     check_budget_fits(args)
-    torch.manual_seed(args.seed)
-    target, drafter, tokenizer = load_pair(args.target, args.draft, args.dtype, args.device)
+
+
+def tokenize_and_check(args: argparse.Namespace) -> tuple[object, list[int]]:
+    """(tokenizer, prompt ids), once every setting has been checked against the two configs:
+    after this only loading the models is left."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(args.target), local_files_only=True)
     prompt_ids = encode_prompt(tokenizer, args.prompt, args.chat)
-    check_generation_args(
-        target, drafter, len(prompt_ids), args.max_new_tokens, budget=args.budget, topk=args.topk
-    )  # before anything is printed
+    check_pair(Path(args.target), Path(args.draft), tokenizer, len(prompt_ids),
+               args.max_new_tokens, budget=args.budget, topk=args.topk)  # fmt: skip
+    return tokenizer, prompt_ids
+
+
+def run(args: argparse.Namespace) -> int:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # stderr is for our one-line errors
+    hf_logging.disable_progress_bar()
+    resolve_inputs(args)
+    tokenizer, prompt_ids = tokenize_and_check(args)
+    torch.manual_seed(args.seed)
+    target, drafter, _ = load_pair(args.target, args.draft, args.dtype, args.device, tokenizer)
     chat = "chat template" if uses_chat(tokenizer, args.chat) else "plain completion"
     print(f"prompt: {args.prompt!r} ({len(prompt_ids)} tokens, {chat})")
     eos = None if args.ignore_eos else tokenizer.eos_token_id
     sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     sampling.update(seed=args.seed, eos_token_id=eos)
     budget, topk = args.budget, args.topk
-    on_round = _tree_shower(args.show_tree, tokenizer) if args.show_tree else None
+    shower = _TreeShower(args.show_tree, tokenizer) if args.show_tree else None
     t0 = time.perf_counter()
     tree = generate(target, drafter, prompt_ids, args.max_new_tokens, budget=budget, topk=topk,
-                    on_round=on_round, **sampling)  # fmt: skip
-    rows = [("DDTree", tree, time.perf_counter() - t0)]
+                    on_round=shower, **sampling)  # fmt: skip
+    drawing = shower.seconds if shower else 0.0
+    rows = [("DDTree", tree, time.perf_counter() - t0 - drawing)]
     _report(f"DDTree budget={args.budget} topk={args.topk}", tokenizer, tree)
     if args.compare_chain:
         t0 = time.perf_counter()
@@ -202,20 +225,26 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _tree_shower(out_dir: str, tokenizer):
-    """on_round callback of --show-tree: the round's outline on stdout, its picture in out_dir."""
-    from sglang_ddtree.tree.show import from_round, render_picture, render_text, token_decoder
+class _TreeShower:
+    """on_round callback of --show-tree: the round's outline on stdout, its picture in out_dir.
+    It runs inside the DDTree loop, so it keeps its own time for the summary to leave out."""
 
-    decode, count = token_decoder(tokenizer), [0]
+    def __init__(self, out_dir: str, tokenizer) -> None:
+        from sglang_ddtree.tree.show import token_decoder
 
-    def show(trace) -> None:
-        count[0] += 1
+        self.out_dir, self.decode = Path(out_dir), token_decoder(tokenizer)
+        self.rounds, self.seconds = 0, 0.0
+
+    def __call__(self, trace) -> None:
+        from sglang_ddtree.tree.show import from_round, render_picture, render_text
+
+        t0 = time.perf_counter()
+        self.rounds += 1
         record = from_round(trace.tree, trace.accept)
-        print(f"--- round {count[0]}\n{render_text(record, decode)}")
-        render_picture(record, Path(out_dir) / f"round_{count[0]:03d}.svg", decode,
-                       title=f"round {count[0]}")  # fmt: skip
-
-    return show
+        print(f"--- round {self.rounds}\n{render_text(record, self.decode)}")
+        render_picture(record, self.out_dir / f"round_{self.rounds:03d}.svg", self.decode,
+                       title=f"round {self.rounds}")  # fmt: skip
+        self.seconds += time.perf_counter() - t0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

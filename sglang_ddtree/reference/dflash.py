@@ -170,6 +170,23 @@ def parse_dflash_config(cfg: dict[str, Any]) -> DFlashConfig:
     )
 
 
+def check_draft_matches_target(config: DFlashConfig, hidden_size: int, vocab_size: int) -> None:
+    """The draft runs on the target's embeddings and LM head, so it needs the target's hidden
+    size and vocabulary (read from the loaded modules, or from the target's config before any
+    load)."""
+    if hidden_size != config.hidden_size:
+        raise ValueError(
+            f"DFlash draft hidden_size={config.hidden_size} but the target hidden size is "
+            f"{hidden_size}; the draft runs on target embeddings, so it must be trained for "
+            "this target"
+        )
+    if config.vocab_size is not None and config.vocab_size != vocab_size:
+        raise ValueError(
+            f"DFlash draft vocab_size={config.vocab_size} but the target vocab is "
+            f"{vocab_size}; the draft must share the target's tokenizer"
+        )
+
+
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """SGLang's build_target_layer_ids: one tap per draft layer, spread over [1, L-3]."""
     if num_draft_layers == 1:
@@ -424,12 +441,7 @@ class DFlashDraftRunner:
 
     def _validate_target(self, embed: nn.Embedding, lm_head: nn.Linear) -> None:
         cfg = self.config
-        if embed.embedding_dim != cfg.hidden_size:
-            raise ValueError(
-                f"DFlash draft hidden_size={cfg.hidden_size} but the target hidden size "
-                f"(embed_tokens dim) is {embed.embedding_dim}; the draft runs on target "
-                "embeddings, so it must be trained for this target"
-            )
+        check_draft_matches_target(cfg, embed.embedding_dim, lm_head.out_features)
         if lm_head.in_features != cfg.hidden_size:
             raise ValueError(
                 f"target lm_head takes {lm_head.in_features} features, draft hidden_size is "
@@ -440,11 +452,6 @@ class DFlashDraftRunner:
                 f"target embed vocab {embed.num_embeddings} != lm_head vocab {lm_head.out_features}"
             )
         self.vocab_size = lm_head.out_features
-        if cfg.vocab_size is not None and cfg.vocab_size != self.vocab_size:
-            raise ValueError(
-                f"DFlash draft vocab_size={cfg.vocab_size} but the target vocab is "
-                f"{self.vocab_size}; the draft must share the target's tokenizer"
-            )
 
     # -- DraftRunner protocol -----------------------------------------------------------------
 

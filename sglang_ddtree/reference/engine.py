@@ -14,6 +14,7 @@ round's root is the previous bonus; a round emits its accepted draft tokens then
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -70,11 +71,7 @@ class Sampler:
         seed: int | None = None,
         device: torch.device | str = "cpu",
     ) -> None:
-        if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
-            raise ValueError(
-                f"need temperature >= 0, 0 < top_p <= 1, top_k >= 0; got temperature={temperature}, "
-                f"top_p={top_p}, top_k={top_k}"
-            )
+        check_sampling(temperature, top_p, top_k)
         self.temperature = torch.tensor([temperature], dtype=torch.float32, device=device)
         self.top_p = torch.tensor([top_p], dtype=torch.float32, device=device)
         self.top_k = torch.tensor([top_k], dtype=torch.int64, device=device)
@@ -99,6 +96,17 @@ def _max_positions(target: object) -> int | None:
     if limit is None and model is not None and hasattr(model, "config"):
         limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     return limit
+
+
+def check_sampling(temperature: float, top_p: float, top_k: int) -> None:
+    """The sampling settings (no model needed: the CLI checks them before loading anything).
+    A NaN compares false with everything, so each bound is written to fail on it."""
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 keeps every token), got {top_k}")
 
 
 def check_counts(max_new_tokens: int, budget: int | None = None) -> None:
@@ -426,17 +434,22 @@ def _read_config(model_dir: str | Path, what: str) -> dict:
     return json.loads(path.read_text())
 
 
-def _load_target_model(target_dir: str | Path, dtype: torch.dtype, device: str) -> nn.Module:
-    import transformers
-
-    architectures = _read_config(target_dir, "target").get("architectures") or []
+def target_class_name(config: dict) -> str:
+    """The transformers class for a target config's `architectures`, or a ValueError."""
+    architectures = config.get("architectures") or []
     known = [a for a in architectures if a in _TARGET_CLASSES]
     if not known:
         raise ValueError(
             f"target architectures {architectures} not supported; expected one of "
             f"{sorted(_TARGET_CLASSES)}"
         )
-    cls = getattr(transformers, _TARGET_CLASSES[known[0]])
+    return _TARGET_CLASSES[known[0]]
+
+
+def _load_target_model(target_dir: str | Path, dtype: torch.dtype, device: str) -> nn.Module:
+    import transformers
+
+    cls = getattr(transformers, target_class_name(_read_config(target_dir, "target")))
     model = cls.from_pretrained(
         str(target_dir), dtype=dtype, attn_implementation="sdpa", local_files_only=True
     )
@@ -448,9 +461,11 @@ def load_pair(
     draft_dir: str | Path,
     dtype: torch.dtype | str = torch.float32,
     device: str = "cpu",
+    tokenizer: object = None,
 ) -> tuple[TargetRunner, DraftRunner, object]:
     """-> (HFTargetRunner, DFlashDraftRunner bound to the target's embeddings and lm_head,
-    tokenizer). The taps are the draft's dflash_config.target_layer_ids."""
+    tokenizer). The taps are the draft's dflash_config.target_layer_ids. `tokenizer`: the
+    target's, when the caller has loaded it already (the CLI does, to check the prompt)."""
     from transformers import AutoTokenizer
 
     from sglang_ddtree.reference.dflash import DFlashDraftRunner
@@ -461,7 +476,8 @@ def load_pair(
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         dtype = _DTYPES[dtype]
     _read_config(draft_dir, "draft")  # a clear error before loading the target
-    tokenizer = AutoTokenizer.from_pretrained(str(target_dir), local_files_only=True)
+    if tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(str(target_dir), local_files_only=True)
     model = _load_target_model(target_dir, dtype, device)
     # The runner checks the draft against the target: hidden size, vocab, block size, taps,
     # and the mask token (config id, else the tokenizer's id for dflash_config.mask_token).

@@ -175,7 +175,7 @@ class WidthPolicy:
       median of the last `window` rounds per (batch bucket, width), the bucket being the
       CUDA-graph batch size a batch pads to. A median, not a mean: the events also time the
       host's stalls inside a round, and on a host-bound server one stall reads 10x a round
-      (the GPU suite's tables, session 10). A bucket first runs every width `explore` times
+      (the GPU suite's tables). A bucket first runs every width `explore` times
       (the calibration: a few rounds per bucket), then every `refresh` rounds of that bucket
       the width measured longest ago, for window // 2 + 1 rounds in a row (enough to move
       its median).
@@ -257,7 +257,7 @@ class WidthPolicy:
         """Expected tokens per request and round at `width`, calibrated (1.0 before any reading:
         then the cheapest width wins), and at least a narrower width's: the wider tree holds the
         narrower one, so it accepts at least as much; a per-width ratio that says otherwise was
-        learned on other rounds (session 17's table had 1.63 at 16 against 1.55 at 32)."""
+        learned on other rounds (one server's table read 1.63 at 16 against 1.55 at 32)."""
         return self.all_tokens()[width]
 
     def all_tokens(self) -> dict[int, float]:

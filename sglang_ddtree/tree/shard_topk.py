@@ -1,5 +1,5 @@
-"""The draft head's top-K log-probs under a vocabulary-sharded LM head (issue 18, part 1; the
-tensor-parallel wiring waits for a multi-GPU machine).
+"""The draft head's top-K log-probs under a vocabulary-sharded LM head (the tensor-parallel
+wiring waits for a multi-GPU machine).
 
 With tensor parallelism each rank holds a slice of the vocabulary's logits. Every rank must
 build the same tree, so every rank must get the same global top-K: each rank reduces its slice to

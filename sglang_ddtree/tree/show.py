@@ -107,44 +107,91 @@ def layout(parents: Sequence[int]) -> dict[int, tuple[float, float]]:
     return pos
 
 
-def render_picture(record: dict, path: str | Path, decode: Decode = str, title: str = "") -> Path:
-    """Draw the round to `path` (.svg or .png): nodes by depth with their token and q, edges
-    to the parent, the accepted path in orange, the bonus token as a green node after it."""
+ACCEPTED, DRAFTED, BONUS = "#e8590c", "#adb5bd", "#2f9e44"  # edge colours
+LEGEND = (
+    "accepted path (drafted tokens the target confirmed)",
+    "drafted, not accepted",
+    "bonus: the target's own token after the accepted path",
+    "number under a token: q, the drafter's probability of the root-to-token path",
+)
+
+
+def picture_positions(record: dict) -> dict[int, tuple[float, float]]:
+    """`layout` of the tree with the bonus token as one more node (index = width), the last
+    child of the deepest accepted node: it gets a row of its own, so it never covers a drafted
+    sibling (a bonus token is never among that node's children: the walk would have accepted
+    the child carrying it)."""
+    return layout([*record["parents"], record["accepted"][-1]])
+
+
+def _draw_edges(ax, record: dict, pos: dict) -> None:
+    on_path, bonus = set(record["accepted"]), len(record["parents"])
+    for node, parent in enumerate(record["parents"]):
+        if node and parent >= 0:
+            hot = node in on_path
+            (x0, y0), (x1, y1) = pos[parent], pos[node]
+            ax.plot([x0, x1], [y0, y1], color=ACCEPTED if hot else DRAFTED,
+                    lw=2.2 if hot else 0.8, zorder=1)  # fmt: skip
+    (x0, y0), (x1, y1) = pos[record["accepted"][-1]], pos[bonus]
+    ax.plot([x0, x1], [y0, y1], color=BONUS, lw=2.2, ls="--", zorder=1)
+
+
+def _draw_nodes(ax, record: dict, pos: dict, decode: Decode) -> None:
+    on_path = set(record["accepted"])
+    for node in range(len(record["parents"])):
+        text = decode(record["tokens"][node])
+        label = f"{text!r}" if node == 0 else f"{text!r}\n{record['q'][node]:.2f}"
+        face = "#ffd8a8" if node in on_path else "#f1f3f5"
+        ax.text(*pos[node], label, ha="center", va="center", fontsize=7, zorder=2,
+                bbox=dict(boxstyle="round,pad=0.25", fc=face, ec="#495057", lw=0.6))  # fmt: skip
+    ax.text(*pos[len(record["parents"])], f"{decode(record['bonus'])!r}\nbonus", ha="center",
+            va="center", fontsize=7, zorder=2,
+            bbox=dict(boxstyle="round,pad=0.25", fc="#b2f2bb", ec=BONUS, lw=0.8))  # fmt: skip
+
+
+def _draw_legend(ax) -> None:
+    from matplotlib.lines import Line2D
+
+    handles = [Line2D([], [], color=ACCEPTED, lw=2.2), Line2D([], [], color=DRAFTED, lw=0.8),
+               Line2D([], [], color=BONUS, lw=2.2, ls="--"), Line2D([], [], ls="none")]  # fmt: skip
+    ax.legend(handles, LEGEND, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=2,
+              fontsize=7, frameon=False, handlelength=2.5)  # fmt: skip
+
+
+def draw_round(record: dict, decode: Decode = str, title: str = ""):
+    """The round as a matplotlib figure: nodes by depth with their token and q, edges to the
+    parent, the accepted path in orange, the bonus token in green after it, a legend below."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    pos = layout(record["parents"])
+    pos = picture_positions(record)
     rows = max(y for _, y in pos.values()) + 1
-    depth = max(x for x, _ in pos.values()) + 2
-    fig, ax = plt.subplots(figsize=(2.0 + 1.9 * depth, 1.0 + 0.32 * rows))
-    on_path, last = set(record["accepted"]), record["accepted"][-1]
-    for node, parent in enumerate(record["parents"]):
-        if node and parent >= 0:
-            hot = node in on_path
-            (x0, y0), (x1, y1) = pos[parent], pos[node]
-            ax.plot([x0, x1], [y0, y1], color="#e8590c" if hot else "#adb5bd",
-                    lw=2.2 if hot else 0.8, zorder=1)  # fmt: skip
-    bx, by = pos[last][0] + 1, pos[last][1]
-    ax.plot([pos[last][0], bx], [by, by], color="#2f9e44", lw=2.2, ls="--", zorder=1)
-    for node, (x, y) in pos.items():
-        text = decode(record["tokens"][node])
-        label = f"{text!r}" if node == 0 else f"{text!r}\n{record['q'][node]:.2f}"
-        face = "#ffd8a8" if node in on_path else "#f1f3f5"
-        ax.text(x, y, label, ha="center", va="center", fontsize=7, zorder=2,
-                bbox=dict(boxstyle="round,pad=0.25", fc=face, ec="#495057", lw=0.6))  # fmt: skip
-    ax.text(bx, by, f"{decode(record['bonus'])!r}\nbonus", ha="center", va="center", fontsize=7,
-            zorder=2, bbox=dict(boxstyle="round,pad=0.25", fc="#b2f2bb", ec="#2f9e44", lw=0.8))  # fmt: skip
+    depth = max(x for x, _ in pos.values()) + 1
+    fig, ax = plt.subplots(figsize=(2.0 + 1.9 * depth, 1.6 + 0.32 * rows))
+    _draw_edges(ax, record, pos)
+    _draw_nodes(ax, record, pos, decode)
+    _draw_legend(ax)
     ax.set_xlim(-0.6, depth - 0.4)
     ax.set_ylim(rows - 0.5, -0.8)
     ax.axis("off")
     n_acc = len(record["accepted"]) - 1
     ax.set_title(title or f"{record['width']} nodes, {n_acc} accepted + bonus", fontsize=9)
     fig.tight_layout()
+    return fig
+
+
+def render_picture(record: dict, path: str | Path, decode: Decode = str, title: str = "") -> Path:
+    """Draw the round (`draw_round`) to `path` (.svg or .png)."""
+    import matplotlib.pyplot as plt
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
+    # the same round draws the same bytes: no date in the file, SVG ids from a fixed salt
+    with plt.rc_context({"svg.hashsalt": "ddtree"}):
+        fig = draw_round(record, decode, title)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, metadata={"Date": None})
     plt.close(fig)
     return path
 

@@ -354,12 +354,12 @@ def test_project_budget_leaves_out_automatic_servers_and_names_clashes(tmp_path)
     rows = [{**row, "variant": v} for v in ("dflash", "ddtree32", "ddtree64", "ddtree64_auto")]
     path = tmp_path / "r.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cost, tokens = bench.load(path, ROOT / "docs" / "acceptance.jsonl", 0.0)
+    cost, tokens = bench.load(path, ROOT / "docs" / "data" / "acceptance.jsonl", 0.0)
     assert sorted(cost.ms) == sorted([bench.CHAIN, 32, 64])
     path.write_text(path.read_text() + json.dumps({**row, "variant": "ddtree32_paths"}) + "\n")
     with pytest.raises(SystemExit, match="ddtree32.*ddtree32_paths.*--variants"):
-        bench.load(path, ROOT / "docs" / "acceptance.jsonl", 0.0)
-    cost, _ = bench.load(path, ROOT / "docs" / "acceptance.jsonl", 0.0,
+        bench.load(path, ROOT / "docs" / "data" / "acceptance.jsonl", 0.0)
+    cost, _ = bench.load(path, ROOT / "docs" / "data" / "acceptance.jsonl", 0.0,
                          ["dflash", "ddtree32_paths", "ddtree64"])  # fmt: skip
     assert sorted(cost.ms) == sorted([bench.CHAIN, 32, 64])
 
@@ -380,8 +380,13 @@ def test_project_budget_multiplies_the_measured_rows(capsys):
     """scripts/project_budget.py on the committed rows: the policy's choice per batch size and
     the projection (tokens per round / ms per round against DFLASH's), recomputed here."""
     bench = _script("project_budget")
-    docs = Path(__file__).resolve().parents[2] / "docs"
-    cost, tokens = bench.load(docs / "bench_round_s7.jsonl", docs / "acceptance.jsonl", 0.0)
+    data = Path(__file__).resolve().parents[2] / "docs" / "data"
+    rounds = data / "round_cost_27b.jsonl"
+    # the sitting that measured fixed widths 32 and 64 beside DFLASH at bs 1, 8 and 16
+    sitting = next(json.loads(x)["sitting"] for x in rounds.read_text().splitlines()
+                   if '"ddtree64_compact_conv_chunk"' in x)  # fmt: skip
+    cost, tokens = bench.load(rounds, data / "acceptance.jsonl", 0.0, sitting=sitting)
+    assert cost.batch_sizes == (1, 8, 16)
     rows = bench.project(cost, tokens, cost.batch_sizes)
     chain_rate = {bs: tokens[0] / cost.cost(bs, 0) for bs in cost.batch_sizes}
     for row in rows:
@@ -500,7 +505,7 @@ def test_bench_serving_profiles_each_server_at_every_temperature(tmp_path, monke
     servers = [SimpleNamespace(name="ddtree"), SimpleNamespace(name="dflash")]
     bench.profile(servers, ["ddtree"], tmp_path, [0.0, 1.0])
     assert calls == [("ddtree", 1, 0.0), ("ddtree", 4, 0.0), ("ddtree", 1, 1.0), ("ddtree", 4, 1.0)]
-    rows = [json.loads(x) for x in (tmp_path / "profile.jsonl").read_text().splitlines()]
+    rows = [json.loads(x) for x in (tmp_path / "round_profile_pair.jsonl").read_text().splitlines()]
     assert [(r["bs"], r["temperature"]) for r in rows] == [(1, 0.0), (4, 0.0), (1, 1.0), (4, 1.0)]
 
 
@@ -528,7 +533,7 @@ def test_bench_serving_first_token_probe_alternates_servers_by_length(tmp_path, 
     got = {(r["server"], r["max_new_tokens"]): r["median_ms"] for r in rows}
     assert got[("ddtree", 3)] == pytest.approx(12.0) and got[("dflash", 1)] == pytest.approx(3.0)
     assert all(r["requests"] == 2 and r["probe"] == "first_token" for r in rows)
-    written = [json.loads(x) for x in (tmp_path / "first_token.jsonl").read_text().splitlines()]
+    written = [json.loads(x) for x in (tmp_path / "first_token_pair.jsonl").read_text().splitlines()]
     assert written == rows and bench.first_token(servers, [], tmp_path, 0) == []
     # a --host-profile server then takes the one-token requests alone, its sampler on
     sampler = tmp_path / "sampler"
@@ -762,3 +767,17 @@ def test_bench_serving_writes_host_reports_side_by_side(tmp_path):
     assert "worker.py:_draft -> <self>" in own and "widths.py:finish -> <self>" in own
     # SGLang's dflash.py is not the package's: its time is what worker.py's frame ran
     assert "worker.py:forward_batch_generation -> dflash.py:prepare" in own
+
+
+def test_project_budget_reads_one_sitting_of_the_merged_rows(tmp_path):
+    """docs/data/ keeps every sitting in one file: the newest unless one is named."""
+    bench = _script("project_budget")
+    row = {"bs": 1, "variant": "dflash"}
+    rows = [{**row, "sitting": 1, "round_ms": 20.0}, {**row, "sitting": 2, "round_ms": 30.0}]
+    path = tmp_path / "r.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    acceptance = ROOT / "docs" / "data" / "acceptance.jsonl"
+    assert bench.load(path, acceptance, 0.0)[0].ms[bench.CHAIN] == (30.0,)
+    assert bench.load(path, acceptance, 0.0, sitting=1)[0].ms[bench.CHAIN] == (20.0,)
+    with pytest.raises(SystemExit, match=r"no sitting 3 in the rows; there are \[1, 2\]"):
+        bench.load(path, acceptance, 0.0, sitting=3)

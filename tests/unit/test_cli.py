@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import sglang_ddtree.reference.__main__ as cli
 from sglang_ddtree.checkpoints.tiny import write_tiny_dflash, write_tiny_qwen3
 from sglang_ddtree.reference.__main__ import encode_prompt, main
 
@@ -36,6 +38,10 @@ def _bad_draft(good: Path, out: Path, edit) -> Path:
     edit(config)
     (out / "config.json").write_text(json.dumps(config))
     return out
+
+
+def _no_model_load(*args, **kwargs):
+    raise AssertionError("a model was loaded before every setting was checked")
 
 
 def _run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -108,6 +114,15 @@ def _drop_mask_token(config: dict) -> None:
 @pytest.mark.parametrize(
     "extra, edit, message",
     [
+        (["--temperature", "nan"], None, "temperature must be a finite number >= 0, got nan"),
+        (["--temperature", "inf"], None, "temperature must be a finite number >= 0, got inf"),
+        (["--temperature", "-0.5"], None, "temperature must be a finite number >= 0, got -0.5"),
+        (["--top-p", "nan"], None, "top_p must be in (0, 1], got nan"),
+        (["--top-p", "0"], None, "top_p must be in (0, 1], got 0.0"),
+        (["--top-k", "-1"], None, "top_k must be >= 0 (0 keeps every token), got -1"),
+        (["--max-new-tokens", "0"], None, "max_new_tokens must be >= 1, got 0"),
+        (["--device", "tpu"], None, "--device tpu: the reference engine runs on cpu or cuda"),
+        (["--device", "meta"], None, "--device meta: the reference engine runs on cpu or cuda"),
         (["--budget", "0"], None, "budget must be >= 1 draft nodes, got 0"),
         (["--topk", "0"], None, "topk must be in [1, vocab_size="),
         (
@@ -125,8 +140,11 @@ def _drop_mask_token(config: dict) -> None:
         ([], _drop_mask_token, "mask token id is missing"),
     ],
 )
-def test_bad_inputs_exit_2_with_one_line(pair, tmp_path, capsys, extra, edit, message):
+def test_bad_inputs_exit_2_with_one_line_before_any_model_loads(
+    pair, tmp_path, capsys, monkeypatch, extra, edit, message
+):
     target, draft = pair
+    monkeypatch.setattr(cli, "load_pair", _no_model_load)
     if edit is not None:
         draft = _bad_draft(draft, tmp_path / "draft", edit)
     args = ["--target", target, "--draft", draft, "--prompt", "x = 1", "--no-chat", *extra]
@@ -194,5 +212,131 @@ def test_help_shows_every_default_and_tells_topk_from_top_k(capsys):
     assert stop.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "(default: 32)" in text and "(default: 8)" in text and "(default: cpu)" in text
+    for flag, default in (("--max-new-tokens", "64"), ("--seed", "0"), ("--dtype", "float32")):
+        options = text[text.index("options:"):]  # past the usage line
+        after = options[options.index(f"{flag} "):]  # its own entry, up to the next option
+        entry = after[: after.index(" --", len(flag))]
+        assert f"(default: {default})" in entry, entry
     assert "draft tree: candidates per draft position" in text and "(not --top-k)" in text
     assert "sampling: keep the target's k most likely tokens" in text and "(not --topk)" in text
+
+
+def _prompt_line(out: str) -> str:
+    return out.splitlines()[0]
+
+
+def test_the_prompt_comes_from_a_file_or_stdin_verbatim(pair, tmp_path, capsys, monkeypatch):
+    target, draft = pair
+    common = ["--target", target, "--draft", draft, "--no-chat", "--max-new-tokens", "2",
+              "--budget", "4"]  # fmt: skip
+    text = "def f(x):\n    return x  # ünïcode\n"
+    (tmp_path / "prompt.txt").write_bytes(text.encode("utf-8"))
+    code, out, err = _run(capsys, *common, "--prompt-file", tmp_path / "prompt.txt")
+    assert code == 0, err
+    assert _prompt_line(out).startswith(f"prompt: {text!r} (")
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"x = 1\n")))
+    code, out, err = _run(capsys, *common, "--prompt-file", "-")
+    assert code == 0, err
+    assert _prompt_line(out).startswith("prompt: 'x = 1\\n' (")
+
+
+def test_a_prompt_file_that_is_missing_or_not_utf8_is_one_line(pair, tmp_path, capsys,
+                                                                 monkeypatch):  # fmt: skip
+    target, draft = pair
+    monkeypatch.setattr(cli, "load_pair", _no_model_load)
+    common = ["--target", target, "--draft", draft]
+    code, out, err = _run(capsys, *common, "--prompt-file", tmp_path / "nope.txt")
+    assert (code, out) == (2, "")
+    assert err == f"error: --prompt-file {tmp_path / 'nope.txt'}: No such file or directory\n"
+    (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
+    code, out, err = _run(capsys, *common, "--prompt-file", tmp_path / "latin1.txt")
+    assert (code, out) == (2, "")
+    assert err == (f"error: --prompt-file {tmp_path / 'latin1.txt'} is not valid UTF-8: "
+                   "byte 0xe9 at offset 3\n")  # fmt: skip
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"ok \xff")))
+    code, out, err = _run(capsys, *common, "--prompt-file", "-")
+    assert err == "error: --prompt-file - is not valid UTF-8: byte 0xff at offset 3\n"
+
+
+def test_prompt_and_prompt_file_together_are_refused(pair, capsys):
+    target, draft = pair
+    with pytest.raises(SystemExit) as stop:
+        main(["--target", str(target), "--draft", str(draft), "--prompt", "x",
+              "--prompt-file", "-"])  # fmt: skip
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not allowed with argument --prompt" in err, err
+
+
+def test_a_prompt_that_is_not_utf8_is_one_line(pair, capsys, monkeypatch):
+    """Python hands argv bytes that are not UTF-8 over as lone surrogates (surrogateescape)."""
+    target, draft = pair
+    monkeypatch.setattr(cli, "load_pair", _no_model_load)
+    bad = b"def f\xff(x):".decode("utf-8", "surrogateescape")
+    code, out, err = _run(capsys, "--target", target, "--draft", draft, "--prompt", bad)
+    assert (code, out) == (2, "")
+    assert err == "error: --prompt is not valid UTF-8: byte 0xff at offset 5\n"
+
+
+def test_module_entry_point_with_bad_bytes_and_a_bad_device_is_one_line(pair):
+    """The real process: argv bytes that are not UTF-8, and a device torch does not know,
+    each end with status 2 and one line, no traceback."""
+    target, draft = pair
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    base = [sys.executable, "-m", "sglang_ddtree.reference", "--target", str(target),
+            "--draft", str(draft)]  # fmt: skip
+    cases = [
+        (["--prompt", b"def f\xff(x):"],
+         "error: --prompt is not valid UTF-8: byte 0xff at offset 5"),
+        (["--prompt", "x", "--device", "tpu"],
+         "error: --device tpu: the reference engine runs on cpu or cuda; use --device cpu"),
+    ]  # fmt: skip
+    for extra, line in cases:
+        proc = subprocess.run([*base, *extra], capture_output=True, env=env, cwd=REPO, timeout=300)
+        stderr = proc.stderr.decode("utf-8", "replace")
+        assert proc.returncode == 2, stderr
+        assert [x for x in stderr.splitlines() if x.startswith("error: ")] == [line], stderr
+        assert "Traceback" not in stderr and proc.stdout == b""
+
+
+def test_a_cuda_index_beyond_the_machines_devices_is_named(monkeypatch):
+    from sglang_ddtree.reference.preflight import check_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    check_device("cuda:1")
+    check_device("cuda")
+    with pytest.raises(ValueError, match=r"^--device cuda:2: this machine has 2 CUDA device\(s\), "
+                       r"cuda:0 to cuda:1$"):  # fmt: skip
+        check_device("cuda:2")
+    with pytest.raises(ValueError, match="runs on cpu or cuda"):
+        check_device("cuda:x")
+
+
+def test_show_tree_prints_and_draws_every_round_outside_the_timing(pair, tmp_path, capsys,
+                                                                     monkeypatch):  # fmt: skip
+    """--show-tree: an outline per round on stdout and round_NNN.svg per round; the drawing
+    runs inside the DDTree loop, and its time is left out of the summary's tokens/s."""
+    import time as clock
+
+    from sglang_ddtree.tree import show
+
+    drawn, draw = [], show.render_picture
+    pause = 2.0  # far longer than a tiny model's round
+
+    def slow_render(record, path, *args, **kwargs):
+        clock.sleep(pause)
+        drawn.append(draw(record, path, *args, **kwargs))
+
+    monkeypatch.setattr(show, "render_picture", slow_render)
+    target, draft = pair
+    code, out, err = _run(capsys, "--target", target, "--draft", draft, "--prompt", "x = 1",
+                          "--no-chat", "--max-new-tokens", "6", "--budget", "6", "--topk", "2",
+                          "--show-tree", tmp_path / "trees")  # fmt: skip
+    assert code == 0, err
+    rounds = sum(line.startswith("--- round ") for line in out.splitlines())
+    assert rounds >= 1 and [p.name for p in drawn][:1] == ["round_001.svg"]
+    assert sorted(p.name for p in (tmp_path / "trees").iterdir()) == [p.name for p in drawn]
+    row = next(line for line in out.splitlines() if line.startswith("DDTree "))
+    tokens, tokens_per_s = int(row.split()[1]), float(row.split()[4])
+    assert tokens_per_s > tokens / (pause * rounds)  # the pauses are not in the time

@@ -156,7 +156,9 @@ def test_stops_at_max_new_tokens_and_eos(pairs, prompts, plain):
         (dict(budget=4, topk=2, prompt=[]), r"prompt is empty \(0 tokens\)"),
         (dict(budget=4, topk=2, max_new=4093), r"\(4 tokens\) \+ max_new_tokens \(4093\) = 4097 "),
         (dict(budget=4, topk=2, max_new=0), "max_new_tokens must be >= 1, got 0"),
-        (dict(budget=4, topk=2, temperature=-1.0), "temperature=-1.0"),
+        (dict(budget=4, topk=2, temperature=-1.0), "temperature must be a finite number >= 0"),
+        (dict(budget=4, topk=2, temperature=float("nan")), "finite number >= 0, got nan"),
+        (dict(budget=4, topk=2, temperature=float("inf")), "finite number >= 0, got inf"),
     ],
 )
 def test_bad_settings_raise_before_generation(pairs, kwargs, match):

@@ -46,7 +46,7 @@ def test_reference_engine_generates_the_targets_greedy_tokens():
     tree = generate(target, drafter, ids, 48, budget=31, topk=8)
     chain = generate_chain(target, drafter, ids, 48)
     assert list(tree.tokens) == plain == list(chain.tokens)
-    # A trained draft: more than one token per round (the numbers: docs/acceptance.md).
+    # A trained draft: more than one token per round (the numbers: docs/results.md).
     assert tree.rounds < len(plain) and chain.rounds < len(plain)
     text = tok.decode(plain)
     assert text.strip(), text

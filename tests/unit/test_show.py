@@ -13,10 +13,13 @@ import torch
 from sglang_ddtree.integration.round_dump import RoundDump
 from sglang_ddtree.tree import build_tree_reference
 from sglang_ddtree.tree.show import (
+    LEGEND,
     accepted_path,
+    draw_round,
     from_round,
     layout,
     main,
+    picture_positions,
     read_dump,
     render_picture,
     render_text,
@@ -62,6 +65,38 @@ def test_layout_puts_nodes_by_depth_and_parents_between_their_children():
     assert [pos[i][0] for i in range(6)] == [0, 1, 1, 2, 2, 2]
     assert pos[1][1] == (pos[3][1] + pos[4][1]) / 2 and pos[2][1] == pos[5][1]
     assert sorted(pos[i][1] for i in (3, 4, 5)) == [0, 1, 2]  # leaves on their own rows
+
+
+def _record(parents: list[int], accepted: list[int]) -> dict:
+    n = len(parents)
+    return {"tokens": list(range(100, 100 + n)), "parents": parents, "q": [1.0] + [0.5] * (n - 1),
+            "accepted": accepted, "bonus": 7, "width": n}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "parents, accepted",
+    [
+        ([-1, 0, 1], [0, 1]),  # the accepted node's only child sits on its row
+        ([-1, 0, 0, 1, 1, 1], [0, 1]),  # its middle child sits on its row
+        ([-1, 0, 1, 2], [0, 1, 2, 3]),  # a leaf accepted: the bonus one column further
+    ],
+)
+def test_the_bonus_covers_no_node(parents, accepted):
+    pos = picture_positions(_record(parents, accepted))
+    bonus = len(parents)
+    assert len(set(pos.values())) == len(pos) == len(parents) + 1  # every box its own place
+    assert pos[bonus][0] == pos[accepted[-1]][0] + 1  # one level below the deepest accepted
+
+
+def test_the_picture_has_a_legend():
+    import matplotlib.pyplot as plt
+
+    fig = draw_round(_record([-1, 0, 0, 1], [0, 1]))
+    legend = fig.axes[0].get_legend()
+    assert legend is not None
+    assert [t.get_text() for t in legend.get_texts()] == list(LEGEND)
+    assert any("bonus" in text for text in LEGEND) and any("q" in text for text in LEGEND)
+    plt.close(fig)
 
 
 def test_a_dumped_server_round_renders_like_an_engine_round(tmp_path):
@@ -174,3 +209,13 @@ def test_close_waits_at_most_its_timeout_for_a_stuck_writer(tmp_path, monkeypatc
     dump.close(timeout=0.3)
     assert time.time() - t0 < 2
     release.set()
+
+
+def test_the_same_round_draws_the_same_bytes(tmp_path):
+    """Regenerated pictures (docs/trees) change only when the round does."""
+    record = _record([-1, 0, 0, 1], [0, 1])
+    first = render_picture(record, tmp_path / "a.svg").read_bytes()
+    assert render_picture(record, tmp_path / "b.svg").read_bytes() == first
+    assert b"<dc:date>" not in first
+    png = render_picture(record, tmp_path / "a.png").read_bytes()
+    assert render_picture(record, tmp_path / "b.png").read_bytes() == png

@@ -1,0 +1,539 @@
+"""The results page, docs/results.md, and the README's generated blocks, from the data files in
+docs/data/: one JSON-lines file per kind of measurement, named for what it measures.
+
+    python scripts/results_page.py            # write docs/results.md and the README's blocks
+    python scripts/results_page.py --check    # exit 1 when either differs from the data
+    python scripts/results_page.py add NAME ROWS.jsonl --commit SHA [--command CMD] [--date D]
+                                              # append a benchmark's rows to docs/data/NAME.jsonl
+
+Every row carries where it came from: `date` (when measured), `commit` (the code measured),
+`sitting` (one measurement session's rows; numbered in order within a file) and, where known,
+`command` (what produced the rows; OUT is the script's output folder). A section shows the
+latest sitting of its file; the earlier sittings stay in the file. A new kind of measurement
+is one more data file and one more `Section` in SECTIONS; new rows of a known kind are one
+`add` and a rerun of this script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import re
+import statistics
+import sys
+import textwrap
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "docs" / "data"
+PAGE = ROOT / "docs" / "results.md"
+README = ROOT / "README.md"
+PROVENANCE = ("date", "commit", "sitting")
+
+
+# ---------------------------------------------------------------- rows
+
+
+def read_rows(name: str, data: Path = DATA) -> list[dict]:
+    path = data / f"{name}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def latest(rows: list[dict], has: str | None = None) -> list[dict]:
+    """The rows of the newest sitting (among the sittings with a row that has key `has`)."""
+    sittings = [r["sitting"] for r in rows if has is None or has in r]
+    if not sittings:
+        return []
+    newest = max(sittings)
+    return [r for r in rows if r["sitting"] == newest]
+
+
+def geo_mean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def _ms(value: float | None, digits: int = 2) -> str:
+    return "" if value is None else f"{value:.{digits}f}"
+
+
+def _wrap(command: str, width: int = 92) -> str:
+    """An indented shell command, continued with backslashes so that no line passes `width`
+    (a flag stays on the line of its value)."""
+    units, words = [], command.split()
+    for word in words:
+        flag = units and units[-1].startswith("-") and " " not in units[-1]
+        if flag and not word.startswith("-"):
+            units[-1] += " " + word  # the flag's value
+        else:
+            units.append(word)
+    lines, line = [], "   "
+    for unit in units:
+        if len(line) + len(unit) + 3 > width and line.strip():
+            lines.append(line + " \\")
+            line = "       "
+        line += " " + unit
+    return "\n".join([*lines, line])
+
+
+def prose(text: str, width: int = 100) -> str:
+    """Paragraphs (split on blank lines) filled to `width`."""
+    return "\n\n".join(textwrap.fill(part, width, break_on_hyphens=False,
+                                       break_long_words=False) for part in text.split("\n\n"))  # fmt: skip
+
+
+def table(header: list[str], body: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in body]
+    return "\n".join(lines)
+
+
+def shown(rows: list[dict], markdown: str) -> str:
+    """A table with when its rows were measured and the commands that reproduce them."""
+    commands = list(dict.fromkeys(r["command"] for r in rows if r.get("command")))
+    if not commands:
+        return f"Measured {rows[0]['date']} (the command was not recorded).\n\n{markdown}"
+    listed = "\n".join(_wrap(c) for c in commands)
+    head = f"Measured {rows[0]['date']}; reproduce (OUT: an output folder):"
+    return f"{head}\n\n{listed}\n\n{markdown}"
+
+
+# ---------------------------------------------------------------- tables, one per kind
+
+
+def round_cost_table(rows: list[dict]) -> str:
+    """ms per decode round by batch size: DFLASH, each DDTREE variant, and DDTREE / DFLASH."""
+    rows = latest(rows)
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    cost = {(r["variant"], r["bs"]): r.get("round_ms") for r in rows}
+    batch = sorted({r["bs"] for r in rows if r.get("bs") is not None})
+    trees = [v for v in variants if v.startswith("ddtree")]
+    header = ["batch", *[f"{v} ms" for v in variants], *[f"{v} / dflash" for v in trees]]
+    body = []
+    for bs in batch:
+        cells = [_ms(cost.get((v, bs))) or "does not fit" for v in variants]
+        chain = cost.get(("dflash", bs))
+        ratios = [_ms(cost[(v, bs)] / chain) if chain and cost.get((v, bs)) else ""
+                  for v in trees]  # fmt: skip
+        body.append([str(bs), *cells, *ratios])
+    return shown(rows, table(header, body))
+
+
+def _serving_cells(runs: list[dict], chain: dict[int, float]) -> list[str]:
+    """median tok/s (min-max), accept, and the geo-mean (range) of run-by-run ratios."""
+    speeds = [r["output_throughput"] for r in runs]
+    if runs[0]["server"] == "dflash":
+        chain = {}  # no ratio of DFLASH to itself
+    ratios = [r["output_throughput"] / chain[r["run"]] for r in runs if r["run"] in chain]
+    ratio = (f"{geo_mean(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
+             if ratios else "")  # fmt: skip
+    accepts = [r["accept_length"] for r in runs if r.get("accept_length") is not None]
+    accept = f"{statistics.median(accepts):.2f}" if accepts else ""  # plain decoding: none
+    return [f"{statistics.median(speeds):.0f} ({min(speeds):.0f}-{max(speeds):.0f})", accept,
+            ratio]  # fmt: skip
+
+
+def serving_table(rows: list[dict]) -> str:
+    """Per temperature, concurrency and server: output tok/s over the runs, accept length, and
+    the geometric mean of each run's tok/s over DFLASH's in the same run."""
+    rows = [r for r in latest(rows, "output_throughput") if r.get("run") is not None]
+    servers = list(dict.fromkeys(r["server"] for r in rows))
+    body = []
+    for temp in sorted({r["temperature"] for r in rows}):
+        for c in sorted({r["concurrency"] for r in rows}):
+            cell = [r for r in rows if r["temperature"] == temp and r["concurrency"] == c]
+            chain = {r["run"]: r["output_throughput"] for r in cell if r["server"] == "dflash"}
+            for server in servers:
+                runs = [r for r in cell if r["server"] == server]
+                if runs:
+                    cpus = runs[0].get("cpus", "")
+                    body.append([f"{temp:g}", str(c), server, str(cpus),
+                                 *_serving_cells(runs, chain)])  # fmt: skip
+    header = ["T", "c", "server", "CPUs", "tok/s median (min-max)", "accept",
+              "/ dflash geo-mean (range)"]  # fmt: skip
+    return shown(rows, table(header, body))
+
+
+def first_token_table(rows: list[dict]) -> str:
+    rows = latest(rows)
+    body = [[r["server"], str(r["max_new_tokens"]), str(r["requests"]), _ms(r["median_ms"], 1),
+             _ms(r["min_ms"], 1)] for r in rows]  # fmt: skip
+    return shown(rows, table(["server", "new tokens", "requests", "median ms", "min ms"], body))
+
+
+def round_profile_table(rows: list[dict]) -> str:
+    """GPU and host ms per part of a round (the worker's ddtree.* ranges), syncs, launches."""
+    rows = latest(rows)
+    body = []
+    for r in rows:
+        host = r.get("host", {})
+        parts = sorted(set(r.get("gpu_ms", {})) | set(host.get("host_ms", {})))
+        split = "; ".join(f"{p.removeprefix('ddtree.')} {r['gpu_ms'].get(p, 0):.2f} / "
+                          f"{host.get('host_ms', {}).get(p, 0):.2f}" for p in parts)  # fmt: skip
+        body.append([r["server"], str(r["bs"]), _ms(host.get("round_period_ms")),
+                     _ms(host.get("syncs_per_round"), 1), _ms(host.get("own_syncs_per_round"), 1),
+                     _ms(host.get("launches_per_round"), 0), split or "-"])  # fmt: skip
+    header = ["server", "bs", "round ms", "host syncs", "of them DDTREE's", "launches",
+              "part: GPU ms / host ms"]  # fmt: skip
+    return shown(rows, table(header, body))
+
+
+def host_profile_reports(rows: list[dict]) -> str:
+    """The newest sitting's short views verbatim; the long call trees are named, not shown."""
+    rows = latest(rows)
+    short = [r for r in rows if len(r["report"]) <= 3000]
+    # a blank line between the report's header lines and its table, which markdown needs
+    parts = [f"**{r['view']}** ({r['note']})\n\n" + r["report"].replace("\n|", "\n\n|", 1)
+             for r in short]  # fmt: skip
+    long = [r["view"] for r in rows if r not in short]
+    if long:
+        parts.append(prose("In the data file, not shown here: " + "; ".join(long) + "."))
+    return shown(rows, "\n\n".join(parts))
+
+
+def gdn_verify_table(rows: list[dict]) -> str:
+    """One GDN layer's tree verify (ms): SGLang's, the root paths', the chunked one's, and
+    SGLang's chain verify of as many tokens; the commit; the outputs' largest differences."""
+    rows = latest(rows, "chunk_verify_ms")
+    body = [[str(r["bs"]), str(r["nodes"]), _ms(r["sglang_verify_ms"], 3),
+             _ms(r["ours_verify_ms"], 3), _ms(r["chunk_verify_ms"], 3),
+             _ms(r.get("sglang_chain_same_tokens_ms"), 3), _ms(r["sglang_commit_ms"], 3),
+             _ms(r["ours_commit_ms"], 3), f"{r['max_abs_diff_o']:.1e}",
+             f"{r['chunk_max_abs_diff_o']:.1e}"] for r in rows]  # fmt: skip
+    header = ["bs", "N", "SGLang tree verify", "root paths", "chunked (default)",
+              "SGLang chain, same tokens", "SGLang commit", "replay commit",
+              "root paths max diff", "chunked max diff"]  # fmt: skip
+    return shown(rows, table(header, body))
+
+
+CONV_DEFAULT = "conv_round_t4n128w2in_ms"  # gdn/conv_tree.py's tiling: 4 nodes x 128, 2 warps
+
+
+def gdn_conv_table(rows: list[dict]) -> str:
+    """The tree conv1d of one round (48 layers in one CUDA graph, ms) against SGLang's chain
+    conv over as many tokens."""
+    rows = latest(rows, CONV_DEFAULT)
+    body = []
+    for r in rows:
+        ours, chain = r[CONV_DEFAULT], r["sglang_chain_conv_round_ms"]
+        equal = r["conv_windows_equal"] and r["conv_parents_equal"]
+        body.append([str(r["bs"]), str(r["nodes"]), _ms(ours, 3),
+                     _ms(r["ours_conv_round_windows_ms"], 3), _ms(chain, 3), _ms(ours / chain),
+                     "yes" if equal else "NO"])  # fmt: skip
+    header = ["bs", "N", "tree conv1d (default)", "with per-node windows",
+              "SGLang chain, same tokens", "tree / chain", "equal to SGLang's"]  # fmt: skip
+    return shown(rows, table(header, body))
+
+
+def gdn_table(rows: list[dict]) -> str:
+    return gdn_verify_table(rows) + "\n\n" + gdn_conv_table(rows)
+
+
+def tree_build_table(rows: list[dict]) -> str:
+    rows = latest(rows)
+    cell = {(r["shape"], r["builder"], r["bs"], r["nodes"]): r for r in rows}
+    body = []
+    for shape, bs, n in sorted({(r["shape"], r["bs"], r["nodes"]) for r in rows}):
+        torch_row = cell.get((shape, "torch", bs, n))
+        triton_row = cell.get((shape, "triton", bs, n))
+        body.append([shape, str(bs), str(n), *[_ms(x and x["build_ms"], 3) for x in
+                     (torch_row, triton_row)], *[_ms(x and x["head_ms"], 3) for x in
+                     (torch_row, triton_row)]])  # fmt: skip
+    header = ["shape", "bs", "N", "build, torch", "build, Triton", "head, torch",
+              "head, Triton"]  # fmt: skip
+    return shown(rows, table(header, body))
+
+
+def acceptance_table(rows: list[dict]) -> str:
+    """Tokens per round (rounds) by method and temperature."""
+    rows = latest(rows)
+    temps = sorted({r["temperature"] for r in rows})
+    body = []
+    for method in dict.fromkeys(r["method"] for r in rows):
+        at = {r["temperature"]: r for r in rows if r["method"] == method}
+        label = f"DDTree budget {method.split()[-1]}" if method.startswith("DDTree") else method
+        body.append([label, *[f"{at[t]['mean_accept_len']:.2f} ({at[t]['rounds']})"
+                              if t in at else "" for t in temps]])  # fmt: skip
+    return shown(rows, table(["method", *[f"T={t:g}: tokens/round (rounds)" for t in temps]], body))
+
+
+def budget_sweep_table(rows: list[dict]) -> str:
+    rows = [r for r in latest(rows) if "concurrency" in r]  # not the per-server profiles
+    body = [[r["server"], str(r["concurrency"]), f"{r['tokens_per_s']:.0f}",
+             _ms(r.get("tpot_ms")), _ms(r.get("accept_len")),
+             _ms(r["tpot_ms"] * r["accept_len"]) if r.get("accept_len") else "",
+             str(r.get("identical_to_plain", ""))] for r in rows]  # fmt: skip
+    header = ["server", "c", "tok/s", "TPOT ms", "accept", "round ms", "same as plain"]
+    note = rows[0].get("note")
+    return shown(rows, table(header, body) + (f"\n\nThis sitting {note}." if note else ""))
+
+
+def soak_table(rows: list[dict]) -> str:
+    rows = latest(rows)
+    body = []
+    for r in rows:
+        fuzz = r.get("fuzz") or {}
+        bad = fuzz.get("bad")
+        fuzz_cell = f"{len(bad)} of {fuzz.get('cases')} not a 4xx" if bad is not None else ""
+        body.append([r["server"], *[str(r.get(k, "")) for k in
+                     ("sent", "completed", "cancelled", "refused", "failed", "p50_s", "p99_s",
+                      "tokens_per_s")], fuzz_cell])  # fmt: skip
+    header = ["server", "sent", "completed", "cancelled", "refused (4xx)", "failed", "p50 s",
+              "p99 s", "tok/s", "fuzz"]  # fmt: skip
+    return shown(rows, table(header, body))
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
+
+
+def _load(row: dict) -> str:
+    """The machine's mean load average during setup / demo / test, where recorded."""
+    mean = row.get("load_mean") or {}
+    return " / ".join(f"{mean[n]:g}" for n in ("setup", "demo", "test") if n in mean)
+
+
+def fresh_clone_table(rows: list[dict]) -> str:
+    rows = latest(rows)
+    body = [[f"{r['machine']['cpus']} CPUs, {r['machine']['memory_gb']} GB", _load(r),
+             *[_duration(r[f"{step}_s"]) for step in ("setup", "demo", "test")],
+             r["test_summary"]] for r in rows]  # fmt: skip
+    header = ["machine", "load average (setup / demo / test)", "setup", "demo",
+              "test (ruff + pytest)", "pytest said"]  # fmt: skip
+    return shown(rows, table(header, body))
+
+
+# ---------------------------------------------------------------- sections
+
+
+@dataclass(frozen=True)
+class Section:
+    name: str  # docs/data/NAME.jsonl
+    title: str
+    about: str  # what was measured, how, and what it does and does not show
+    render: Callable[[list[dict]], str]
+
+
+SECTIONS = (
+    Section(
+        "round_cost_27b", "One decode round at Qwen3.6-27B shapes",
+        "`scripts/bench_round.py` on one H200: a Qwen3.6-27B-shaped target (64 layers, 48 of "
+        "them Gated DeltaNet) and a 5-layer DFlash-shaped draft with dummy weights "
+        "(`--load-format dummy`), CUDA graphs, FlashInfer, the overlap scheduler; b concurrent "
+        "requests per batch size. A round's time is (request latency - the same batch's "
+        "1-token latency) / (rounds - 1). Dummy weights accept about one token a round, so "
+        "this is what a round costs, not a speed-up: the speed-up also needs the real pair's "
+        "acceptance. `ddtree32_auto` is DDTREE's default (N = 32, automatic widths among 16 "
+        "and 32). \"does not fit\": SGLang's float32 per-node verify scratch for that many "
+        "DFLASH requests does not fit beside the weights on one GPU; DDTREE's compact scratch "
+        "does.",
+        round_cost_table,
+    ),
+    Section(
+        "serving_pair", "End to end on the shipped pair",
+        "`scripts/bench_serving.py`: SGLang's own load generator (`sglang.bench_serving`) "
+        "against servers of the 9.7M-parameter pair in `sglang_ddtree/assets/demo`, 128 new "
+        "tokens on held-out prompts, one H200, each server pinned to its own CPUs where the "
+        "machine has enough (the CPUs column, where recorded). The runs alternate between "
+        "servers; the ratio column is the geometric mean of each run's tok/s over DFLASH's in "
+        "the same run. `ddtree` is the default (automatic widths), `ddtree16` / `ddtree32` "
+        "fixed widths, `none` plain decoding. This pair is so small that its rounds are bound "
+        "by the host, not the GPU: it shows DDTREE's acceptance and host cost on a real "
+        "model, and one run moves by 15-30%. It does not show what a large model gains: there "
+        "plain decoding would not win, as it does here.",
+        serving_table,
+    ),
+    Section(
+        "first_token_pair", "Time to first tokens on the shipped pair",
+        "`scripts/bench_serving.py --first-token N`: one-at-a-time requests of 1, 2 and 3 new "
+        "tokens per server, to tell the prefill's share of the first token from the first "
+        "decode rounds'.",
+        first_token_table,
+    ),
+    Section(
+        "round_profile_pair", "Where a round's time goes on the shipped pair",
+        "`scripts/bench_serving.py --profile`: SGLang's torch profiler over 12 decode rounds "
+        "per server and batch size; GPU and host ms per part of DDTREE's round (the worker's "
+        "`ddtree.*` ranges), host syncs per round (all, and those in DDTREE's own code), and "
+        "kernel launches. Profiler scale: the host times run slower than unprofiled.",
+        round_profile_table,
+    ),
+    Section(
+        "host_profile_pair", "Host samples of the shipped pair's servers",
+        "`scripts/bench_serving.py --host-profile`: Python stack samples of every server "
+        "process during one more run (`scripts/host_sampler`), printed by "
+        "`scripts/host_profile.py` as ms per round by frame, DDTREE and DFLASH side by side. "
+        "Sampling slows a server about 2x: compare frame by frame, not with the tables above.",
+        host_profile_reports,
+    ),
+    Section(
+        "gdn_tree_kernel", "Gated DeltaNet tree kernels at 27B head sizes",
+        "`scripts/bench_gdn_tree.py` on one H200, no server: one GDN layer at Qwen3.6-27B head "
+        "sizes (16 key / 48 value heads x 128) on trees from the builder (B = 16, K = 8), each "
+        "call captured in a CUDA graph and timed with CUDA events. The first table is one "
+        "layer's verify and commit, with the outputs' largest difference from SGLang's kernel "
+        "(the root paths are bit-equal; the chunked form differs by float32 rounding); a round "
+        "runs 48 layers, and the server commits all 48 in one launch. The second is the tree "
+        "conv1d of a whole round: 48 layers back to back in one graph, against SGLang's chain "
+        "conv over as many tokens (DFLASH's verify).",
+        gdn_table,
+    ),
+    Section(
+        "tree_build", "Building the tree",
+        "`scripts/bench_tree_build.py` on one H200, no server: the draft head as the server "
+        "runs it inside its draft CUDA graph (LM head over the B - 1 draft positions, float32 "
+        "log-softmax, top-8, tree build, copies into static buffers) and the build alone, each "
+        "captured in a CUDA graph and replayed 200 times between CUDA events (GPU ms, no "
+        "launch overhead). Random bf16 weights at the pair's and the 27B's sizes; the torch "
+        "and Triton trees are checked equal in every configuration.",
+        tree_build_table,
+    ),
+    Section(
+        "acceptance", "Acceptance against the tree budget",
+        "`scripts/acceptance_table.py`: the shipped pair on the transformers reference engine "
+        "(CPU, float32), 24 held-out prompts (the first 400 characters of files of the stdlib "
+        "packages `asyncio`, `email` and `http`, which the pair's training held out) x 128 new "
+        "tokens, DDTree top-K 8. Tokens per round = tokens emitted / target verify passes. At "
+        "T = 0 every method's tokens are checked against the target's own greedy decoding "
+        "(the script stops on a difference); at T = 1 prompt i is decoded with seed i. These "
+        "are acceptance lengths only: what they buy depends on what a round costs (the "
+        "sections above). The draft is weak (trained for minutes: docs/training.md), so at "
+        "T = 1 the tree gains less than at T = 0. The figure: "
+        "`scripts/acceptance_table.py --rows docs/data/acceptance.jsonl --plot "
+        "docs/figures/acceptance.png`.\n\n![tokens per round against the budget]"
+        "(figures/acceptance.png)",
+        acceptance_table,
+    ),
+    Section(
+        "budget_sweep_pair", "Node budgets end to end on the shipped pair",
+        "`scripts/bench_e2e.py`: the pair's servers of the GPU test set measured one at a "
+        "time with the script's own clients (c clients back to back), 32 held-out prompts x "
+        "128 new tokens, greedy; \"same as plain\": outputs identical to the plain server's "
+        "(of 32). Round ms = TPOT x accept length. Fixed budgets, before the automatic widths "
+        "existed; `scripts/bench_serving.py` (above) is the end-to-end measure now.",
+        budget_sweep_table,
+    ),
+    Section(
+        "soak", "Soak and malformed requests",
+        "`tests/gpu/test_soak.py` (marker `soak`): `scripts/soak.py`'s mixed load (1,000 seeded "
+        "requests: OpenAI chat streamed and not, `/generate`, 1 token to near the context, "
+        "T = 0 / 0.7 / 1, n 1-2, stop strings, a third with logprobs, penalties, a JSON schema "
+        "or min_p, 30% cancelled, 32 in flight) on the shipped pair's servers, then "
+        "`scripts/fuzz_requests.py`'s malformed requests. \"failed\" is a request that neither "
+        "completed nor got a 4xx; the fuzz column counts cases that did not get one.",
+        soak_table,
+    ),
+    Section(
+        "fresh_clone", "A fresh clone on a small CPU machine",
+        "`scripts/time_fresh_clone.sh`: clone the repository into a temporary folder, then "
+        "time `bash scripts/setup_cpu.sh` (creates `.venv`: about 3 GB downloaded from PyPI, "
+        "so the link's speed counts), `bash scripts/demo.sh` and `bash scripts/test.sh`, one "
+        "after another. The machine's CPUs may be shared with other work: the load average "
+        "column is the mean 1-minute load during each step (at 2 on a 2-CPU machine both CPUs "
+        "are busy).",
+        fresh_clone_table,
+    ),
+)
+
+
+def render_section(section: Section, data: Path = DATA) -> str:
+    if not (data / f"{section.name}.jsonl").exists():  # declared before its first rows
+        return f"## {section.title}\n\n{prose(section.about)}\n\nNo rows yet."
+    rows = read_rows(section.name, data)
+    return "\n\n".join([f"## {section.title}", prose(section.about), section.render(rows),
+                        f"Rows of every sitting: `docs/data/{section.name}.jsonl`."])  # fmt: skip
+
+
+def render_page(data: Path = DATA) -> str:
+    intro = ("# Results\n\n" + prose("Generated by `python scripts/results_page.py` from "
+             "`docs/data/`; do not edit by hand. Each section shows the newest sitting of its "
+             "data file; the earlier sittings stay in the file.") + "\n\n"
+             + "\n".join(f"- [{s.title}](#{_anchor(s.title)})" for s in SECTIONS))  # fmt: skip
+    return "\n\n".join([intro, *[render_section(s, data) for s in SECTIONS]]) + "\n"
+
+
+def _anchor(title: str) -> str:
+    return re.sub(r"[^a-z0-9 -]", "", title.lower()).replace(" ", "-")
+
+
+# ---------------------------------------------------------------- README blocks
+
+BLOCK = re.compile(r"(<!-- results:(\w+) -->\n)(.*?)(<!-- /results -->)", re.S)
+
+
+def readme_block(name: str, data: Path = DATA) -> str:
+    """What the README shows between `<!-- results:NAME -->` and `<!-- /results -->`."""
+    if not (data / f"{name}.jsonl").exists():
+        return "No rows yet.\n"
+    rows = read_rows(name, data)
+    if name == "fresh_clone":
+        r = latest(rows)[0]
+        cpus, load = r["machine"]["cpus"], _load(r)
+        shared = f", load average {load} during them: shared with other work" if load else ""
+        times = (f"setup {_duration(r['setup_s'])}, the demo {_duration(r['demo_s'])}, the "
+                 f"tests {_duration(r['test_s'])}")  # fmt: skip
+        return prose(f"Measured on a fresh clone ({r['date']}, a {cpus}-CPU machine{shared}): "
+                     f"{times} (`scripts/time_fresh_clone.sh`).") + "\n"
+    section = next(s for s in SECTIONS if s.name == name)
+    return section.render(rows) + "\n"
+
+
+def render_readme(text: str, data: Path = DATA) -> str:
+    return BLOCK.sub(lambda m: m.group(1) + readme_block(m.group(2), data) + m.group(4), text)
+
+
+# ---------------------------------------------------------------- adding rows
+
+
+def add_rows(name: str, rows: list[dict], commit: str | None, command: str | None,
+             date: str | None, data: Path = DATA) -> list[dict]:  # fmt: skip
+    """Stamp a benchmark's rows as the file's next sitting and append them."""
+    path = data / f"{name}.jsonl"
+    old = read_rows(name, data) if path.exists() else []
+    sitting = max((r["sitting"] for r in old), default=0) + 1
+    stamped = []
+    for row in rows:
+        out = {"date": row.get("date") or date or datetime.date.today().isoformat(),
+               "commit": row.get("commit") or commit, "sitting": sitting}  # fmt: skip
+        if not out["commit"]:
+            raise SystemExit("the rows name no commit: pass --commit (the code measured)")
+        if command or row.get("command"):
+            out["command"] = row.get("command") or command
+        out.update({k: v for k, v in row.items() if k not in (*PROVENANCE, "command")})
+        stamped.append(out)
+    with open(path, "a") as f:
+        f.writelines(json.dumps(r) + "\n" for r in stamped)
+    return stamped
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["add"]:
+        p = argparse.ArgumentParser(prog="results_page.py add")
+        p.add_argument("name", help="the data file: docs/data/NAME.jsonl")
+        p.add_argument("rows", type=Path, help="the JSON lines a benchmark wrote")
+        p.add_argument("--commit", help="the commit measured (unless the rows name it)")
+        p.add_argument("--command", help="the command that wrote the rows")
+        p.add_argument("--date", help="when measured (default: today, unless the rows say)")
+        a = p.parse_args(argv[1:])
+        rows = [json.loads(x) for x in a.rows.read_text().splitlines() if x.strip()]
+        print(f"added {len(add_rows(a.name, rows, a.commit, a.command, a.date))} rows")
+        argv = []
+    check = argv == ["--check"]
+    page, readme = render_page(), render_readme(README.read_text())
+    stale = [p for p, text in ((PAGE, page), (README, readme))
+             if not p.exists() or p.read_text() != text]  # fmt: skip
+    if check:
+        for path in stale:
+            print(f"{path.relative_to(ROOT)} is stale: run python scripts/results_page.py")
+        return 1 if stale else 0
+    PAGE.write_text(page)
+    README.write_text(readme)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,121 @@
+"""scripts/results_page.py: docs/results.md and the README's blocks are what the data files
+say, every data file is a section with its provenance, and new rows become the next sitting."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+import results_page as page  # noqa: E402
+
+
+def test_the_page_and_the_readme_blocks_are_generated_from_the_data(capsys):
+    assert page.main(["--check"]) == 0, capsys.readouterr().out
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "docs" / "data").glob("*.jsonl")), ids=str)
+def test_every_data_file_is_a_section_and_every_row_says_where_it_came_from(path):
+    assert path.stem in {s.name for s in page.SECTIONS}, f"{path.name} has no Section"
+    rows = page.read_rows(path.stem)
+    assert rows
+    for row in rows:
+        assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", row["date"]), row
+        assert re.fullmatch(r"[0-9a-f]{7,40}", row["commit"]), row
+        assert isinstance(row["sitting"], int) and row["sitting"] >= 1, row
+    order = [(r["sitting"], r["date"]) for r in rows]
+    assert order == sorted(order), "sittings are appended in order, dates never go back"
+
+
+def test_no_session_or_issue_numbers_in_the_data():
+    for path in (ROOT / "docs" / "data").glob("*.jsonl"):
+        assert not re.search(r"[Ss]ession \d|[Ii]ssue \d", path.read_text()), path.name
+
+
+def test_add_stamps_rows_as_the_next_sitting(tmp_path):
+    new = [{"bs": 1, "round_ms": 20.0}, {"bs": 8, "round_ms": 30.0}]
+    first = page.add_rows("x", new, "abc1234", "python scripts/bench_round.py --out OUT",
+                          "2026-12-05", data=tmp_path)  # fmt: skip
+    dated = {"bs": 1, "round_ms": 21.0, "date": "2026-12-06", "commit": "def5678"}
+    second = page.add_rows("x", [dated], None, None, None, data=tmp_path)
+    rows = page.read_rows("x", tmp_path)
+    assert rows == first + second
+    assert [(r["sitting"], r["date"], r["commit"]) for r in rows] == [
+        (1, "2026-12-05", "abc1234"), (1, "2026-12-05", "abc1234"), (2, "2026-12-06", "def5678")]
+    assert list(rows[0])[:4] == ["date", "commit", "sitting", "command"]
+    assert "command" not in rows[2]
+    with pytest.raises(SystemExit, match="pass --commit"):
+        page.add_rows("x", new, None, None, None, data=tmp_path)
+
+
+def _run(server: str, run: int, tok_s: float, **extra) -> dict:
+    return {"sitting": 1, "date": "2026-12-05", "temperature": 0.0, "concurrency": 1,
+            "server": server, "run": run, "output_throughput": tok_s, "accept_length": 2.0,
+            **extra}  # fmt: skip
+
+
+def test_the_serving_ratio_is_the_geometric_mean_of_run_by_run_ratios():
+    """Each run's tok/s over DFLASH's in the same run: a slow run common to both cancels."""
+    rows = [_run("dflash", 1, 100.0), _run("dflash", 2, 50.0), _run("ddtree", 1, 120.0),
+            _run("ddtree", 2, 40.0), _run("none", 1, 300.0, accept_length=None),
+            _run("none", 2, 100.0, accept_length=None)]  # fmt: skip
+    text = page.serving_table(rows)
+    line = next(x for x in text.splitlines() if "| ddtree |" in x)
+    assert f"| {math.sqrt(1.2 * 0.8):.2f} (0.80-1.20) |" in line
+    assert "| 80 (40-120) | 2.00 |" in line  # the median tok/s and accept length
+    plain = next(x for x in text.splitlines() if "| none |" in x)
+    assert f"| 200 (100-300) |  | {math.sqrt(3.0 * 2.0):.2f} (2.00-3.00) |" in plain
+    dflash = next(x for x in text.splitlines() if "| dflash |" in x)
+    assert dflash.endswith("| 2.00 |  |")  # no ratio of DFLASH to itself
+
+
+def test_latest_is_the_newest_sitting_that_measured_the_key():
+    rows = [{"sitting": 1, "a": 1}, {"sitting": 2, "b": 2}, {"sitting": 2, "a": 3}]
+    assert page.latest(rows) == rows[1:]
+    assert page.latest([{"sitting": 1, "a": 1}, {"sitting": 2, "b": 2}], "a") == [
+        {"sitting": 1, "a": 1}]
+    assert page.latest(rows, "c") == []
+
+
+def test_a_declared_section_without_rows_says_so(tmp_path):
+    section = page.SECTIONS[0]
+    assert page.render_section(section, data=tmp_path).endswith("No rows yet.")
+
+
+def test_the_readme_blocks_are_replaced_and_the_rest_kept(tmp_path):
+    rows = [{"date": "2026-12-05", "commit": "abc1234", "sitting": 1, "variant": v, "bs": 1,
+             "round_ms": ms} for v, ms in (("dflash", 20.0), ("ddtree32_auto", 18.0))]  # fmt: skip
+    (tmp_path / "round_cost_27b.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = "intro\n<!-- results:round_cost_27b -->\nold table\n<!-- /results -->\nafter\n"
+    out = page.render_readme(text, data=tmp_path)
+    assert out.startswith("intro\n<!-- results:round_cost_27b -->\nMeasured 2026-12-05")
+    assert "| 1 | 20.00 | 18.00 | 0.90 |" in out and "old table" not in out
+    assert out.endswith("<!-- /results -->\nafter\n")
+
+
+def test_a_long_command_is_wrapped_into_the_same_shell_words():
+    command = ("python scripts/bench_gdn_tree.py --out OUT --bs 1,8,16 --nodes 16,32,64 --conv "
+               "--conv-tilings t1n256w2in,t2n256w2in,t2n256w4in --chunk-tiles 16x4xsplit,64x4xsplit")
+    text = page._wrap(command, width=60)
+    lines = text.splitlines()
+    assert len(lines) > 1 and all(line.startswith("    ") for line in lines)
+    assert all(line.endswith(" \\") for line in lines[:-1])
+    assert " ".join(line.rstrip("\\").strip() for line in lines).split() == command.split()
+    assert not any(line.rstrip(" \\").endswith("--bs") for line in lines)  # a flag keeps its value
+
+
+def test_the_fresh_clone_sentence_gives_the_times_and_the_load(tmp_path):
+    row = {"date": "2026-12-05", "commit": "abc1234", "sitting": 1,
+           "machine": {"cpus": 2, "memory_gb": 24}, "load_mean": {"setup": 0.5, "demo": 1.0,
+           "test": 3.2}, "setup_s": 117.4, "demo_s": 11.6, "test_s": 420.0}  # fmt: skip
+    (tmp_path / "fresh_clone.jsonl").write_text(json.dumps(row) + "\n")
+    text = " ".join(page.readme_block("fresh_clone", tmp_path).split())
+    assert text == ("Measured on a fresh clone (2026-12-05, a 2-CPU machine, load average "
+                    "0.5 / 1 / 3.2 during them: shared with other work): setup 117 s, the demo "
+                    "12 s, the tests 7.0 min (`scripts/time_fresh_clone.sh`).")  # fmt: skip
