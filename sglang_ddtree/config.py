@@ -215,8 +215,8 @@ class Options:
                  tensor_parallel: bool = False) -> Options:  # fmt: skip
         """Parse and check every switch; an error names the switch and the fix. deterministic
         (--enable-deterministic-inference): the GDN verify defaults to the root paths, whose
-        served tokens are batch-invariant (the chunked verify's were not in the GPU suite,
-        docs/benchmarks.md session 9; SGLANG_DDTREE_GDN_VERIFY=chunk still picks it).
+        served tokens are batch-invariant (the chunked verify's were not in the GPU suite;
+        SGLANG_DDTREE_GDN_VERIFY=chunk still picks it).
         tensor_parallel (--tp-size > 1): a fixed width unless asked for auto (`_width_mode`)."""
         _refuse_debug_switches()
         builder = env_value("SGLANG_DDTREE_TREE_BUILDER")

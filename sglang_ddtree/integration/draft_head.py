@@ -23,7 +23,7 @@ from sglang_ddtree.tree.shard_topk import merge_topk, shard_topk
 def tree_builder(name: str | None = None, device: torch.device | None = None):
     """The tree builder the head uses: "triton" (`tree.build_triton`, one program per request:
     the default on CUDA, 0.01-0.08 ms per round on the H200 against 0.35-0.8 ms for the batched
-    torch builder, docs/benchmarks.md) or "torch" (`tree.build_tree`, the default elsewhere).
+    torch builder, docs/results.md) or "torch" (`tree.build_tree`, the default elsewhere).
     SGLANG_DDTREE_TREE_BUILDER picks one explicitly."""
     name = name or options().tree_builder
     if name is None:

@@ -3,7 +3,7 @@ Qwen3.5 / 3.6).
 
 SGLang verifies a tree through a GDN layer node after node and stores every node's state
 in the Mamba pool's `intermediate_ssm` so that the commit can copy the accepted one; at 27B and
-N = 64 that is most of DDTREE's extra round time (docs/benchmarks.md). Hooks replace it while
+N = 64 that is most of DDTREE's extra round time (docs/results.md). Hooks replace it while
 DDTREE serves a tree (topk > 1):
 
 - `target_verify` (around GDNKernelDispatcher.target_verify, once per GDN layer, inside the

@@ -4,10 +4,10 @@ with verify_plan.pack_at_bit_offsets). With it the verify input does not write t
 at all, unless the plan falls back to SGLang's, which then gets it written.
 
 Same bytes as `pack_at_bit_offsets` of the written mask: request b's mask bits packed
-little-endian from byte starts[b] (the plan's bit offset, which FlashInfer 0.6.15's kernel adds
+little-endian from byte starts[b] (the plan's bit offset, which FlashInfer's kernel adds
 to its byte pointer), every other byte zero. The torch path takes about 110 small torch
 operations a round (counted on the CPU), each a host launch; on the host-bound shipped pair the
-profiler put the packing at 1.8 ms of a 13.9 ms DDTREE round (docs/benchmarks.md, session 14).
+profiler put the packing at 1.8 ms of a 13.9 ms DDTREE round.
 Here one program packs BLOCK bytes of one request: grid (requests, blocks of the longest
 request).
 """

@@ -69,11 +69,11 @@ def referee_verdict(row: tuple, tie_tol: float, bound: float | None = None) -> s
 
     What `unresolved` admits, plainly: the rule reads the served token's own two deficits, so
     at such a position it cannot tell a bug's wrong token from bf16 noise; the float32 target
-    does prefer the other token there. A test may allow one per run, printed. Session 9's one
-    (the binary Qwen3.5 pair, prompt 15 position 97: 6.125 nats in bf16, 2.885 in float32) was
+    does prefer the other token there. A test may allow one per run, printed. One seen on the
+    binary Qwen3.5 pair (prompt 15 position 97: 6.125 nats in bf16, 2.885 in float32) was
     served by a chunked verify whose outputs equal the root paths' but for 0-9 of 7,936
     elements per call, about one bf16 step each, and the root paths' outputs served in its
-    place gave the float32 greedy token (docs/benchmarks.md, session 9)."""
+    place gave the float32 greedy token."""
     *_, bf16, fp32, err = row
     if fp32 <= max(tie_tol, 2 * err):
         return "near-tie"
