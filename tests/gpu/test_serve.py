@@ -203,6 +203,19 @@ def _beyond_tol_refereed(base, target, spec, deficits, tol, prompts=None) -> lis
     return out
 
 
+def _control_holds(base, target, tokens, deficits, plain_deficits) -> bool:
+    """Whether DFLASH's greedy tokens may widen another server's tolerance: every one of them
+    beyond the plain server's own tolerance is a near-tie under the float32 referee. A control
+    that leaves the target's greedy itself measures nothing (SGLang 0.5.23's DFLASH did on the
+    hybrid binary pair: a token 2.07 nats below the float32 argmax)."""
+    tol = max(TIE_TOL, max(plain_deficits))
+    beyond = _beyond_tol_refereed(base, target, tokens, deficits, tol)
+    verdicts = [harness.referee_verdict(row, TIE_TOL, bound=2 * tol) for row in beyond]
+    if None in verdicts:
+        print(f"DFLASH control left out (its own greedy fails the referee: {beyond})")
+    return None not in verdicts
+
+
 @pytest.fixture(scope="module")
 def plain_greedy(servers):
     """Per model: the plain server's own greedy tokens and their teacher-forced deficits, the
@@ -265,7 +278,7 @@ def test_generate_greedy_is_the_targets_greedy(
     assert all(len(t) == NEW_TOKENS for t in spec)
     controls = {"plain": plain_deficits}
     dflash = None if variant == "dflash" else dflash_greedy(model, concurrency)
-    if dflash is not None:
+    if dflash is not None and _control_holds(base, fp32_pair(model)[0], *dflash, plain_deficits):
         controls["dflash"] = dflash[1]
     tol = max(TIE_TOL, *(max(c) for c in controls.values()))
     control_off = max(sum(d > 0 for d in c) for c in controls.values())
@@ -344,10 +357,14 @@ def test_deterministic_mode_is_token_identical(servers):
     assert not failures, failures
 
 
-@pytest.mark.parametrize("model,variant", [(m, v) for m, v in SPEC_SERVERS if v != "ddtree_det"])
+@pytest.mark.parametrize("model,variant",
+                         [(m, v) for m in MODELS for v in ("ddtree_fixed", "dflash")])  # fmt: skip
 def test_chat_goes_through_the_same_decode(servers, model, variant):
     """/v1/chat/completions on DDTREE equals /generate on the chat-templated prompt (one request
-    at a time from a flushed cache, so batching and prefix reuse cannot change numerics)."""
+    at a time from a flushed cache, so batching and prefix reuse cannot change numerics). On a
+    fixed-width server: with automatic widths two identical requests may verify at different
+    widths (the choice follows measured round costs), whose bf16 kernels can flip a near-tie
+    (the greedy test referees those servers' tokens)."""
     from transformers import AutoTokenizer
 
     server = _up(servers, f"{model}-{variant}")
