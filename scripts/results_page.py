@@ -286,6 +286,16 @@ def soak_table(rows: list[dict]) -> str:
     return shown(rows, table(header, body))
 
 
+def gpu_suite_table(rows: list[dict]) -> str:
+    rows = latest(rows)
+    body = [[r["suite"], str(r["passed"]), str(r["failed"] + r.get("errors", 0)),
+             str(r["skipped"]), "yes" if r["complete"] else f"no ({r.get('note', '')})",
+             "; ".join(r["failures"])] for r in rows]  # fmt: skip
+    header = ["suite", "passed", "failed", "skipped", "complete", "failures"]
+    versions = ", ".join(f"{k} {rows[0][k]}" for k in ("sglang", "torch", "transformers"))
+    return shown(rows, f"On {versions}; servers: {rows[0]['servers']}.\n\n" + table(header, body))
+
+
 def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
 
@@ -425,6 +435,17 @@ SECTIONS = (
         "`scripts/fuzz_requests.py`'s malformed requests. \"failed\" is a request that neither "
         "completed nor got a 4xx; the fuzz column counts cases that did not get one.",
         soak_table,
+    ),
+    Section(
+        "gpu_suite", "The GPU suite",
+        "`tests/gpu` (docs/testing.md) on one H200: tiny checkpoints served by SGLang without "
+        "speculation, with DDTREE and with SGLang's DFLASH, each test's tokens checked against "
+        "the target (greedy under the float32 referee, T > 0 by chi-square, logprobs, "
+        "penalties, grammars, pools idle and no host sync, the context limit); `tests/unit -m "
+        "gpu`: the package's kernels on the device against SGLang's and FlashInfer's. A "
+        "sitting may run a subset of the servers (the servers line) or end before a suite "
+        "finishes (the complete column).",
+        gpu_suite_table,
     ),
     Section(
         "fresh_clone", "A fresh clone on a small CPU machine",
