@@ -270,6 +270,21 @@ def resolved_config():
                         topk=int(spec.speculative_eagle_topk))  # fmt: skip
 
 
+def max_running_requests() -> int | None:
+    """The running-request cap SGLang resolved for this server (DDTREE's default is a recorded
+    resolution on this release, not a write into the raw server args)."""
+    from sglang.srt.runtime_context import get_schedule
+
+    return get_schedule().max_running_requests
+
+
+def tp_size() -> int:
+    """The tensor-parallel size of this server's resolved configuration."""
+    from sglang.srt.runtime_context import get_parallel
+
+    return int(get_parallel().tp_size or 1)
+
+
 def dflash_block_size() -> int:
     """The DFlash block size SGLang resolved for this server (its runtime context)."""
     from sglang.srt.runtime_context import get_spec

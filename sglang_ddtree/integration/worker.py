@@ -130,8 +130,8 @@ class DDTreeWorker(DFlashWorkerV2):
         self._draft_block_spec_info = make_draft_block_spec_info(
             draft_token_num=self.cfg.block_size, device=self.device
         )
-        self._tp_size = int(server_args.tp_size)
-        self._tree_head = self._build_tree_head(server_args)
+        self._tp_size = compat.tp_size()
+        self._tree_head = self._build_tree_head()
         # SGLANG_DDTREE_DUMP_ROUNDS: sampled rounds as JSON lines (off: None, and no cost)
         self._round_dump = RoundDump.from_options(options()) if self._tp_rank == 0 else None
         self._widths: VerifyWidths | None = None  # SGLANG_DDTREE_WIDTH=auto (init_cuda_graphs)
@@ -152,9 +152,9 @@ class DDTreeWorker(DFlashWorkerV2):
                 self._tree_head.max_bs,
             )
 
-    def _build_tree_head(self, server_args) -> DraftTreeHead:
+    def _build_tree_head(self) -> DraftTreeHead:
         graph_bs = get_exec().graph.cuda_graph_config.decode.bs or [1]
-        max_bs = max(max(graph_bs), int(server_args.max_running_requests or 1))
+        max_bs = max(max(graph_bs), int(compat.max_running_requests() or 1))
         lm_head = self.target_worker.model_runner.model.lm_head
         gather = compat.tp_gather() if self._tp_size > 1 else None
         return tree_head(lm_head, self.cfg, max_bs, gather)
