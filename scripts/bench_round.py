@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import harness  # beside this script (scripts/harness.py)
+from bench_serving import bench_args, run_bench, write_dataset
 
 QWEN36_TEXT = dict(  # Qwen3.6-27B text sizes (ddtree.md §3)
     model_type="qwen3_5_text", vocab_size=248320, hidden_size=5120, intermediate_size=17408,
@@ -460,6 +461,36 @@ def parse_trace(events: list[dict]) -> dict[str, float]:
     return {k: totals[k] / counts[k] / 1e3 for k in totals}  # fmt: skip
 
 
+SIMULATE = "SGLANG_DDTREE_SIMULATE"
+
+
+def simulated(value: str) -> dict | None:
+    """The world --simulate names, as its rows record it (None: no simulation)."""
+    from sglang_ddtree.simulation import parse
+
+    world = parse(value)
+    return world.as_dict() if world else None
+
+
+def serving_requests(concurrency: int, per_client: int) -> int:
+    return max(16, per_client * concurrency)
+
+
+def serve(server, dataset: Path, tokenizer: str, concurrency: int, tokens: int,
+          per_client: int, out: Path) -> dict:  # fmt: skip
+    """One sglang.bench_serving run at this concurrency (scripts/bench_serving.py's prompts and
+    arguments): tokens/s, TPOT, TTFT and SGLang's accept length."""
+    prompts = serving_requests(concurrency, per_client)
+    argv = bench_args(server, dataset, tokenizer, prompts, concurrency, 0.0, tokens,
+                      out / f"bench_serving_{server.name}.jsonl")  # fmt: skip
+    result = run_bench(argv)
+    return {"concurrency": concurrency, "requests": prompts, "tokens": tokens,
+            "output_tok_s": result["output_throughput"],
+            "median_tpot_ms": result.get("median_tpot_ms"),
+            "median_ttft_ms": result.get("median_ttft_ms"),
+            "accept_len": result.get("accept_length")}  # fmt: skip
+
+
 def plot(rows: list[dict], path: Path) -> None:
     """ms per decode round against batch size, one line per variant."""
     series = {name: [(r["bs"], r["round_ms"]) for r in rows if r["variant"] == name]
@@ -476,10 +507,20 @@ def main() -> int:
     p.add_argument("--batch", default="1,4,8,16")
     p.add_argument("--tokens", type=int, default=96)
     p.add_argument("--profile", default="ddtree64", help="variants to profile at bs 1 and 8")
-    p.add_argument("--graph-max-bs", type=int, help="--cuda-graph-max-bs-decode (default: max --batch)")
+    p.add_argument(
+        "--graph-max-bs", type=int, help="--cuda-graph-max-bs-decode (default: max --batch)"
+    )
     p.add_argument("--port-base", type=int, default=32000, help="variant i listens on base + i")
     p.add_argument("--max-running", type=int, default=16, help="the most running requests a "
                    "variant is started with (the Mamba pool sized for them)")  # fmt: skip
+    p.add_argument("--simulate", default="", help="a simulated world for every server "
+                   "(SGLANG_DDTREE_SIMULATE, sglang_ddtree/simulation.py: e.g. narrative), so "
+                   "that drafts are accepted as a real drafter's would be")  # fmt: skip
+    p.add_argument("--serving", default="", help="after each variant's rounds, "
+                   "sglang.bench_serving at these concurrencies (e.g. 1,8,16,32): "
+                   "OUT/serving_simulated_27b.jsonl")  # fmt: skip
+    p.add_argument("--serving-tokens", type=int, default=256, help="new tokens per request")
+    p.add_argument("--requests-per-client", type=int, default=4)
     p.add_argument("--long-context", default="", help="after each variant's rounds, prompts of "
                    "these token counts alone and 4 at once (e.g. 16384,32768); the context "
                    "length becomes the largest + 1024")  # fmt: skip
@@ -497,11 +538,19 @@ def main() -> int:
 
     baseline = torch.cuda.mem_get_info()[0]  # free before any server (others may share the GPU)
     rows = []
+    world = simulated(args.simulate)
+    concurrencies = [int(c) for c in args.serving.split(",") if c]
+    dataset = None
+    if concurrencies:
+        most = max(serving_requests(c, args.requests_per_client) for c in concurrencies)
+        dataset = write_dataset(args.out / "prompts.jsonl", most)
 
-    def emit(row: dict) -> None:
-        rows.append(row)
+    def emit(row: dict, kind: str = "round_cost_27b") -> None:
+        row = {**row, "simulate": world} if world else row
+        if kind == "round_cost_27b":
+            rows.append(row)
         print(json.dumps(row), flush=True)
-        with open(args.out / "round_cost_27b.jsonl", "a") as f:
+        with open(args.out / f"{kind}.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
 
     for i, spec in enumerate(args.variants.split(",")):
@@ -509,8 +558,9 @@ def main() -> int:
         name, _, only = spec.partition("@")
         batches = [int(b) for b in (only.split("+") if only else args.batch.split(","))]
         extra = [*common, "--cuda-graph-max-bs-decode", str(graph_bs), *table[name]]
-        server = harness.Server(name, str(target), args.port_base + i, extra,
-                                env=variant_env(name), log_dir=args.out)  # fmt: skip
+        env = {**variant_env(name), **({SIMULATE: args.simulate} if world else {})}
+        server = harness.Server(name, str(target), args.port_base + i, extra, env=env,
+                                log_dir=args.out)  # fmt: skip
         print(json.dumps({"variant": name, "gpu_free_gib": round(wait_gpu_free(baseline), 1)}))
         server.start()
         try:
@@ -530,6 +580,13 @@ def main() -> int:
                 if "_auto" in name:
                     row["width_table"] = width_table(server.log_text())
                 emit(row)
+            for concurrency in concurrencies:
+                row = serve(server, dataset, str(target), concurrency, args.serving_tokens,
+                            args.requests_per_client, args.out)  # fmt: skip
+                row.update(variant=name, max_running=max_req)
+                if "_auto" in name:
+                    row["widths_chosen"] = (width_table(server.log_text()) or {}).get("chosen")
+                emit(row, "serving_simulated_27b")
             if lengths:
                 emit({"variant": name, "long_context": long_prompts(server, lengths, VOCAB)})
         except Exception as exc:  # a variant that does not fit is a result, not a crash

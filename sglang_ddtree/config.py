@@ -19,6 +19,8 @@ import dataclasses
 import os
 from pathlib import Path
 
+from sglang_ddtree import simulation
+from sglang_ddtree.simulation import World
 from sglang_ddtree.tree.inputs import MAX_TOPK, tree_capacity
 
 DEFAULT_TOPK = 8
@@ -188,6 +190,9 @@ class Options:
                                               and its move to the block front in one Triton
                                               launch each (integration/accept_path.py, the
                                               default); sglang: SGLang's torch code
+    simulate      SGLANG_DDTREE_SIMULATE      a benchmark world (sglang_ddtree/simulation.py):
+                                              a regime's name, e.g. narrative; with
+                                              --load-format dummy only; None: off
     (the GDN debugging aids, the check against the root paths and the perturbation, are test
     tooling: tests/gpu/gdn_debug; their old SGLANG_DDTREE_GDN_CHECK* / _PERTURB switches are
     refused, since they change served tokens or stop the decode loop)
@@ -209,6 +214,7 @@ class Options:
     widths: tuple[int, ...] | None = None
     logprobs: bool = True
     penalties: bool = True
+    simulate: World | None = None
 
     @classmethod
     def from_env(cls, unified_memory: bool = False, deterministic: bool = False,
@@ -262,6 +268,7 @@ class Options:
             widths=_widths("SGLANG_DDTREE_WIDTHS"),
             logprobs=env_choice("SGLANG_DDTREE_LOGPROBS", ("1", "0")) == "1",
             penalties=env_choice("SGLANG_DDTREE_PENALTIES", ("1", "0")) == "1",
+            simulate=simulated_world(),
         )
         opts._check(unified_memory)
         return opts
@@ -303,6 +310,12 @@ class Options:
     def describe(self) -> str:
         """One line of every resolved switch (the server logs it at startup)."""
         return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
+
+
+def simulated_world() -> World | None:
+    """The benchmark world SGLANG_DDTREE_SIMULATE names (sglang_ddtree/simulation.py; unset:
+    None). DFLASH's servers read it too (plugin.py), so that both servers see one world."""
+    return simulation.parse(env_value(simulation.SWITCH))
 
 
 def _widths(name: str) -> tuple[int, ...] | None:

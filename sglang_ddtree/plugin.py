@@ -28,12 +28,18 @@ def _register() -> None:
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
     from sglang.srt.speculative.spec_registry import get_spec
 
+    from sglang_ddtree.config import simulated_world
     from sglang_ddtree.integration.hooks import register_request_hook
     from sglang_ddtree.integration.spec import ALGORITHM, DDTreeSpec, validate_server_args
 
     if get_spec(ALGORITHM) is not None:
         return
     register_request_hook()
+    world = simulated_world()
+    if world is not None:  # a benchmark's simulated world, for DFLASH's servers too
+        from sglang_ddtree.integration.simulated import register_hooks
+
+        register_hooks(world)
     SpeculativeAlgorithm.register(
         ALGORITHM,
         supports_overlap=True,

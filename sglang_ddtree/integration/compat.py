@@ -182,6 +182,39 @@ def tree_sampling_probs(transform):
         setattr(module, TREE_SAMPLER, original)
 
 
+# eagle_sample's greedy tree verify, a global of the same module
+TREE_GREEDY = "verify_tree_greedy_func"
+
+
+@contextlib.contextmanager
+def tree_greedy_targets(targets):
+    """For the duration: SGLang's eagle_sample verifies its greedy tree against `targets`
+    [bs, width] (a simulated world's token at each node) instead of the argmax it computed."""
+    module = importlib.import_module(TREE_SAMPLER_MODULE)
+    original = getattr(module, TREE_GREEDY)
+
+    def verify(*args, target_predict, **kwargs):
+        picked = targets.reshape(target_predict.shape).to(target_predict.dtype)
+        return original(*args, target_predict=picked, **kwargs)
+
+    setattr(module, TREE_GREEDY, verify)
+    try:
+        yield
+    finally:
+        setattr(module, TREE_GREEDY, original)
+
+
+# DFLASH's worker, for a simulated world: its start-up (where dummy weights are required) and
+# its chain accept (where the world's drafts and target tokens replace the models')
+DFLASH_WORKER_INIT = "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2.__init__"
+DFLASH_CHAIN_ACCEPT = "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2._accept_block"
+
+
+def target_vocab_size(worker) -> int:
+    """The target's vocabulary size, from a DFlash-family worker."""
+    return int(worker.target_worker.model_runner.model_config.vocab_size)
+
+
 def unpatched_hook_targets(targets) -> list[str]:
     """The targets SGLang's HookRegistry did not patch: apply_hooks logs a failure and goes on,
     so a renamed target would silently leave DDTREE's code out of the round."""

@@ -36,7 +36,6 @@ from sglang.srt.speculative.draft_worker_common import (
     build_block_pos_offsets,
     make_draft_block_spec_info,
     make_draft_input_v2,
-    make_draft_sampler_capture_hook,
 )
 from sglang.srt.speculative.eagle_worker_common import run_eagle_verify
 from sglang.srt.utils import get_available_gpu_memory
@@ -49,6 +48,7 @@ from sglang_ddtree.integration.penalties import PenaltyTable
 from sglang_ddtree.integration.round_dump import RoundDump
 from sglang_ddtree.integration.verify_input import make_verify_input
 from sglang_ddtree.integration.widths import RankWidths, RoundReadings, VerifyWidths
+from sglang_ddtree.simulation import World
 from sglang_ddtree.tree.budget import WidthPolicy, automatic_widths
 
 logger = logging.getLogger(__name__)
@@ -93,7 +93,8 @@ class _DropWidthMismatch(logging.Filter):
         return not record.getMessage().startswith("DFLASH block size mismatch")
 
 
-def tree_head(lm_head, cfg: DDTreeConfig, max_bs: int, gather=None) -> DraftTreeHead:
+def tree_head(lm_head, cfg: DDTreeConfig, max_bs: int, gather=None,
+              world: World | None = None) -> DraftTreeHead:  # fmt: skip
     """The draft head on the target's LM head: its real rows (`compat.lm_head_rows`); given the
     TP group's `gather` (a vocabulary-parallel head, tp > 1), a VocabShard that merges the
     ranks' top-K through it, so every rank builds the same tree (issue 18, part 1). Start-up
@@ -101,9 +102,20 @@ def tree_head(lm_head, cfg: DDTreeConfig, max_bs: int, gather=None) -> DraftTree
     rest."""
     offset, rows = compat.lm_head_rows(lm_head)
     shard = VocabShard(offset=offset, gather=gather) if gather is not None else None
-    return DraftTreeHead(
-        lm_head_weight=lm_head.weight, vocab_size=rows, cfg=cfg, max_bs=max_bs, shard=shard
-    )
+    return DraftTreeHead(lm_head_weight=lm_head.weight, vocab_size=rows, cfg=cfg, max_bs=max_bs,
+                         shard=shard, world=world)  # fmt: skip
+
+
+def draft_tail(head: DraftTreeHead):
+    """The draft graph's tail hook: the head on the block's hidden states, ids and positions."""
+
+    def tail(runner, out, forward_batch, num_tokens):
+        del runner, num_tokens
+        if out.hidden_states is None:
+            raise RuntimeError("DDTREE's draft forward returned no hidden states to capture.")
+        head(out.hidden_states, forward_batch.input_ids, forward_batch.positions)
+
+    return tail
 
 
 class DDTreeWorker(DFlashWorkerV2):
@@ -157,7 +169,7 @@ class DDTreeWorker(DFlashWorkerV2):
         max_bs = max(max(graph_bs), int(compat.max_running_requests() or 1))
         lm_head = self.target_worker.model_runner.model.lm_head
         gather = compat.tp_gather() if self._tp_size > 1 else None
-        return tree_head(lm_head, self.cfg, max_bs, gather)
+        return tree_head(lm_head, self.cfg, max_bs, gather, options().simulate)
 
     def init_cuda_graphs(self):
         capture = get_exec().graph.cuda_graph_config.decode.backend != Backend.DISABLED
@@ -167,9 +179,7 @@ class DDTreeWorker(DFlashWorkerV2):
         self._ask_for_readings()  # before the capture: the draft graphs compute them
         if capture:
             # Fold top-K + tree build into the draft graph (runs after the draft forward).
-            self.draft_model_runner.capture_tail_hooks.append(
-                make_draft_sampler_capture_hook(self._tree_head)
-            )
+            self.draft_model_runner.capture_tail_hooks.append(draft_tail(self._tree_head))
         compat.init_draft_cuda_graphs(self, capture)
         self._init_widths(capture)
         self._graphs_on = compat.target_verify_state(self.target_worker.model_runner)[1] is not None
@@ -408,7 +418,8 @@ class DDTreeWorker(DFlashWorkerV2):
             draft_out = self.draft_model_runner.forward(forward_batch)
             if not draft_out.can_run_graph:  # the graph ran the head already
                 with own_code():
-                    self._tree_head(draft_out.logits_output.hidden_states, block_ids.flatten())
+                    self._tree_head(draft_out.logits_output.hidden_states, block_ids.flatten(),
+                                    positions.flatten())  # fmt: skip
         return positions, compat.draft_write_ids(self, plan).view(bs, B)
 
     def _prepare_block(self, batch, draft_input, block_ids, positions, cache_loc) -> None:
@@ -428,6 +439,13 @@ class DDTreeWorker(DFlashWorkerV2):
     def _verify_accept_commit(self, batch, grammar_barrier, width: int):
         # the verify plans its own window (eagle_prepare_for_verify: N slots from each
         # request's committed length, the block's B first)
+        picks = self._tree_head.simulated_picks
+        if picks is None:
+            return self._verify(batch, grammar_barrier, width)
+        with compat.tree_greedy_targets(picks[: len(batch.seq_lens), :width]):
+            return self._verify(batch, grammar_barrier, width)
+
+    def _verify(self, batch, grammar_barrier, width: int):
         return run_eagle_verify(
             batch,
             target_worker=self.target_worker,

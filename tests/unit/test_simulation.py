@@ -1,0 +1,288 @@
+"""The simulated world (sglang_ddtree/simulation.py) and its glue in a server
+(integration/simulated.py): calibration, one world for the chain and the tree, and DDTREE's draft
+head and DFLASH's chain accept against the reference engine run on the same world."""
+
+from __future__ import annotations
+
+import inspect
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sglang_ddtree import simulation as sim
+from sglang_ddtree.config import DDTreeConfig
+from sglang_ddtree.integration.draft_head import DraftTreeHead
+from sglang_ddtree.reference.engine import generate, generate_chain
+from sglang_ddtree.tree import accept_walk
+
+B, N, K, V = 16, 32, 8, 1024
+CFG = DDTreeConfig(block_size=B, num_nodes=N, topk=K)
+PROMPT = [3, 4, 5]
+# Monte Carlo over 100k rounds: the standard error of an acceptance near 0.6 is 0.0015
+SAMPLES, TOLERANCE = 100_000, 0.006
+
+
+def _keys(bs: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    position = torch.randint(0, 1 << 20, (bs,), generator=g)
+    root = torch.randint(sim.FIRST_ID, V, (bs,), generator=g)
+    return position, root
+
+
+@pytest.mark.parametrize("name", sorted(sim.REGIMES))
+def test_the_chains_acceptance_per_position_matches_the_calibration(name):
+    world = sim.REGIMES[name]
+    drafts, picks = world.chain(*_keys(SAMPLES), B, V)
+    accepted = (picks[:, :-1] == drafts).long().cumprod(dim=1).float().mean(dim=0)
+    want = sim.chain_acceptance(world, B - 1)
+    for d in range(B - 1):
+        assert abs(float(accepted[d]) - want[d]) < TOLERANCE, (name, d + 1)
+
+
+def test_the_regimes_are_the_published_curves():
+    """The fine-tune's cumulative chain acceptance as published, and the chain tau of the
+    narrative and code regimes at block 16."""
+    curve = sim.chain_acceptance(sim.REGIMES["fine_tune"], 5)
+    assert curve == pytest.approx([0.600, 0.385, 0.215, 0.108, 0.062], abs=5e-4)
+    assert sim.chain_tau(sim.REGIMES["narrative"], B - 1) == pytest.approx(3.7, abs=0.01)
+    assert sim.chain_tau(sim.REGIMES["code"], B - 1) == pytest.approx(8.0, abs=0.01)
+    assert sim.MID_REGIME in sim.REGIMES
+
+
+def test_the_drafts_are_ranked_distinct_tokens_of_the_vocabulary():
+    world = sim.REGIMES["fine_tune"]
+    ids, logprobs = world.draft(*_keys(4096), B - 1, sim.RANKS, V)
+    assert ids.min() >= sim.FIRST_ID and ids.max() < V
+    ranked = ids.sort(dim=-1).values
+    assert (ranked[..., 1:] != ranked[..., :-1]).all()
+    assert (logprobs[..., 1:] <= logprobs[..., :-1]).all()  # rank 1 is the top-1
+    assert (logprobs.exp().sum(-1) <= 1.0 + 1e-6).all()
+
+
+def test_one_world_for_the_chain_and_the_tree():
+    """The tree's top-1 path carries the chain's drafts and the same target tokens."""
+    world, bs = sim.REGIMES["narrative"], 64
+    position, root = _keys(bs)
+    drafts, chain_picks = world.chain(position, root, B, V)
+    head = _head(world, bs)
+    head(torch.zeros(bs * B, 8), _block(root), _positions(position))
+    tree = head.tree(bs)
+    for b in range(bs):
+        node = 0
+        for d in range(B - 1):
+            assert int(head.simulated_picks[b, node]) == int(chain_picks[b, d])
+            children = (tree.parents[b] == node).nonzero().flatten()
+            spine = [c for c in children.tolist() if int(tree.tokens[b, c]) == int(drafts[b, d])]
+            if not spine:
+                break
+            node = spine[0]
+
+
+def test_the_trees_acceptance_matches_its_expectation():
+    """Mean accepted drafts over many rounds against the exact expectation of the same trees:
+    the sum over nodes of the product of the match probabilities along the path."""
+    world, bs = sim.REGIMES["fine_tune"], 20_000
+    position, root = _keys(bs, seed=1)
+    head = _head(world, bs)
+    head(torch.zeros(bs * B, 8), _block(root), _positions(position))
+    tree = head.tree(bs)
+    accepted = accept_walk(tree, head.simulated_picks[:bs], B - 1).num_accepted.float()
+    keys = world.keys(position, root)
+    probs = world.probabilities(keys, B)
+    ids = world.token_ids(keys, B, V)
+    spine = torch.ones(bs, N, dtype=torch.bool)
+    reach = torch.ones(bs, N)
+    rows = torch.arange(bs)
+    for n in range(1, N):
+        parent, depth = tree.parents[:, n], tree.depth[:, n]
+        ranked = ids[rows, depth - 1, : sim.RANKS] == tree.tokens[:, n, None]
+        rank = ranked.float().argmax(dim=-1)
+        p = probs[rows, depth - 1, rank] * torch.where(spine[rows, parent], 1.0, world.off_spine)
+        reach[:, n] = reach[rows, parent] * p
+        spine[:, n] = spine[rows, parent] & (rank == 0)
+    expected = reach[:, 1:].sum(dim=1)
+    assert float(accepted.mean()) == pytest.approx(float(expected.mean()), abs=0.03)
+
+
+@pytest.mark.parametrize("name", sorted(sim.REGIMES))
+def test_ddtrees_rounds_are_the_reference_engines_on_the_same_world(name):
+    """DDTREE's draft head (the world's top-K, its target tokens computed in the same call) and
+    the accept walk, round by round, against the reference engine over SimulatedDrafter and
+    SimulatedTarget: the same tokens and the same accepted lengths."""
+    world = sim.REGIMES[name]
+    reference = generate(sim.SimulatedTarget(world, V), sim.SimulatedDrafter(world, B, V), PROMPT,
+                         120, budget=N - 1, topk=K)  # fmt: skip
+    head = _head(world, 1)
+    tokens, lengths = [sim.FIRST_ID], []
+    position, root = len(PROMPT), sim.FIRST_ID
+    while len(tokens) < 120:
+        head(torch.zeros(B, 8), _block(torch.tensor([root])), _positions(torch.tensor([position])))
+        accept = accept_walk(head.tree(1), head.simulated_picks[:1], B - 1)
+        a = int(accept.num_accepted[0])
+        emitted = accept.emitted[0, : a + 1].tolist()
+        tokens += emitted
+        lengths.append(a + 1)
+        position, root = position + a + 1, emitted[-1]
+    assert tokens[:120] == reference.tokens
+    assert lengths[: len(reference.accept_lengths)] == reference.accept_lengths
+
+
+@pytest.mark.parametrize("name", sorted(sim.REGIMES))
+def test_dflashs_chain_accept_reads_the_world_as_the_reference_chain(name):
+    """The DFLASH hook replaces the block's drafts with the world's top-1 path and the target's
+    tokens with the world's; the chain's rounds then match the reference engine's K = 1 tree."""
+    from sglang_ddtree.integration import simulated
+
+    world = sim.REGIMES[name]
+    reference = generate_chain(sim.SimulatedTarget(world, V), sim.SimulatedDrafter(world, B, V),
+                               PROMPT, 120)  # fmt: skip
+    worker = SimpleNamespace(
+        target_worker=SimpleNamespace(model_runner=SimpleNamespace(
+            model_config=SimpleNamespace(vocab_size=V))))  # fmt: skip
+    seen = {}
+
+    def accept_block(worker_, *, candidates, next_token_logits, target_predict, prefix_lens,
+                     **kwargs):  # fmt: skip
+        seen.update(candidates=candidates.clone(), target=target_predict.clone(), kwargs=kwargs)
+        return "accepted"
+
+    hook = simulated.ChainAccept(world)
+    tokens, lengths = [sim.FIRST_ID], []
+    position, root = len(PROMPT), sim.FIRST_ID
+    while len(tokens) < 120:
+        candidates = torch.full((1, B), 7)  # the dummy drafter's
+        candidates[0, 0] = root
+        logits = torch.randn(B, V)
+        got = hook(accept_block, worker, candidates=candidates,
+                                     next_token_logits=logits, prefix_lens=torch.tensor([position]),
+                                     sampling_info=None, bs=1)  # fmt: skip
+        assert got == "accepted" and seen["kwargs"] == {"sampling_info": None, "bs": 1}
+        drafts, target = seen["candidates"][0, 1:], seen["target"].view(-1)
+        assert seen["target"].shape == (B,)  # the argmax's shape, [bs * B]
+        a = int((target[:-1] == drafts).long().cumprod(0).sum())
+        emitted = [*drafts[:a].tolist(), int(target[a])]
+        tokens += emitted
+        lengths.append(a + 1)
+        position, root = position + a + 1, emitted[-1]
+    assert tokens[:120] == reference.tokens
+    assert lengths[: len(reference.accept_lengths)] == reference.accept_lengths
+
+
+def test_a_simulated_world_needs_dummy_weights():
+    from sglang_ddtree.integration import simulated
+
+    simulated.check_dummy_weights("dummy")
+    for load_format in ("auto", "safetensors", None):
+        with pytest.raises(RuntimeError, match="--load-format dummy"):
+            simulated.check_dummy_weights(load_format)
+    calls = []
+    with pytest.raises(RuntimeError, match="SGLANG_DDTREE_SIMULATE"):
+        simulated.worker_init(sim.REGIMES["code"], lambda *a, **k: calls.append(a), object(),
+                              SimpleNamespace(load_format="auto"), 0)  # fmt: skip
+    assert calls == []  # refused before the worker is built
+
+
+def test_the_switch_names_a_regime_and_its_overrides(monkeypatch):
+    assert sim.parse(None) is None and sim.parse("") is None
+    world = sim.parse("code:off_spine=0.5,seed=3")
+    assert world.top1 == sim.REGIMES["code"].top1 and (world.off_spine, world.seed) == (0.5, 3)
+    for bad, message in (("fast", "unknown regime"), ("code:depth=3", "unknown parameter"),
+                         ("code:ratio=x", "not a number"), ("code:spread=2", "spread")):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            sim.parse(bad)
+    monkeypatch.setenv(sim.SWITCH, "narrative")
+    from sglang_ddtree.config import Options, simulated_world
+
+    assert simulated_world() == sim.REGIMES["narrative"]
+
+    assert Options.from_env().simulate == sim.REGIMES["narrative"]
+
+
+def test_the_tree_verify_reads_the_worlds_tokens_for_the_call_only(monkeypatch):
+    """compat.tree_greedy_targets hands SGLang's greedy tree verify the world's tokens (the
+    global of eagle_sample's module, read at call time) and puts SGLang's function back."""
+    from sglang_ddtree.integration import compat
+
+    module = pytest.importorskip(compat.TREE_SAMPLER_MODULE)
+    seen = []
+    monkeypatch.setattr(module, compat.TREE_GREEDY, lambda **kw: seen.append(kw) or "walked")
+    original = getattr(module, compat.TREE_GREEDY)
+    picks = torch.arange(12).view(3, 4)[:2, :3]  # a slice, as the worker passes it
+    argmax = torch.zeros(2, 3, dtype=torch.int64)
+    with compat.tree_greedy_targets(picks):
+        got = getattr(module, compat.TREE_GREEDY)(candidates="c", target_predict=argmax)
+    assert got == "walked" and seen[0]["candidates"] == "c"
+    assert torch.equal(seen[0]["target_predict"], picks)
+    assert getattr(module, compat.TREE_GREEDY) is original
+
+
+def test_sglangs_eagle_sample_reads_the_greedy_verify_the_world_replaces():
+    from sglang_ddtree.integration import compat
+
+    module = pytest.importorskip(compat.TREE_SAMPLER_MODULE)
+    assert compat.TREE_GREEDY in module.eagle_sample.__code__.co_names
+    assert compat.TREE_GREEDY not in module.eagle_sample.__code__.co_varnames
+    assert "target_predict=target_predict" in inspect.getsource(module.eagle_sample)
+
+
+def test_dflashs_accept_takes_the_keywords_the_chain_hook_reads():
+    """The hook reads DFLASH's accept by keyword: were one renamed, the chain would silently
+    read the dummy weights."""
+    dflash = pytest.importorskip("sglang.srt.speculative.dflash_worker_v2")
+    from sglang_ddtree.integration import compat
+
+    module_name, _, qualified = compat.DFLASH_CHAIN_ACCEPT.rpartition(".")
+    assert module_name.endswith("DFlashWorkerV2") and qualified == "_accept_block"
+    params = inspect.signature(dflash.DFlashWorkerV2._accept_block).parameters
+    for name in ("candidates", "next_token_logits", "target_predict", "prefix_lens"):
+        assert params[name].kind is inspect.Parameter.KEYWORD_ONLY
+    source = inspect.getsource(dflash.DFlashWorkerV2.forward_batch_generation)
+    assert "prefix_lens = batch.seq_lens" in source  # the block's root sits at prefix_lens
+    assert "self._accept_block(" in source
+
+
+def _head(world, bs: int) -> DraftTreeHead:
+    weight = torch.randn(V, 8)
+    return DraftTreeHead(lm_head_weight=weight, vocab_size=V, cfg=CFG, max_bs=bs, world=world)
+
+
+def _block(root: torch.Tensor) -> torch.Tensor:
+    ids = torch.zeros(root.numel(), B, dtype=torch.int64)
+    ids[:, 0] = root
+    return ids.flatten()
+
+
+def _positions(position: torch.Tensor) -> torch.Tensor:
+    return (position[:, None] + torch.arange(B)).flatten()
+
+
+@pytest.mark.gpu
+def test_the_heads_world_replays_in_a_cuda_graph():
+    """The world's draws run inside the draft graph (no host copy in the capture): a replay on
+    new roots and positions gives the eager call's trees and target tokens."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    dev, bs = torch.device("cuda"), 4
+    world = sim.REGIMES["narrative"]
+    head = DraftTreeHead(lm_head_weight=torch.randn(V, 8, device=dev), vocab_size=V, cfg=CFG,
+                         max_bs=bs, world=world)  # fmt: skip
+    hidden = torch.zeros(bs * B, 8, device=dev)
+    position, root = _keys(bs)
+    ids, positions = _block(root).to(dev), _positions(position).to(dev)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        head(hidden, ids, positions)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        head(hidden, ids, positions)
+    position, root = _keys(bs, seed=5)
+    ids.copy_(_block(root).to(dev))
+    positions.copy_(_positions(position).to(dev))
+    graph.replay()
+    replayed = head.tokens.clone(), head.simulated_picks.clone()
+    head(hidden, ids, positions)
+    assert torch.equal(replayed[0], head.tokens)
+    assert torch.equal(replayed[1], head.simulated_picks)
