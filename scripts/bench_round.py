@@ -519,6 +519,8 @@ def main() -> int:
     p.add_argument("--serving", default="", help="after each variant's rounds, "
                    "sglang.bench_serving at these concurrencies (e.g. 1,8,16,32): "
                    "OUT/serving_simulated_27b.jsonl")  # fmt: skip
+    p.add_argument("--serving-variants", default="", help="the variants --serving runs on "
+                   "(default: every one)")  # fmt: skip
     p.add_argument("--serving-tokens", type=int, default=256, help="new tokens per request")
     p.add_argument("--requests-per-client", type=int, default=4)
     p.add_argument("--long-context", default="", help="after each variant's rounds, prompts of "
@@ -580,7 +582,8 @@ def main() -> int:
                 if "_auto" in name:
                     row["width_table"] = width_table(server.log_text())
                 emit(row)
-            for concurrency in concurrencies:
+            serving = not args.serving_variants or name in args.serving_variants.split(",")
+            for concurrency in concurrencies if serving else []:
                 row = serve(server, dataset, str(target), concurrency, args.serving_tokens,
                             args.requests_per_client, args.out)  # fmt: skip
                 row.update(variant=name, max_running=max_req)
