@@ -352,18 +352,6 @@ _GDN_SWITCHES = ("SGLANG_DDTREE_GDN_VERIFY", "SGLANG_DDTREE_CONV", "SGLANG_DDTRE
                  "SGLANG_DDTREE_GDN_PRECISION")  # fmt: skip
 # the chunked verify's product precisions (gdn/chunk_tree.py PRECISIONS; the default first)
 PRECISIONS = ("split", "tf32", "tf32x3", "ieee")
-_active: Options | None = None  # what the worker factory parsed in this process
-
-
-def activate(options: Options | None) -> None:
-    """Make `options` this process's (the worker factory, before any hook runs); None resets."""
-    global _active
-    _active = options
-
-
-def options() -> Options:
-    """This process's options: the activated ones, else parsed from the environment now."""
-    return _active if _active is not None else Options.from_env()
 
 
 def _width_mode(deterministic: bool, tensor_parallel: bool) -> str:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from sglang_ddtree.config import DDTreeConfig, options
+from sglang_ddtree.config import DDTreeConfig
 from sglang_ddtree.simulation import World, depth_bound
 from sglang_ddtree.tree import DraftTree, build_tree, topk_logprobs_from_logits
 from sglang_ddtree.tree.budget import cut_links, expected_tokens, truncate
@@ -25,8 +25,7 @@ def tree_builder(name: str | None = None, device: torch.device | None = None):
     """The tree builder the head uses: "triton" (`tree.build_triton`, one program per request:
     the default on CUDA, 0.01-0.08 ms per round on the H200 against 0.35-0.8 ms for the batched
     torch builder, docs/results.md) or "torch" (`tree.build_tree`, the default elsewhere).
-    SGLANG_DDTREE_TREE_BUILDER picks one explicitly."""
-    name = name or options().tree_builder
+    SGLANG_DDTREE_TREE_BUILDER (config.Options.tree_builder, the `name` given) picks one."""
     if name is None:
         name = "triton" if device is not None and device.type == "cuda" else "torch"
     if name == "torch":
@@ -59,13 +58,14 @@ class DraftTreeHead:
         max_bs: int,
         shard: VocabShard | None = None,  # None: the whole vocabulary (tp = 1)
         world: World | None = None,  # a simulated world (sglang_ddtree/simulation.py)
+        builder: str | None = None,  # config.Options.tree_builder (None: by device)
     ):
         self.weight = lm_head_weight
         self.vocab_size = int(vocab_size)
         self.cfg = cfg
         self.shard = shard
         self.world = world
-        self.build = tree_builder(device=lm_head_weight.device)
+        self.build = tree_builder(builder, device=lm_head_weight.device)
         N, dev = cfg.num_nodes, lm_head_weight.device
         self.tokens = torch.zeros((max_bs, N), dtype=torch.int64, device=dev)
         self.parents = torch.zeros((max_bs, N), dtype=torch.int64, device=dev)

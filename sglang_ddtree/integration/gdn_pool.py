@@ -29,48 +29,38 @@ import math
 
 import torch
 
+from sglang_ddtree.config import Options
 from sglang_ddtree.integration import compat
 
 logger = logging.getLogger(__name__)
 
 
-def compact_on() -> bool:
-    """Whether this process's options ask for the compact scratch (DDTREE's GDN path only)."""
-    from sglang_ddtree.config import options
-
-    return options().compact_scratch
-
-
-def conv_inputs_on() -> bool:
-    """Whether the per-node conv buffer holds each node's input once (config.Options.conv_inputs)."""
-    from sglang_ddtree.config import options
-
-    return options().conv_inputs
-
-
-def compact_bytes_per_request(cache_params, num_nodes: int) -> int:
+def compact_bytes_per_request(cache_params, num_nodes: int, conv_inputs: bool = True) -> int:
     """Bytes of the compact speculative buffers per request, all GDN layers: the verify scratch
-    (float32) and the per-node conv buffer (the conv dtype; `conv_window`'s width)."""
+    (float32) and the per-node conv buffer (the conv dtype; `conv_window`'s width; conv_inputs:
+    config.Options.conv_inputs)."""
     from sglang_ddtree.gdn.tree_verify import scratch_floats
 
     HV, V, K = cache_params.shape.temporal
-    conv = sum(math.prod(conv_window(shape)) for shape in cache_params.shape.conv)
+    conv = sum(math.prod(conv_window(shape, conv_inputs)) for shape in cache_params.shape.conv)
     per_layer = 4 * scratch_floats(num_nodes, HV, K, V)
     per_layer += num_nodes * conv * cache_params.dtype.conv.itemsize
     return per_layer * len(cache_params.layers)
 
 
-def size_mamba_pool(original, configurator, total_rest_memory):
+def size_mamba_pool(opts: Options, original, configurator, total_rest_memory):
     """SGLang's solver with its N per-request speculative states replaced by the fewest whole
-    states that hold the compact buffers (the solver charges `mamba_cache_per_req` per state)."""
-    if configurator.spec_algorithm.is_none() or not compact_on():
+    states that hold the compact buffers (the solver charges `mamba_cache_per_req` per state;
+    `opts`: the worker factory's, bound when the hook is installed)."""
+    if configurator.spec_algorithm.is_none() or not opts.compact_scratch:
         return original(configurator, total_rest_memory)
     from sglang.srt.runtime_context import get_spec, max_speculative_num_draft_tokens
 
     params = configurator.mambaish_config.mamba2_cache_params
     spec = get_spec()
     N = int(max_speculative_num_draft_tokens() or spec.speculative_num_draft_tokens)
-    states = math.ceil(compact_bytes_per_request(params, N) / params.mamba_cache_per_req)
+    per_request = compact_bytes_per_request(params, N, opts.conv_inputs)
+    states = math.ceil(per_request / params.mamba_cache_per_req)
     logger.info(
         "sglang_ddtree: Mamba pool sized for %d verify state(s) per request instead of %d "
         "(compact GDN scratch)", states, spec.speculative_num_draft_tokens
@@ -88,7 +78,7 @@ def size_mamba_pool(original, configurator, total_rest_memory):
             f"--mem-fraction-static leaves after the weights, {slots} Mamba state slots (plus "
             f"SGLang's padding slot; {params.mamba_cache_per_req / (1 << 20):.2f} MiB each) and "
             f"the compact GDN verify scratch for N = {N} "
-            f"({compact_bytes_per_request(params, N) / (1 << 20):.2f} MiB per running request, "
+            f"({per_request / (1 << 20):.2f} MiB per running request, "
             f"reserved as {states} whole states) leave {rest:.2f} GiB for the KV cache. Lower "
             "--max-mamba-cache-size or "
             "--max-running-requests, lower --speculative-num-draft-tokens, or raise "
@@ -97,21 +87,24 @@ def size_mamba_pool(original, configurator, total_rest_memory):
     return rest
 
 
-def init_mamba_pool(original, req_pool, *args, **kwargs):
-    """SGLang's Mamba pool, its speculative buffers replaced by the compact ones."""
+def init_mamba_pool(opts: Options, original, req_pool, *args, **kwargs):
+    """SGLang's Mamba pool, its speculative buffers replaced by the compact ones (`opts`: the
+    worker factory's, bound when the hook is installed)."""
     call = inspect.signature(original).bind(req_pool, *args, **kwargs)
     call.apply_defaults()
     params = call.arguments
     N = params.get("speculative_num_draft_tokens")
-    if N is None or not compact_on():
+    if N is None or not opts.compact_scratch:
         return original(*call.args, **call.kwargs)
     params["speculative_num_draft_tokens"] = None  # SGLang: no speculative buffers
     original(*call.args, **call.kwargs)
-    attach_compact_scratch(req_pool.mamba_pool, params["mamba_spec_state_size"], N)
+    attach_compact_scratch(req_pool.mamba_pool, params["mamba_spec_state_size"], N,
+                           opts.conv_inputs)  # fmt: skip
     return None
 
 
-def attach_compact_scratch(pool, spec_state_size: int, num_nodes: int) -> None:
+def attach_compact_scratch(pool, spec_state_size: int, num_nodes: int,
+                           conv_inputs: bool = True) -> None:  # fmt: skip
     """Turn a MambaPool built without speculative buffers into one with DDTREE's compact ones
     (one row per request plus SGLang's padding row)."""
     from sglang.srt.mem_cache.memory_pool import MambaPool
@@ -124,7 +117,8 @@ def attach_compact_scratch(pool, spec_state_size: int, num_nodes: int) -> None:
     HV, V, K = temporal.shape[2:]
     scratch = temporal.new_zeros((layers, rows, scratch_floats(num_nodes, HV, K, V)),
                                  dtype=torch.float32)  # fmt: skip
-    windows = [conv.new_zeros((layers, rows, num_nodes, *conv_window(conv.shape[2:])))
+    windows = [conv.new_zeros((layers, rows, num_nodes,
+                               *conv_window(conv.shape[2:], conv_inputs)))
                for conv in cache.conv]  # fmt: skip
     fields = {f.name: getattr(cache, f.name) for f in dataclasses.fields(cache)}
     pool.mamba_cache = MambaPool.SpeculativeState(
@@ -141,10 +135,10 @@ def attach_compact_scratch(pool, spec_state_size: int, num_nodes: int) -> None:
     )  # fmt: skip
 
 
-def conv_window(shape) -> tuple:
+def conv_window(shape, conv_inputs: bool = True) -> tuple:
     """A node's share of the per-node conv buffer for a conv state of `shape` (dim, K - 1): its
-    input once (dim, 1) with DDTREE's conv, SGLang's whole window otherwise."""
-    return (*shape[:-1], 1) if conv_inputs_on() else tuple(shape)
+    input once (dim, 1) with DDTREE's conv (conv_inputs), SGLang's whole window otherwise."""
+    return (*shape[:-1], 1) if conv_inputs else tuple(shape)
 
 
 def is_compact(intermediate_ssm) -> bool:

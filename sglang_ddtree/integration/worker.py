@@ -41,11 +41,12 @@ from sglang.srt.speculative.eagle_worker_common import run_eagle_verify
 from sglang.srt.utils import get_available_gpu_memory
 from torch.profiler import record_function
 
-from sglang_ddtree.config import DDTreeConfig, options
+from sglang_ddtree.config import DDTreeConfig, Options
 from sglang_ddtree.integration import compat, penalties, round_memory, verify_plan
 from sglang_ddtree.integration.draft_head import DraftTreeHead, VocabShard
 from sglang_ddtree.integration.penalties import PenaltyTable
 from sglang_ddtree.integration.round_dump import RoundDump
+from sglang_ddtree.integration.runtime import Runtime
 from sglang_ddtree.integration.verify_input import make_verify_input
 from sglang_ddtree.integration.widths import RankWidths, RoundReadings, VerifyWidths
 from sglang_ddtree.simulation import World
@@ -54,10 +55,10 @@ from sglang_ddtree.tree.budget import WidthPolicy, automatic_widths
 logger = logging.getLogger(__name__)
 
 
-def own_code():
-    """SGLANG_DDTREE_SYNC_CHECK=1: DDTREE's own per-round code under torch's sync debug mode
-    ("warn"; the GPU tests fail on any such warning). SGLang's own calls are left out."""
-    return _sync_debug() if options().sync_check else contextlib.nullcontext()
+def own_code(sync_check: bool):
+    """SGLANG_DDTREE_SYNC_CHECK=1 (sync_check): DDTREE's own per-round code under torch's sync
+    debug mode ("warn"; the GPU tests fail on any such warning). SGLang's own calls are left out."""
+    return _sync_debug() if sync_check else contextlib.nullcontext()
 
 
 def profiled(name: str):
@@ -93,8 +94,8 @@ class _DropWidthMismatch(logging.Filter):
         return not record.getMessage().startswith("DFLASH block size mismatch")
 
 
-def tree_head(lm_head, cfg: DDTreeConfig, max_bs: int, gather=None,
-              world: World | None = None) -> DraftTreeHead:  # fmt: skip
+def tree_head(lm_head, cfg: DDTreeConfig, max_bs: int, gather=None, world: World | None = None,
+              builder: str | None = None) -> DraftTreeHead:  # fmt: skip
     """The draft head on the target's LM head: its real rows (`compat.lm_head_rows`); given the
     TP group's `gather` (a vocabulary-parallel head, tp > 1), a VocabShard that merges the
     ranks' top-K through it, so every rank builds the same tree (issue 18, part 1). Start-up
@@ -103,7 +104,7 @@ def tree_head(lm_head, cfg: DDTreeConfig, max_bs: int, gather=None,
     offset, rows = compat.lm_head_rows(lm_head)
     shard = VocabShard(offset=offset, gather=gather) if gather is not None else None
     return DraftTreeHead(lm_head_weight=lm_head.weight, vocab_size=rows, cfg=cfg, max_bs=max_bs,
-                         shard=shard, world=world)  # fmt: skip
+                         shard=shard, world=world, builder=builder)  # fmt: skip
 
 
 def draft_tail(head: DraftTreeHead):
@@ -119,7 +120,19 @@ def draft_tail(head: DraftTreeHead):
 
 
 class DDTreeWorker(DFlashWorkerV2):
-    def __init__(self, server_args, gpu_id, nccl_port, target_worker):
+    """SGLang constructs the worker class itself, with its own arguments: the worker factory
+    hands it this process's Runtime through `bound_to` (a subclass that passes it on)."""
+
+    @classmethod
+    def bound_to(cls, runtime: Runtime) -> type[DDTreeWorker]:
+        class Bound(cls):
+            def __init__(self, server_args, gpu_id, nccl_port, target_worker):
+                super().__init__(server_args, gpu_id, nccl_port, target_worker, runtime)
+
+        Bound.__name__ = Bound.__qualname__ = cls.__name__
+        return Bound
+
+    def __init__(self, server_args, gpu_id, nccl_port, target_worker, runtime: Runtime):
         dflash_logger = logging.getLogger(DFlashWorkerV2.__module__)
         width_note = _DropWidthMismatch()
         dflash_logger.addFilter(width_note)
@@ -127,7 +140,8 @@ class DDTreeWorker(DFlashWorkerV2):
             super().__init__(server_args, gpu_id, nccl_port, target_worker)
         finally:
             dflash_logger.removeFilter(width_note)
-        self.cfg = compat.resolved_config()
+        self.runtime = runtime  # the options, (B, N, K) and hook state, shared with the hooks
+        self.cfg = runtime.cfg
         self._tp_rank = compat.tp_rank()
         # DFlashWorkerV2 took N (the verify width) for its block size; the DFlash block is B.
         self.block_size = self.cfg.block_size
@@ -136,16 +150,15 @@ class DDTreeWorker(DFlashWorkerV2):
         # DDTREE's tree sampling reads the full vocabulary's logits (DFLASH's chain defers the
         # vocabulary gather into its own accept step)
         compat.gather_target_verify_logits(self)
-        self._block_pos_offsets = build_block_pos_offsets(
-            length=self.cfg.block_size, device=self.device
-        )
-        self._draft_block_spec_info = make_draft_block_spec_info(
-            draft_token_num=self.cfg.block_size, device=self.device
+        compat.set_draft_block(
+            self,
+            build_block_pos_offsets(length=self.cfg.block_size, device=self.device),
+            make_draft_block_spec_info(draft_token_num=self.cfg.block_size, device=self.device),
         )
         self._tp_size = compat.tp_size()
         self._tree_head = self._build_tree_head()
         # SGLANG_DDTREE_DUMP_ROUNDS: sampled rounds as JSON lines (off: None, and no cost)
-        self._round_dump = RoundDump.from_options(options()) if self._tp_rank == 0 else None
+        self._round_dump = RoundDump.from_options(self.options) if self._tp_rank == 0 else None
         self._widths: VerifyWidths | None = None  # SGLANG_DDTREE_WIDTH=auto (init_cuda_graphs)
         self._readings: RoundReadings | None = None
         self._rank_widths: RankWidths | None = None  # auto at tp > 1: rank 0's choice, shared
@@ -164,12 +177,16 @@ class DDTreeWorker(DFlashWorkerV2):
                 self._tree_head.max_bs,
             )
 
+    def _own_code(self):
+        return own_code(self.options.sync_check)
+
     def _build_tree_head(self) -> DraftTreeHead:
         graph_bs = get_exec().graph.cuda_graph_config.decode.bs or [1]
         max_bs = max(max(graph_bs), int(compat.max_running_requests() or 1))
         lm_head = self.target_worker.model_runner.model.lm_head
         gather = compat.tp_gather() if self._tp_size > 1 else None
-        return tree_head(lm_head, self.cfg, max_bs, gather, options().simulate)
+        opts = self.options
+        return tree_head(lm_head, self.cfg, max_bs, gather, opts.simulate, opts.tree_builder)
 
     def init_cuda_graphs(self):
         capture = get_exec().graph.cuda_graph_config.decode.backend != Backend.DISABLED
@@ -198,8 +215,13 @@ class DDTreeWorker(DFlashWorkerV2):
         if widths:
             self._tree_head.read_widths(widths)
 
+    @property
+    def options(self) -> Options:
+        """This process's DDTREE options, parsed once by the worker factory."""
+        return self.runtime.options
+
     def _automatic_widths(self) -> tuple[int, ...]:
-        opts = options()
+        opts = self.options
         return automatic_widths(opts.width, self.cfg.block_size, self.cfg.num_nodes, opts.widths)
 
     def _init_widths(self, capture: bool) -> None:
@@ -273,12 +295,12 @@ class DDTreeWorker(DFlashWorkerV2):
             raise RuntimeError(f"DDTREE expected DFlashDraftInputV2, got {type(draft_input)}")
         batch.seq_lens.record_stream(torch.get_device_module(self.device).current_stream())
         bs = len(batch.seq_lens)
-        with own_code():
+        with self._own_code():
             width = self._choose_width(bs)
 
         with profiled("ddtree.draft_and_build"):
             block = self._draft(batch, draft_input)  # draft + build (one graph replay)
-        with own_code(), profiled("ddtree.verify_input"):
+        with self._own_code(), profiled("ddtree.verify_input"):
             tree = self._tree_head.tree(bs, width)  # the first `width` nodes
             batch.spec_info = make_verify_input(
                 self.cfg,
@@ -289,7 +311,7 @@ class DDTreeWorker(DFlashWorkerV2):
                 tree.visibility,
                 batch.seq_lens,
                 self._seq_lens_sum_bound(batch, draft_input),
-                write_mask=not verify_plan.packs_from_tree(),
+                write_mask=not verify_plan.packs_from_tree(self.options),
             )
         verify_at = self._widths.use(width) if self._widths else contextlib.nullcontext()
         with profiled("ddtree.verify_accept_commit"), verify_at:
@@ -308,7 +330,7 @@ class DDTreeWorker(DFlashWorkerV2):
         batch.spec_info = draft_input
         if on_publish is not None:
             on_publish(result.new_seq_lens)
-        with own_code(), profiled("ddtree.draft_context"):
+        with self._own_code(), profiled("ddtree.draft_context"):
             self._commit_draft_context(result, *block, width)
             result.next_draft_input = make_draft_input_v2(
                 bonus_tokens=result.next_draft_input.bonus_tokens,
@@ -352,7 +374,8 @@ class DDTreeWorker(DFlashWorkerV2):
         memory = round_memory.at_maximum(
             max_bs=self._tree_head.max_bs, num_nodes=self.cfg.num_nodes,
             vocab=target.model_config.vocab_size, rows=rows, row=row,
-            penalties=options().penalties, unpacked_mask=not verify_plan.packs_from_tree(),
+            penalties=self.options.penalties,
+            unpacked_mask=not verify_plan.packs_from_tree(self.options),
         )  # fmt: skip
         on_gpu = torch.device(self.device).type == "cuda"
         free = get_available_gpu_memory(self.device, self.gpu_id) if on_gpu else None
@@ -365,8 +388,8 @@ class DDTreeWorker(DFlashWorkerV2):
 
     def _penalty_table(self) -> PenaltyTable | None:
         """SGLANG_DDTREE_PENALTIES=1: the output-token counts per request slot on the device
-        (integration/penalties.py), made the eagle_sample hook's."""
-        if not options().penalties:
+        (integration/penalties.py), handed to the eagle_sample hook through the runtime."""
+        if not self.options.penalties:
             return None
         # the target's pool and vocabulary, the penalised logits' width
         target = self.target_worker.model_runner
@@ -376,7 +399,7 @@ class DDTreeWorker(DFlashWorkerV2):
         if self._tp_rank == 0:  # beside SGLang's pools, which were sized without it
             logger.info("DDTREE penalty counts: %d request slots x %d tokens, %.2f GiB (off: "
                         "SGLANG_DDTREE_PENALTIES=0)", rows, vocab, rows * vocab * 5 / (1 << 30))  # fmt: skip
-        penalties.activate(table)
+        self.runtime.penalties = table
         return table
 
     # -- step 1 + 2: draft the block, build the tree -----------------------------------------
@@ -387,7 +410,7 @@ class DDTreeWorker(DFlashWorkerV2):
         # [bs, B] each: bonus + MASK x (B - 1); seq_len + 0..B-1; req_to_token slots; and the
         # host-bound lengths [bs]
         block_ids, positions, cache_loc, seq_lens_cpu = compat.draft_block_buffers(self, bs)
-        with own_code():
+        with self._own_code():
             self._prepare_block(batch, draft_input, block_ids, positions, cache_loc)
             input_embeds = compat.draft_block_embeds(self, block_ids)
         committed_cpu = self._host_seq_lens(batch, draft_input)
@@ -408,7 +431,7 @@ class DDTreeWorker(DFlashWorkerV2):
             positions=positions.reshape(-1),
             input_embeds=input_embeds,
             spec_algorithm=self.model_runner.spec_algorithm,
-            spec_info=self._draft_block_spec_info,
+            spec_info=compat.draft_block_spec_info(self),
             capture_hidden_mode=CaptureHiddenMode.NULL,
             can_run_decode_cuda_graph=batch.can_run_decode_cuda_graph,
             **compat.non_padded_tokens(bs * B, self.device),
@@ -417,7 +440,7 @@ class DDTreeWorker(DFlashWorkerV2):
         with torch.inference_mode(), compat.draft_scope(self):
             draft_out = self.draft_model_runner.forward(forward_batch)
             if not draft_out.can_run_graph:  # the graph ran the head already
-                with own_code():
+                with self._own_code():
                     self._tree_head(draft_out.logits_output.hidden_states, block_ids.flatten(),
                                     positions.flatten())  # fmt: skip
         return positions, compat.draft_write_ids(self, plan).view(bs, B)
