@@ -79,13 +79,17 @@ def test_tree_builder_is_selectable_and_checked(monkeypatch):
 
     from sglang_ddtree.integration.draft_head import tree_builder
 
+    from sglang_ddtree.config import Options
+
     assert tree_builder() is build_tree
     assert tree_builder(device=torch.device("cpu")) is build_tree
     monkeypatch.setenv("SGLANG_DDTREE_TREE_BUILDER", "torch")
-    assert tree_builder(device=torch.device("cuda")) is build_tree
+    assert tree_builder(Options.from_env().tree_builder, torch.device("cuda")) is build_tree
+    with pytest.raises(ValueError, match="'torch' or 'triton', got 'heap'"):
+        tree_builder("heap")
     monkeypatch.setenv("SGLANG_DDTREE_TREE_BUILDER", "heap")
     with pytest.raises(ValueError, match="'torch' or 'triton', got 'heap'"):
-        tree_builder()
+        Options.from_env()
 
 
 def test_ranks_of_a_vocabulary_sharded_lm_head_build_the_single_rank_tree():
