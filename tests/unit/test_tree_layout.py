@@ -77,9 +77,8 @@ def test_draft_head_builds_the_reference_tree_from_block_hidden_states():
 def test_tree_builder_is_selectable_and_checked(monkeypatch):
     import pytest
 
-    from sglang_ddtree.integration.draft_head import tree_builder
-
     from sglang_ddtree.config import Options
+    from sglang_ddtree.integration.draft_head import tree_builder
 
     assert tree_builder() is build_tree
     assert tree_builder(device=torch.device("cpu")) is build_tree
