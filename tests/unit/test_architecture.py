@@ -50,21 +50,134 @@ def test_the_package_reads_the_environment_only_in_config():
     assert {name for name, _ in readers} <= {"config.py"}, readers
 
 
-# Module state outside config.py that a `global` statement rebinds, with why it is not an option.
-REBOUND_GLOBALS = {("integration/hooks.py", "_installed"): "the hooks are installed once"}
+# Module state that a `global` statement rebinds, with why it is not on an object: none. The
+# options are parsed once per process and handed to who reads them (integration/runtime.py).
+REBOUND_GLOBALS: dict[tuple[str, str], str] = {}
 
 
-def test_no_module_keeps_options_in_globals_outside_config():
-    """The options live in config.py (the activated object); the hooks derive what they need
-    from it on use (gdn.current, gdn_pool.compact_on) instead of holding copies in globals."""
+def test_no_module_rebinds_a_global():
+    """No module keeps state it rebinds through `global`: a process's state lives on the objects
+    the worker factory makes (runtime.Runtime) and hands to the worker and the hooks."""
     rebound = set()
     for name, tree in _modules():
-        if name == "config.py":
-            continue
         for node in ast.walk(tree):
             if isinstance(node, ast.Global):
                 rebound |= {(name, g) for g in node.names}
     assert rebound == set(REBOUND_GLOBALS), rebound
+
+
+MUTATORS = {"append", "add", "update", "extend", "insert", "pop", "popitem", "clear", "remove",
+            "discard", "setdefault", "__setitem__", "__delitem__", "sort", "reverse"}  # fmt: skip
+MUTABLE_CALLS = {"list", "dict", "set", "defaultdict", "deque", "OrderedDict", "Counter"}
+
+
+def _module_holders(tree: ast.Module) -> set[str]:
+    """Names a module binds at its top level to a mutable container (a list, dict or set
+    display or comprehension, or a call of list(), dict(), set(), ...), one-element ones too."""
+    names = set()
+    for node in tree.body:
+        if isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None:
+            value = node.value
+            displays = ast.List | ast.Dict | ast.Set | ast.ListComp | ast.DictComp | ast.SetComp
+            mutable = isinstance(value, displays) or (
+                isinstance(value, ast.Call)
+                and getattr(value.func, "id", getattr(value.func, "attr", None)) in MUTABLE_CALLS
+            )
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if mutable:
+                names |= {t.id for t in targets if isinstance(t, ast.Name)}
+    return names
+
+
+def _holder(node: ast.expr) -> str | None:
+    """The name a mutation reaches: `x` of x[...], x.append(...), mod.x[...], mod.x.add(...)."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return None
+
+
+FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
+
+
+def _scope(body: list[ast.stmt]) -> list[ast.AST]:
+    """The nodes of one scope: nested functions are scopes of their own."""
+    nodes, stack = [], [n for n in body if not isinstance(n, FUNCTIONS)]
+    while stack:
+        node = stack.pop()
+        nodes.append(node)
+        stack += [c for c in ast.iter_child_nodes(node) if not isinstance(c, FUNCTIONS)]
+    return nodes
+
+
+def _bound_here(func: ast.AST, nodes: list[ast.AST]) -> set[str]:
+    """The names a function binds itself (its parameters and assignment targets)."""
+    args = func.args
+    names = {a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs,
+                             *filter(None, (args.vararg, args.kwarg))]}  # fmt: skip
+    for n in nodes:
+        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+            names.add(n.id)
+    return names
+
+
+def _changed_in(nodes: list[ast.AST]) -> set[str]:
+    """Names whose container these nodes change in place: item or slice assignment or deletion,
+    augmented assignment, or a mutating method."""
+    found = set()
+    for n in nodes:
+        if isinstance(n, ast.Assign | ast.Delete):
+            found |= {_holder(t.value) for t in n.targets if isinstance(t, ast.Subscript)}
+        elif isinstance(n, ast.AugAssign):
+            target = n.target.value if isinstance(n.target, ast.Subscript) else n.target
+            found.add(_holder(target))
+        elif (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+              and n.func.attr in MUTATORS):  # fmt: skip
+            found.add(_holder(n.func.value))
+    return found - {None}
+
+
+def _mutated(tree: ast.Module) -> set[str]:
+    """Names whose container a module changes in place, at its top level or in a function that
+    does not bind the name itself."""
+    found = _changed_in(_scope(tree.body))
+    for func in ast.walk(tree):
+        if isinstance(func, FUNCTIONS[:2]):
+            nodes = _scope(func.body)
+            found |= _changed_in(nodes) - _bound_here(func, nodes)
+    return found
+
+
+def module_level_mutable_holders(sources: dict[str, str]) -> list[tuple[str, str]]:
+    """(module, name) of every top-level mutable container that any of `sources` (module name:
+    source text) changes in place."""
+    trees = {name: ast.parse(text) for name, text in sources.items()}
+    changed = set().union(*(_mutated(tree) for tree in trees.values()))
+    return sorted((name, held) for name, tree in trees.items()
+                  for held in _module_holders(tree) if held in changed)  # fmt: skip
+
+
+def test_no_module_keeps_mutable_state():
+    """No module-level list, dict or set (a one-element holder included) is changed after import:
+    what a process learns at run time lives on an object made once and passed explicitly."""
+    sources = {name: (PACKAGE / name).read_text() for name, _ in _modules()}
+    assert module_level_mutable_holders(sources) == []
+
+
+def test_the_mutable_state_check_sees_the_holders_it_names():
+    """The check above on the shapes that used to hide state: a one-element list written by
+    index, a list rebuilt by slice, a set filled by a method, a dict changed from another
+    module; constant tables and a function's own containers pass."""
+    held = module_level_mutable_holders({
+        "a.py": "_table: list = [None]\ndef activate(t):\n    _table[0] = t\n",
+        "b.py": "_memo = [None, None]\ndef f(o):\n    _memo[:] = [o, 1]\n",
+        "c.py": "_used: set[str] = set()\ndef use(w):\n    _used.add(w)\n",
+        "d.py": "CACHE = {}\n",
+        "e.py": "import d\ndef put(k):\n    d.CACHE[k] = 1\n",
+        "f.py": "HOOKS = {'x': 1}\nNAMES = ('a',)\ndef g():\n    HOOKS = {}\n    HOOKS['y'] = 2\n",
+    })  # fmt: skip
+    assert held == [("a.py", "_table"), ("b.py", "_memo"), ("c.py", "_used"), ("d.py", "CACHE")]
 
 
 def test_no_product_code_imports_test_code():
