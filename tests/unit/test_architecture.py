@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import ast
+import importlib.util
 import re
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "sglang_ddtree"
@@ -223,6 +226,92 @@ def test_sglang_private_names_are_used_only_in_compat():
             found += [(name, node.lineno, u) for u in used
                       if u.startswith("_") and not u.startswith("__") and u not in own]  # fmt: skip
     assert found == []
+
+
+def _sglang_source(module: str) -> ast.Module | None:
+    """An SGLang module's syntax tree, read from the installed package without importing it
+    (None: SGLang or the module is not installed)."""
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    base = Path(spec.submodule_search_locations[0]).joinpath(*module.split(".")[1:])
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return ast.parse(path.read_text())
+    return None
+
+
+def _imported_names(tree: ast.Module) -> dict[str, str]:
+    """name -> the sglang module it is imported from (`from sglang.x import Name`)."""
+    return {alias.asname or alias.name: node.module for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sglang")
+            for alias in node.names}  # fmt: skip
+
+
+def _self_private_assignments(cls: ast.ClassDef) -> set[str]:
+    """The `_names` a class's methods assign on self (self._x = ..., self._x += ...)."""
+    names = set()
+    for node in ast.walk(cls):
+        if isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for t in targets:
+                for sub in ast.walk(t):
+                    if (isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name)
+                            and sub.value.id == "self" and sub.attr.startswith("_")
+                            and not sub.attr.startswith("__")):  # fmt: skip
+                        names.add(sub.attr)
+    return names
+
+
+def _sglang_private_attributes(module: str, name: str, seen: set | None = None) -> set[str]:
+    """The private attributes SGLang's class `module.name` and its SGLang bases assign on self."""
+    seen = set() if seen is None else seen
+    tree = _sglang_source(module)
+    if tree is None or (module, name) in seen:
+        return set()
+    seen.add((module, name))
+    imported = _imported_names(tree)
+    found = set()
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name):
+        found |= _self_private_assignments(cls)
+        for base in cls.bases:
+            base_name = base.id if isinstance(base, ast.Name) else getattr(base, "attr", None)
+            where = imported.get(base_name, module if base_name else None)
+            if where is not None:
+                found |= _sglang_private_attributes(where, base_name, seen)
+    return found
+
+
+def test_no_class_assigns_sglangs_inherited_private_attributes_outside_compat():
+    """A subclass of an SGLang class (the worker, the verify input, the spec) sets none of the
+    private attributes its SGLang bases assign: compat.py does it (set_draft_block), so that an
+    SGLang upgrade that renames one changes compat.py alone."""
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("needs SGLang's source installed")
+    found, checked = [], 0
+    for name, tree in _modules():
+        if name == "integration/compat.py":
+            continue
+        imported = _imported_names(tree)
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            inherited = set()
+            for base in cls.bases:
+                if isinstance(base, ast.Name) and base.id in imported:
+                    inherited |= _sglang_private_attributes(imported[base.id], base.id)
+                    checked += 1
+            found += [(name, cls.name, attr)
+                      for attr in sorted(_self_private_assignments(cls) & inherited)]  # fmt: skip
+    assert checked >= 3  # DDTreeWorker, DDTreeVerifyInput, DDTreeSpec
+    assert found == []
+
+
+def test_the_inherited_private_attributes_check_reads_sglangs_classes():
+    """The check above reads DFlashWorkerV2's own private attributes through its source: among
+    them the draft-block constants DDTREE rebuilds (through compat.set_draft_block)."""
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("needs SGLang's source installed")
+    names = _sglang_private_attributes("sglang.srt.speculative.dflash_worker_v2", "DFlashWorkerV2")
+    assert {"_block_pos_offsets", "_draft_block_spec_info"} <= names
 
 
 def test_files_and_functions_stay_short():
