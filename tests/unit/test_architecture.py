@@ -183,6 +183,45 @@ def test_the_mutable_state_check_sees_the_holders_it_names():
     assert held == [("a.py", "_table"), ("b.py", "_memo"), ("c.py", "_used"), ("d.py", "CACHE")]
 
 
+def _import_graph() -> dict[str, set[str]]:
+    """module -> the package modules it imports, at its top level or inside a function."""
+    names = {}
+    for name, tree in _modules():
+        dotted = "sglang_ddtree." + name[: -len(".py")].replace("/", ".")
+        names[dotted.removesuffix(".__init__")] = tree
+    graph = {}
+    for name, tree in names.items():
+        out = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                out |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                # `from package import module` imports that module (and runs the package's
+                # __init__, which is not an edge of the module's own)
+                subs = {f"{node.module}.{alias.name}" for alias in node.names} & set(names)
+                out |= subs or {node.module}
+        graph[name] = (out & set(names)) - {name}
+    return graph
+
+
+def test_no_two_modules_import_each_other():
+    """The package's imports, deferred ones included, form no cycle (accept_path asked hooks
+    whether a batch is DDTREE's while hooks imported accept_path: spec.is_ddtree now)."""
+    graph = _import_graph()
+    cycles = []
+    for start in graph:  # a path back to `start` through its imports
+        stack, seen = [(start, (start,))], set()
+        while stack:
+            node, path = stack.pop()
+            for nxt in graph[node]:
+                if nxt == start:
+                    cycles.append(path)
+                elif nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, (*path, nxt)))
+    assert cycles == []
+
+
 def test_no_product_code_imports_test_code():
     offenders = [(name, m) for name, tree in _modules() for m in _imports(tree)
                  if m == "tests" or m.startswith("tests.")]  # fmt: skip
