@@ -25,7 +25,7 @@
 | KVCacheConfigurator                     | sized for it (integration/gdn_pool.py; off:           |
 |   ._handle_max_mamba_cache              | SGLANG_DDTREE_GDN_SCRATCH=full)                       |
 | Scheduler.get_internal_state            | /server_info reports the resolved options, GDN path   |
-|                                         | and the DDTREE paths taken (gdn.engaged)              |
+|                                         | and the DDTREE paths taken (Runtime.report)           |
 | FlashInferIndicesUpdaterPrefill         | the verify's masked plan from host lengths and a      |
 |   .call_begin_forward                   | device-packed mask, no read-back (verify_plan.py;     |
 |                                         | off: SGLANG_DDTREE_VERIFY_PLAN=sglang)                |
@@ -36,8 +36,10 @@
 |                                         | 400, not SGLang's 500 (json_bodies.py)                |
 
 All but the front-end ones are installed from the worker factory (scheduler process only, before
-any graph capture), so other processes never import those heavy modules; the front-end ones are
-registered at plugin load and applied by SGLang's load_plugins() in the server's main process.
+any graph capture), so other processes never import those heavy modules; each is bound there to
+what it reads (`bound_hooks`: the process's runtime.Runtime or a part of it), so no hook reads a
+module global. The front-end ones are registered at plugin load (`RequestCheck` holds its own
+options) and applied by SGLang's load_plugins() in the server's main process.
 """
 
 from __future__ import annotations
