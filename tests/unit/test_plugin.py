@@ -384,6 +384,49 @@ def test_worker_module_imports_against_installed_sglang():
     assert issubclass(worker.DDTreeWorker, worker.DFlashWorkerV2)
 
 
+def test_the_worker_factory_hands_one_runtime_to_the_hooks_and_the_worker(monkeypatch):
+    """The scheduler process parses its options once (the worker factory), reads SGLang's
+    resolved (B, N, K) once, and hands both as one Runtime to the hooks it installs and to the
+    worker SGLang constructs with its own four arguments."""
+    from sglang_ddtree.integration import worker as worker_mod
+
+    installed = []
+    monkeypatch.setattr(hooks, "install_runtime_hooks", installed.append)
+    cfg = spec.DDTreeConfig(block_size=16, num_nodes=32, topk=8)
+    monkeypatch.setattr(compat, "resolved_config", lambda: cfg)
+    monkeypatch.setenv("SGLANG_DDTREE_PENALTIES", "0")
+    worker_cls = plugin._worker_factory(types.SimpleNamespace())
+    (runtime,) = installed
+    assert runtime.cfg is cfg and runtime.options.penalties is False
+    assert runtime.gdn.path.max_path == 16 and runtime.penalties is None
+    assert issubclass(worker_cls, worker_mod.DDTreeWorker)
+    assert worker_cls.__name__ == "DDTreeWorker"
+    seen = []
+    monkeypatch.setattr(worker_mod.DDTreeWorker, "__init__", lambda self, *a: seen.append(a))
+    worker_cls("server_args", 0, 1234, "target")
+    assert seen == [("server_args", 0, 1234, "target", runtime)]
+
+
+def test_the_runtime_hooks_are_installed_once_per_process(monkeypatch):
+    """A second install would leave the first runtime's hooks in SGLang's functions: refused."""
+    import collections
+    import functools
+
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from sglang_ddtree.config import Options
+    from sglang_ddtree.integration import gdn
+    from sglang_ddtree.integration.runtime import Runtime
+
+    runtime = Runtime.create(Options(), spec.DDTreeConfig(block_size=16, num_nodes=32, topk=8))
+    earlier = functools.partial(gdn.target_verify, runtime.gdn)
+    monkeypatch.setattr(HookRegistry, "_hooks", collections.defaultdict(
+        list, {compat.GDN_TARGET_VERIFY: [(HookType.AROUND, earlier, None)]}))  # fmt: skip
+    assert compat.hook_registered(compat.GDN_TARGET_VERIFY, gdn.target_verify)
+    with pytest.raises(RuntimeError, match="already installed in this process"):
+        hooks.install_runtime_hooks(runtime)
+
+
 def test_the_rounds_ranges_exist_while_a_torch_profiler_runs_and_cost_nothing_otherwise():
     """The worker's `ddtree.*` ranges (scripts/bench_round.py reads them from SGLang's
     /start_profile traces) are recorded under torch's profiler, started as SGLang starts it,
