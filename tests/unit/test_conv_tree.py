@@ -328,7 +328,7 @@ def test_conv_hook_runs_conv_tree_when_enabled(monkeypatch, caplog):
     import sglang_ddtree.gdn.conv_tree as conv_module
     from sglang_ddtree.integration import gdn
 
-    monkeypatch.setattr(gdn, "current", lambda: gdn.GDNPath(16, conv=True, compact=False))
+    monkeypatch.setattr(gdn, "current", lambda: gdn.GDNPath(16, compact=False))
     monkeypatch.setattr(gdn, "_used", set())
     monkeypatch.setattr(gdn, "_first_conv_state", [None])
     monkeypatch.setattr(gdn, "_filled", [None])
@@ -355,7 +355,7 @@ def test_the_hook_fills_the_parents_in_the_first_layer_only(monkeypatch):
     import sglang_ddtree.gdn.conv_tree as conv_module
     from sglang_ddtree.integration import gdn
 
-    monkeypatch.setattr(gdn, "current", lambda: gdn.GDNPath(16, conv=True, compact=False))
+    monkeypatch.setattr(gdn, "current", lambda: gdn.GDNPath(16, compact=False))
     monkeypatch.setattr(gdn, "_first_conv_state", [None])
     monkeypatch.setattr(gdn, "_filled", [None])
     filled = []
