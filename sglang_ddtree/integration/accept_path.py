@@ -1,6 +1,5 @@
 """The accepted path moved to the front of each request's block after a DDTREE verify, in one
-Triton launch (SGLANG_DDTREE_ACCEPT_PATH=triton, the default; `sglang` leaves SGLang's code in
-place).
+Triton launch.
 
 `finalize_hook`, AROUND eagle_worker_common._finalize_accept_tree_path: one kernel writes the KV
 slot pairs for the pool's own move_kv_cache, the compacted predictions, and the rows of the
@@ -16,10 +15,9 @@ from __future__ import annotations
 
 
 def _applies(batch) -> bool:
-    from sglang_ddtree.config import options
     from sglang_ddtree.integration.hooks import _is_ddtree
 
-    return options().accept_path == "triton" and _is_ddtree(getattr(batch, "spec_algorithm", None))
+    return _is_ddtree(getattr(batch, "spec_algorithm", None))
 
 
 def finalize_hook(original, batch, accept_index, accept_lens, predict, logits_output, bs, *,

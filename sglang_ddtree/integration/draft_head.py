@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from sglang_ddtree.config import DDTreeConfig, options
+from sglang_ddtree.config import DDTreeConfig
 from sglang_ddtree.simulation import World, depth_bound
 from sglang_ddtree.tree import DraftTree, build_tree, topk_logprobs_from_logits
 from sglang_ddtree.tree.budget import cut_links, expected_tokens, truncate
@@ -24,9 +24,8 @@ from sglang_ddtree.tree.shard_topk import merge_topk, shard_topk
 def tree_builder(name: str | None = None, device: torch.device | None = None):
     """The tree builder the head uses: "triton" (`tree.build_triton`, one program per request:
     the default on CUDA, 0.01-0.08 ms per round on the H200 against 0.35-0.8 ms for the batched
-    torch builder, docs/results.md) or "torch" (`tree.build_tree`, the default elsewhere).
-    SGLANG_DDTREE_TREE_BUILDER picks one explicitly."""
-    name = name or options().tree_builder
+    torch builder, docs/results.md) or "torch" (`tree.build_tree`, the default elsewhere, and
+    the Triton builder's reference). `name` picks one explicitly (scripts/bench_tree_build.py)."""
     if name is None:
         name = "triton" if device is not None and device.type == "cuda" else "torch"
     if name == "torch":
@@ -35,7 +34,7 @@ def tree_builder(name: str | None = None, device: torch.device | None = None):
         from sglang_ddtree.tree.build_triton import build_tree_triton
 
         return build_tree_triton
-    raise ValueError(f"SGLANG_DDTREE_TREE_BUILDER must be 'torch' or 'triton', got {name!r}")
+    raise ValueError(f"the tree builder must be 'torch' or 'triton', got {name!r}")
 
 
 @dataclass(frozen=True)

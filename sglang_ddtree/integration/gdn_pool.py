@@ -1,17 +1,17 @@
-"""A compact Gated DeltaNet verify scratch in SGLang's Mamba pool (the default; SGLANG_DDTREE_GDN_SCRATCH).
+"""A compact Gated DeltaNet verify scratch in SGLang's Mamba pool (DDTREE's GDN path).
 
 SGLang gives every running request N full recurrent states per GDN layer for a verify
 (`intermediate_ssm` [layers, requests + 1, N, HV, V, K]: 9.7 GB per request at 27B and N = 64)
 and sizes the Mamba pool for it, which caps DDTREE at 4 running requests at N = 64 on an H200.
 DDTREE's own verify (integration/gdn.py) keeps only each node's inputs, `scratch_floats` words
-per request and layer (1.6 % of that). With SGLANG_DDTREE_GDN_SCRATCH=compact (the default
-but under --enable-unified-memory) two hooks size the pool for what DDTREE uses:
+per request and layer (1.6 % of that). Two hooks size the pool for what DDTREE uses (except
+under --enable-unified-memory, whose pool SGLang allocates itself with its per-node states):
 
 - `init_mamba_pool` (around HybridReqToTokenPool._init_mamba_pool): SGLang builds the pool
   without speculative buffers; we add `intermediate_ssm` as float32 rows of `scratch_floats`
-  words [layers, requests + 1, words] and the per-node conv buffer: with DDTREE's tree conv1d
-  each node's input once, [layers, requests + 1, N, dim, 1] (gdn/conv_tree.py's save_inputs and
-  commit_windows); with SGLang's conv, SGLang's dense per-node windows [.., N, dim, K - 1].
+  words [layers, requests + 1, words] and the per-node conv buffer: each node's input once,
+  [layers, requests + 1, N, dim, 1] (gdn/conv_tree.py's save_inputs and commit_windows), where
+  SGLang keeps dense per-node windows [.., N, dim, K - 1].
 - `size_mamba_pool` (around KVCacheConfigurator._handle_max_mamba_cache): SGLang charges the
   speculative buffers as N extra states per request; we run its solver with the number of
   states that covers the compact buffers instead, so the memory goes to more requests.
@@ -39,13 +39,6 @@ def compact_on() -> bool:
     from sglang_ddtree.config import options
 
     return options().compact_scratch
-
-
-def conv_inputs_on() -> bool:
-    """Whether the per-node conv buffer holds each node's input once (config.Options.conv_inputs)."""
-    from sglang_ddtree.config import options
-
-    return options().conv_inputs
 
 
 def compact_bytes_per_request(cache_params, num_nodes: int) -> int:
@@ -142,9 +135,9 @@ def attach_compact_scratch(pool, spec_state_size: int, num_nodes: int) -> None:
 
 
 def conv_window(shape) -> tuple:
-    """A node's share of the per-node conv buffer for a conv state of `shape` (dim, K - 1): its
-    input once (dim, 1) with DDTREE's conv, SGLang's whole window otherwise."""
-    return (*shape[:-1], 1) if conv_inputs_on() else tuple(shape)
+    """A node's share of the compact per-node conv buffer for a conv state of `shape`
+    (dim, K - 1): its input once, (dim, 1)."""
+    return (*shape[:-1], 1)
 
 
 def is_compact(intermediate_ssm) -> bool:

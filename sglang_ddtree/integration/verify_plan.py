@@ -135,7 +135,7 @@ def call_begin_forward(original, updater, wrapper_ragged, wrapper_paged, req_poo
     own = "begin_forward" in vars(wrapper_paged)
     from sglang_ddtree.integration import gdn, verify_input
 
-    from_tree = not spec_info.tree_mask_written  # SGLANG_DDTREE_MASK_PACK=triton (the default)
+    from_tree = not spec_info.tree_mask_written  # else written: a warm-up stand-in's mask
     if from_tree:
         from sglang_ddtree.integration import mask_pack
 
@@ -168,12 +168,11 @@ def call_begin_forward(original, updater, wrapper_ragged, wrapper_paged, req_poo
 
 
 def packs_from_tree() -> bool:
-    """Whether the verify input may leave its unpacked mask unwritten: the host plan with the
-    Triton packer, which packs from the tree (SGLANG_DDTREE_MASK_PACK=triton, the default)."""
+    """Whether the verify input may leave its unpacked mask unwritten: the host plan packs the
+    mask from the tree (integration/mask_pack.py); SGLang's plan reads the written mask."""
     from sglang_ddtree.config import options
 
-    opts = options()
-    return opts.verify_plan == "host" and opts.mask_pack == "triton"
+    return options().verify_plan == "host"
 
 
 def write_mask(spec_info) -> None:

@@ -55,9 +55,10 @@ logger = logging.getLogger(__name__)
 
 
 def own_code():
-    """SGLANG_DDTREE_SYNC_CHECK=1: DDTREE's own per-round code under torch's sync debug mode
-    ("warn"; the GPU tests fail on any such warning). SGLang's own calls are left out."""
-    return _sync_debug() if options().sync_check else contextlib.nullcontext()
+    """The context DDTREE's own per-round code runs in (SGLang's own calls are left out):
+    nothing when serving. The GPU test servers' sync check replaces it from outside with torch's
+    sync debug mode (tests/gpu/server_debug/ddtree_sync_check.py; the tests fail on a warning)."""
+    return contextlib.nullcontext()
 
 
 def profiled(name: str):
@@ -66,16 +67,6 @@ def profiled(name: str):
     if compat.profiler_running():
         return record_function(name)
     return contextlib.nullcontext()
-
-
-@contextlib.contextmanager
-def _sync_debug():
-    previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(previous)
 
 
 # the width policy's table goes to the log when a batch bucket's calibration completes, after

@@ -288,13 +288,9 @@ def test_conv_hook_target_exists_and_the_hook_passes_everything_else_through(mon
         return "sglang"
 
     tree = {k: object() for k in gdn._CONV_TREE_ARGS}
-    monkeypatch.setattr(
-        gdn, "current", lambda: gdn.GDNPath(16, conv=False)
-    )  # SGLANG_DDTREE_CONV=sglang
-    assert gdn.conv_update(original, 1, 2, 3, None, "silu", **tree) == "sglang"
     monkeypatch.setattr(gdn, "current", lambda: None)  # SGLANG_DDTREE_GDN=sglang
     assert gdn.conv_update(original, 1, 2, 3, None, "silu", **tree) == "sglang"
-    monkeypatch.setattr(gdn, "current", lambda: gdn.GDNPath(16, conv=True, compact=False))
+    monkeypatch.setattr(gdn, "current", lambda: gdn.GDNPath(16, compact=False))
     single = {"conv_state_indices": object()}  # a decode step, not a tree
     assert gdn.conv_update(original, 1, 2, 3, None, "silu", **single) == "sglang"
     extra = {**tree, "num_accept_tokens": object()}  # a call conv_tree does not cover
@@ -302,11 +298,11 @@ def test_conv_hook_target_exists_and_the_hook_passes_everything_else_through(mon
     assert gdn.conv_update(original, 1, 2, 3, None, "silu", None, **tree) == "sglang"  # 6th arg
     # on the compact pool the commit reads the nodes' inputs: a tree call SGLang's kernel would
     # take instead (its per-node windows) is refused, a non-tree call still passes
-    monkeypatch.setattr(gdn, "current", lambda: gdn.GDNPath(16, conv=True))
-    with pytest.raises(RuntimeError, match="SGLANG_DDTREE_CONV=sglang"):
+    monkeypatch.setattr(gdn, "current", lambda: gdn.GDNPath(16))
+    with pytest.raises(RuntimeError, match="SGLANG_DDTREE_GDN=sglang"):
         gdn.conv_update(original, 1, 2, 3, None, "silu", **extra)
     assert gdn.conv_update(original, 1, 2, 3, None, "silu", **single) == "sglang"
-    assert len(calls) == 6
+    assert len(calls) == 5
 
 
 def test_the_conv_hook_stores_inputs_once_on_the_compact_pool_only(monkeypatch):
@@ -324,7 +320,6 @@ def test_the_conv_hook_stores_inputs_once_on_the_compact_pool_only(monkeypatch):
         monkeypatch.setattr(gdn, "current", lambda c=compact: gdn.GDNPath(16, compact=c))
         gdn.conv_update(None, torch.zeros(1), torch.zeros(1), torch.zeros(1), None, "silu", **tree)
     assert seen == [True, False]
-    assert gdn.GDNPath(16, conv=False, compact=True).conv_inputs is False  # SGLang's conv
 
 
 @interpreter_only
@@ -333,7 +328,7 @@ def test_conv_hook_runs_conv_tree_when_enabled(monkeypatch, caplog):
     import sglang_ddtree.gdn.conv_tree as conv_module
     from sglang_ddtree.integration import gdn
 
-    monkeypatch.setattr(gdn, "current", lambda: gdn.GDNPath(16, conv=True, compact=False))
+    monkeypatch.setattr(gdn, "current", lambda: gdn.GDNPath(16, compact=False))
     monkeypatch.setattr(gdn, "_used", set())
     monkeypatch.setattr(gdn, "_first_conv_state", [None])
     monkeypatch.setattr(gdn, "_filled", [None])
@@ -360,7 +355,7 @@ def test_the_hook_fills_the_parents_in_the_first_layer_only(monkeypatch):
     import sglang_ddtree.gdn.conv_tree as conv_module
     from sglang_ddtree.integration import gdn
 
-    monkeypatch.setattr(gdn, "current", lambda: gdn.GDNPath(16, conv=True, compact=False))
+    monkeypatch.setattr(gdn, "current", lambda: gdn.GDNPath(16, compact=False))
     monkeypatch.setattr(gdn, "_first_conv_state", [None])
     monkeypatch.setattr(gdn, "_filled", [None])
     filled = []
