@@ -57,8 +57,8 @@ def attached_servers(root: Path) -> list:
         table = json.loads((Path(root) / "servers.json").read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise SystemExit(f"no server table under {root} ({exc}): start the set first") from exc
-    missing = [n for n in ("pair-base", "pair-dflash", "pair-ddtree", "pair-ddtree_torch",
-                           "pair-ddtree64") if n not in table]  # fmt: skip
+    missing = [n for n in ("pair-base", "pair-dflash", "pair-ddtree", "pair-ddtree64")
+               if n not in table]  # fmt: skip
     if missing:
         raise SystemExit(f"the server set under {root} has no {', '.join(missing)}: start the "
                          "whole set (without DDTREE_GPU_SERVERS) first")  # fmt: skip
@@ -67,7 +67,7 @@ def attached_servers(root: Path) -> list:
     topk = int(spec[spec.index("--speculative-eagle-topk") + 1])
     assert topk == TOPK, (topk, TOPK)
     names = {"none": "pair-base", "dflash": "pair-dflash", f"ddtree{nodes}": "pair-ddtree",
-             f"ddtree{nodes}_torch": "pair-ddtree_torch", "ddtree64": "pair-ddtree64"}  # fmt: skip
+             "ddtree64": "pair-ddtree64"}  # fmt: skip
     servers = []
     for name, test_name in names.items():
         row = table[test_name]

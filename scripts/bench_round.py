@@ -67,20 +67,13 @@ GDN_STATE_MIB = 48 * 48 * 128 * 128 * 4 / 2**20
 MAMBA_SLOTS_PER_REQ = 6  # >= SGLang's mamba slots per running request (3, +2 with overlap)
 # SGLang's SSM-state dtype (SGLANG_MAMBA_SSM_DTYPE; float32 by default): the `_bf16ssm` variants
 # halve the scratch, which is what lets N = 64 run 8 requests.
-# `_torch`: DDTREE with the batched torch tree builder instead of the Triton one (its CUDA default).
 # `_sglanggdn`: DDTREE with SGLang's own GDN tree verify, conv1d and commit (per-node states)
-# instead of sglang_ddtree.gdn's. integration/gdn.py's defaults turned off: `_full` SGLang's
-# per-node verify states instead of the compact scratch (integration/gdn_pool.py, which lets 16
-# requests run at any N); `_sglangconv` SGLang's tree conv1d instead of gdn/conv_tree.py; and the
-# `_paths` gdn/tree_verify.py's root-path GDN verify instead of the chunked one; and
-# `_sglangplan` SGLang's FlashInfer plan for the verify instead of integration/verify_plan.py's.
+# instead of sglang_ddtree.gdn's (and its compact scratch, which lets 16 requests run at any N).
+# `_sglangplan`: SGLang's FlashInfer plan for the verify instead of integration/verify_plan.py's
+# (the measurement that decides which of the two stays).
 VARIANT_ENV = {
     "_bf16ssm": {"SGLANG_MAMBA_SSM_DTYPE": "bfloat16"},
-    "_torch": {"SGLANG_DDTREE_TREE_BUILDER": "torch"},
     "_sglanggdn": {"SGLANG_DDTREE_GDN": "sglang"},
-    "_full": {"SGLANG_DDTREE_GDN_SCRATCH": "full"},
-    "_sglangconv": {"SGLANG_DDTREE_CONV": "sglang"},
-    "_paths": {"SGLANG_DDTREE_GDN_VERIFY": "paths"},
     "_sglangplan": {"SGLANG_DDTREE_VERIFY_PLAN": "sglang"},
     "_auto": {"SGLANG_DDTREE_WIDTH": "auto"},
 }
@@ -88,8 +81,6 @@ VARIANT_ENV = {
 # variants measure the round at N itself (fixed), `ddtreeN_auto` the default, whose server logs
 # the cost table it measured per (batch bucket, width) (`width_table`).
 FIXED = {"SGLANG_DDTREE_WIDTH": "fixed"}
-# any subset, in this order: ddtree32_full_paths
-OPT_OUTS = ("_full", "_sglangconv", "_paths", "_sglangplan")
 
 
 def max_requests(width: int, state_bytes: int = 4, cap: int = 16) -> int:
@@ -152,14 +143,11 @@ def variants(draft: Path, cap: int = 16) -> dict[str, list[str]]:
     for n in (16, 32, 64, 128):
         width = [*dd, "--speculative-num-draft-tokens", str(n)]
         # the compact scratch (the default): SGLang's default 16 requests at every N
-        out[f"ddtree{n}"] = out[f"ddtree{n}_torch"] = out[f"ddtree{n}_auto"] = [
+        out[f"ddtree{n}"] = out[f"ddtree{n}_auto"] = out[f"ddtree{n}_sglangplan"] = [
             *width, *requests(cap)]  # fmt: skip
         out[f"ddtree{n}_sglanggdn"] = [*width, *running(n)]  # N states per request
-        for mask in range(1, 2 ** len(OPT_OUTS)):
-            chosen = [o for i, o in enumerate(OPT_OUTS) if mask >> i & 1]
-            full = "_full" in chosen
-            out[f"ddtree{n}{''.join(chosen)}"] = [*width, *(running(n) if full else requests(cap))]
-    out["ddtree64_full_bf16ssm"] = [*dd, "--speculative-num-draft-tokens", "64", *running(64, 2)]
+    out["ddtree64_sglanggdn_bf16ssm"] = [*dd, "--speculative-num-draft-tokens", "64",
+                                         *running(64, 2)]  # fmt: skip
     return out
 
 

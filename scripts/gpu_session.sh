@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU suite and benchmarks on a CUDA machine, detached so that they outlive the calling shell.
-# Needs SGLang 0.5.17 importable (as `python3 -m sglang.launch_server` would find it); installs
+# Needs SGLang 0.5.23 importable (as `python3 -m sglang.launch_server` would find it); installs
 # this checkout into that Python with --no-deps. Results are copied to $OUT (default /tmp/out).
 #   bash scripts/gpu_session.sh start [WAIT_S [PYTEST ARGS]]  install this package, launch the
 #                                                GPU test servers detached, start the tests in

@@ -296,6 +296,32 @@ def gpu_suite_table(rows: list[dict]) -> str:
     return shown(rows, f"On {versions}; servers: {rows[0]['servers']}.\n\n" + table(header, body))
 
 
+def simulated_acceptance_table(rows: list[dict]) -> str:
+    """Per regime: the chain's tokens per round (measured and calibrated) and the tree's at each
+    width, with the tree over the chain."""
+    rows = latest(rows)
+    regimes = list(dict.fromkeys(r["regime"] for r in rows))
+    widths = sorted({r["nodes"] for r in rows if r["verify"] == "tree"})
+    body = []
+    for name in regimes:
+        chain = next(r for r in rows if r["regime"] == name and r["verify"] == "chain")
+        world = chain["world"]
+        means = ", ".join(f"{m:.3f}" for m in world["top1"])
+        trees = {
+            r["nodes"]: r["tau"] for r in rows if r["regime"] == name and r["verify"] == "tree"
+        }
+        body.append([name, means, f"{chain['tau']:.2f} ({chain['chain_tau_calibrated']:.2f})",
+                     *[f"{trees[n]:.2f} ({trees[n] / chain['tau']:.2f}x)" for n in widths]])  # fmt: skip
+    header = ["regime", "top-1 means by depth", "chain (calibrated)",
+              *[f"tree N={n}" for n in widths]]  # fmt: skip
+    first, tree = rows[0], next(r for r in rows if r["verify"] == "tree")
+    world = first["world"]
+    note = (f"Block {first['block']}, K = {tree['topk']}, spread {world['spread']}, ratio "
+            f"{world['ratio']}, off-spine {world['off_spine']}; {first['rounds']} independent "
+            "rounds per cell.")  # fmt: skip
+    return shown(rows, note + "\n\n" + table(header, body))
+
+
 def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
 
@@ -329,7 +355,8 @@ class Section:
 
 SECTIONS = (
     Section(
-        "round_cost_27b", "One decode round at Qwen3.6-27B shapes",
+        "round_cost_27b",
+        "One decode round at Qwen3.6-27B shapes",
         "`scripts/bench_round.py` on one H200: a Qwen3.6-27B-shaped target (64 layers, 48 of "
         "them Gated DeltaNet) and a 5-layer DFlash-shaped draft with dummy weights "
         "(`--load-format dummy`), CUDA graphs, FlashInfer, the overlap scheduler; b concurrent "
@@ -337,13 +364,14 @@ SECTIONS = (
         "1-token latency) / (rounds - 1). Dummy weights accept about one token a round, so "
         "this is what a round costs, not a speed-up: the speed-up also needs the real pair's "
         "acceptance. `ddtree32_auto` is DDTREE's default (N = 32, automatic widths among 16 "
-        "and 32). \"does not fit\": SGLang's float32 per-node verify scratch for that many "
+        'and 32). "does not fit": SGLang\'s float32 per-node verify scratch for that many '
         "DFLASH requests does not fit beside the weights on one GPU; DDTREE's compact scratch "
         "does.",
         round_cost_table,
     ),
     Section(
-        "serving_pair", "End to end on the shipped pair",
+        "serving_pair",
+        "End to end on the shipped pair",
         "`scripts/bench_serving.py`: SGLang's own load generator (`sglang.bench_serving`) "
         "against servers of the 9.7M-parameter pair in `sglang_ddtree/assets/demo`, 128 new "
         "tokens on held-out prompts, one H200, each server pinned to its own CPUs where the "
@@ -357,14 +385,16 @@ SECTIONS = (
         serving_table,
     ),
     Section(
-        "first_token_pair", "Time to first tokens on the shipped pair",
+        "first_token_pair",
+        "Time to first tokens on the shipped pair",
         "`scripts/bench_serving.py --first-token N`: one-at-a-time requests of 1, 2 and 3 new "
         "tokens per server, to tell the prefill's share of the first token from the first "
         "decode rounds'.",
         first_token_table,
     ),
     Section(
-        "round_profile_pair", "Where a round's time goes on the shipped pair",
+        "round_profile_pair",
+        "Where a round's time goes on the shipped pair",
         "`scripts/bench_serving.py --profile`: SGLang's torch profiler over 12 decode rounds "
         "per server and batch size; GPU and host ms per part of DDTREE's round (the worker's "
         "`ddtree.*` ranges), host syncs per round (all, and those in DDTREE's own code), and "
@@ -372,7 +402,8 @@ SECTIONS = (
         round_profile_table,
     ),
     Section(
-        "host_profile_pair", "Host samples of the shipped pair's servers",
+        "host_profile_pair",
+        "Host samples of the shipped pair's servers",
         "`scripts/bench_serving.py --host-profile`: Python stack samples of every server "
         "process during one more run (`scripts/host_sampler`), printed by "
         "`scripts/host_profile.py` as ms per round by frame, DDTREE and DFLASH side by side. "
@@ -380,7 +411,8 @@ SECTIONS = (
         host_profile_reports,
     ),
     Section(
-        "gdn_tree_kernel", "Gated DeltaNet tree kernels at 27B head sizes",
+        "gdn_tree_kernel",
+        "Gated DeltaNet tree kernels at 27B head sizes",
         "`scripts/bench_gdn_tree.py` on one H200, no server: one GDN layer at Qwen3.6-27B head "
         "sizes (16 key / 48 value heads x 128) on trees from the builder (B = 16, K = 8), each "
         "call captured in a CUDA graph and timed with CUDA events. The first table is one "
@@ -392,7 +424,8 @@ SECTIONS = (
         gdn_table,
     ),
     Section(
-        "tree_build", "Building the tree",
+        "tree_build",
+        "Building the tree",
         "`scripts/bench_tree_build.py` on one H200, no server: the draft head as the server "
         "runs it inside its draft CUDA graph (LM head over the B - 1 draft positions, float32 "
         "log-softmax, top-8, tree build, copies into static buffers) and the build alone, each "
@@ -402,7 +435,8 @@ SECTIONS = (
         tree_build_table,
     ),
     Section(
-        "acceptance", "Acceptance against the tree budget",
+        "acceptance",
+        "Acceptance against the tree budget",
         "`scripts/acceptance_table.py`: the shipped pair on the transformers reference engine "
         "(CPU, float32), 24 held-out prompts (the first 400 characters of files of the stdlib "
         "packages `asyncio`, `email` and `http`, which the pair's training held out) x 128 new "
@@ -418,26 +452,29 @@ SECTIONS = (
         acceptance_table,
     ),
     Section(
-        "budget_sweep_pair", "Node budgets end to end on the shipped pair",
+        "budget_sweep_pair",
+        "Node budgets end to end on the shipped pair",
         "`scripts/bench_e2e.py`: the pair's servers of the GPU test set measured one at a "
         "time with the script's own clients (c clients back to back), 32 held-out prompts x "
-        "128 new tokens, greedy; \"same as plain\": outputs identical to the plain server's "
+        '128 new tokens, greedy; "same as plain": outputs identical to the plain server\'s '
         "(of 32). Round ms = TPOT x accept length. Fixed budgets, before the automatic widths "
         "existed; `scripts/bench_serving.py` (above) is the end-to-end measure now.",
         budget_sweep_table,
     ),
     Section(
-        "soak", "Soak and malformed requests",
+        "soak",
+        "Soak and malformed requests",
         "`tests/gpu/test_soak.py` (marker `soak`): `scripts/soak.py`'s mixed load (1,000 seeded "
         "requests: OpenAI chat streamed and not, `/generate`, 1 token to near the context, "
         "T = 0 / 0.7 / 1, n 1-2, stop strings, a third with logprobs, penalties, a JSON schema "
         "or min_p, 30% cancelled, 32 in flight) on the shipped pair's servers, then "
-        "`scripts/fuzz_requests.py`'s malformed requests. \"failed\" is a request that neither "
+        '`scripts/fuzz_requests.py`\'s malformed requests. "failed" is a request that neither '
         "completed nor got a 4xx; the fuzz column counts cases that did not get one.",
         soak_table,
     ),
     Section(
-        "gpu_suite", "The GPU suite",
+        "gpu_suite",
+        "The GPU suite",
         "`tests/gpu` (docs/testing.md) on one H200: tiny checkpoints served by SGLang without "
         "speculation, with DDTREE and with SGLang's DFLASH, each test's tokens checked against "
         "the target (greedy under the float32 referee, T > 0 by chi-square, logprobs, "
@@ -448,7 +485,18 @@ SECTIONS = (
         gpu_suite_table,
     ),
     Section(
-        "fresh_clone", "A fresh clone on a small CPU machine",
+        "simulated_acceptance",
+        "Tokens per round in the simulated worlds",
+        "`scripts/simulated_acceptance.py` on the CPU: DDTREE's draft head and accept walk, and "
+        "the chain DFLASH verifies, over independent rounds of each simulated world "
+        "(docs/simulation.md). Tokens per round = accepted drafts + the bonus; in "
+        "parentheses, the tree's over the chain's. This is what a server sees "
+        "per round under SGLANG_DDTREE_SIMULATE; what each round costs comes from the GPU.",
+        simulated_acceptance_table,
+    ),
+    Section(
+        "fresh_clone",
+        "A fresh clone on a small CPU machine",
         "`scripts/time_fresh_clone.sh`: clone the repository into a temporary folder, then "
         "time `bash scripts/setup_cpu.sh` (creates `.venv`: about 3 GB downloaded from PyPI, "
         "so the link's speed counts), `bash scripts/demo.sh` and `bash scripts/test.sh`, one "
@@ -496,8 +544,13 @@ def readme_block(name: str, data: Path = DATA) -> str:
         shared = f", load average {load} during them: shared with other work" if load else ""
         times = (f"setup {_duration(r['setup_s'])}, the demo {_duration(r['demo_s'])}, the "
                  f"tests {_duration(r['test_s'])}")  # fmt: skip
-        return prose(f"Measured on a fresh clone ({r['date']}, a {cpus}-CPU machine{shared}): "
-                     f"{times} (`scripts/time_fresh_clone.sh`).") + "\n"
+        return (
+            prose(
+                f"Measured on a fresh clone ({r['date']}, a {cpus}-CPU machine{shared}): "
+                f"{times} (`scripts/time_fresh_clone.sh`)."
+            )
+            + "\n"
+        )
     section = next(s for s in SECTIONS if s.name == name)
     return section.render(rows) + "\n"
 

@@ -143,22 +143,20 @@ def _positive_int(value: object, flag: str) -> int | None:
 # --- the environment: the package reads os.environ here and nowhere else ---------------------
 
 
+# The switches a user sets, all of them (README, "Tune it"); tests/unit/test_plugin.py fails on a
+# ninth. Debugging aids are test tooling (tests/gpu/server_debug), not switches.
+SWITCHES = ("SGLANG_DDTREE_GDN", "SGLANG_DDTREE_WIDTH", "SGLANG_DDTREE_WIDTHS",
+            "SGLANG_DDTREE_PENALTIES", "SGLANG_DDTREE_DUMP_ROUNDS", "SGLANG_DDTREE_DUMP_EVERY",
+            "SGLANG_DDTREE_VERIFY_PLAN", simulation.SWITCH)  # fmt: skip
+
+
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """Every DDTREE environment switch, typed, validated together (README, "Tune it").
+    """Every DDTREE environment switch (SWITCHES), typed, validated together, and what the
+    server's flags decide beside them.
 
-    tree_builder  SGLANG_DDTREE_TREE_BUILDER  torch | triton; None: triton on CUDA, else torch
-    sync_check    SGLANG_DDTREE_SYNC_CHECK    1: DDTREE's per-round code under torch's sync
-                                              debug mode
-    gdn           SGLANG_DDTREE_GDN           ddtree | sglang (SGLang's own GDN tree verify)
-    gdn_verify    SGLANG_DDTREE_GDN_VERIFY    chunk | paths (chunk: N <= 64, root paths beyond);
-                                              paths under --enable-deterministic-inference
-    gdn_precision SGLANG_DDTREE_GDN_PRECISION split | tf32 | tf32x3 | ieee: how the chunked
-                                              verify's float32 products run (chunk only)
-    conv          SGLANG_DDTREE_CONV          ddtree | sglang
-    gdn_scratch   SGLANG_DDTREE_GDN_SCRATCH   compact | full; compact unless
-                                              --enable-unified-memory
-    (with gdn=sglang the three do not apply: SGLang's verify, conv1d and per-node states)
+    gdn           SGLANG_DDTREE_GDN           ddtree | sglang (SGLang's own GDN tree verify,
+                                              commit, conv1d and per-node states)
     width         SGLANG_DDTREE_WIDTH         auto | fixed: auto verifies each round the width
                                               (of `widths`) with the most expected tokens per
                                               ms at the running batch (integration/widths.py);
@@ -168,109 +166,70 @@ class Options:
                                               (there rank 0 chooses for every rank)
     widths        SGLANG_DDTREE_WIDTHS        comma-separated verify widths for auto, each in
                                               [B, N]; None: B, 2B, 4B ... below N, and N
-    logprobs      SGLANG_DDTREE_LOGPROBS      1 | 0: 1 serves logprobs (SGLang's spec-v2
-                                              logprobs over the accepted path; equal to plain
-                                              decoding's on the GPU); 0 refuses them with 400
     penalties     SGLANG_DDTREE_PENALTIES     1 | 0: 1 serves frequency / presence /
                                               repetition penalties, min_new_tokens and min_p,
                                               each node by its own path
                                               (integration/penalties.py; exact on the GPU);
-                                              0 refuses them with 400
+                                              0 refuses them with 400 (the memory way out)
     dump_rounds   SGLANG_DDTREE_DUMP_ROUNDS   a JSON-lines file for sampled rounds; None: off
     dump_every    SGLANG_DDTREE_DUMP_EVERY    every how many rounds (100)
     verify_plan   SGLANG_DDTREE_VERIFY_PLAN   host | sglang: host plans FlashInfer's tree verify
-                                              from host lengths with no read-back
-                                              (integration/verify_plan.py); sglang: SGLang's plan
-    mask_pack     SGLANG_DDTREE_MASK_PACK     triton | torch: how the host plan packs the tree
-                                              mask (triton, the default: one launch from the
-                                              tree, no unpacked mask, integration/mask_pack.py;
-                                              torch: the mask written, then packed by ~130 torch
-                                              ops; the default with the SGLang plan)
-    accept_path   SGLANG_DDTREE_ACCEPT_PATH   triton | sglang: the accepted path's commit steps
-                                              and its move to the block front in one Triton
-                                              launch each (integration/accept_path.py, the
-                                              default); sglang: SGLang's torch code
+                                              from host lengths with no read-back and packs
+                                              the mask from the tree (integration/verify_plan.py,
+                                              mask_pack.py); sglang: SGLang's plan, from the
+                                              mask written unpacked. Kept until a GPU
+                                              measurement on SGLang 0.5.23 of the two plans
+                                              (owed); the loser is deleted after it
     simulate      SGLANG_DDTREE_SIMULATE      a benchmark world (sglang_ddtree/simulation.py):
                                               a regime's name, e.g. narrative; with
                                               --load-format dummy only; None: off
-    (the GDN debugging aids, the check against the root paths and the perturbation, are test
-    tooling: tests/gpu/gdn_debug; their old SGLANG_DDTREE_GDN_CHECK* / _PERTURB switches are
-    refused, since they change served tokens or stop the decode loop)
+    From the server's flags, not switches:
+    gdn_verify    chunk (the chunked verify; trees over 64 nodes take the root paths), or
+                  paths (root paths, batch-invariant) under --enable-deterministic-inference
+    gdn_scratch   compact (integration/gdn_pool.py), or full where SGLang allocates the per-node
+                  states itself: --enable-unified-memory, SGLANG_DDTREE_GDN=sglang
+    Switches that were retired are refused at start-up, naming what replaced them
+    (RETIRED_SWITCHES, DEBUG_SWITCHES).
     """
 
-    tree_builder: str | None = None
-    sync_check: bool = False
     gdn: str = "ddtree"
     gdn_verify: str = "chunk"
-    conv: str = "ddtree"
     gdn_scratch: str = "compact"
     dump_rounds: str | None = None
     dump_every: int = 100
     verify_plan: str = "host"
-    mask_pack: str = "triton"
-    accept_path: str = "triton"
-    gdn_precision: str = "split"
     width: str = "auto"
     widths: tuple[int, ...] | None = None
-    logprobs: bool = True
     penalties: bool = True
     simulate: World | None = None
 
     @classmethod
     def from_env(cls, unified_memory: bool = False, deterministic: bool = False,
                  tensor_parallel: bool = False) -> Options:  # fmt: skip
-        """Parse and check every switch; an error names the switch and the fix. deterministic
-        (--enable-deterministic-inference): the GDN verify defaults to the root paths, whose
-        served tokens are batch-invariant (the chunked verify's were not in the GPU suite;
-        SGLANG_DDTREE_GDN_VERIFY=chunk still picks it).
+        """Parse and check every switch; an error names the switch and the fix.
+        unified_memory (--enable-unified-memory): SGLang's unified pool allocates the per-node
+        GDN states itself, so the scratch is full. deterministic
+        (--enable-deterministic-inference): the GDN verify takes the root paths, whose served
+        tokens are batch-invariant (the chunked verify's were not in the GPU suite).
         tensor_parallel (--tp-size > 1): a fixed width unless asked for auto (`_width_mode`)."""
-        _refuse_debug_switches()
-        builder = env_value("SGLANG_DDTREE_TREE_BUILDER")
-        if builder is not None:
-            builder = env_choice("SGLANG_DDTREE_TREE_BUILDER", ("torch", "triton"))
+        _refuse_retired_switches()
         every = env_value("SGLANG_DDTREE_DUMP_EVERY", "100")
         if not every.isdigit() or int(every) < 1:
             raise ValueError(f"SGLANG_DDTREE_DUMP_EVERY must be a whole number >= 1, got {every!r}")
-        gdn = env_choice("SGLANG_DDTREE_GDN", ("ddtree", "sglang"))
-        if gdn == "sglang":  # SGLang's own verify, conv1d and per-node states
-            for name in _GDN_SWITCHES:
-                if env_value(name) is not None:
-                    raise ValueError(f"{name}={env_value(name)} needs DDTREE's GDN path, which "
-                                     "SGLANG_DDTREE_GDN=sglang turns off; drop one of the two.")  # fmt: skip
-            verify, conv, scratch, precision = "paths", "sglang", "full", "split"
-        else:
-            verify = env_choice("SGLANG_DDTREE_GDN_VERIFY", ("chunk", "paths"),
-                                default="paths" if deterministic else "chunk")  # fmt: skip
-            precision = env_choice("SGLANG_DDTREE_GDN_PRECISION", PRECISIONS)
-            conv = env_choice("SGLANG_DDTREE_CONV", ("ddtree", "sglang"))
-            # SGLang's unified pool allocates the per-node states itself: full there
-            scratch = env_choice("SGLANG_DDTREE_GDN_SCRATCH", ("compact", "full"),
-                                 default="full" if unified_memory else "compact")  # fmt: skip
-        plan = env_choice("SGLANG_DDTREE_VERIFY_PLAN", ("host", "sglang"))
+        ddtree_gdn = env_choice("SGLANG_DDTREE_GDN", ("ddtree", "sglang")) == "ddtree"
         opts = cls(
-            tree_builder=builder,
-            sync_check=env_choice("SGLANG_DDTREE_SYNC_CHECK", ("0", "1")) == "1",
-            gdn=gdn,
-            gdn_verify=verify,
-            conv=conv,
-            gdn_scratch=scratch,
+            gdn="ddtree" if ddtree_gdn else "sglang",
+            gdn_verify="chunk" if ddtree_gdn and not deterministic else "paths",
+            gdn_scratch="compact" if ddtree_gdn and not unified_memory else "full",
             dump_rounds=env_value("SGLANG_DDTREE_DUMP_ROUNDS") or None,
             dump_every=int(every),
-            verify_plan=plan,
-            mask_pack=env_choice(
-                "SGLANG_DDTREE_MASK_PACK",
-                ("triton", "torch"),
-                default="torch" if plan == "sglang" else "triton",
-            ),
-            accept_path=env_choice("SGLANG_DDTREE_ACCEPT_PATH", ("triton", "sglang")),
-            gdn_precision=precision,
+            verify_plan=env_choice("SGLANG_DDTREE_VERIFY_PLAN", ("host", "sglang")),
             width=_width_mode(deterministic, tensor_parallel),
             widths=_widths("SGLANG_DDTREE_WIDTHS"),
-            logprobs=env_choice("SGLANG_DDTREE_LOGPROBS", ("1", "0")) == "1",
             penalties=env_choice("SGLANG_DDTREE_PENALTIES", ("1", "0")) == "1",
             simulate=simulated_world(),
         )
-        opts._check(unified_memory)
+        opts._check()
         return opts
 
     @property
@@ -278,34 +237,10 @@ class Options:
         """Whether the compact GDN verify scratch is in use (DDTREE's GDN path only)."""
         return self.gdn == "ddtree" and self.gdn_scratch == "compact"
 
-    @property
-    def conv_inputs(self) -> bool:
-        """Whether the tree conv1d stores each node's input once and the commit builds the
-        accepted window from them (DDTREE's conv on the compact pool, whose per-node conv
-        buffer is then [N, dim] per request and layer instead of [N, dim, K - 1])."""
-        return self.compact_scratch and self.conv == "ddtree"
-
-    def _check(self, unified_memory: bool) -> None:
-        if self.gdn == "sglang" and (self.gdn_verify, self.conv, self.gdn_scratch) != (
-            "paths", "sglang", "full"
-        ):  # fmt: skip
-            raise ValueError("SGLANG_DDTREE_GDN=sglang runs SGLang's own verify, conv1d and "
-                             "scratch; it takes none of DDTREE's GDN switches.")  # fmt: skip
-        if self.gdn_precision != "split" and self.gdn_verify != "chunk":
-            raise ValueError(f"SGLANG_DDTREE_GDN_PRECISION={self.gdn_precision} sets the chunked "
-                             "verify's products; add SGLANG_DDTREE_GDN_VERIFY=chunk or drop it.")  # fmt: skip
-        if self.mask_pack != "torch" and self.verify_plan != "host":
-            raise ValueError(f"SGLANG_DDTREE_MASK_PACK={self.mask_pack} packs the host plan's "
-                             "mask (SGLANG_DDTREE_VERIFY_PLAN=host, the default), which "
-                             "SGLANG_DDTREE_VERIFY_PLAN=sglang turns off; drop one of the two.")  # fmt: skip
+    def _check(self) -> None:
         if self.widths is not None and self.width != "auto":
             raise ValueError("SGLANG_DDTREE_WIDTHS lists the widths SGLANG_DDTREE_WIDTH=auto "
                              "chooses among; drop it, or set SGLANG_DDTREE_WIDTH=auto.")  # fmt: skip
-        if self.gdn_scratch == "compact" and unified_memory:
-            # The unified pool allocates SGLang's per-node states itself; the solver would not
-            # have reserved them.
-            raise ValueError("SGLANG_DDTREE_GDN_SCRATCH=compact does not support "
-                             "--enable-unified-memory; drop one of the two.")  # fmt: skip
 
     def describe(self) -> str:
         """One line of every resolved switch (the server logs it at startup)."""
@@ -330,28 +265,45 @@ def _widths(name: str) -> tuple[int, ...] | None:
     return tuple(sorted({int(part) for part in parts}))
 
 
+# Switches that were retired, and what replaced each: a server refuses to start with one set,
+# since a silently ignored switch would mislead.
+RETIRED_SWITCHES = {
+    "SGLANG_DDTREE_TREE_BUILDER": "the device picks the tree builder (Triton on CUDA, torch "
+    "elsewhere)",
+    "SGLANG_DDTREE_SYNC_CHECK": "the sync check is test tooling (tests/gpu/server_debug, "
+    "DDTREE_SYNC_CHECK=1 there; docs/debugging.md)",
+    "SGLANG_DDTREE_GDN_VERIFY": "the chunked GDN verify serves, the root paths under "
+    "--enable-deterministic-inference (to debug: tests/gpu/server_debug, DDTREE_GDN_VERIFY "
+    "there)",
+    "SGLANG_DDTREE_GDN_PRECISION": "the chunked GDN verify's products run split "
+    "(to debug: tests/gpu/server_debug, DDTREE_GDN_PRECISION there)",
+    "SGLANG_DDTREE_CONV": "DDTREE's tree conv1d serves; SGLANG_DDTREE_GDN=sglang runs SGLang's "
+    "whole GDN path",
+    "SGLANG_DDTREE_GDN_SCRATCH": "the GDN scratch is compact, full where SGLang allocates the "
+    "per-node states (--enable-unified-memory, SGLANG_DDTREE_GDN=sglang)",
+    "SGLANG_DDTREE_LOGPROBS": "logprobs are always served",
+    "SGLANG_DDTREE_MASK_PACK": "the verify mask's packing follows SGLANG_DDTREE_VERIFY_PLAN",
+    "SGLANG_DDTREE_ACCEPT_PATH": "integration/accept_path.py always moves the accepted path",
+}
 # debugging aids that were server switches: the check's SERVE and the perturbation change
 # served tokens, and the check reads back and saves on the decode thread
 DEBUG_SWITCHES = ("SGLANG_DDTREE_GDN_CHECK", "SGLANG_DDTREE_GDN_CHECK_SERVE",
                   "SGLANG_DDTREE_GDN_CHECK_SAVE", "SGLANG_DDTREE_GDN_PERTURB")  # fmt: skip
 
 
-def _refuse_debug_switches() -> None:
-    """A server does not start with a debugging aid's old switch set: they are test tooling."""
+def _refuse_retired_switches() -> None:
+    """A server does not start with a retired switch set: the message says what replaced it."""
+    for name, instead in RETIRED_SWITCHES.items():
+        if env_value(name) is not None:
+            raise ValueError(f"{name} is no longer a switch: {instead}. Unset {name}.")
     for name in DEBUG_SWITCHES:
         if env_value(name) is not None:
             raise ValueError(
                 f"{name} is no longer a server switch: the GDN check and perturbation are "
                 "debugging aids that change served tokens or stop the decode loop, run from "
-                "test tooling (tests/gpu/gdn_debug, DDTREE_GDN_* there; docs/testing.md). "
+                "test tooling (tests/gpu/server_debug, DDTREE_GDN_* there; docs/debugging.md). "
                 f"Unset {name}."
             )
-
-
-_GDN_SWITCHES = ("SGLANG_DDTREE_GDN_VERIFY", "SGLANG_DDTREE_CONV", "SGLANG_DDTREE_GDN_SCRATCH",
-                 "SGLANG_DDTREE_GDN_PRECISION")  # fmt: skip
-# the chunked verify's product precisions (gdn/chunk_tree.py PRECISIONS; the default first)
-PRECISIONS = ("split", "tf32", "tf32x3", "ieee")
 
 
 def _width_mode(deterministic: bool, tensor_parallel: bool) -> str:

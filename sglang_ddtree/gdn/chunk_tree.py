@@ -45,10 +45,12 @@ import torch
 import triton
 import triton.language as tl
 
-from sglang_ddtree.config import PRECISIONS
 from sglang_ddtree.gdn.tree_verify import _scratch_offsets, verify_shapes
 
 MAX_NODES = 64  # [N, N] fp32 tiles in registers; wider trees use tree_verify's root paths
+# how the float32 products run; servers use "split", the others are for kernel comparisons
+# (tests/unit/test_gdn_tree_verify.py, scripts/bench_gdn_tree.py, tests/gpu/server_debug)
+PRECISIONS = ("split", "tf32", "tf32x3", "ieee")
 
 
 @triton.jit

@@ -1,6 +1,5 @@
 """The accepted path moved to the front of each request's block after a DDTREE verify, in one
-Triton launch (SGLANG_DDTREE_ACCEPT_PATH=triton, the default; `sglang` leaves SGLang's code in
-place).
+Triton launch.
 
 `finalize_hook`, AROUND eagle_worker_common._finalize_accept_tree_path: one kernel writes the KV
 slot pairs for the pool's own move_kv_cache, the compacted predictions, and the rows of the
@@ -15,10 +14,10 @@ SGLang's function.
 from __future__ import annotations
 
 
-def _applies(opts, batch) -> bool:
+def _applies(batch) -> bool:
     from sglang_ddtree.integration.spec import is_ddtree
 
-    return opts.accept_path == "triton" and is_ddtree(getattr(batch, "spec_algorithm", None))
+    return is_ddtree(getattr(batch, "spec_algorithm", None))
 
 
 def finalize_hook(runtime, original, batch, accept_index, accept_lens, predict, logits_output, bs, *,
@@ -26,8 +25,8 @@ def finalize_hook(runtime, original, batch, accept_index, accept_lens, predict, 
     """AROUND eagle_worker_common._finalize_accept_tree_path: for a DDTREE batch, the KV moved by
     the pool from compact_path's pairs, the compacted predictions returned, and the accepted
     hidden states' [bs x S, hidden] rows left in logits_output.hidden_states (when present).
-    runtime: the worker factory's options and engaged paths (hooks.Runtime), bound at install."""
-    if not _applies(runtime.options, batch):
+    runtime: the worker factory's runtime.Runtime (its engaged paths), bound at install."""
+    if not _applies(batch):
         return original(batch, accept_index, accept_lens, predict, logits_output, bs,
                         token_to_kv_pool_allocator=token_to_kv_pool_allocator,
                         num_draft_tokens=num_draft_tokens)  # fmt: skip

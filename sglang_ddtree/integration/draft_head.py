@@ -24,8 +24,8 @@ from sglang_ddtree.tree.shard_topk import merge_topk, shard_topk
 def tree_builder(name: str | None = None, device: torch.device | None = None):
     """The tree builder the head uses: "triton" (`tree.build_triton`, one program per request:
     the default on CUDA, 0.01-0.08 ms per round on the H200 against 0.35-0.8 ms for the batched
-    torch builder, docs/results.md) or "torch" (`tree.build_tree`, the default elsewhere).
-    SGLANG_DDTREE_TREE_BUILDER (config.Options.tree_builder, the `name` given) picks one."""
+    torch builder, docs/results.md) or "torch" (`tree.build_tree`, the default elsewhere, and
+    the Triton builder's reference). `name` picks one explicitly (scripts/bench_tree_build.py)."""
     if name is None:
         name = "triton" if device is not None and device.type == "cuda" else "torch"
     if name == "torch":
@@ -34,7 +34,7 @@ def tree_builder(name: str | None = None, device: torch.device | None = None):
         from sglang_ddtree.tree.build_triton import build_tree_triton
 
         return build_tree_triton
-    raise ValueError(f"SGLANG_DDTREE_TREE_BUILDER must be 'torch' or 'triton', got {name!r}")
+    raise ValueError(f"the tree builder must be 'torch' or 'triton', got {name!r}")
 
 
 @dataclass(frozen=True)
@@ -58,14 +58,13 @@ class DraftTreeHead:
         max_bs: int,
         shard: VocabShard | None = None,  # None: the whole vocabulary (tp = 1)
         world: World | None = None,  # a simulated world (sglang_ddtree/simulation.py)
-        builder: str | None = None,  # config.Options.tree_builder (None: by device)
     ):
         self.weight = lm_head_weight
         self.vocab_size = int(vocab_size)
         self.cfg = cfg
         self.shard = shard
         self.world = world
-        self.build = tree_builder(builder, device=lm_head_weight.device)
+        self.build = tree_builder(device=lm_head_weight.device)
         N, dev = cfg.num_nodes, lm_head_weight.device
         self.tokens = torch.zeros((max_bs, N), dtype=torch.int64, device=dev)
         self.parents = torch.zeros((max_bs, N), dtype=torch.int64, device=dev)

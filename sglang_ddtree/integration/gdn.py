@@ -8,8 +8,8 @@ DDTREE serves a tree (topk > 1):
 
 - `target_verify` (around GDNKernelDispatcher.target_verify, once per GDN layer, inside the
   verify CUDA graph): `gdn.chunk_tree.chunk_tree_verify`, every node at once in the chunked
-  form on tensor cores (N <= 64; wider trees, or SGLANG_DDTREE_GDN_VERIFY=paths, take
-  `gdn.tree_verify.tree_verify`, one program per root path). Each node's g, beta, k and v go
+  form on tensor cores (N <= 64; wider trees, and --enable-deterministic-inference, take
+  `gdn.tree_verify.tree_verify`, one program per root path, whose tokens are batch-invariant). Each node's g, beta, k and v go
   to the request's scratch row, no state does.
 - `commit` (around HybridLinearAttnBackend.update_mamba_state_after_mtp_verify, once per round):
   `commit_paths` replays the accepted path into the pool for all GDN layers in one launch (and
@@ -17,10 +17,10 @@ DDTREE serves a tree (topk > 1):
   the nodes' inputs the tree conv1d stored once (`conv_tree.commit_windows`, on the compact
   pool), else by SGLang's own scatter of the per-node windows, its state part skipped.
 - `conv_update` (around gdn_backend.causal_conv1d_update): the tree verify's conv1d through
-  `gdn/conv_tree.py`, every node in parallel (SGLANG_DDTREE_CONV=sglang: SGLang's kernel).
+  `gdn/conv_tree.py`, every node in parallel.
 - The compact scratch (integration/gdn_pool.py) shrinks `intermediate_ssm` to the scratch that
-  DDTREE's verify uses and sizes the Mamba pool for it (SGLANG_DDTREE_GDN_SCRATCH=full: SGLang's
-  N states per request; the default under --enable-unified-memory).
+  DDTREE's verify uses and sizes the Mamba pool for it (under --enable-unified-memory, whose
+  pool SGLang allocates itself: SGLang's N states per request, the full scratch).
 
 The accepted path comes from the same parent indices the verify used (the conv kernel fills
 `retrieve_parent_token` from the tree), so the committed state is the verified one.
@@ -44,17 +44,11 @@ class GDNPath:
     """How DDTREE's tree verify runs the Gated DeltaNet layers (`path_of` the options)."""
 
     max_path: int  # nodes on the longest root path: the bonus token + B - 1 drafted tokens
-    verify: str = "chunk"  # SGLANG_DDTREE_GDN_VERIFY: "chunk" (N <= 64) or "paths" (root paths)
-    conv: bool = True  # SGLANG_DDTREE_CONV=ddtree: gdn/conv_tree.py's tree conv1d
-    compact: bool = True  # SGLANG_DDTREE_GDN_SCRATCH=compact: integration/gdn_pool.py
-    precision: str = "split"  # SGLANG_DDTREE_GDN_PRECISION: the chunked verify's products
-
-    @property
-    def conv_inputs(self) -> bool:
-        """Whether the tree conv1d stores each node's input once and the commit builds the
-        accepted window from them (DDTREE's conv on DDTREE's compact pool, whose window buffer
-        only DDTREE reads); else the per-node windows and SGLang's scatter."""
-        return self.conv and self.compact
+    verify: str = "chunk"  # "chunk" (N <= 64) or "paths" (root paths; deterministic inference)
+    # the compact scratch (integration/gdn_pool.py): the tree conv1d stores each node's input
+    # once and the commit builds the accepted window from them; full: SGLang's per-node windows
+    # and its scatter
+    compact: bool = True
 
     def chunked(self, nodes: int) -> bool:
         """Whether an N-node tree verify runs the chunked kernel (wider trees: root paths)."""
@@ -70,9 +64,7 @@ def path_of(options: Options, block_size: int) -> GDNPath | None:
     return GDNPath(
         max_path=block_size,
         verify=options.gdn_verify,
-        conv=options.conv == "ddtree",
         compact=options.compact_scratch,
-        precision=options.gdn_precision,
     )
 
 
@@ -109,14 +101,13 @@ class GDNState:
 
 def configure(opts: Options, cfg: DDTreeConfig) -> GDNState:
     """The GDN hooks' state for the worker factory's options and SGLang's resolved (B, N, K); logs
-    the GDN path (tests/gpu checks the line), and says so when the chunked verify's switches
-    cannot apply (trees wider than it takes)."""
+    the GDN path (tests/gpu checks the line), and says so when the chunked verify cannot apply
+    (trees wider than it takes)."""
     path = path_of(opts, cfg.block_size)
     logger.info("sglang_ddtree: GDN path: %s", describe(path))
     if path is not None and path.verify == "chunk" and not path.chunked(cfg.num_nodes):
         logger.warning("sglang_ddtree: %d-node trees are wider than the chunked GDN verify takes: "
-                       "they use the root paths, and SGLANG_DDTREE_GDN_PRECISION does not apply.",
-                       cfg.num_nodes)  # fmt: skip
+                       "they use the root paths.", cfg.num_nodes)  # fmt: skip
     return GDNState(path)
 
 
@@ -124,9 +115,7 @@ def describe(path: GDNPath | None) -> str:
     """The startup log's words for a GDN path (tests/gpu checks them per server)."""
     if path is None:
         return "sglang (verify, commit, conv1d, per-node states)"
-    verify = path.verify + (f" ({path.precision})" if path.verify == "chunk" else "")
-    return (f"ddtree (verify: {verify}; commit: replay; tree conv1d: "
-            f"{'ddtree' if path.conv else 'sglang'}; scratch: "
+    return (f"ddtree (verify: {path.verify}; commit: replay; tree conv1d: ddtree; scratch: "
             f"{'compact' if path.compact else 'full'})")  # fmt: skip
 
 
@@ -154,8 +143,7 @@ def target_verify(state: GDNState, original, dispatcher, A_log, dt_bias, q, k, v
                 kwargs["cache_indices"][:bs], _rows(parents, N),
                 as_scratch(kwargs["intermediate_states_buffer"], 1),
                 kwargs["intermediate_state_indices"][:bs])  # fmt: skip
-        extra = {"precision": path.precision} if chunked else {}
-        o = kernel(*args, max_path=path.max_path, **extra)
+        o = kernel(*args, max_path=path.max_path)
     except ValueError as exc:  # a pool layout the kernel does not take: name the way out
         raise RuntimeError(
             f"DDTREE's Gated DeltaNet tree verify cannot run on this Mamba pool ({exc}); serve "
@@ -168,18 +156,18 @@ def conv_update(state: GDNState, original, x, conv_state, weight, bias=None, act
                 *rest, **kwargs):  # fmt: skip
     """Around gdn_backend.causal_conv1d_update (SGLang's hook registry also rebinds every other
     module's import of that function): a tree verify's conv1d through `gdn.conv_tree.conv_tree`
-    (SGLANG_DDTREE_CONV=ddtree, the default; same outputs, per-node windows and retrieve_parent_token
-    as SGLang's kernel); every other call, as it came, to SGLang's."""
+    (same outputs, per-node windows and retrieve_parent_token as SGLang's kernel); every other
+    call, as it came, to SGLang's."""
     tree = all(kwargs.get(k) is not None for k in _CONV_TREE_ARGS)
     path = state.path
-    if path is None or not path.conv or not tree or rest or set(kwargs) - set(_CONV_TREE_ARGS):
-        if tree and path is not None and path.conv_inputs:
+    if path is None or not tree or rest or set(kwargs) - set(_CONV_TREE_ARGS):
+        if tree and path is not None and path.compact:
             # SGLang's kernel would write per-node windows where the commit reads the nodes'
             # inputs (and roll the conv state): a wrong state, silently
             raise RuntimeError(
                 "A tree conv1d call DDTREE's conv does not cover (arguments "
                 f"{sorted(set(kwargs) - set(_CONV_TREE_ARGS))}, {len(rest)} more positional) "
-                "reached the compact GDN pool; serve with SGLANG_DDTREE_CONV=sglang."
+                "reached the compact GDN pool; serve with SGLANG_DDTREE_GDN=sglang."
             )
         return original(x, conv_state, weight, bias, activation, *rest, **kwargs)
     from sglang_ddtree.gdn.conv_tree import conv_tree
@@ -199,7 +187,7 @@ def conv_update(state: GDNState, original, x, conv_state, weight, bias=None, act
     if fill:
         state.filled = parents.data_ptr()
     return conv_tree(x, conv_state, weight, bias, activation, fill_parents=fill,
-                     save_inputs=path.conv_inputs, **kwargs)  # fmt: skip
+                     save_inputs=path.compact, **kwargs)  # fmt: skip
 
 
 _CONV_TREE_ARGS = (
@@ -246,7 +234,7 @@ def commit(state: GDNState, original, backend, last_correct_step_indices, mamba_
         track_idx=mamba_track_indices,
         track_node=track_node,
     )
-    if path.conv_inputs:  # the accepted windows from the nodes' stored inputs
+    if path.compact:  # the accepted windows from the nodes' stored inputs
         from sglang_ddtree.gdn.conv_tree import commit_windows
 
         for conv, inputs in zip(caches.conv, caches.intermediate_conv_window, strict=True):
@@ -268,8 +256,8 @@ def _refuse_compact(intermediate_ssm) -> None:
     if gdn_pool.is_compact(intermediate_ssm):
         raise RuntimeError(
             "A Gated DeltaNet verify without a DDTREE tree reached a Mamba pool sized by "
-            "SGLANG_DDTREE_GDN_SCRATCH=compact, which only DDTREE's verify can use; serve with "
-            "SGLANG_DDTREE_GDN_SCRATCH=full."
+            "DDTREE's compact scratch, which only DDTREE's verify can use; serve with "
+            "SGLANG_DDTREE_GDN=sglang."
         )
 
 

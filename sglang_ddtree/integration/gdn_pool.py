@@ -1,17 +1,17 @@
-"""A compact Gated DeltaNet verify scratch in SGLang's Mamba pool (the default; SGLANG_DDTREE_GDN_SCRATCH).
+"""A compact Gated DeltaNet verify scratch in SGLang's Mamba pool (DDTREE's GDN path).
 
 SGLang gives every running request N full recurrent states per GDN layer for a verify
 (`intermediate_ssm` [layers, requests + 1, N, HV, V, K]: 9.7 GB per request at 27B and N = 64)
 and sizes the Mamba pool for it, which caps DDTREE at 4 running requests at N = 64 on an H200.
 DDTREE's own verify (integration/gdn.py) keeps only each node's inputs, `scratch_floats` words
-per request and layer (1.6 % of that). With SGLANG_DDTREE_GDN_SCRATCH=compact (the default
-but under --enable-unified-memory) two hooks size the pool for what DDTREE uses:
+per request and layer (1.6 % of that). Two hooks size the pool for what DDTREE uses (except
+under --enable-unified-memory, whose pool SGLang allocates itself with its per-node states):
 
 - `init_mamba_pool` (around HybridReqToTokenPool._init_mamba_pool): SGLang builds the pool
   without speculative buffers; we add `intermediate_ssm` as float32 rows of `scratch_floats`
-  words [layers, requests + 1, words] and the per-node conv buffer: with DDTREE's tree conv1d
-  each node's input once, [layers, requests + 1, N, dim, 1] (gdn/conv_tree.py's save_inputs and
-  commit_windows); with SGLang's conv, SGLang's dense per-node windows [.., N, dim, K - 1].
+  words [layers, requests + 1, words] and the per-node conv buffer: each node's input once,
+  [layers, requests + 1, N, dim, 1] (gdn/conv_tree.py's save_inputs and commit_windows), where
+  SGLang keeps dense per-node windows [.., N, dim, K - 1].
 - `size_mamba_pool` (around KVCacheConfigurator._handle_max_mamba_cache): SGLang charges the
   speculative buffers as N extra states per request; we run its solver with the number of
   states that covers the compact buffers instead, so the memory goes to more requests.
@@ -35,14 +35,13 @@ from sglang_ddtree.integration import compat
 logger = logging.getLogger(__name__)
 
 
-def compact_bytes_per_request(cache_params, num_nodes: int, conv_inputs: bool = True) -> int:
+def compact_bytes_per_request(cache_params, num_nodes: int) -> int:
     """Bytes of the compact speculative buffers per request, all GDN layers: the verify scratch
-    (float32) and the per-node conv buffer (the conv dtype; `conv_window`'s width; conv_inputs:
-    config.Options.conv_inputs)."""
+    (float32) and the per-node conv buffer (the conv dtype; `conv_window`'s width)."""
     from sglang_ddtree.gdn.tree_verify import scratch_floats
 
     HV, V, K = cache_params.shape.temporal
-    conv = sum(math.prod(conv_window(shape, conv_inputs)) for shape in cache_params.shape.conv)
+    conv = sum(math.prod(conv_window(shape)) for shape in cache_params.shape.conv)
     per_layer = 4 * scratch_floats(num_nodes, HV, K, V)
     per_layer += num_nodes * conv * cache_params.dtype.conv.itemsize
     return per_layer * len(cache_params.layers)
@@ -59,8 +58,7 @@ def size_mamba_pool(opts: Options, original, configurator, total_rest_memory):
     params = configurator.mambaish_config.mamba2_cache_params
     spec = get_spec()
     N = int(max_speculative_num_draft_tokens() or spec.speculative_num_draft_tokens)
-    per_request = compact_bytes_per_request(params, N, opts.conv_inputs)
-    states = math.ceil(per_request / params.mamba_cache_per_req)
+    states = math.ceil(compact_bytes_per_request(params, N) / params.mamba_cache_per_req)
     logger.info(
         "sglang_ddtree: Mamba pool sized for %d verify state(s) per request instead of %d "
         "(compact GDN scratch)", states, spec.speculative_num_draft_tokens
@@ -78,7 +76,7 @@ def size_mamba_pool(opts: Options, original, configurator, total_rest_memory):
             f"--mem-fraction-static leaves after the weights, {slots} Mamba state slots (plus "
             f"SGLang's padding slot; {params.mamba_cache_per_req / (1 << 20):.2f} MiB each) and "
             f"the compact GDN verify scratch for N = {N} "
-            f"({per_request / (1 << 20):.2f} MiB per running request, "
+            f"({compact_bytes_per_request(params, N) / (1 << 20):.2f} MiB per running request, "
             f"reserved as {states} whole states) leave {rest:.2f} GiB for the KV cache. Lower "
             "--max-mamba-cache-size or "
             "--max-running-requests, lower --speculative-num-draft-tokens, or raise "
@@ -98,13 +96,11 @@ def init_mamba_pool(opts: Options, original, req_pool, *args, **kwargs):
         return original(*call.args, **call.kwargs)
     params["speculative_num_draft_tokens"] = None  # SGLang: no speculative buffers
     original(*call.args, **call.kwargs)
-    attach_compact_scratch(req_pool.mamba_pool, params["mamba_spec_state_size"], N,
-                           opts.conv_inputs)  # fmt: skip
+    attach_compact_scratch(req_pool.mamba_pool, params["mamba_spec_state_size"], N)
     return None
 
 
-def attach_compact_scratch(pool, spec_state_size: int, num_nodes: int,
-                           conv_inputs: bool = True) -> None:  # fmt: skip
+def attach_compact_scratch(pool, spec_state_size: int, num_nodes: int) -> None:
     """Turn a MambaPool built without speculative buffers into one with DDTREE's compact ones
     (one row per request plus SGLang's padding row)."""
     from sglang.srt.mem_cache.memory_pool import MambaPool
@@ -117,8 +113,7 @@ def attach_compact_scratch(pool, spec_state_size: int, num_nodes: int,
     HV, V, K = temporal.shape[2:]
     scratch = temporal.new_zeros((layers, rows, scratch_floats(num_nodes, HV, K, V)),
                                  dtype=torch.float32)  # fmt: skip
-    windows = [conv.new_zeros((layers, rows, num_nodes,
-                               *conv_window(conv.shape[2:], conv_inputs)))
+    windows = [conv.new_zeros((layers, rows, num_nodes, *conv_window(conv.shape[2:])))
                for conv in cache.conv]  # fmt: skip
     fields = {f.name: getattr(cache, f.name) for f in dataclasses.fields(cache)}
     pool.mamba_cache = MambaPool.SpeculativeState(
@@ -135,10 +130,10 @@ def attach_compact_scratch(pool, spec_state_size: int, num_nodes: int,
     )  # fmt: skip
 
 
-def conv_window(shape, conv_inputs: bool = True) -> tuple:
-    """A node's share of the per-node conv buffer for a conv state of `shape` (dim, K - 1): its
-    input once (dim, 1) with DDTREE's conv (conv_inputs), SGLang's whole window otherwise."""
-    return (*shape[:-1], 1) if conv_inputs else tuple(shape)
+def conv_window(shape) -> tuple:
+    """A node's share of the compact per-node conv buffer for a conv state of `shape`
+    (dim, K - 1): its input once, (dim, 1)."""
+    return (*shape[:-1], 1)
 
 
 def is_compact(intermediate_ssm) -> bool:

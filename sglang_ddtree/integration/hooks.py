@@ -9,13 +9,13 @@
 |                                         | (GDN reads retrieve_next_token when topk > 1) and the |
 |                                         | draft runs B tokens, not N                            |
 | TokenizerManager._validate_one_request  | (front end) reject what DDTREE cannot serve with a    |
-|                                         | 400 before it is scheduled: logprobs, max_tokens < 1, |
-|                                         | every limit of request_limits.py                      |
+|                                         | 400 before it is scheduled: max_tokens < 1, every     |
+|                                         | limit of request_limits.py                            |
 | GDNKernelDispatcher.target_verify       | Gated DeltaNet tree verify without per-node states    |
 | HybridLinearAttnBackend                 | and the commit by replaying the accepted path         |
 |   .update_mamba_state_after_mtp_verify  | (integration/gdn.py; SGLANG_DDTREE_GDN=sglang: off)   |
 | gdn_backend.causal_conv1d_update        | the tree conv1d, every node in parallel (off:         |
-|                                         | SGLANG_DDTREE_CONV=sglang)                            |
+|                                         | SGLANG_DDTREE_GDN=sglang)                             |
 | kv_cache_configurator                   | req_to_token rows wide enough for DFlash v2's decode  |
 |   .get_req_to_token_extra_context_len,  | reserve (2N past the committed length): at the        |
 | init_unified_mamba_pools                |                                                       |
@@ -23,15 +23,14 @@
 |                                         | the next row's first entries overwritten)             |
 | HybridReqToTokenPool._init_mamba_pool   | the compact GDN verify scratch and the Mamba pool     |
 | KVCacheConfigurator                     | sized for it (integration/gdn_pool.py; off:           |
-|   ._handle_max_mamba_cache              | SGLANG_DDTREE_GDN_SCRATCH=full)                       |
+|   ._handle_max_mamba_cache              | SGLANG_DDTREE_GDN=sglang, --enable-unified-memory)    |
 | Scheduler.get_internal_state            | /server_info reports the resolved options, GDN path   |
 |                                         | and the DDTREE paths taken (Runtime.report)           |
 | FlashInferIndicesUpdaterPrefill         | the verify's masked plan from host lengths and a      |
 |   .call_begin_forward                   | device-packed mask, no read-back (verify_plan.py;     |
 |                                         | off: SGLANG_DDTREE_VERIFY_PLAN=sglang)                |
 | eagle_worker_common                     | the accepted path moved to the block front in one     |
-|   ._finalize_accept_tree_path           | Triton launch, its hidden rows alone (accept_path.py; |
-|                                         | off: SGLANG_DDTREE_ACCEPT_PATH=sglang)                |
+|   ._finalize_accept_tree_path           | Triton launch, its hidden rows alone (accept_path.py) |
 | TokenizerManager.__init__               | (front end) a JSON body that is not an object gets a  |
 |                                         | 400, not SGLang's 500 (json_bodies.py)                |
 
@@ -182,15 +181,6 @@ class RequestCheck:
         ids = args[0] if args else None
         request_limits.check_request(obj, ids, request_limits.Sizes(
             *compat.front_end_sizes(tokenizer_manager)))  # fmt: skip
-        if getattr(obj, "return_logprob", False) and not self.options.logprobs:
-            # SGLANG_DDTREE_LOGPROBS=1 (the default) serves SGLang's own spec-v2 logprobs over
-            # the accepted path (compute_spec_v2_logprobs; equal to plain decoding's on the GPU)
-            raise ValueError(
-                "DDTREE speculative decoding does not return logprobs; drop logprobs/"
-                "return_logprob or serve this request without speculative decoding (this server "
-                "was started with SGLANG_DDTREE_LOGPROBS=0; SGLANG_DDTREE_LOGPROBS=1, the "
-                "default, serves them)."
-            )
         _check_token_ids(tokenizer_manager, ids)
         sampling = getattr(obj, "sampling_params", None) or {}
         if isinstance(sampling, dict):

@@ -1,13 +1,13 @@
 """The tree verify's custom mask packed for FlashInfer in one Triton launch straight from the
-tree (SGLANG_DDTREE_MASK_PACK=triton, the default; torch writes the unpacked mask and packs it
-with verify_plan.pack_at_bit_offsets). With it the verify input does not write the unpacked mask
-at all, unless the plan falls back to SGLang's, which then gets it written.
+tree, for the host plan (integration/verify_plan.py). With it the verify input does not write
+the unpacked mask at all, unless the plan falls back to SGLang's, which then gets it written
+(SGLANG_DDTREE_VERIFY_PLAN=sglang: always, and SGLang packs it).
 
 Same bytes as `pack_at_bit_offsets` of the written mask: request b's mask bits packed
 little-endian from byte starts[b] (the plan's bit offset, which FlashInfer's kernel adds
-to its byte pointer), every other byte zero. The torch path takes about 110 small torch
-operations a round (counted on the CPU), each a host launch; on the host-bound shipped pair the
-profiler put the packing at 1.8 ms of a 13.9 ms DDTREE round.
+to its byte pointer), every other byte zero. `pack_at_bit_offsets` is its torch reference
+(about 110 small torch operations a round, each a host launch; on the host-bound shipped pair
+the profiler put that packing at 1.8 ms of a 13.9 ms DDTREE round).
 Here one program packs BLOCK bytes of one request: grid (requests, blocks of the longest
 request).
 """

@@ -134,7 +134,7 @@ def call_begin_forward(runtime, original, updater, wrapper_ragged, wrapper_paged
     own = "begin_forward" in vars(wrapper_paged)
     from sglang_ddtree.integration import verify_input
 
-    from_tree = not spec_info.tree_mask_written  # SGLANG_DDTREE_MASK_PACK=triton (the default)
+    from_tree = not spec_info.tree_mask_written  # else written: a warm-up stand-in's mask
     if from_tree:
         from sglang_ddtree.integration import mask_pack
 
@@ -167,10 +167,10 @@ def call_begin_forward(runtime, original, updater, wrapper_ragged, wrapper_paged
 
 
 def packs_from_tree(opts) -> bool:
-    """Whether the verify input may leave its unpacked mask unwritten: the host plan with the
-    Triton packer, which packs from the tree (SGLANG_DDTREE_MASK_PACK=triton, the default);
+    """Whether the verify input may leave its unpacked mask unwritten: the host plan packs the
+    mask from the tree (integration/mask_pack.py); SGLang's plan reads the written mask.
     opts: config.Options."""
-    return opts.verify_plan == "host" and opts.mask_pack == "triton"
+    return opts.verify_plan == "host"
 
 
 def write_mask(spec_info) -> None:

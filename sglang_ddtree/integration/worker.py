@@ -55,10 +55,11 @@ from sglang_ddtree.tree.budget import WidthPolicy, automatic_widths
 logger = logging.getLogger(__name__)
 
 
-def own_code(sync_check: bool):
-    """SGLANG_DDTREE_SYNC_CHECK=1 (sync_check): DDTREE's own per-round code under torch's sync
-    debug mode ("warn"; the GPU tests fail on any such warning). SGLang's own calls are left out."""
-    return _sync_debug() if sync_check else contextlib.nullcontext()
+def own_code():
+    """The context DDTREE's own per-round code runs in (SGLang's own calls are left out):
+    nothing when serving. The GPU test servers' sync check replaces it from outside with torch's
+    sync debug mode (tests/gpu/server_debug/ddtree_sync_check.py; the tests fail on a warning)."""
+    return contextlib.nullcontext()
 
 
 def profiled(name: str):
@@ -67,16 +68,6 @@ def profiled(name: str):
     if compat.profiler_running():
         return record_function(name)
     return contextlib.nullcontext()
-
-
-@contextlib.contextmanager
-def _sync_debug():
-    previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(previous)
 
 
 # the width policy's table goes to the log when a batch bucket's calibration completes, after
@@ -94,8 +85,8 @@ class _DropWidthMismatch(logging.Filter):
         return not record.getMessage().startswith("DFLASH block size mismatch")
 
 
-def tree_head(lm_head, cfg: DDTreeConfig, max_bs: int, gather=None, world: World | None = None,
-              builder: str | None = None) -> DraftTreeHead:  # fmt: skip
+def tree_head(lm_head, cfg: DDTreeConfig, max_bs: int, gather=None,
+              world: World | None = None) -> DraftTreeHead:  # fmt: skip
     """The draft head on the target's LM head: its real rows (`compat.lm_head_rows`); given the
     TP group's `gather` (a vocabulary-parallel head, tp > 1), a VocabShard that merges the
     ranks' top-K through it, so every rank builds the same tree (issue 18, part 1). Start-up
@@ -104,7 +95,7 @@ def tree_head(lm_head, cfg: DDTreeConfig, max_bs: int, gather=None, world: World
     offset, rows = compat.lm_head_rows(lm_head)
     shard = VocabShard(offset=offset, gather=gather) if gather is not None else None
     return DraftTreeHead(lm_head_weight=lm_head.weight, vocab_size=rows, cfg=cfg, max_bs=max_bs,
-                         shard=shard, world=world, builder=builder)  # fmt: skip
+                         shard=shard, world=world)  # fmt: skip
 
 
 def draft_tail(head: DraftTreeHead):
@@ -177,16 +168,12 @@ class DDTreeWorker(DFlashWorkerV2):
                 self._tree_head.max_bs,
             )
 
-    def _own_code(self):
-        return own_code(self.options.sync_check)
-
     def _build_tree_head(self) -> DraftTreeHead:
         graph_bs = get_exec().graph.cuda_graph_config.decode.bs or [1]
         max_bs = max(max(graph_bs), int(compat.max_running_requests() or 1))
         lm_head = self.target_worker.model_runner.model.lm_head
         gather = compat.tp_gather() if self._tp_size > 1 else None
-        opts = self.options
-        return tree_head(lm_head, self.cfg, max_bs, gather, opts.simulate, opts.tree_builder)
+        return tree_head(lm_head, self.cfg, max_bs, gather, self.options.simulate)
 
     def init_cuda_graphs(self):
         capture = get_exec().graph.cuda_graph_config.decode.backend != Backend.DISABLED
@@ -295,12 +282,12 @@ class DDTreeWorker(DFlashWorkerV2):
             raise RuntimeError(f"DDTREE expected DFlashDraftInputV2, got {type(draft_input)}")
         batch.seq_lens.record_stream(torch.get_device_module(self.device).current_stream())
         bs = len(batch.seq_lens)
-        with self._own_code():
+        with own_code():
             width = self._choose_width(bs)
 
         with profiled("ddtree.draft_and_build"):
             block = self._draft(batch, draft_input)  # draft + build (one graph replay)
-        with self._own_code(), profiled("ddtree.verify_input"):
+        with own_code(), profiled("ddtree.verify_input"):
             tree = self._tree_head.tree(bs, width)  # the first `width` nodes
             batch.spec_info = make_verify_input(
                 self.cfg,
@@ -330,7 +317,7 @@ class DDTreeWorker(DFlashWorkerV2):
         batch.spec_info = draft_input
         if on_publish is not None:
             on_publish(result.new_seq_lens)
-        with self._own_code(), profiled("ddtree.draft_context"):
+        with own_code(), profiled("ddtree.draft_context"):
             self._commit_draft_context(result, *block, width)
             result.next_draft_input = make_draft_input_v2(
                 bonus_tokens=result.next_draft_input.bonus_tokens,
@@ -410,7 +397,7 @@ class DDTreeWorker(DFlashWorkerV2):
         # [bs, B] each: bonus + MASK x (B - 1); seq_len + 0..B-1; req_to_token slots; and the
         # host-bound lengths [bs]
         block_ids, positions, cache_loc, seq_lens_cpu = compat.draft_block_buffers(self, bs)
-        with self._own_code():
+        with own_code():
             self._prepare_block(batch, draft_input, block_ids, positions, cache_loc)
             input_embeds = compat.draft_block_embeds(self, block_ids)
         committed_cpu = self._host_seq_lens(batch, draft_input)
@@ -440,7 +427,7 @@ class DDTreeWorker(DFlashWorkerV2):
         with torch.inference_mode(), compat.draft_scope(self):
             draft_out = self.draft_model_runner.forward(forward_batch)
             if not draft_out.can_run_graph:  # the graph ran the head already
-                with self._own_code():
+                with own_code():
                     self._tree_head(draft_out.logits_output.hidden_states, block_ids.flatten(),
                                     positions.flatten())  # fmt: skip
         return positions, compat.draft_write_ids(self, plan).view(bs, B)

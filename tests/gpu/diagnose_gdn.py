@@ -1,6 +1,6 @@
 """Where DDTREE's chunked Gated DeltaNet verify and the root-path kernel part ways in a served
 run: one DDTREE server (chunked verify) on the GPU suite's binary Qwen3.5 pair with the GDN
-check of tests/gpu/gdn_debug (DDTREE_GDN_CHECK=OUT/check: every chunked verify checked against
+check of tests/gpu/server_debug (DDTREE_GDN_CHECK=OUT/check: every chunked verify checked against
 the root-path kernel; in CUDA graphs per round, with --eager per call with the inputs of one
 that differs saved), the suite's greedy prompts at c=1, then
 each output's largest float32 deficit under the reference engine (did this run serve a wrong
@@ -10,11 +10,11 @@ token?).
         [--perturb 0.004] [--precision ieee] [--serve paths] [--save 400]
         (from the checkout: it runs the GPU suite's server for the pair)
 
---verify paths --perturb EPS serves the root-path kernel with its outputs off by up to EPS
+--verify paths --perturb EPS serves the root-path kernel (DDTREE_GDN_VERIFY) with its outputs off by up to EPS
 (DDTREE_GDN_PERTURB): if the same prompt then serves a wrong token, the model is fragile
 there (any other rounding flips it), not the chunked kernel wrong (an EPS below half a bf16
 step, about 2e-3, rounds the bf16 outputs back to themselves: a no-op, session 9). --precision: the chunked
-verify's products (SGLANG_DDTREE_GDN_PRECISION). --serve paths: the check serves the root
+verify's products (DDTREE_GDN_PRECISION). --serve paths: the check serves the root
 paths' outputs with the chunked kernel's scratch (DDTREE_GDN_CHECK_SERVE), so a wrong
 token that stays comes from the scratch and one that goes from the outputs. --save N (with
 --eager): the inputs and both outputs of the first N verifies, for a float64 replay
@@ -29,15 +29,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 from pathlib import Path
 
 from tests.gpu import harness
 from tests.gpu.servers import COMMON, DETERMINISTIC, ENV, NEW_TOKENS, ddtree_args, write_pair
-
-DEBUG_TOOLS = Path(__file__).resolve().parent / "gdn_debug"
-REPO = Path(__file__).resolve().parents[2]
 
 
 def main() -> int:
@@ -48,7 +44,7 @@ def main() -> int:
     p.add_argument("--eager", action="store_true", help="no CUDA graphs: save differing inputs")
     p.add_argument("--verify", choices=("chunk", "paths"), default="chunk")
     p.add_argument("--perturb", type=float, default=0.0, help="DDTREE_GDN_PERTURB")
-    p.add_argument("--precision", default="split", help="SGLANG_DDTREE_GDN_PRECISION (chunk)")
+    p.add_argument("--precision", default="split", help="DDTREE_GDN_PRECISION (chunk)")
     p.add_argument("--serve", choices=("chunk", "paths"), default="chunk")
     p.add_argument("--save", type=int, default=0, help="with --eager: verifies saved")
     p.add_argument("--model", choices=("qwen35", "pair"), default="qwen35")
@@ -57,14 +53,12 @@ def main() -> int:
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     target, draft = write_pair(args.out, args.model)
-    # the aids are test tooling: gdn_debug/sitecustomize.py installs them in the server's
-    # processes from the DDTREE_GDN_* variables
-    path = os.pathsep.join([str(DEBUG_TOOLS), str(REPO), os.environ.get("PYTHONPATH", "")])
-    env = {**ENV, "SGLANG_DDTREE_GDN_VERIFY": args.verify, "PYTHONPATH": path.rstrip(os.pathsep),
-           "DDTREE_GDN_PERTURB": str(args.perturb)}  # fmt: skip
+    # the aids are test tooling: server_debug/sitecustomize.py (on ENV's PYTHONPATH) installs
+    # them in the server's processes from the DDTREE_GDN_* variables
+    env = {**ENV, "DDTREE_GDN_VERIFY": args.verify, "DDTREE_GDN_PERTURB": str(args.perturb)}
     if args.verify == "chunk":
         env.update({"DDTREE_GDN_CHECK": str(args.out / "check"),
-                    "SGLANG_DDTREE_GDN_PRECISION": args.precision,
+                    "DDTREE_GDN_PRECISION": args.precision,
                     "DDTREE_GDN_CHECK_SERVE": args.serve,
                     "DDTREE_GDN_CHECK_SAVE": str(args.save)})  # fmt: skip
     flags = [*COMMON, *ddtree_args(args.model, draft), *(["--disable-cuda-graph"] * args.eager),

@@ -49,7 +49,17 @@ COMMON = [
     # output can spend every token on whitespace (the grammar tests need outputs that finish)
     "--constrained-json-disable-any-whitespace",
 ]  # fmt: skip
-ENV = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1", "SGLANG_DDTREE_SYNC_CHECK": "1"}
+REPO = Path(__file__).resolve().parents[2]
+DEBUG_TOOLS = Path(__file__).resolve().parent / "server_debug"
+# Every server runs DDTREE's round code under the sync check (test tooling: server_debug's
+# sitecustomize installs it in the server's processes; the tests fail on its warning).
+ENV = {
+    "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1",
+    "DDTREE_SYNC_CHECK": "1",
+    "PYTHONPATH": os.pathsep.join(
+        p for p in (str(DEBUG_TOOLS), str(REPO), os.environ.get("PYTHONPATH")) if p
+    ),
+}
 # Batch-invariant kernels (SGLang's --enable-deterministic-inference): the only mode in which a
 # bf16 server's greedy text does not depend on how many tokens share a forward pass.
 DETERMINISTIC = ["--enable-deterministic-inference"]
@@ -87,58 +97,30 @@ VARIANTS = {
     "dflash": lambda model, draft: dflash_args(draft),
     "dflash_det": lambda model, draft: [*dflash_args(draft), *DETERMINISTIC],
     "ddtree64": lambda model, draft: ddtree_args(model, draft, nodes=64),
-    "ddtree_torch": ddtree_args,  # with VARIANT_ENV below: the torch tree builder (CUDA default: Triton)
-    "ddtree_sglanggdn": ddtree_args,  # with VARIANT_ENV: SGLang's own GDN tree verify and commit
-    # with VARIANT_ENV, integration/gdn.py's defaults turned off one at a time, so that a
-    # failure names its cause:
-    "ddtree_paths": ddtree_args,  # the root-path GDN verify instead of the chunked one
-    "ddtree_sglangconv": ddtree_args,  # SGLang's tree conv1d instead of gdn/conv_tree.py
-    "ddtree_full": ddtree_args,  # SGLang's per-node verify states instead of the compact scratch
+    # with VARIANT_ENV below, a switch's other value:
+    "ddtree_sglanggdn": ddtree_args,  # SGLang's own GDN tree verify and commit
     "ddtree_sglangplan": ddtree_args,  # SGLang's FlashInfer plan for the verify (not verify_plan.py)
     "ddtree_fixed": ddtree_args,  # every round at N (the default, auto, picks a width per round)
-    "ddtree_torchpack": ddtree_args,  # with VARIANT_ENV: the verify mask written, packed by torch
-    "ddtree_sglangaccept": ddtree_args,  # SGLang's accepted-path code (not accept_path.py)
-    # the same in deterministic mode, whose GDN verify defaults to the root paths (session 9: the
-    # chunked one was not batch-invariant there); ddtree_det_chunk asks for the chunked one
-    "ddtree_det_chunk": lambda model, draft: [*ddtree_args(model, draft), *DETERMINISTIC],
-    "ddtree_det_sglangconv": lambda model, draft: [*ddtree_args(model, draft), *DETERMINISTIC],
-    "ddtree_det_full": lambda model, draft: [*ddtree_args(model, draft), *DETERMINISTIC],
 }
-_PATHS = {"SGLANG_DDTREE_GDN_VERIFY": "paths"}
-_SGLANGCONV = {"SGLANG_DDTREE_CONV": "sglang"}
-_FULL = {"SGLANG_DDTREE_GDN_SCRATCH": "full"}
 # Per-variant environment on top of ENV.
 VARIANT_ENV = {
-    "ddtree_torch": {"SGLANG_DDTREE_TREE_BUILDER": "torch"},
     "ddtree_sglanggdn": {"SGLANG_DDTREE_GDN": "sglang"},
-    "ddtree_paths": _PATHS,
-    "ddtree_sglangconv": _SGLANGCONV,
-    "ddtree_full": _FULL,
     "ddtree_sglangplan": {"SGLANG_DDTREE_VERIFY_PLAN": "sglang"},
     "ddtree_fixed": {"SGLANG_DDTREE_WIDTH": "fixed"},
-    "ddtree_torchpack": {"SGLANG_DDTREE_MASK_PACK": "torch"},
-    "ddtree_sglangaccept": {"SGLANG_DDTREE_ACCEPT_PATH": "sglang"},
-    "ddtree_det_chunk": {"SGLANG_DDTREE_GDN_VERIFY": "chunk"},
-    "ddtree_det_sglangconv": _SGLANGCONV,
-    "ddtree_det_full": _FULL,
 }
-# Which variants each model runs (38 servers in all). Launch order interleaves the models, plain
+# Which variants each model runs (24 servers in all). Launch order interleaves the models, plain
 # servers first, so each model's tests can begin while the others still start. SGLang's own
 # chain DFLASH runs beside DDTREE on every model as the control for numerics.
 MODEL_VARIANTS = {
     "qwen3": ("base", "base_sync", "ddtree", "ddtree_fixed", "ddtree_sync", "dflash"),
     "qwen35": (
         "base", "base_sync", "ddtree", "ddtree_fixed",
-        "ddtree_sync", "dflash", "ddtree_sglanggdn", "ddtree_paths", "ddtree_sglangconv", "ddtree_full", "ddtree_sglangplan",
-        "ddtree_torchpack", "ddtree_sglangaccept",
+        "ddtree_sync", "dflash", "ddtree_sglanggdn", "ddtree_sglangplan",
     ),
     "pair": (
         "base", "base_sync", "ddtree", "ddtree_fixed",
         "base_det", "ddtree_det",
-        "dflash_det", "dflash", "ddtree64",
-        "ddtree_torch", "ddtree_paths", "ddtree_sglangconv", "ddtree_full", "ddtree_sglangplan",
-        "ddtree_torchpack", "ddtree_sglangaccept", "ddtree_det_chunk", "ddtree_det_sglangconv",
-        "ddtree_det_full",
+        "dflash_det", "dflash", "ddtree64", "ddtree_sglangplan",
     ),
 }  # fmt: skip
 # Started for scripts/bench_e2e.py --attach, not tested by tests/gpu.

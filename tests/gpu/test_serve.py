@@ -51,23 +51,17 @@ assert set(MODELS) <= set(ALL_MODELS), MODELS
 WAIT_S = float(os.environ.get("DDTREE_GPU_WAIT", "0"))  # how long a test waits for its server
 SPEC_VARIANTS = (
     "ddtree",
-    "ddtree_torchpack",
     "ddtree_sync",
     "ddtree_det",
-    "ddtree_torch",
     "ddtree_sglanggdn",
-    "ddtree_paths",
-    "ddtree_sglangconv",
-    "ddtree_full",
     "ddtree_sglangplan",
     "dflash",
 )  # dflash: a control
-# DDTREE in deterministic mode: the batch-invariance test (the defaults, and each turned off)
-DET_DDTREE = ("ddtree_det", "ddtree_det_sglangconv", "ddtree_det_full")
-# reported beside them, not asserted: the chunked verify in deterministic mode, whose served
-# tokens were not batch-invariant in session 9 (one prompt of 32, at an exact tie), though the
-# kernel alone is (test_tree_verify_is_batch_invariant_on_gpu); the mode defaults to root paths
-DET_KNOWN = ("ddtree_det_chunk",)
+# DDTREE in deterministic mode (root-path GDN verify): the batch-invariance test
+DET_DDTREE = ("ddtree_det",)
+# reported beside them, not asserted (none now: the chunked verify in deterministic mode, whose
+# served tokens were not batch-invariant, is no longer servable there)
+DET_KNOWN: tuple[str, ...] = ()
 SPEC_SERVERS = [
     (m, v)
     for m in MODELS
@@ -623,28 +617,24 @@ ACCEPT = ("first accepted path moved to the front by integration/accept_path.py"
 WIDTH = {"auto": "DDTREE verify width: auto among", "fixed": "DDTREE verify width: fixed at"}
 
 
-def _engaged(verify: str = "chunk", conv: bool = True, compact: bool = True,
-             width: str = "auto", plan: bool = True, pack: bool = True,
-             accept: bool = True) -> tuple:  # fmt: skip
-    """The startup lines and first-use lines of a GDN path (the defaults: chunked verify, tree
-    conv1d, compact scratch), of the verify width (auto, but in deterministic mode) and of the
-    verify's FlashInfer plan from host lengths with the mask packed from the tree, and of the
-    accepted path's kernels (the defaults)."""
-    shown = f"{verify} (split)" if verify == "chunk" else verify
-    line = (f"GDN path: ddtree (verify: {shown}; commit: replay; tree conv1d: "
-            f"{'ddtree' if conv else 'sglang'}; scratch: {'compact' if compact else 'full'})")  # fmt: skip
-    uses = [CHUNK if verify == "chunk" else PATHS, COMMIT, *([HOSTPLAN] if plan else []),
-            *([MASKPACK] if plan and pack else []), *(ACCEPT if accept else ())]  # fmt: skip
-    return (line, WIDTH[width], *uses, *([CONV] if conv else []), *(COMPACT if compact else ()))
+def _engaged(verify: str = "chunk", width: str = "auto", plan: bool = True) -> tuple:
+    """The startup lines and first-use lines of a GDN path (chunked verify, or the root paths
+    in deterministic mode; tree conv1d, compact scratch), of the verify width (auto, but in
+    deterministic mode) and of the verify's FlashInfer plan from host lengths with the mask
+    packed from the tree (the default), and of the accepted path's kernels."""
+    line = (f"GDN path: ddtree (verify: {verify}; commit: replay; tree conv1d: ddtree; "
+            "scratch: compact)")  # fmt: skip
+    uses = [CHUNK if verify == "chunk" else PATHS, COMMIT, *([HOSTPLAN, MASKPACK] if plan else []),
+            *ACCEPT]  # fmt: skip
+    return (line, WIDTH[width], *uses, CONV, *COMPACT)
 
 
-DEFAULT_DDTREE = ("ddtree", "ddtree_sync", "ddtree_torch")
+DEFAULT_DDTREE = ("ddtree", "ddtree_sync")
 ENGAGED = {
     **{v: _engaged() for v in DEFAULT_DDTREE},
     "ddtree_fixed": _engaged(width="fixed"),
     # the deterministic mode's defaults: root-path verify, fixed width
     "ddtree_det": _engaged(verify="paths", width="fixed"),
-    "ddtree_det_chunk": _engaged(width="fixed"),
     "ddtree_sglanggdn": (
         "GDN path: sglang (verify, commit, conv1d, per-node states)",
         WIDTH["auto"],
@@ -652,14 +642,7 @@ ENGAGED = {
         MASKPACK,
         *ACCEPT,
     ),  # fmt: skip
-    "ddtree_paths": _engaged(verify="paths"),
-    "ddtree_sglangconv": _engaged(conv=False),
-    "ddtree_det_sglangconv": _engaged(verify="paths", conv=False, width="fixed"),
-    "ddtree_full": _engaged(compact=False),
-    "ddtree_det_full": _engaged(verify="paths", compact=False, width="fixed"),
     "ddtree_sglangplan": _engaged(plan=False),
-    "ddtree_torchpack": _engaged(pack=False),
-    "ddtree_sglangaccept": _engaged(accept=False),
 }
 # what must not be in a log: the other verify kernel, hooks that are off
 NOT_ENGAGED = {
@@ -667,15 +650,7 @@ NOT_ENGAGED = {
     **{v: (PATHS, WIDTH["fixed"]) for v in DEFAULT_DDTREE},
     "ddtree_fixed": (PATHS, WIDTH["auto"]),
     "ddtree_sglangplan": (PATHS, HOSTPLAN, MASKPACK),
-    "ddtree_torchpack": (PATHS, WIDTH["fixed"], MASKPACK),
-    "ddtree_sglangaccept": (PATHS, WIDTH["fixed"], *ACCEPT),
-    **{
-        v: (CHUNK,)
-        for v in ("ddtree_paths", "ddtree_det", "ddtree_det_sglangconv", "ddtree_det_full")
-    },
-    "ddtree_det_chunk": (PATHS,),
-    **{v: (CONV,) for v in ("ddtree_sglangconv", "ddtree_det_sglangconv")},
-    **{v: COMPACT for v in ("ddtree_full", "ddtree_det_full")},
+    "ddtree_det": (CHUNK,),
 }
 
 
@@ -897,7 +872,7 @@ def test_penalties_are_exact_inside_the_tree(servers, fp32_pair, model, case):
 
 @pytest.mark.parametrize("model", MODELS)
 def test_logprobs_are_the_plain_servers(servers, model):
-    """SGLANG_DDTREE_LOGPROBS=1 (the default `ddtree` server): greedy /generate
+    """Logprobs (always served; the default `ddtree` server): greedy /generate
     with return_logprob and top_logprobs_num=5, one request at a time from a flushed cache,
     against the plain server. Where the tokens agree, every token's logprob (the prefill's
     first token and each round's bonus token included) is plain's within a tolerance set by
@@ -994,7 +969,7 @@ def _stream(url: str, payload: dict) -> list[dict]:
 
 @pytest.mark.parametrize("model", MODELS)
 def test_prompt_completion_and_streamed_logprobs_are_served(servers, model):
-    """SGLANG_DDTREE_LOGPROBS=1, the other ways to ask: prompt logprobs (logprob_start_len 0)
+    """Logprobs, the other ways to ask: prompt logprobs (logprob_start_len 0)
     equal the plain server's (both are SGLang's own prefill of the target), /v1/completions
     with logprobs has one entry per completion token, and a streamed chat's chunks carry one
     logprob entry per token, each the chosen token's at the best of its top_logprobs."""

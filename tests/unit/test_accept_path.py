@@ -103,12 +103,12 @@ def _check_finalize(bs, N, S, seed, device):
     assert torch.equal(got_hidden.view(bs, S, -1), want_hidden.view(bs, N, -1)[:, :S])
 
 
-def _runtime(options=None):
-    """The worker factory's runtime (options, engaged paths) that the hook is bound to."""
+def _runtime():
+    """The worker factory's runtime (its engaged paths) that the hook is bound to."""
     from sglang_ddtree.config import DDTreeConfig, Options
     from sglang_ddtree.integration.runtime import Runtime
 
-    return Runtime.create(options or Options(), DDTreeConfig(block_size=4, num_nodes=8, topk=2))
+    return Runtime.create(Options(), DDTreeConfig(block_size=4, num_nodes=8, topk=2))
 
 
 @interpreter_only
@@ -117,24 +117,15 @@ def test_the_path_moves_to_the_front_as_sglangs(bs, N, S, seed):
     _check_finalize(bs, N, S, seed, "cpu")
 
 
-def test_other_batches_and_the_switch_get_sglangs_function(monkeypatch):
-    from sglang_ddtree import config
+def test_other_batches_get_sglangs_function(monkeypatch):
+    """A batch of another algorithm keeps SGLang's code (a DDTREE batch always takes the
+    kernel; the old SGLANG_DDTREE_ACCEPT_PATH switch is refused, test_plugin.py)."""
     from sglang_ddtree.integration.accept_path import finalize_hook
 
     seq = torch.tensor([3, 4])
     eagle = _batch(seq, torch.arange(1, 9), 2, 4, track=False, ddtree=False)
-    ddtree = _batch(seq, torch.arange(1, 9), 2, 4, track=False)
-    for batch, switch in ((eagle, "triton"), (ddtree, "sglang")):
-        runtime = _runtime(config.Options(accept_path=switch))
-        assert finalize_hook(runtime, lambda *a, **kw: "sglang", batch, None, None, None, None, 2,
-                             token_to_kv_pool_allocator=None, num_draft_tokens=4) == "sglang"  # fmt: skip
-    monkeypatch.delenv("SGLANG_DDTREE_ACCEPT_PATH", raising=False)
-    assert config.Options.from_env().accept_path == "triton"
-    monkeypatch.setenv("SGLANG_DDTREE_ACCEPT_PATH", "sglang")
-    assert config.Options.from_env().accept_path == "sglang"
-    monkeypatch.setenv("SGLANG_DDTREE_ACCEPT_PATH", "torch")
-    with pytest.raises(ValueError, match="SGLANG_DDTREE_ACCEPT_PATH"):
-        config.Options.from_env()
+    assert finalize_hook(_runtime(), lambda *a, **kw: "sglang", eagle, None, None, None, None, 2,
+                         token_to_kv_pool_allocator=None, num_draft_tokens=4) == "sglang"  # fmt: skip
 
 
 def test_the_hook_target_has_the_parameters_the_hook_assumes():

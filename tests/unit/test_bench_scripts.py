@@ -69,7 +69,7 @@ def test_bench_round_server_commands_parse(tmp_path):
             # compact one (a few states' worth per request) lets 16 requests run at every N
             state = 2 if "_bf16ssm" in name else 4
             scratch_mib = bench.GDN_STATE_MIB * state / 4 * nodes * (ns.max_running_requests + 1)
-            compact = "_full" not in name and "_sglanggdn" not in name
+            compact = "_sglanggdn" not in name
             assert (
                 (ns.max_running_requests == 16)
                 if compact
@@ -77,14 +77,10 @@ def test_bench_round_server_commands_parse(tmp_path):
             )
             assert ns.max_mamba_cache_size >= 5 * ns.max_running_requests
             env = bench.variant_env(name)
-            assert env.get("SGLANG_DDTREE_GDN_SCRATCH") == ("full" if "_full" in name else None)
             assert env.get("SGLANG_DDTREE_GDN") == ("sglang" if "_sglanggdn" in name else None)
-            assert env.get("SGLANG_DDTREE_GDN_VERIFY") == ("paths" if "_paths" in name else None)
-            assert env.get("SGLANG_DDTREE_CONV") == ("sglang" if "_sglangconv" in name else None)
             plan = "sglang" if "_sglangplan" in name else None
             assert env.get("SGLANG_DDTREE_VERIFY_PLAN") == plan
             assert env.get("SGLANG_MAMBA_SSM_DTYPE") == ("bfloat16" if state == 2 else None)
-            assert env.get("SGLANG_DDTREE_TREE_BUILDER") == ("torch" if "_torch" in name else None)
             assert env["SGLANG_DDTREE_WIDTH"] == ("auto" if "_auto" in name else "fixed")
 
 
@@ -118,7 +114,10 @@ def test_bench_e2e_and_test_server_commands_parse(tmp_path):
             ns = _parse_cli(["--model-path", "x", *COMMON, *VARIANTS[variant](model, "d")])
             assert ns.max_running_requests == 16, (model, variant)
             assert ns.enable_deterministic_inference == ("_det" in variant)
-    assert ENV["SGLANG_DDTREE_SYNC_CHECK"] == "1"
+    # the sync check (test tooling) on every server, through server_debug's sitecustomize
+    assert ENV["DDTREE_SYNC_CHECK"] == "1"
+    assert ENV["PYTHONPATH"].split(os.pathsep)[0].endswith("tests/gpu/server_debug")
+    assert not any(name.startswith("SGLANG_DDTREE_") for name in ENV)
 
 
 def test_bench_e2e_attaches_to_the_suites_servers_through_its_table(tmp_path, monkeypatch):
@@ -135,8 +134,7 @@ def test_bench_e2e_attaches_to_the_suites_servers_through_its_table(tmp_path, mo
     monkeypatch.setattr(bench.harness.Server, "is_healthy", lambda self: True)
     got = {s.name: s for s in bench.attached_servers(tmp_path)}
     nodes, _ = suite.tree_shape("pair")
-    assert sorted(got) == sorted(["none", "dflash", f"ddtree{nodes}", f"ddtree{nodes}_torch",
-                                  "ddtree64"])  # fmt: skip
+    assert sorted(got) == sorted(["none", "dflash", f"ddtree{nodes}", "ddtree64"])
     assert got["dflash"].port == pair["pair-dflash"].port
     assert got["ddtree64"].args == pair["pair-ddtree64"].args
 
@@ -353,11 +351,11 @@ def test_project_budget_leaves_out_automatic_servers_and_names_clashes(tmp_path)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cost, tokens = bench.load(path, ROOT / "docs" / "data" / "acceptance.jsonl", 0.0)
     assert sorted(cost.ms) == sorted([bench.CHAIN, 32, 64])
-    path.write_text(path.read_text() + json.dumps({**row, "variant": "ddtree32_paths"}) + "\n")
-    with pytest.raises(SystemExit, match="ddtree32.*ddtree32_paths.*--variants"):
+    path.write_text(path.read_text() + json.dumps({**row, "variant": "ddtree32_sglangplan"}) + "\n")
+    with pytest.raises(SystemExit, match="ddtree32.*ddtree32_sglangplan.*--variants"):
         bench.load(path, ROOT / "docs" / "data" / "acceptance.jsonl", 0.0)
     cost, _ = bench.load(path, ROOT / "docs" / "data" / "acceptance.jsonl", 0.0,
-                         ["dflash", "ddtree32_paths", "ddtree64"])  # fmt: skip
+                         ["dflash", "ddtree32_sglangplan", "ddtree64"])  # fmt: skip
     assert sorted(cost.ms) == sorted([bench.CHAIN, 32, 64])
 
 
@@ -428,8 +426,8 @@ def test_bench_serving_servers_dataset_and_summary(tmp_path):
             assert ns.max_running_requests == 32, name
         fixed = name in ("ddtree16", "ddtree32")
         assert env.get("SGLANG_DDTREE_WIDTH") == ("fixed" if fixed else None), name
-        torch_pack = name == "ddtree_torchpack"  # the Triton packer is the default
-        assert env.get("SGLANG_DDTREE_MASK_PACK") == ("torch" if torch_pack else None), name
+        plan = "sglang" if name == "ddtree_sglangplan" else None  # the host plan is the default
+        assert env.get("SGLANG_DDTREE_VERIFY_PLAN") == plan, name
     path = bench.write_dataset(tmp_path / "d.jsonl", 5)
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(rows) == 5 and all(len(r["conversations"]) == 2 for r in rows)

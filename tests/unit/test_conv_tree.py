@@ -288,11 +288,9 @@ def test_conv_hook_target_exists_and_the_hook_passes_everything_else_through(mon
         return "sglang"
 
     tree = {k: object() for k in gdn._CONV_TREE_ARGS}
-    state = gdn.GDNState(gdn.GDNPath(16, conv=False))  # SGLANG_DDTREE_CONV=sglang
-    assert gdn.conv_update(state, original, 1, 2, 3, None, "silu", **tree) == "sglang"
     state = gdn.GDNState(None)  # SGLANG_DDTREE_GDN=sglang
     assert gdn.conv_update(state, original, 1, 2, 3, None, "silu", **tree) == "sglang"
-    state = gdn.GDNState(gdn.GDNPath(16, conv=True, compact=False))
+    state = gdn.GDNState(gdn.GDNPath(16, compact=False))
     single = {"conv_state_indices": object()}  # a decode step, not a tree
     assert gdn.conv_update(state, original, 1, 2, 3, None, "silu", **single) == "sglang"
     extra = {**tree, "num_accept_tokens": object()}  # a call conv_tree does not cover
@@ -301,11 +299,11 @@ def test_conv_hook_target_exists_and_the_hook_passes_everything_else_through(mon
     assert gdn.conv_update(state, original, 1, 2, 3, None, "silu", None, **tree) == "sglang"
     # on the compact pool the commit reads the nodes' inputs: a tree call SGLang's kernel would
     # take instead (its per-node windows) is refused, a non-tree call still passes
-    state = gdn.GDNState(gdn.GDNPath(16, conv=True))
-    with pytest.raises(RuntimeError, match="SGLANG_DDTREE_CONV=sglang"):
+    state = gdn.GDNState(gdn.GDNPath(16))
+    with pytest.raises(RuntimeError, match="SGLANG_DDTREE_GDN=sglang"):
         gdn.conv_update(state, original, 1, 2, 3, None, "silu", **extra)
     assert gdn.conv_update(state, original, 1, 2, 3, None, "silu", **single) == "sglang"
-    assert len(calls) == 6
+    assert len(calls) == 5
 
 
 def test_the_conv_hook_stores_inputs_once_on_the_compact_pool_only(monkeypatch):
@@ -319,9 +317,9 @@ def test_the_conv_hook_stores_inputs_once_on_the_compact_pool_only(monkeypatch):
     tree = {k: torch.zeros(2, 3) for k in gdn._CONV_TREE_ARGS}
     for compact in (True, False):
         state = gdn.GDNState(gdn.GDNPath(16, compact=compact))
-        gdn.conv_update(state, None, torch.zeros(1), torch.zeros(1), torch.zeros(1), None, "silu", **tree)
+        x = torch.zeros(1)
+        gdn.conv_update(state, None, x, torch.zeros(1), torch.zeros(1), None, "silu", **tree)
     assert seen == [True, False]
-    assert gdn.GDNPath(16, conv=False, compact=True).conv_inputs is False  # SGLang's conv
 
 
 @interpreter_only
@@ -330,7 +328,7 @@ def test_conv_hook_runs_conv_tree_when_enabled(monkeypatch, caplog):
     import sglang_ddtree.gdn.conv_tree as conv_module
     from sglang_ddtree.integration import gdn
 
-    state = gdn.GDNState(gdn.GDNPath(16, conv=True, compact=False))
+    state = gdn.GDNState(gdn.GDNPath(16, compact=False))
     caplog.set_level("INFO", logger=gdn.__name__)
     used = []
     plain = conv_module.conv_tree
@@ -354,7 +352,7 @@ def test_the_hook_fills_the_parents_in_the_first_layer_only(monkeypatch):
     import sglang_ddtree.gdn.conv_tree as conv_module
     from sglang_ddtree.integration import gdn
 
-    hooks = gdn.GDNState(gdn.GDNPath(16, conv=True, compact=False))  # the process's, once
+    hooks = gdn.GDNState(gdn.GDNPath(16, compact=False))  # the process's, once
     filled = []
     plain = conv_module.tree_parents
     monkeypatch.setattr(conv_module, "tree_parents",

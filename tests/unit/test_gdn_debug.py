@@ -1,16 +1,20 @@
-"""The GDN debugging aids are test tooling (tests/gpu/gdn_debug), not server switches: a server
-refuses their old switches; the check compares the chunked verify with the root paths, saves
-what differs, survives a save that fails, and reaches the kernels DDTREE's hooks call."""
+"""The servers' debugging aids are test tooling (tests/gpu/server_debug), not server switches: a
+server refuses their old switches; the check compares the chunked verify with the root paths,
+saves what differs, survives a save that fails, and reaches the kernels DDTREE's hooks call; the
+root paths and the precisions are served on request; the sync check wraps the worker's round
+code as its module is imported."""
 
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
 
-from tests.gpu.gdn_debug import ddtree_gdn_debug as debug
-from tests.gpu.gdn_debug.ddtree_gdn_debug import Checker, Settings
+from tests.gpu.server_debug import ddtree_gdn_debug as debug
+from tests.gpu.server_debug import ddtree_sync_check as sync_check
+from tests.gpu.server_debug.ddtree_gdn_debug import Checker, Settings
 
 
 @pytest.mark.parametrize("name", ["SGLANG_DDTREE_GDN_CHECK", "SGLANG_DDTREE_GDN_CHECK_SERVE",
@@ -19,7 +23,7 @@ def test_a_server_refuses_the_old_debug_switches(monkeypatch, name):
     from sglang_ddtree import config
 
     monkeypatch.setenv(name, "1")
-    with pytest.raises(ValueError, match=f"{name} is no longer a server switch.*tests/gpu/gdn_debug"):
+    with pytest.raises(ValueError, match=f"{name} is no longer a server switch.*server_debug"):
         config.Options.from_env()
     assert not {"gdn_check", "gdn_perturb", "gdn_check_serve"} & set(config.Options.__dataclass_fields__)
 
@@ -114,6 +118,29 @@ def test_settings_are_read_and_checked():
         Settings.from_env({"DDTREE_GDN_CHECK_SERVE": "paths"})
     with pytest.raises(ValueError, match="_SAVE >= 0"):
         Settings.from_env({"DDTREE_GDN_CHECK": "/x", "DDTREE_GDN_CHECK_SAVE": "-1"})
+    asked = Settings.from_env({"DDTREE_GDN_VERIFY": "paths", "DDTREE_GDN_PRECISION": "ieee"})
+    assert asked.active and (asked.verify, asked.precision) == ("paths", "ieee")
+    with pytest.raises(ValueError, match="DDTREE_GDN_PRECISION one of"):
+        Settings.from_env({"DDTREE_GDN_PRECISION": "bf16"})
+
+
+def test_install_serves_the_root_paths_and_the_precision_asked_for(monkeypatch):
+    """DDTREE_GDN_VERIFY=paths: the GDN path never takes the chunked verify;
+    DDTREE_GDN_PRECISION: the chunked verify's products at that precision."""
+    from sglang_ddtree.gdn import chunk_tree, tree_verify
+    from sglang_ddtree.integration import gdn
+
+    for module, name in ((chunk_tree, "chunk_tree_verify"), (tree_verify, "tree_verify"),
+                         (tree_verify, "commit_paths"), (gdn.GDNPath, "chunked")):  # fmt: skip
+        monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
+    seen = []
+    monkeypatch.setattr(chunk_tree, "chunk_tree_verify",
+                        lambda *a, max_path, **kw: seen.append(kw) or torch.ones(4, 2, 3))  # fmt: skip
+    assert gdn.GDNPath(16).chunked(32)
+    debug.install(Settings(verify="paths", precision="ieee"))
+    assert not gdn.GDNPath(16).chunked(32)
+    chunk_tree.chunk_tree_verify(*_args(), max_path=16)
+    assert seen == [{"precision": "ieee"}]
 
 
 def test_install_wraps_the_kernels_ddtrees_hooks_import_at_each_call(monkeypatch, tmp_path):
@@ -153,3 +180,38 @@ def test_the_perturbation_is_a_bounded_fixed_relative_error():
     assert torch.equal(a, b) and 1e-3 < rel <= 0.004 + 1e-6
     assert torch.equal(debug.perturb(o, 0.0), o)
     assert debug.perturb(o.bfloat16(), 0.004).dtype == torch.bfloat16
+
+
+def test_the_sync_check_wraps_the_workers_round_code_once_imported(monkeypatch, tmp_path):
+    """install() before the worker module is imported: the import runs the module, then its
+    own_code becomes the sync debug mode; a module already loaded is patched at once."""
+    monkeypatch.setattr(sync_check, "WORKER", "fake_ddtree_worker")
+    (tmp_path / "fake_ddtree_worker.py").write_text("def own_code():\n    return None\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    monkeypatch.delitem(sys.modules, "fake_ddtree_worker", raising=False)
+    sync_check.install()
+    import fake_ddtree_worker
+
+    assert fake_ddtree_worker.own_code is sync_check.sync_debug
+    assert not any(isinstance(f, sync_check._AfterImport) for f in sys.meta_path)
+    fake_ddtree_worker.own_code = None
+    sync_check.install()  # loaded: patched now
+    assert fake_ddtree_worker.own_code is sync_check.sync_debug
+    modes = []
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    with sync_check.sync_debug():
+        assert modes == ["warn"]
+    assert modes == ["warn", 0]
+
+
+def test_the_product_runs_its_round_code_without_the_sync_check():
+    """Without the tooling, worker.own_code is a plain context (the package parses no switch
+    for it)."""
+    pytest.importorskip("sglang.srt.speculative.dflash_worker_v2")
+    import contextlib
+
+    from sglang_ddtree.integration import worker
+
+    assert isinstance(worker.own_code(), contextlib.nullcontext)

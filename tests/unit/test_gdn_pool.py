@@ -1,5 +1,5 @@
-"""integration/gdn_pool.py: the compact Gated DeltaNet verify scratch (SGLANG_DDTREE_GDN_SCRATCH=
-compact) in SGLang 0.5.17's own Mamba pool and memory solver, run on the CPU. That DDTREE's verify
+"""integration/gdn_pool.py: the compact Gated DeltaNet verify scratch (DDTREE's GDN path, but
+under --enable-unified-memory) in SGLang 0.5.17's own Mamba pool and memory solver, run on the CPU. That DDTREE's verify
 and commit give SGLang's results through this scratch is tested under the Triton interpreter in
 test_gdn_tree_verify.py."""
 
@@ -34,7 +34,7 @@ def cache_params(tp: int = 1):
     return Mamba2CacheParams(shape=shape, layers=LAYERS, dtype=dtype)
 
 
-COMPACT = Options()  # the default: the compact scratch, DDTREE's tree conv1d
+COMPACT = Options()  # the default: the compact scratch
 FULL = Options(gdn_scratch="full")
 
 
@@ -55,16 +55,13 @@ def hybrid_pool(num_nodes, requests=3, slots=9, opts=COMPACT):
                 speculative_eagle_topk=4)  # fmt: skip
 
 
-@pytest.mark.parametrize("inputs", [True, False], ids=["ddtree_conv", "sglang_conv"])
-def test_compact_pool_holds_the_scratch_and_the_per_node_conv_buffer(inputs):
-    """With DDTREE's tree conv1d each node's input once ([.., N, dim, 1]); with SGLang's conv
-    SGLang's dense per-node windows ([.., N, dim, K - 1])."""
+def test_compact_pool_holds_the_scratch_and_the_per_node_conv_buffer():
+    """The per-node conv buffer holds each node's input once ([.., N, dim, 1]), where SGLang
+    keeps dense per-node windows ([.., N, dim, K - 1])."""
     from sglang.srt.mem_cache.memory_pool import MambaPool
 
-    opts = Options(conv="ddtree" if inputs else "sglang")
-    assert opts.compact_scratch and opts.conv_inputs == inputs
     N, requests, slots = 6, 3, 9
-    pool = hybrid_pool(N, requests, slots, opts)
+    pool = hybrid_pool(N, requests, slots)
     caches = pool.get_speculative_mamba2_params_all_layers()
     assert isinstance(caches, MambaPool.SpeculativeState)
     rows = requests + 1  # SGLang's padding row
@@ -73,7 +70,7 @@ def test_compact_pool_holds_the_scratch_and_the_per_node_conv_buffer(inputs):
     assert caches.intermediate_ssm.dtype == torch.float32
     (conv,) = caches.conv
     (windows,) = caches.intermediate_conv_window
-    node = (conv.shape[2], 1) if inputs else tuple(conv.shape[2:])
+    node = (conv.shape[2], 1)
     assert windows.shape == (len(LAYERS), rows, N, *node) and windows.dtype == conv.dtype
     layer = pool.mamba2_layer_cache(LAYERS[1])  # what the GDN backend hands the verify
     assert layer.intermediate_ssm.shape == (rows, scratch_floats(N, HV, K, V))
@@ -81,7 +78,7 @@ def test_compact_pool_holds_the_scratch_and_the_per_node_conv_buffer(inputs):
     assert gdn_pool.is_compact(caches.intermediate_ssm)
     assert gdn_pool.is_compact(layer.intermediate_ssm)
     added = caches.intermediate_ssm.nbytes + windows.nbytes
-    assert added == rows * gdn_pool.compact_bytes_per_request(cache_params(), N, inputs)
+    assert added == rows * gdn_pool.compact_bytes_per_request(cache_params(), N)
     plain = pool.mamba_pool.mamba_cache.temporal.nbytes + conv.nbytes
     assert math.isclose(pool.mamba_pool.mem_usage * (1 << 30), plain + added)
 
@@ -178,17 +175,15 @@ def test_the_solver_is_sglangs_own_unless_compact():
     assert solve(True, 0.01, opts=FULL) == solve(False, 0.01)
 
 
-def test_gdn_defaults_each_switch_off_and_what_cannot_work_refused(monkeypatch):
-    """Default: the chunked verify (split products), the tree conv1d and the compact scratch;
-    each switch turns one off; --enable-unified-memory keeps the full scratch
-    (and refuses compact, asked for); SGLANG_DDTREE_GDN=sglang takes none of the three. The
-    hooks are bound to the path and options the worker factory made (gdn.configure)."""
+def test_gdn_path_follows_the_servers_flags_and_the_one_switch(monkeypatch):
+    """Default: the chunked verify, the tree conv1d and the compact scratch; the root paths
+    under --enable-deterministic-inference; the full scratch under --enable-unified-memory (SGLang's
+    pool allocates the per-node states); SGLANG_DDTREE_GDN=sglang: SGLang's own path. The hooks
+    are bound to the path the worker factory made from its options (gdn.configure)."""
     from sglang_ddtree import config
 
     cfg = DDTreeConfig(block_size=16, num_nodes=32, topk=8)
-    for name in ("SGLANG_DDTREE_GDN", "SGLANG_DDTREE_GDN_VERIFY", "SGLANG_DDTREE_CONV",
-                 "SGLANG_DDTREE_GDN_SCRATCH"):  # fmt: skip
-        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("SGLANG_DDTREE_GDN", raising=False)
 
     def path(unified=False):
         return gdn.path_of(config.Options.from_env(unified_memory=unified), 16)
@@ -196,46 +191,26 @@ def test_gdn_defaults_each_switch_off_and_what_cannot_work_refused(monkeypatch):
     def configured():  # what the worker factory hands the GDN hooks
         return gdn.configure(config.Options.from_env(), cfg).path
 
-    assert path() == gdn.GDNPath(16, verify="chunk", conv=True, compact=True) == configured()
-    assert path().precision == "split"
+    assert path() == gdn.GDNPath(16, verify="chunk", compact=True) == configured()
     assert config.Options.from_env().compact_scratch
     assert gdn.describe(path()) == (
-        "ddtree (verify: chunk (split); commit: replay; tree conv1d: ddtree; scratch: compact)"
+        "ddtree (verify: chunk; commit: replay; tree conv1d: ddtree; scratch: compact)"
     )
     assert path(unified=True) == gdn.GDNPath(16, compact=False)  # SGLang's pool allocates them
-    # --enable-deterministic-inference: root paths unless asked (session 9's batch invariance)
+    assert config.Options.from_env(unified_memory=True).gdn_scratch == "full"
+    # --enable-deterministic-inference: the root paths (session 9's batch invariance)
     flags = SimpleNamespace(enable_deterministic_inference=True, enable_unified_memory=False)
     assert gdn.compat.option_modes(flags) == {"unified_memory": False, "deterministic": True,
                                               "tensor_parallel": False}  # fmt: skip
     det = config.Options.from_env(**gdn.compat.option_modes(flags))
-    assert gdn.path_of(det, 16) == gdn.GDNPath(16, verify="paths")
-    monkeypatch.setenv("SGLANG_DDTREE_GDN_VERIFY", "chunk")
-    assert config.Options.from_env(deterministic=True).gdn_verify == "chunk"
-    monkeypatch.delenv("SGLANG_DDTREE_GDN_VERIFY")
-    for name, value, expected in (("SGLANG_DDTREE_GDN_SCRATCH", "full", gdn.GDNPath(16, compact=False)),
-                                  ("SGLANG_DDTREE_GDN_VERIFY", "paths", gdn.GDNPath(16, verify="paths")),
-                                  ("SGLANG_DDTREE_CONV", "sglang", gdn.GDNPath(16, conv=False))):  # fmt: skip
-        monkeypatch.setenv(name, value)
-        assert path() == expected == configured(), name
-        assert config.Options.from_env().compact_scratch == expected.compact
-        monkeypatch.delenv(name)
-    monkeypatch.setenv("SGLANG_DDTREE_GDN_SCRATCH", "compact")
-    with pytest.raises(ValueError, match="--enable-unified-memory"):
-        path(unified=True)
-    monkeypatch.delenv("SGLANG_DDTREE_GDN_SCRATCH")
+    assert det.gdn_verify == "paths" and gdn.path_of(det, 16) == gdn.GDNPath(16, verify="paths")
     monkeypatch.setenv("SGLANG_DDTREE_GDN", "sglang")
-    for name, value in (("SGLANG_DDTREE_GDN_VERIFY", "chunk"), ("SGLANG_DDTREE_CONV", "ddtree"),
-                        ("SGLANG_DDTREE_GDN_SCRATCH", "full"),
-                        ("SGLANG_DDTREE_GDN_PRECISION", "ieee")):  # fmt: skip
-        monkeypatch.setenv(name, value)
-        with pytest.raises(ValueError, match=f"{name}={value} needs.*SGLANG_DDTREE_GDN=sglang"):
-            path()
-        monkeypatch.delenv(name)
+    sglang = config.Options.from_env()
+    assert (sglang.gdn_verify, sglang.gdn_scratch) == ("paths", "full")
     assert path() is None and configured() is None
     assert not config.Options.from_env().compact_scratch
-    monkeypatch.delenv("SGLANG_DDTREE_GDN")
-    monkeypatch.setenv("SGLANG_DDTREE_GDN_SCRATCH", "small")
-    with pytest.raises(ValueError, match="SGLANG_DDTREE_GDN_SCRATCH must be"):
+    monkeypatch.setenv("SGLANG_DDTREE_GDN", "triton")
+    with pytest.raises(ValueError, match="SGLANG_DDTREE_GDN must be"):
         configured()
 
 
@@ -257,14 +232,14 @@ def test_sglangs_own_verify_and_commit_refuse_a_compact_scratch(monkeypatch):
     def never(*args, **kwargs):
         raise AssertionError("SGLang's own path was called on a compact scratch")
 
-    with pytest.raises(RuntimeError, match="SGLANG_DDTREE_GDN_SCRATCH=full"):
+    with pytest.raises(RuntimeError, match="compact scratch.*SGLANG_DDTREE_GDN=sglang"):
         gdn.target_verify(state, never, None, None, None, None, None, None, None, None,
                           intermediate_states_buffer=scratch, retrieve_parent_token=None)  # fmt: skip
     caches = SimpleNamespace(intermediate_ssm=scratch[None])
     backend = SimpleNamespace(linear_attn_backend=SimpleNamespace(
         forward_metadata=SimpleNamespace(retrieve_parent_token=None),
         req_to_token_pool=SimpleNamespace(get_speculative_mamba2_params_all_layers=lambda: caches)))  # fmt: skip
-    with pytest.raises(RuntimeError, match="SGLANG_DDTREE_GDN_SCRATCH=full"):
+    with pytest.raises(RuntimeError, match="compact scratch.*SGLANG_DDTREE_GDN=sglang"):
         gdn.commit(state, never, backend, torch.zeros(1, dtype=torch.int64), None, None,
                    model=None)  # fmt: skip
 
@@ -292,13 +267,13 @@ def test_options_are_parsed_once_and_the_factorys_reach_the_hooks(monkeypatch):
     from sglang_ddtree.integration import hooks
     from sglang_ddtree.integration.runtime import Runtime
 
-    monkeypatch.setenv("SGLANG_DDTREE_TREE_BUILDER", "torch")
-    monkeypatch.setenv("SGLANG_DDTREE_SYNC_CHECK", "1")
+    monkeypatch.setenv("SGLANG_DDTREE_WIDTH", "fixed")
+    monkeypatch.setenv("SGLANG_DDTREE_PENALTIES", "0")
     parsed = config.Options.from_env()
-    assert parsed == config.Options(tree_builder="torch", sync_check=True)
-    assert parsed.describe().startswith("tree_builder=torch, sync_check=True, gdn=ddtree")
+    assert parsed == config.Options(width="fixed", penalties=False)
+    assert parsed.describe().startswith("gdn=ddtree, gdn_verify=chunk, gdn_scratch=compact")
     runtime = Runtime.create(parsed, DDTreeConfig(16, 32, 8))
-    monkeypatch.setenv("SGLANG_DDTREE_TREE_BUILDER", "triton")
+    monkeypatch.setenv("SGLANG_DDTREE_WIDTH", "auto")
     bound = hooks.bound_hooks(runtime)
     assert set(bound) == set(hooks.HOOKS)
     for target, hook in bound.items():  # each hook holds what it reads, none reads a global
@@ -306,24 +281,9 @@ def test_options_are_parsed_once_and_the_factorys_reach_the_hooks(monkeypatch):
             assert hook.func is hooks.HOOKS[target]
             assert hook.args[0] in (runtime, runtime.gdn, runtime.options, runtime.cfg)
     assert bound[gdn_pool.compat.MAMBA_POOL_INIT].args[0] is parsed
-    monkeypatch.setenv("SGLANG_DDTREE_SYNC_CHECK", "yes")
-    with pytest.raises(ValueError, match="SGLANG_DDTREE_SYNC_CHECK must be '0' or '1'"):
-        config.Options.from_env()
-
-
-def test_the_precision_switch_needs_the_chunked_verify(monkeypatch):
-    from sglang_ddtree import config
-
-    monkeypatch.setenv("SGLANG_DDTREE_GDN_VERIFY", "chunk")
-    monkeypatch.setenv("SGLANG_DDTREE_GDN_PRECISION", "ieee")
-    path = gdn.path_of(config.Options.from_env(), 16)
-    assert path.precision == "ieee" and "verify: chunk (ieee)" in gdn.describe(path)
-    monkeypatch.setenv("SGLANG_DDTREE_GDN_PRECISION", "bf16")
-    with pytest.raises(ValueError, match="must be 'split' or"):
-        config.Options.from_env()
-    monkeypatch.setenv("SGLANG_DDTREE_GDN_PRECISION", "tf32")
-    monkeypatch.setenv("SGLANG_DDTREE_GDN_VERIFY", "paths")
-    with pytest.raises(ValueError, match="add SGLANG_DDTREE_GDN_VERIFY=chunk"):
+    assert parsed.width == "fixed"  # the environment changed after the parse: not seen
+    monkeypatch.setenv("SGLANG_DDTREE_PENALTIES", "yes")
+    with pytest.raises(ValueError, match="SGLANG_DDTREE_PENALTIES must be '1' or '0'"):
         config.Options.from_env()
 
 
@@ -366,16 +326,16 @@ def test_server_info_reports_the_resolved_options(monkeypatch):
                                  None).internal_state == {"startup_time": 1.0}  # fmt: skip
 
 
-def test_configure_says_when_the_chunked_switches_cannot_apply(monkeypatch, caplog):
+def test_configure_says_when_the_chunked_verify_cannot_apply(monkeypatch, caplog):
     """Trees wider than the chunked verify takes run the root paths: startup says so."""
     from sglang_ddtree import config
 
-    opts = config.Options(gdn_precision="ieee")
+    opts = config.Options()
     for nodes, warned in ((32, False), (128, True)):
         caplog.clear()
         with caplog.at_level("INFO"):
             gdn.configure(opts, DDTreeConfig(block_size=16, num_nodes=nodes, topk=8))
-        assert "GDN path: ddtree (verify: chunk (ieee)" in caplog.text
+        assert "GDN path: ddtree (verify: chunk;" in caplog.text
         assert ("wider than the chunked GDN verify takes" in caplog.text) == warned, nodes
 
 

@@ -394,9 +394,9 @@ def test_hooks_commit_the_state_sglangs_own_tree_verify_and_commit_would(
     pool, the per-layer intermediate buffer, retrieve_parent_token), against SGLang's own
     TritonGDNKernel.target_verify (per-node states) + its commit (the accepted node's state):
     the same outputs and the same committed states, in the request slot and the track slot.
-    The hooks' scratch: SGLang's per-node state buffer, or the compact one of
-    SGLANG_DDTREE_GDN_SCRATCH=compact (integration/gdn_pool.py); the verify: root paths or the
-    chunked form (SGLANG_DDTREE_GDN_VERIFY=chunk)."""
+    The hooks' scratch: SGLang's per-node state buffer (--enable-unified-memory), or the
+    compact one (integration/gdn_pool.py, the default); the verify: root paths (deterministic
+    inference) or the chunked form (the default)."""
     import dataclasses
     from types import SimpleNamespace
 

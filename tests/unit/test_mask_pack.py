@@ -16,7 +16,7 @@ from sglang_ddtree.integration import tree_layout, verify_plan
 from tests.fixtures import interpreter_only, interpreter_process_test
 
 # the non-GPU tests the interpreter process runs (all but this one); it must pass all
-test_cpu_kernel_tests_under_triton_interpreter = interpreter_process_test(__file__, 15)
+test_cpu_kernel_tests_under_triton_interpreter = interpreter_process_test(__file__, 14)
 
 
 def _tree(bs: int, N: int, seed: int) -> torch.Tensor:
@@ -110,7 +110,7 @@ def _plan_call(runtime, info, seq, seq_lens_cpu):
 
 @interpreter_only
 def test_the_plan_packs_an_unwritten_mask_from_the_tree(monkeypatch):
-    runtime = _runtime(mask_pack="triton")
+    runtime = _runtime(verify_plan="host")
     seq, N = torch.tensor([6, 2, 11]), 4
     info, vis = _unwritten_verify(seq, N)
     assert not info.tree_mask_written and verify_plan.packs_from_tree(runtime.options)
@@ -126,33 +126,15 @@ def test_the_plan_packs_an_unwritten_mask_from_the_tree(monkeypatch):
 def test_an_unwritten_mask_is_written_before_sglangs_plan_reads_it(monkeypatch):
     """Where the host plan does not apply (here: no host lengths), SGLang's plan reads the
     unpacked mask: it is written first, as make_verify_input would have written it."""
-    runtime = _runtime(mask_pack="triton")
+    runtime = _runtime(verify_plan="host")
     seq, N = torch.tensor([6, 2, 11]), 4
     info, vis = _unwritten_verify(seq, N)
     assert info.custom_mask.numel() == 0 and info.tree_mask_size == _written(vis, seq).numel()
     read, kw = _plan_call(runtime, info, seq, None)
     assert "packed_custom_mask" not in kw and info.tree_mask_written
     assert torch.equal(read, _written(vis, seq))
-    assert not verify_plan.packs_from_tree(_runtime(mask_pack="torch").options)  # masks written
-
-
-def test_the_switch_selects_the_packer_and_checks_the_plan(monkeypatch):
-    from sglang_ddtree.config import Options
-
-    monkeypatch.delenv("SGLANG_DDTREE_MASK_PACK", raising=False)
-    monkeypatch.delenv("SGLANG_DDTREE_VERIFY_PLAN", raising=False)
-    assert Options.from_env().mask_pack == "triton"  # the default since session 15's GPU run
-    # SGLang's plan reads the mask unpacked: torch by default there
-    monkeypatch.setenv("SGLANG_DDTREE_VERIFY_PLAN", "sglang")
-    assert Options.from_env().mask_pack == "torch"
-    monkeypatch.setenv("SGLANG_DDTREE_MASK_PACK", "torch")
-    assert Options.from_env().mask_pack == "torch"
-    monkeypatch.setenv("SGLANG_DDTREE_MASK_PACK", "triton")
-    with pytest.raises(ValueError, match="SGLANG_DDTREE_MASK_PACK=triton.*VERIFY_PLAN"):
-        Options.from_env()
-    monkeypatch.setenv("SGLANG_DDTREE_MASK_PACK", "numpy")
-    with pytest.raises(ValueError, match="SGLANG_DDTREE_MASK_PACK"):
-        Options.from_env()
+    # SGLang's plan reads the mask unpacked: written by every verify input there
+    assert not verify_plan.packs_from_tree(_runtime(verify_plan="sglang").options)
 
 
 @pytest.mark.gpu
@@ -212,10 +194,10 @@ def test_the_staged_lengths_give_sglangs_attention_arguments(seq, N):
 
 
 def test_the_plan_stages_its_lengths_for_its_own_call_only(monkeypatch):
-    runtime = _runtime(mask_pack="torch")
+    runtime = _runtime(verify_plan="host")
     seq, N = torch.tensor([6, 2, 11]), 4
     info, _ = _unwritten_verify(seq, N)
-    verify_plan.write_mask(info)  # the torch packer's input (no Triton outside the interpreter)
+    verify_plan.write_mask(info)  # written, as a warm-up stand-in: packed by the torch reference
     seen = []
 
     def sglang(*call, **kwargs):

@@ -258,7 +258,6 @@ def _request(**sampling):
 @pytest.mark.parametrize(
     "request_kwargs, words",
     [
-        (dict(logprob=True, max_new_tokens=8), "logprobs"),
         (dict(max_new_tokens=0), "at least 1, got 0"),
         (dict(max_new_tokens=8, min_p=0.1), "min_p=0.1"),
         (dict(max_new_tokens=8, repetition_penalty=1.2), "repetition_penalty=1.2"),
@@ -269,9 +268,8 @@ def _request(**sampling):
     ],
 )
 def test_front_end_rejects_what_ddtree_cannot_serve_exactly(request_kwargs, words, monkeypatch):
-    """With logprobs and penalties switched off (both are served by default), each refusal
-    names its option; the other refusals hold whatever the switches."""
-    monkeypatch.setenv("SGLANG_DDTREE_LOGPROBS", "0")
+    """With penalties switched off (served by default), each refusal names its option; the
+    other refusals hold whatever the switch."""
     monkeypatch.setenv("SGLANG_DDTREE_PENALTIES", "0")
     with pytest.raises(ValueError, match=words):
         hooks.RequestCheck()(_tokenizer_manager("DDTREE"), _request(**request_kwargs), [1])
@@ -292,28 +290,67 @@ def test_up_to_128_samples_per_request_pass_and_token_ids_outside_the_vocabulary
 
 
 def test_logprobs_and_penalties_are_served_by_default(monkeypatch):
-    """With neither switch set, logprob and penalty requests pass the front end (both switches
-    default to 1 since their GPU tests passed)."""
-    monkeypatch.delenv("SGLANG_DDTREE_LOGPROBS", raising=False)
+    """Logprob requests always pass the front end; penalty requests too unless
+    SGLANG_DDTREE_PENALTIES=0 (its default is 1 since its GPU tests passed)."""
     monkeypatch.delenv("SGLANG_DDTREE_PENALTIES", raising=False)
     asked = _request(logprob=True, max_new_tokens=8, frequency_penalty=0.5, min_new_tokens=2,
                      min_p=0.1)  # fmt: skip
     assert hooks.RequestCheck()(_tokenizer_manager("DDTREE"), asked, [1]) is None
 
 
-def test_logprobs_are_refused_when_switched_off(monkeypatch):
-    """SGLANG_DDTREE_LOGPROBS=1 lets logprob requests through (to SGLang's spec-v2 logprobs);
-    the other refusals stay; =0 refuses them, naming the switch."""
-    monkeypatch.setenv("SGLANG_DDTREE_LOGPROBS", "1")
+def test_logprobs_are_served_with_penalties_switched_off(monkeypatch):
+    """Logprob requests go through (to SGLang's spec-v2 logprobs) whatever the switches; the
+    other refusals stay."""
     monkeypatch.setenv("SGLANG_DDTREE_PENALTIES", "0")
     asked = _request(logprob=True, max_new_tokens=8)
     assert hooks.RequestCheck()(_tokenizer_manager("DDTREE"), asked, [1]) is None
     with pytest.raises(ValueError, match="min_p=0.1"):
         hooks.RequestCheck()(_tokenizer_manager("DDTREE"),
-                                  _request(logprob=True, max_new_tokens=8, min_p=0.1), [1])  # fmt: skip
-    monkeypatch.setenv("SGLANG_DDTREE_LOGPROBS", "0")
-    with pytest.raises(ValueError, match="SGLANG_DDTREE_LOGPROBS=1"):
-        hooks.RequestCheck()(_tokenizer_manager("DDTREE"), asked, [1])
+                             _request(logprob=True, max_new_tokens=8, min_p=0.1), [1])  # fmt: skip
+
+
+def test_the_package_parses_the_eight_switches_and_refuses_the_retired(monkeypatch):
+    """The SGLANG_DDTREE_* names Options.from_env reads are the eight a user sets (config.SWITCHES)
+    and the retired ones it refuses; a ninth switch fails here. Every such name the package's
+    source mentions is one of those."""
+    import os
+    import pathlib
+    import re
+
+    from sglang_ddtree import config
+
+    class Recording(dict):
+        def get(self, key, default=None):
+            read.add(key)
+            return super().get(key, default)
+
+    read: set[str] = set()
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_DDTREE_")}
+    monkeypatch.setattr(config.os, "environ", Recording(environ))
+    config.Options.from_env()
+    config.Options.from_env(unified_memory=True, deterministic=True, tensor_parallel=True)
+    retired = set(config.RETIRED_SWITCHES) | set(config.DEBUG_SWITCHES)
+    parsed = {name for name in read if name.startswith("SGLANG_DDTREE_")} - retired
+    assert len(config.SWITCHES) == 8 and parsed == set(config.SWITCHES)
+    source = pathlib.Path(config.__file__).parent
+    named = {m for f in source.rglob("*.py") for m in re.findall(r"SGLANG_DDTREE_[A-Z_]*[A-Z]",
+                                                                  f.read_text())}  # fmt: skip
+    assert named <= set(config.SWITCHES) | retired, named - set(config.SWITCHES) - retired
+
+
+@pytest.mark.parametrize("name", ["SGLANG_DDTREE_TREE_BUILDER", "SGLANG_DDTREE_SYNC_CHECK",
+                                  "SGLANG_DDTREE_GDN_VERIFY", "SGLANG_DDTREE_GDN_PRECISION",
+                                  "SGLANG_DDTREE_CONV", "SGLANG_DDTREE_GDN_SCRATCH",
+                                  "SGLANG_DDTREE_LOGPROBS", "SGLANG_DDTREE_MASK_PACK",
+                                  "SGLANG_DDTREE_ACCEPT_PATH"])  # fmt: skip
+def test_a_retired_switch_is_refused_by_name(monkeypatch, name):
+    """A server does not start with a retired switch set, whatever its value (silently ignoring
+    it would mislead); the message names it and what replaced it."""
+    from sglang_ddtree import config
+
+    monkeypatch.setenv(name, "1")
+    with pytest.raises(ValueError, match=f"{name} is no longer a switch: .+ Unset {name}"):
+        config.Options.from_env()
 
 
 def test_penalties_are_refused_when_switched_off(monkeypatch):

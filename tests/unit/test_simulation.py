@@ -286,3 +286,16 @@ def test_the_heads_world_replays_in_a_cuda_graph():
     head(hidden, ids, positions)
     assert torch.equal(replayed[0], head.tokens)
     assert torch.equal(replayed[1], head.simulated_picks)
+
+
+def test_the_docs_state_each_regimes_parameters():
+    """docs/simulation.md's regime table carries each regime's means and calibrated chain."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "simulation.md").read_text()
+    for name, world in sim.REGIMES.items():
+        row = next(line for line in text.splitlines() if line.startswith(f"| `{name}` |"))
+        assert f"{world.top1[0]:.3f}" in row and f"{sim.chain_tau(world, B - 1):.2f}" in row
+    for value in (f"spread {sim.REGIMES['code'].spread}", f"ratio {sim.REGIMES['code'].ratio}",
+                  f"off-spine {sim.REGIMES['code'].off_spine}"):  # fmt: skip
+        assert value in text

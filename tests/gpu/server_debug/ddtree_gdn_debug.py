@@ -13,10 +13,14 @@ scheduler included) and one of:
     DDTREE_GDN_PERTURB=EPS        every tree-verify output off by a fixed pattern of at most EPS
                                   relative size, like another kernel's rounding (a fragile model,
                                   or a kernel bug?)
+    DDTREE_GDN_VERIFY=paths       serve the root-path verify where the chunked one would run
+    DDTREE_GDN_PRECISION=P        the chunked verify's float32 products at P (chunk_tree
+                                  PRECISIONS: tf32, tf32x3, ieee; servers run split)
 
 tests/gpu/diagnose_gdn.py starts such a server. `install` wraps the kernels where DDTREE's GDN
 hooks import them at each call (sglang_ddtree.gdn.chunk_tree.chunk_tree_verify, tree_verify's
-tree_verify and commit_paths), so the package carries none of this.
+tree_verify and commit_paths) and, for the root paths, the GDN path's choice
+(sglang_ddtree.integration.gdn.GDNPath.chunked), so the package carries none of this.
 
 The check: per node and value head, the largest difference over V as a fraction of that row's
 largest root-path output (rows below 1e-6 of the call's largest are skipped).
@@ -50,16 +54,25 @@ class Settings:
     serve: str = "chunk"  # DDTREE_GDN_CHECK_SERVE: whose outputs a checked verify serves
     save: int = 0  # DDTREE_GDN_CHECK_SAVE: checked calls saved whatever they differ
     perturb: float = 0.0  # DDTREE_GDN_PERTURB: `perturb`'s size
+    verify: str = "chunk"  # DDTREE_GDN_VERIFY: "paths" serves the root paths
+    precision: str = "split"  # DDTREE_GDN_PRECISION: the chunked verify's products
 
     @classmethod
     def from_env(cls, environ) -> Settings:
+        from sglang_ddtree.gdn.chunk_tree import PRECISIONS
+
         out = cls(check=environ.get("DDTREE_GDN_CHECK") or None,
                   serve=environ.get("DDTREE_GDN_CHECK_SERVE", "chunk"),
                   save=int(environ.get("DDTREE_GDN_CHECK_SAVE", "0")),
-                  perturb=float(environ.get("DDTREE_GDN_PERTURB", "0")))  # fmt: skip
+                  perturb=float(environ.get("DDTREE_GDN_PERTURB", "0")),
+                  verify=environ.get("DDTREE_GDN_VERIFY", "chunk"),
+                  precision=environ.get("DDTREE_GDN_PRECISION", "split"))  # fmt: skip
         if out.serve not in ("chunk", "paths") or out.save < 0 or not 0 <= out.perturb < 1:
             raise ValueError(f"DDTREE_GDN_CHECK_SERVE chunk | paths, _SAVE >= 0, "
                              f"DDTREE_GDN_PERTURB in [0, 1); got {out}")  # fmt: skip
+        if out.verify not in ("chunk", "paths") or out.precision not in PRECISIONS:
+            raise ValueError(f"DDTREE_GDN_VERIFY chunk | paths, DDTREE_GDN_PRECISION one of "
+                             f"{PRECISIONS}; got {out}")  # fmt: skip
         if (out.serve != "chunk" or out.save) and not out.check:
             raise ValueError("DDTREE_GDN_CHECK_SERVE / _SAVE belong to the GDN check; set "
                              "DDTREE_GDN_CHECK=DIR too.")  # fmt: skip
@@ -67,7 +80,8 @@ class Settings:
 
     @property
     def active(self) -> bool:
-        return bool(self.check or self.perturb)
+        return bool(self.check or self.perturb or self.verify != "chunk"
+                    or self.precision != "split")  # fmt: skip
 
 
 def row_error(o: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
@@ -193,7 +207,8 @@ def _report(rel, worst, parents, where: str | None, call: int) -> None:
 def install(settings: Settings):
     """Wrap the GDN kernels where DDTREE's hooks import them at each call: the chunked verify
     checked (and its outputs perturbed), the root-path kernel perturbed, and the round's graph
-    check read before each commit. Returns the Checker (None without the check)."""
+    check read before each commit; with verify "paths" the GDN path takes the root paths.
+    Returns the Checker (None without the check)."""
     from sglang_ddtree.gdn import chunk_tree, tree_verify
 
     chunk, paths, commit = (
@@ -204,6 +219,7 @@ def install(settings: Settings):
     checker = Checker(settings, paths) if settings.check else None
 
     def checked_chunk(*args, max_path, **kwargs):
+        kwargs.setdefault("precision", settings.precision)
         o = chunk(*args, max_path=max_path, **kwargs)
         if checker is not None:
             o = checker.compare(o, args, max_path)
@@ -221,5 +237,9 @@ def install(settings: Settings):
     chunk_tree.chunk_tree_verify = checked_chunk
     tree_verify.tree_verify = perturbed_paths
     tree_verify.commit_paths = commit_after_check
+    if settings.verify == "paths":
+        from sglang_ddtree.integration import gdn
+
+        gdn.GDNPath.chunked = lambda self, nodes: False
     logger.warning("sglang_ddtree: GDN debugging aids installed (test tooling): %s", settings)
     return checker
