@@ -306,20 +306,6 @@ def _refuse_retired_switches() -> None:
             )
 
 
-_active: Options | None = None  # what the worker factory parsed in this process
-
-
-def activate(options: Options | None) -> None:
-    """Make `options` this process's (the worker factory, before any hook runs); None resets."""
-    global _active
-    _active = options
-
-
-def options() -> Options:
-    """This process's options: the activated ones, else parsed from the environment now."""
-    return _active if _active is not None else Options.from_env()
-
-
 def _width_mode(deterministic: bool, tensor_parallel: bool) -> str:
     """SGLANG_DDTREE_WIDTH: fixed by default under deterministic inference, and at tp > 1 until a
     multi-GPU run has checked the shared choice there (auto at tp > 1: rank 0 chooses and

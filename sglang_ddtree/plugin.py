@@ -50,16 +50,17 @@ def _register() -> None:
 
 
 def _worker_factory(server_args):
-    """Runs in the scheduler process before memory pools, backends and CUDA graphs exist."""
-    from sglang_ddtree import config
-    from sglang_ddtree.integration import gdn
-    from sglang_ddtree.integration.compat import option_modes
+    """Runs in the scheduler process before memory pools, backends and CUDA graphs exist: parses
+    this process's options once, reads SGLang's resolved (B, N, K) once, and hands both (as one
+    Runtime) to the runtime hooks it installs and to the worker class it returns."""
+    from sglang_ddtree.config import Options
+    from sglang_ddtree.integration import compat
     from sglang_ddtree.integration.hooks import install_runtime_hooks
+    from sglang_ddtree.integration.runtime import Runtime
     from sglang_ddtree.integration.worker import DDTreeWorker
 
-    options = config.Options.from_env(**option_modes(server_args))
-    config.activate(options)
+    options = Options.from_env(**compat.option_modes(server_args))
     logger.info("sglang_ddtree: options: %s", options.describe())
-    gdn.configure(server_args, options)
-    install_runtime_hooks()
-    return DDTreeWorker
+    runtime = Runtime.create(options, compat.resolved_config())
+    install_runtime_hooks(runtime)
+    return DDTreeWorker.bound_to(runtime)

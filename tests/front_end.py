@@ -11,7 +11,7 @@ tokenizer_manager.py):
   server's `_build_sampling_params`, top_logprobs into top_logprobs_num); the chat template is
   left out (the prompt's text is the messages' contents);
 - `normalize_batch_and_arguments`, then per request of the batch (and sample of n): DDTREE's
-  `_reject_unsupported`, SGLang's `_validate_one_request` and `SamplingParams(...)
+  `RequestCheck`, SGLang's `_validate_one_request` and `SamplingParams(...)
   .normalize(tokenizer).verify(vocab)`.
 A ValueError anywhere is a 400 (a streamed /generate: HTTP 200 with an error event, which
 SGLang sends; `answer` reports it as 400 with streamed=True); any other exception is what the
@@ -122,7 +122,7 @@ class FrontEnd:
         ids = item.input_ids
         if ids is None:
             ids = self.tokenizer(item.text)["input_ids"]
-        hooks._reject_unsupported(self.manager, item, ids)
+        hooks.RequestCheck()(self.manager, item, ids)
         for name in ("_validate_one_request", "_validate_token_ids_logprob",
                      "_validate_joint_schema_request"):
             method = tokenizer_manager_method(name)

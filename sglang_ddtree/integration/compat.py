@@ -290,6 +290,25 @@ def attention_backends(server_args: Any) -> tuple[str | None, str | None]:
     return prefill, decode
 
 
+def set_draft_block(worker, pos_offsets, spec_info) -> None:
+    """DFlashWorkerV2's draft-block constants (its private `_block_pos_offsets` [B] and
+    `_draft_block_spec_info`), rebuilt for DDTREE's block B (DFlashWorkerV2 made them for N)."""
+    worker._block_pos_offsets = pos_offsets
+    worker._draft_block_spec_info = spec_info
+
+
+def draft_block_spec_info(worker):
+    """The draft block's spec info DFlashWorkerV2 keeps (set_draft_block's)."""
+    return worker._draft_block_spec_info
+
+
+def hook_registered(target: str, hook) -> bool:
+    """Whether SGLang's HookRegistry holds `hook` (or a functools.partial of it) for `target`."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    return any(getattr(h, "func", h) is hook for _, h, _ in HookRegistry._hooks.get(target, ()))
+
+
 def resolved_config():
     """DDTREE's (B, N, K) as SGLang resolved them for this server (its runtime context: the
     plugin's resolutions are recorded there, not written into the raw server args)."""

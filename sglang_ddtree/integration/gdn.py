@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from sglang_ddtree.config import Options, options
+from sglang_ddtree.config import DDTreeConfig, Options
 from sglang_ddtree.integration import compat, gdn_pool
 
 logger = logging.getLogger(__name__)
@@ -68,29 +68,47 @@ def path_of(options: Options, block_size: int) -> GDNPath | None:
     )
 
 
-_memo: list = [None, None]  # [options, their GDNPath]: `current`'s last resolution
+class Engaged:
+    """The DDTREE paths one process's hooks have taken (`first_use`'s names; /server_info reports
+    them), each logged the first time."""
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+
+    def first_use(self, what: str) -> None:
+        if what not in self.names:
+            self.names.add(what)
+            logger.info("sglang_ddtree: first %s", what)
+
+    def sorted(self) -> list[str]:
+        return sorted(self.names)
 
 
-def current() -> GDNPath | None:
-    """This process's GDN path: the options the worker factory activated (config.options) and
-    the DFlash block size SGLang resolved; None: SGLang's own path. Resolved once per options
-    object (the hooks ask on every layer)."""
-    opts = options()
-    if _memo[0] is not opts:
-        _memo[:] = [opts, path_of(opts, compat.dflash_block_size())]
-    return _memo[1]
+@dataclasses.dataclass(eq=False)
+class GDNState:
+    """What the GDN hooks of one scheduler process share, made once by the worker factory: the
+    GDN path (None: SGLang's own), the engaged paths, and caches keyed by data pointers."""
+
+    path: GDNPath | None
+    engaged: Engaged = dataclasses.field(default_factory=Engaged)
+    first_conv_state: int | None = None  # data_ptr of the first GDN layer's conv state
+    filled: int | None = None  # data_ptr of the parent buffer the last filling call wrote
+    no_states: tuple = (None, None)  # (the pool's caches, the same without states)
+
+    def first_use(self, what: str) -> None:
+        self.engaged.first_use(what)
 
 
-def configure(server_args, opts: Options) -> None:
-    """Log the GDN path the worker factory's options give (tests/gpu checks the line), and say
-    so when the chunked verify cannot apply (trees wider than it takes)."""
-    args = compat.resolved(server_args)
-    path = path_of(opts, int(args.speculative_dflash_block_size))
+def configure(opts: Options, cfg: DDTreeConfig) -> GDNState:
+    """The GDN hooks' state for the worker factory's options and SGLang's resolved (B, N, K); logs
+    the GDN path (tests/gpu checks the line), and says so when the chunked verify cannot apply
+    (trees wider than it takes)."""
+    path = path_of(opts, cfg.block_size)
     logger.info("sglang_ddtree: GDN path: %s", describe(path))
-    nodes = int(getattr(args, "speculative_num_draft_tokens", 0) or 0)
-    if path is not None and path.verify == "chunk" and not path.chunked(nodes):
+    if path is not None and path.verify == "chunk" and not path.chunked(cfg.num_nodes):
         logger.warning("sglang_ddtree: %d-node trees are wider than the chunked GDN verify takes: "
-                       "they use the root paths.", nodes)  # fmt: skip
+                       "they use the root paths.", cfg.num_nodes)  # fmt: skip
+    return GDNState(path)
 
 
 def describe(path: GDNPath | None) -> str:
@@ -101,13 +119,9 @@ def describe(path: GDNPath | None) -> str:
             f"{'compact' if path.compact else 'full'})")  # fmt: skip
 
 
-def active() -> bool:
-    return current() is not None
-
-
-def target_verify(original, dispatcher, A_log, dt_bias, q, k, v, a, b, **kwargs):
+def target_verify(state: GDNState, original, dispatcher, A_log, dt_bias, q, k, v, a, b, **kwargs):
     parents = kwargs.get("retrieve_parent_token")
-    path = current()
+    path = state.path
     if path is None or parents is None:  # not DDTREE, or a chain / warm-up batch
         _refuse_compact(kwargs.get("intermediate_states_buffer"))
         return original(dispatcher, A_log, dt_bias, q, k, v, a, b, **kwargs)
@@ -117,7 +131,7 @@ def target_verify(original, dispatcher, A_log, dt_bias, q, k, v, a, b, **kwargs)
     N = int(kwargs["cache_steps"])
     chunked = path.chunked(N)
     kernel = chunk_tree_verify if chunked else tree_verify
-    first_use("GDN tree verify through sglang_ddtree.gdn."
+    state.first_use("GDN tree verify through sglang_ddtree.gdn."
               + ("chunk_tree.chunk_tree_verify" if chunked else "tree_verify"))  # fmt: skip
     H, K = q.shape[-2:]
     HV, V = v.shape[-2:]
@@ -138,13 +152,14 @@ def target_verify(original, dispatcher, A_log, dt_bias, q, k, v, a, b, **kwargs)
     return o.reshape(v.shape)
 
 
-def conv_update(original, x, conv_state, weight, bias=None, activation=None, *rest, **kwargs):
+def conv_update(state: GDNState, original, x, conv_state, weight, bias=None, activation=None,
+                *rest, **kwargs):  # fmt: skip
     """Around gdn_backend.causal_conv1d_update (SGLang's hook registry also rebinds every other
     module's import of that function): a tree verify's conv1d through `gdn.conv_tree.conv_tree`
     (same outputs, per-node windows and retrieve_parent_token as SGLang's kernel); every other
     call, as it came, to SGLang's."""
     tree = all(kwargs.get(k) is not None for k in _CONV_TREE_ARGS)
-    path = current()
+    path = state.path
     if path is None or not tree or rest or set(kwargs) - set(_CONV_TREE_ARGS):
         if tree and path is not None and path.compact:
             # SGLang's kernel would write per-node windows where the commit reads the nodes'
@@ -157,7 +172,7 @@ def conv_update(original, x, conv_state, weight, bias=None, activation=None, *re
         return original(x, conv_state, weight, bias, activation, *rest, **kwargs)
     from sglang_ddtree.gdn.conv_tree import conv_tree
 
-    first_use("tree conv1d through sglang_ddtree.gdn.conv_tree")
+    state.first_use("tree conv1d through sglang_ddtree.gdn.conv_tree")
     # The parents kernel runs in the first GDN layer's call of a verify only: every layer sees
     # the same tree and SGLang's one retrieve_parent_token buffer. The first layer is the one
     # whose conv state (a per-layer slice of the pool, fixed once allocated) this process saw
@@ -166,17 +181,13 @@ def conv_update(original, x, conv_state, weight, bias=None, activation=None, *re
     # (what SGLang does; pipeline parallelism and two-batch overlap, whose micro-batches
     # could share one parent buffer, are refused at start-up).
     parents = kwargs["retrieve_parent_token"]
-    if _first_conv_state[0] is None:
-        _first_conv_state[0] = conv_state.data_ptr()
-    fill = conv_state.data_ptr() == _first_conv_state[0] or parents.data_ptr() != _filled[0]
+    if state.first_conv_state is None:
+        state.first_conv_state = conv_state.data_ptr()
+    fill = conv_state.data_ptr() == state.first_conv_state or parents.data_ptr() != state.filled
     if fill:
-        _filled[0] = parents.data_ptr()
+        state.filled = parents.data_ptr()
     return conv_tree(x, conv_state, weight, bias, activation, fill_parents=fill,
                      save_inputs=path.compact, **kwargs)  # fmt: skip
-
-
-_first_conv_state: list = [None]  # data_ptr of the first GDN layer's conv state
-_filled: list = [None]  # data_ptr of the parent buffer the last filling call wrote
 
 
 _CONV_TREE_ARGS = (
@@ -189,20 +200,20 @@ _CONV_TREE_ARGS = (
 )
 
 
-def commit(original, backend, last_correct_step_indices, mamba_track_indices,
+def commit(state: GDNState, original, backend, last_correct_step_indices, mamba_track_indices,
            mamba_steps_to_track, model, req_pool_indices=None):  # fmt: skip
     linear = backend.linear_attn_backend
     meta = linear.forward_metadata
     parents = getattr(meta, "retrieve_parent_token", None)
     caches = linear.req_to_token_pool.get_speculative_mamba2_params_all_layers()
-    path = current()
+    path = state.path
     if path is None or parents is None:
         _refuse_compact(caches.intermediate_ssm)
         return original(backend, last_correct_step_indices, mamba_track_indices,
                         mamba_steps_to_track, model, req_pool_indices)  # fmt: skip
     from sglang_ddtree.gdn.tree_verify import as_scratch, commit_paths
 
-    first_use("GDN state commit through sglang_ddtree.gdn.tree_verify.commit_paths")
+    state.first_use("GDN state commit through sglang_ddtree.gdn.tree_verify.commit_paths")
     bs = last_correct_step_indices.shape[0]
     state_idx = meta.mamba_cache_indices[:bs]  # physical slots already
     if mamba_track_indices is not None:  # the scheduler's (virtual) slots, as SGLang's commit
@@ -232,27 +243,12 @@ def commit(original, backend, last_correct_step_indices, mamba_track_indices,
         return
     # conv windows: SGLang's scatter, with an empty state pool so that it skips the states
     compat.scatter_mamba_states_after_mtp_verify()(
-        _without_states(caches),
+        _without_states(state, caches),
         state_idx,
         last_correct_step_indices,
         mamba_track_indices,
         mamba_steps_to_track,
     )
-
-
-_used: set[str] = set()
-
-
-def first_use(what: str) -> None:
-    """Log once per process that a hook took DDTREE's path (/server_info reports them: engaged)."""
-    if what not in _used:
-        _used.add(what)
-        logger.info("sglang_ddtree: first %s", what)
-
-
-def engaged() -> list[str]:
-    """The DDTREE paths this process's hooks have taken so far (first_use's names), sorted."""
-    return sorted(_used)
 
 
 def _refuse_compact(intermediate_ssm) -> None:
@@ -270,12 +266,9 @@ def _rows(parents, N: int):
     return parents.reshape(-1, N).contiguous()
 
 
-_no_states: list = [None, None]  # [the pool's caches, the same without states]
-
-
-def _without_states(caches):
+def _without_states(state: GDNState, caches):
     """The pool's caches with an empty `temporal` (SGLang's scatter then moves conv windows only);
     made once per pool."""
-    if _no_states[0] is not caches:
-        _no_states[:] = [caches, dataclasses.replace(caches, temporal=caches.temporal[:, :0])]
-    return _no_states[1]
+    if state.no_states[0] is not caches:
+        state.no_states = (caches, dataclasses.replace(caches, temporal=caches.temporal[:, :0]))
+    return state.no_states[1]

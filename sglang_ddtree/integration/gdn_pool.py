@@ -29,16 +29,10 @@ import math
 
 import torch
 
+from sglang_ddtree.config import Options
 from sglang_ddtree.integration import compat
 
 logger = logging.getLogger(__name__)
-
-
-def compact_on() -> bool:
-    """Whether this process's options ask for the compact scratch (DDTREE's GDN path only)."""
-    from sglang_ddtree.config import options
-
-    return options().compact_scratch
 
 
 def compact_bytes_per_request(cache_params, num_nodes: int) -> int:
@@ -53,10 +47,11 @@ def compact_bytes_per_request(cache_params, num_nodes: int) -> int:
     return per_layer * len(cache_params.layers)
 
 
-def size_mamba_pool(original, configurator, total_rest_memory):
+def size_mamba_pool(opts: Options, original, configurator, total_rest_memory):
     """SGLang's solver with its N per-request speculative states replaced by the fewest whole
-    states that hold the compact buffers (the solver charges `mamba_cache_per_req` per state)."""
-    if configurator.spec_algorithm.is_none() or not compact_on():
+    states that hold the compact buffers (the solver charges `mamba_cache_per_req` per state;
+    `opts`: the worker factory's, bound when the hook is installed)."""
+    if configurator.spec_algorithm.is_none() or not opts.compact_scratch:
         return original(configurator, total_rest_memory)
     from sglang.srt.runtime_context import get_spec, max_speculative_num_draft_tokens
 
@@ -90,13 +85,14 @@ def size_mamba_pool(original, configurator, total_rest_memory):
     return rest
 
 
-def init_mamba_pool(original, req_pool, *args, **kwargs):
-    """SGLang's Mamba pool, its speculative buffers replaced by the compact ones."""
+def init_mamba_pool(opts: Options, original, req_pool, *args, **kwargs):
+    """SGLang's Mamba pool, its speculative buffers replaced by the compact ones (`opts`: the
+    worker factory's, bound when the hook is installed)."""
     call = inspect.signature(original).bind(req_pool, *args, **kwargs)
     call.apply_defaults()
     params = call.arguments
     N = params.get("speculative_num_draft_tokens")
-    if N is None or not compact_on():
+    if N is None or not opts.compact_scratch:
         return original(*call.args, **call.kwargs)
     params["speculative_num_draft_tokens"] = None  # SGLang: no speculative buffers
     original(*call.args, **call.kwargs)

@@ -25,7 +25,7 @@
 | KVCacheConfigurator                     | sized for it (integration/gdn_pool.py; off:           |
 |   ._handle_max_mamba_cache              | SGLANG_DDTREE_GDN=sglang, --enable-unified-memory)    |
 | Scheduler.get_internal_state            | /server_info reports the resolved options, GDN path   |
-|                                         | and the DDTREE paths taken (gdn.engaged)              |
+|                                         | and the DDTREE paths taken (Runtime.report)           |
 | FlashInferIndicesUpdaterPrefill         | the verify's masked plan from host lengths and a      |
 |   .call_begin_forward                   | device-packed mask, no read-back (verify_plan.py;     |
 |                                         | off: SGLANG_DDTREE_VERIFY_PLAN=sglang)                |
@@ -35,15 +35,20 @@
 |                                         | 400, not SGLang's 500 (json_bodies.py)                |
 
 All but the front-end ones are installed from the worker factory (scheduler process only, before
-any graph capture), so other processes never import those heavy modules; the front-end ones are
-registered at plugin load and applied by SGLang's load_plugins() in the server's main process.
+any graph capture), so other processes never import those heavy modules; each is bound there to
+what it reads (`bound_hooks`: the process's runtime.Runtime or a part of it), so no hook reads a
+module global. The front-end ones are registered at plugin load (`RequestCheck` holds its own
+options) and applied by SGLang's load_plugins() in the server's main process.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
+from collections.abc import Callable
 
+from sglang_ddtree.config import DDTreeConfig, Options
 from sglang_ddtree.integration import (
     accept_path,
     compat,
@@ -54,67 +59,55 @@ from sglang_ddtree.integration import (
     request_limits,
     verify_plan,
 )
+from sglang_ddtree.integration.runtime import Runtime
+from sglang_ddtree.integration.spec import is_ddtree, serves_ddtree
 
 logger = logging.getLogger(__name__)
 
-_installed = False
 
-
-def install_runtime_hooks() -> None:
-    global _installed
-    if _installed:
-        return
+def install_runtime_hooks(runtime: Runtime) -> None:
+    """Register and apply HOOKS bound to this process's runtime (once per process: a second
+    install would leave the first runtime's hooks in place, so it is refused)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    for target, hook in HOOKS.items():
+    if compat.hook_registered(compat.GDN_TARGET_VERIFY, gdn.target_verify):
+        raise RuntimeError("DDTREE's runtime hooks are already installed in this process; one "
+                           "DDTREE worker factory call per scheduler process.")  # fmt: skip
+    for target, hook in bound_hooks(runtime).items():
         HookRegistry.register(target, hook, HookType.AROUND)
     HookRegistry.apply_hooks()
     missing = compat.unpatched_hook_targets(HOOKS)
     if missing:
         raise RuntimeError(f"DDTREE's runtime hooks could not be applied to {missing} (SGLang's "
                            "log above says why); DDTREE cannot serve without them.")  # fmt: skip
-    _installed = True
     logger.info("sglang_ddtree: runtime hooks installed: %s", ", ".join(HOOKS))
 
 
-def _is_ddtree(spec_algorithm) -> bool:
-    from sglang_ddtree.integration.spec import ALGORITHM
-
-    return getattr(spec_algorithm, "name", None) == ALGORITHM
-
-
-def _serves_ddtree(server_args) -> bool:
-    """Whether these server arguments (the front end's: the algorithm as its name) are DDTREE's."""
-    from sglang_ddtree.integration.spec import ALGORITHM
-
-    return getattr(server_args, "speculative_algorithm", None) == ALGORITHM
-
-
-def _config():
-    from sglang.srt.runtime_context import get_spec
-
-    from sglang_ddtree.config import DDTreeConfig
-
-    spec = get_spec()
-    return DDTreeConfig(
-        block_size=compat.dflash_block_size(),
-        num_nodes=int(spec.speculative_num_draft_tokens),
-        topk=int(spec.speculative_eagle_topk),
-    )
+def bound_hooks(runtime: Runtime) -> dict[str, Callable]:
+    """HOOKS, each bound to what it reads of this process: the GDN hooks to the GDN state, the
+    Mamba pool's to the options, the graph stand-ins to (B, N, K), the rest to the runtime; the
+    row headroom hooks read nothing of it."""
+    part = {gdn.target_verify: runtime.gdn, gdn.commit: runtime.gdn, gdn.conv_update: runtime.gdn,
+            gdn_pool.init_mamba_pool: runtime.options, gdn_pool.size_mamba_pool: runtime.options,
+            _target_graph_spec_info: runtime.cfg, _dummy_verify_input: runtime.cfg,
+            verify_plan.call_begin_forward: runtime, _internal_state: runtime,
+            penalties.eagle_sample: runtime, accept_path.finalize_hook: runtime}  # fmt: skip
+    return {target: functools.partial(hook, part[hook]) if hook in part else hook
+            for target, hook in HOOKS.items()}  # fmt: skip
 
 
-def _target_graph_spec_info(original, runner, *args, **kwargs):
+def _target_graph_spec_info(cfg: DDTreeConfig, original, runner, *args, **kwargs):
     model_runner = runner.model_runner
-    if not _is_ddtree(model_runner.spec_algorithm) or model_runner.is_draft_worker:
+    if not is_ddtree(model_runner.spec_algorithm) or model_runner.is_draft_worker:
         return original(runner, *args, **kwargs)
     from sglang_ddtree.integration.verify_input import make_dummy_verify_input
 
-    return make_dummy_verify_input(_config(), runner.buffers.custom_mask, runner.captured_req_width)
+    return make_dummy_verify_input(cfg, runner.buffers.custom_mask, runner.captured_req_width)
 
 
-def _dummy_verify_input(original, spec_algorithm, custom_mask, num_tokens_per_req,
-                        is_draft_worker):  # fmt: skip
-    if not _is_ddtree(spec_algorithm):
+def _dummy_verify_input(cfg: DDTreeConfig, original, spec_algorithm, custom_mask,
+                        num_tokens_per_req, is_draft_worker):  # fmt: skip
+    if not is_ddtree(spec_algorithm):
         return original(spec_algorithm, custom_mask, num_tokens_per_req, is_draft_worker)
     if is_draft_worker:
         from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
@@ -129,7 +122,7 @@ def _dummy_verify_input(original, spec_algorithm, custom_mask, num_tokens_per_re
         )
     from sglang_ddtree.integration.verify_input import make_dummy_verify_input
 
-    return make_dummy_verify_input(_config(), custom_mask, num_tokens_per_req)
+    return make_dummy_verify_input(cfg, custom_mask, num_tokens_per_req)
 
 
 MAX_SAMPLES = 128  # n per request, as the OpenAI API bounds it
@@ -152,7 +145,7 @@ def _check_token_ids(tokenizer_manager, ids) -> None:
 def register_request_hook() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    HookRegistry.register(compat.TOKENIZER_REQUEST_VALIDATOR, _reject_unsupported, HookType.BEFORE)
+    HookRegistry.register(compat.TOKENIZER_REQUEST_VALIDATOR, RequestCheck(), HookType.BEFORE)
     HookRegistry.register(compat.TOKENIZER_MANAGER_INIT, _guard_json_bodies, HookType.AFTER)
 
 
@@ -162,7 +155,7 @@ def _guard_json_bodies(result, manager, server_args, *args, **kwargs):
     (json_bodies.py; SGLang 0.5.17 answers a JSON array with a 500). Nothing is imported here:
     the offline engine and other processes are left alone."""
     http = sys.modules.get(compat.HTTP_SERVER_MODULE)
-    if http is None or not _serves_ddtree(server_args):
+    if http is None or not serves_ddtree(server_args):
         return None
     try:
         json_bodies.add_to(getattr(http, compat.HTTP_APP))
@@ -171,17 +164,33 @@ def _guard_json_bodies(result, manager, server_args, *args, **kwargs):
     return None
 
 
-def _reject_unsupported(tokenizer_manager, obj, *args, **kwargs):
-    """BEFORE TokenizerManager._validate_one_request: raise ValueError (HTTP 400) for DDTREE."""
-    server_args = getattr(tokenizer_manager, "server_args", None)
-    if not _serves_ddtree(server_args):
+class RequestCheck:
+    """BEFORE TokenizerManager._validate_one_request: raise ValueError (HTTP 400) for what a
+    DDTREE server cannot serve. One per front-end process, made at plugin registration; its
+    options are parsed once, on the first DDTREE request (validate_server_args has parsed and
+    checked the same switches in this process at start-up, with the error naming the fix)."""
+
+    @functools.cached_property
+    def options(self) -> Options:
+        return Options.from_env()
+
+    def __call__(self, tokenizer_manager, obj, *args, **kwargs):
+        server_args = getattr(tokenizer_manager, "server_args", None)
+        if not serves_ddtree(server_args):
+            return None
+        ids = args[0] if args else None
+        request_limits.check_request(obj, ids, request_limits.Sizes(
+            *compat.front_end_sizes(tokenizer_manager)))  # fmt: skip
+        _check_token_ids(tokenizer_manager, ids)
+        sampling = getattr(obj, "sampling_params", None) or {}
+        if isinstance(sampling, dict):
+            _check_sampling(sampling, server_args, self.options.penalties)
         return None
-    sizes = request_limits.Sizes(*compat.front_end_sizes(tokenizer_manager))
-    request_limits.check_request(obj, args[0] if args else None, sizes)
-    _check_token_ids(tokenizer_manager, args[0] if args else None)
-    sampling = getattr(obj, "sampling_params", None) or {}
-    if not isinstance(sampling, dict):
-        return None
+
+
+def _check_sampling(sampling: dict, server_args, per_node: bool) -> None:
+    """A request's sampling parameters; per_node: SGLANG_DDTREE_PENALTIES=1, every option of
+    LOSSY_SAMPLING_OPTIONS served, each node by its own path (integration/penalties.py)."""
     max_new_tokens = sampling.get("max_new_tokens")
     if max_new_tokens is not None and max_new_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, got {max_new_tokens}.")
@@ -190,7 +199,6 @@ def _reject_unsupported(tokenizer_manager, obj, *args, **kwargs):
         # SGLang 0.5.17 expands n into n requests with no bound (n=5000: 5,000 requests)
         raise ValueError(f"n={samples}: between 1 and {MAX_SAMPLES} samples per request "
                          "(OpenAI's bound); send several requests for more.")  # fmt: skip
-    per_node = _penalties_on()
     min_p = sampling.get("min_p")
     if min_p and getattr(server_args, "enable_deterministic_inference", False):
         # SGLang's deterministic sampler (pytorch backend, seeded) asserts on min_p
@@ -205,16 +213,6 @@ def _reject_unsupported(tokenizer_manager, obj, *args, **kwargs):
                 "(this server was started with SGLANG_DDTREE_PENALTIES=0; SGLANG_DDTREE_PENALTIES=1, "
                 "the default, applies it per node)."
             )
-    return None
-
-
-def _penalties_on() -> bool:
-    """SGLANG_DDTREE_PENALTIES=1: every option of LOSSY_SAMPLING_OPTIONS served, each node by
-    its own path (integration/penalties.py); the default since its GPU tests passed (session
-    13: exact greedy and chi-square against plain decoding on qwen3, qwen35 and the pair)."""
-    from sglang_ddtree.config import options
-
-    return options().penalties
 
 
 # Options SGLang's tree verify applies only approximately (penalties, and min_new_tokens's EOS
@@ -224,25 +222,14 @@ def _penalties_on() -> bool:
 LOSSY_SAMPLING_OPTIONS = {"min_p": 0.0, **penalties.PENALTIES}
 
 
-def _internal_state(original, scheduler, *args, **kwargs):
+def _internal_state(runtime: Runtime, original, scheduler, *args, **kwargs):
     """AROUND Scheduler.get_internal_state: a DDTREE server's /server_info also carries its
-    resolved options and GDN path (internal_states[i]["ddtree"]), as values to read."""
+    resolved options and GDN path (internal_states[i]["ddtree"]: Runtime.report), as values."""
     out = original(scheduler, *args, **kwargs)  # GetInternalStateReqOutput
     state = getattr(out, "internal_state", None)
-    if isinstance(state, dict) and _is_ddtree(getattr(scheduler, "spec_algorithm", None)):
-        state["ddtree"] = report()
+    if isinstance(state, dict) and is_ddtree(getattr(scheduler, "spec_algorithm", None)):
+        state["ddtree"] = runtime.report()
     return out
-
-
-def report() -> dict:
-    """This process's resolved DDTREE options, GDN path, and the DDTREE paths its hooks have
-    taken so far (`gdn.first_use`'s names, e.g. "tree conv1d through sglang_ddtree.gdn.conv_tree")."""
-    import dataclasses
-
-    from sglang_ddtree.config import options
-
-    return {"options": dataclasses.asdict(options()), "gdn_path": gdn.describe(gdn.current()),
-            "engaged": gdn.engaged()}  # fmt: skip
 
 
 def _ddtree_headroom(extra: int) -> int:

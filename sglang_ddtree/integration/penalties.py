@@ -33,7 +33,6 @@ from sglang_ddtree.tree.penalties import block_stops_, min_p_filter_, penalize_t
 # the other option applied here, acts on the probabilities, `tree.penalties.min_p_filter_`)
 PENALTIES = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
              "min_new_tokens": 0}  # fmt: skip
-_table: list = [None]  # the worker's PenaltyTable (activate), read by the eagle_sample hook
 
 
 class PenaltyTable:
@@ -116,23 +115,21 @@ class PenaltyTable:
         return logits
 
 
-def activate(table: PenaltyTable | None) -> None:
-    """The worker's table, for the eagle_sample hook (None: off)."""
-    _table[0] = table
-
-
 def wanted(reqs) -> bool:
     """Whether any request of the batch asks for a penalty DDTREE applies per node."""
     return any(getattr(r.sampling_params, k, v) != v for r in reqs for k, v in PENALTIES.items())
 
 
-def eagle_sample(original, verify_input, batch, logits_output, grammar_mask=None, *args, **kwargs):
+def eagle_sample(runtime, original, verify_input, batch, logits_output, grammar_mask=None,
+                 *args, **kwargs):  # fmt: skip
     """AROUND SGLang's eagle_sample: for a DDTREE verify whose batch asks for penalties, every
     node's logits penalised by its own path (in place), SGLang's shared penalty vectors hidden
     from the call; for one that asks for min_p at T > 0, every node's target probs filtered as
     SGLang's plain sampler filters them (`tree.penalties.min_p_filter_`); every other call as it
-    came (SGLang's further arguments, UNO's and the watermark's, passed on as they came)."""
-    table = _table[0]
+    came (SGLang's further arguments, UNO's and the watermark's, passed on as they came).
+    runtime: the process's runtime.Runtime, bound at install; its `penalties` is the worker's
+    table (None: off, or no worker pool yet)."""
+    table = runtime.penalties
     visibility = getattr(verify_input, "tree_visibility", None)
     info = batch.sampling_info
     ddtree = table is not None and visibility is not None  # a DDTREE verify, the switch on

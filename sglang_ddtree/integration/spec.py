@@ -26,6 +26,16 @@ logger = logging.getLogger(__name__)
 ALGORITHM = "DDTREE"
 
 
+def is_ddtree(spec_algorithm) -> bool:
+    """Whether a scheduler-side algorithm object (SGLang's enum or registry entry) is DDTREE."""
+    return getattr(spec_algorithm, "name", None) == ALGORITHM
+
+
+def serves_ddtree(server_args) -> bool:
+    """Whether these server arguments (the front end's: the algorithm as its name) are DDTREE's."""
+    return getattr(server_args, "speculative_algorithm", None) == ALGORITHM
+
+
 class DDTreeSpec(CustomSpecAlgo):
     """`CustomSpecAlgo` plus what SGLang's scheduler calls on any algorithm. Every answer that
     differs from CustomSpecAlgo's default, or that a reader could doubt, says why."""

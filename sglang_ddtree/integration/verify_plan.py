@@ -105,20 +105,19 @@ def pack_at_bit_offsets(mask: torch.Tensor, starts: torch.Tensor, total_bits: in
     return out
 
 
-def call_begin_forward(original, updater, wrapper_ragged, wrapper_paged, req_pool_indices,
+def call_begin_forward(runtime, original, updater, wrapper_ragged, wrapper_paged, req_pool_indices,
                        paged_kernel_lens, paged_kernel_lens_sum, seq_lens, prefix_lens,
                        kv_start_idx, kv_indptr, qo_indptr, use_ragged, spec_info, *args,
                        **kwargs):  # fmt: skip
     """AROUND FlashInferIndicesUpdaterPrefill.call_begin_forward: a DDTREE verify with host
     lengths plans with host indptrs and a device-packed mask (SGLANG_DDTREE_VERIFY_PLAN=host);
-    every other call as it came."""
-    from sglang_ddtree.config import options
-
+    every other call as it came. runtime: the worker factory's options and engaged paths
+    (runtime.Runtime), bound when the hook is installed."""
     call = (updater, wrapper_ragged, wrapper_paged, req_pool_indices, paged_kernel_lens,
             paged_kernel_lens_sum, seq_lens, prefix_lens, kv_start_idx, kv_indptr, qo_indptr,
             use_ragged, spec_info, *args)  # fmt: skip
     seq_lens_cpu = kwargs.get("seq_lens_cpu")
-    if options().verify_plan != "host" or not _applies(
+    if runtime.options.verify_plan != "host" or not _applies(
         wrapper_paged, seq_lens, seq_lens_cpu, use_ragged, spec_info, args, kwargs
     ):
         write_mask(spec_info)
@@ -133,7 +132,7 @@ def call_begin_forward(original, updater, wrapper_ragged, wrapper_paged, req_poo
     kv_lens, kv_indptr_dev, starts = _split(plan.lengths.to(seq_lens.device, non_blocking=True))
     planned = wrapper_paged.begin_forward
     own = "begin_forward" in vars(wrapper_paged)
-    from sglang_ddtree.integration import gdn, verify_input
+    from sglang_ddtree.integration import verify_input
 
     from_tree = not spec_info.tree_mask_written  # else written: a warm-up stand-in's mask
     if from_tree:
@@ -141,7 +140,7 @@ def call_begin_forward(original, updater, wrapper_ragged, wrapper_paged, req_poo
 
         if spec_info.tree_visibility.shape[1] != int(spec_info.draft_token_num):
             raise RuntimeError("DDTREE: the verify's tree and its width disagree")  # a bug
-        gdn.first_use("verify mask packed by integration/mask_pack.py")
+        runtime.engaged.first_use("verify mask packed by integration/mask_pack.py")
 
     def begin_forward(qo, kv, kv_indices, last, *rest, custom_mask=None, **kw):
         if from_tree:  # the unpacked mask was never written: pack the tree's visibility
@@ -153,7 +152,7 @@ def call_begin_forward(original, updater, wrapper_ragged, wrapper_paged, req_poo
         return planned(plan.qo_indptr, plan.kv_indptr, kv_indices, plan.last_page_len, *rest,
                        packed_custom_mask=packed, **kw)  # fmt: skip
 
-    gdn.first_use("verify plan from host lengths (integration/verify_plan.py)")
+    runtime.engaged.first_use("verify plan from host lengths (integration/verify_plan.py)")
     wrapper_paged.begin_forward = begin_forward
     spec_info.staged_attn_args = verify_input.StagedAttnArgs(kv_lens, kv_indptr_dev,
                                                              plan.qo_indptr, plan.total_kv)  # fmt: skip
@@ -167,12 +166,11 @@ def call_begin_forward(original, updater, wrapper_ragged, wrapper_paged, req_poo
             del wrapper_paged.begin_forward
 
 
-def packs_from_tree() -> bool:
+def packs_from_tree(opts) -> bool:
     """Whether the verify input may leave its unpacked mask unwritten: the host plan packs the
-    mask from the tree (integration/mask_pack.py); SGLang's plan reads the written mask."""
-    from sglang_ddtree.config import options
-
-    return options().verify_plan == "host"
+    mask from the tree (integration/mask_pack.py); SGLang's plan reads the written mask.
+    opts: config.Options."""
+    return opts.verify_plan == "host"
 
 
 def write_mask(spec_info) -> None:

@@ -41,11 +41,12 @@ from sglang.srt.speculative.eagle_worker_common import run_eagle_verify
 from sglang.srt.utils import get_available_gpu_memory
 from torch.profiler import record_function
 
-from sglang_ddtree.config import DDTreeConfig, options
+from sglang_ddtree.config import DDTreeConfig, Options
 from sglang_ddtree.integration import compat, penalties, round_memory, verify_plan
 from sglang_ddtree.integration.draft_head import DraftTreeHead, VocabShard
 from sglang_ddtree.integration.penalties import PenaltyTable
 from sglang_ddtree.integration.round_dump import RoundDump
+from sglang_ddtree.integration.runtime import Runtime
 from sglang_ddtree.integration.verify_input import make_verify_input
 from sglang_ddtree.integration.widths import RankWidths, RoundReadings, VerifyWidths
 from sglang_ddtree.simulation import World
@@ -110,7 +111,19 @@ def draft_tail(head: DraftTreeHead):
 
 
 class DDTreeWorker(DFlashWorkerV2):
-    def __init__(self, server_args, gpu_id, nccl_port, target_worker):
+    """SGLang constructs the worker class itself, with its own arguments: the worker factory
+    hands it this process's Runtime through `bound_to` (a subclass that passes it on)."""
+
+    @classmethod
+    def bound_to(cls, runtime: Runtime) -> type[DDTreeWorker]:
+        class Bound(cls):
+            def __init__(self, server_args, gpu_id, nccl_port, target_worker):
+                super().__init__(server_args, gpu_id, nccl_port, target_worker, runtime)
+
+        Bound.__name__ = Bound.__qualname__ = cls.__name__
+        return Bound
+
+    def __init__(self, server_args, gpu_id, nccl_port, target_worker, runtime: Runtime):
         dflash_logger = logging.getLogger(DFlashWorkerV2.__module__)
         width_note = _DropWidthMismatch()
         dflash_logger.addFilter(width_note)
@@ -118,7 +131,8 @@ class DDTreeWorker(DFlashWorkerV2):
             super().__init__(server_args, gpu_id, nccl_port, target_worker)
         finally:
             dflash_logger.removeFilter(width_note)
-        self.cfg = compat.resolved_config()
+        self.runtime = runtime  # the options, (B, N, K) and hook state, shared with the hooks
+        self.cfg = runtime.cfg
         self._tp_rank = compat.tp_rank()
         # DFlashWorkerV2 took N (the verify width) for its block size; the DFlash block is B.
         self.block_size = self.cfg.block_size
@@ -127,16 +141,15 @@ class DDTreeWorker(DFlashWorkerV2):
         # DDTREE's tree sampling reads the full vocabulary's logits (DFLASH's chain defers the
         # vocabulary gather into its own accept step)
         compat.gather_target_verify_logits(self)
-        self._block_pos_offsets = build_block_pos_offsets(
-            length=self.cfg.block_size, device=self.device
-        )
-        self._draft_block_spec_info = make_draft_block_spec_info(
-            draft_token_num=self.cfg.block_size, device=self.device
+        compat.set_draft_block(
+            self,
+            build_block_pos_offsets(length=self.cfg.block_size, device=self.device),
+            make_draft_block_spec_info(draft_token_num=self.cfg.block_size, device=self.device),
         )
         self._tp_size = compat.tp_size()
         self._tree_head = self._build_tree_head()
         # SGLANG_DDTREE_DUMP_ROUNDS: sampled rounds as JSON lines (off: None, and no cost)
-        self._round_dump = RoundDump.from_options(options()) if self._tp_rank == 0 else None
+        self._round_dump = RoundDump.from_options(self.options) if self._tp_rank == 0 else None
         self._widths: VerifyWidths | None = None  # SGLANG_DDTREE_WIDTH=auto (init_cuda_graphs)
         self._readings: RoundReadings | None = None
         self._rank_widths: RankWidths | None = None  # auto at tp > 1: rank 0's choice, shared
@@ -160,7 +173,7 @@ class DDTreeWorker(DFlashWorkerV2):
         max_bs = max(max(graph_bs), int(compat.max_running_requests() or 1))
         lm_head = self.target_worker.model_runner.model.lm_head
         gather = compat.tp_gather() if self._tp_size > 1 else None
-        return tree_head(lm_head, self.cfg, max_bs, gather, options().simulate)
+        return tree_head(lm_head, self.cfg, max_bs, gather, self.options.simulate)
 
     def init_cuda_graphs(self):
         capture = get_exec().graph.cuda_graph_config.decode.backend != Backend.DISABLED
@@ -189,8 +202,13 @@ class DDTreeWorker(DFlashWorkerV2):
         if widths:
             self._tree_head.read_widths(widths)
 
+    @property
+    def options(self) -> Options:
+        """This process's DDTREE options, parsed once by the worker factory."""
+        return self.runtime.options
+
     def _automatic_widths(self) -> tuple[int, ...]:
-        opts = options()
+        opts = self.options
         return automatic_widths(opts.width, self.cfg.block_size, self.cfg.num_nodes, opts.widths)
 
     def _init_widths(self, capture: bool) -> None:
@@ -280,7 +298,7 @@ class DDTreeWorker(DFlashWorkerV2):
                 tree.visibility,
                 batch.seq_lens,
                 self._seq_lens_sum_bound(batch, draft_input),
-                write_mask=not verify_plan.packs_from_tree(),
+                write_mask=not verify_plan.packs_from_tree(self.options),
             )
         verify_at = self._widths.use(width) if self._widths else contextlib.nullcontext()
         with profiled("ddtree.verify_accept_commit"), verify_at:
@@ -343,7 +361,8 @@ class DDTreeWorker(DFlashWorkerV2):
         memory = round_memory.at_maximum(
             max_bs=self._tree_head.max_bs, num_nodes=self.cfg.num_nodes,
             vocab=target.model_config.vocab_size, rows=rows, row=row,
-            penalties=options().penalties, unpacked_mask=not verify_plan.packs_from_tree(),
+            penalties=self.options.penalties,
+            unpacked_mask=not verify_plan.packs_from_tree(self.options),
         )  # fmt: skip
         on_gpu = torch.device(self.device).type == "cuda"
         free = get_available_gpu_memory(self.device, self.gpu_id) if on_gpu else None
@@ -356,8 +375,8 @@ class DDTreeWorker(DFlashWorkerV2):
 
     def _penalty_table(self) -> PenaltyTable | None:
         """SGLANG_DDTREE_PENALTIES=1: the output-token counts per request slot on the device
-        (integration/penalties.py), made the eagle_sample hook's."""
-        if not options().penalties:
+        (integration/penalties.py), handed to the eagle_sample hook through the runtime."""
+        if not self.options.penalties:
             return None
         # the target's pool and vocabulary, the penalised logits' width
         target = self.target_worker.model_runner
@@ -367,7 +386,7 @@ class DDTreeWorker(DFlashWorkerV2):
         if self._tp_rank == 0:  # beside SGLang's pools, which were sized without it
             logger.info("DDTREE penalty counts: %d request slots x %d tokens, %.2f GiB (off: "
                         "SGLANG_DDTREE_PENALTIES=0)", rows, vocab, rows * vocab * 5 / (1 << 30))  # fmt: skip
-        penalties.activate(table)
+        self.runtime.penalties = table
         return table
 
     # -- step 1 + 2: draft the block, build the tree -----------------------------------------
@@ -399,7 +418,7 @@ class DDTreeWorker(DFlashWorkerV2):
             positions=positions.reshape(-1),
             input_embeds=input_embeds,
             spec_algorithm=self.model_runner.spec_algorithm,
-            spec_info=self._draft_block_spec_info,
+            spec_info=compat.draft_block_spec_info(self),
             capture_hidden_mode=CaptureHiddenMode.NULL,
             can_run_decode_cuda_graph=batch.can_run_decode_cuda_graph,
             **compat.non_padded_tokens(bs * B, self.device),

@@ -680,7 +680,7 @@ def test_the_variants_switches_engaged(servers, model, variant):
     assert reported and reported[0]["options"] == dataclasses.asdict(expected), reported
     assert f"sglang_ddtree: options: {expected.describe()}" in log
 
-    # which paths the hooks took, as values (/server_info's "engaged": gdn.first_use's names);
+    # which paths the hooks took, as values (/server_info's "engaged": gdn.Engaged's names);
     # the start-up lines (GDN path, width, pool) from the log
     def took(line: str) -> bool:
         if line.startswith("first "):

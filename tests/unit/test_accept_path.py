@@ -92,7 +92,7 @@ def _check_finalize(bs, N, S, seed, device):
         args = (batch, accept_index, accept_lens, predict.clone(), logits, bs)
         kw = dict(token_to_kv_pool_allocator=pool, num_draft_tokens=N)
         fn = module._finalize_accept_tree_path
-        out = finalize_hook(fn, *args, **kw) if ours else fn(*args, **kw)
+        out = finalize_hook(_runtime(), fn, *args, **kw) if ours else fn(*args, **kw)
         outputs.append((out, logits.hidden_states))
         pools.append(pool)
     (want, want_hidden), (got, got_hidden) = outputs
@@ -101,6 +101,14 @@ def _check_finalize(bs, N, S, seed, device):
     # ours: the path's S rows per request; SGLang's: all N rows, the path's at the front
     assert got_hidden.shape == (bs * S, hidden.shape[1])
     assert torch.equal(got_hidden.view(bs, S, -1), want_hidden.view(bs, N, -1)[:, :S])
+
+
+def _runtime():
+    """The worker factory's runtime (its engaged paths) that the hook is bound to."""
+    from sglang_ddtree.config import DDTreeConfig, Options
+    from sglang_ddtree.integration.runtime import Runtime
+
+    return Runtime.create(Options(), DDTreeConfig(block_size=4, num_nodes=8, topk=2))
 
 
 @interpreter_only
@@ -116,7 +124,7 @@ def test_other_batches_get_sglangs_function(monkeypatch):
 
     seq = torch.tensor([3, 4])
     eagle = _batch(seq, torch.arange(1, 9), 2, 4, track=False, ddtree=False)
-    assert finalize_hook(lambda *a, **kw: "sglang", eagle, None, None, None, None, 2,
+    assert finalize_hook(_runtime(), lambda *a, **kw: "sglang", eagle, None, None, None, None, 2,
                          token_to_kv_pool_allocator=None, num_draft_tokens=4) == "sglang"  # fmt: skip
 
 

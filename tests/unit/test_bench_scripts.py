@@ -171,10 +171,7 @@ def test_bench_round_reads_the_gdn_scratch_from_either_pools_log(caplog):
     from sglang_ddtree.integration import gdn_pool
 
     caplog.set_level(logging.INFO, logger=gdn_pool.__name__)
-    from unittest import mock
-
-    with mock.patch.object(gdn_pool, "compact_on", lambda: True):
-        pool = hybrid_pool(64, requests=40, slots=120)
+    pool = hybrid_pool(64, requests=40, slots=120)  # the default options: the compact scratch
     caches = pool.get_speculative_mamba2_params_all_layers()
     added = caches.intermediate_ssm.nbytes + caches.intermediate_conv_window[0].nbytes
     assert bench.gdn_scratch_gb(caplog.text) == round(added / (1 << 30), 3) > 0

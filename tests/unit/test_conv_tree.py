@@ -288,20 +288,21 @@ def test_conv_hook_target_exists_and_the_hook_passes_everything_else_through(mon
         return "sglang"
 
     tree = {k: object() for k in gdn._CONV_TREE_ARGS}
-    monkeypatch.setattr(gdn, "current", lambda: None)  # SGLANG_DDTREE_GDN=sglang
-    assert gdn.conv_update(original, 1, 2, 3, None, "silu", **tree) == "sglang"
-    monkeypatch.setattr(gdn, "current", lambda: gdn.GDNPath(16, compact=False))
+    state = gdn.GDNState(None)  # SGLANG_DDTREE_GDN=sglang
+    assert gdn.conv_update(state, original, 1, 2, 3, None, "silu", **tree) == "sglang"
+    state = gdn.GDNState(gdn.GDNPath(16, compact=False))
     single = {"conv_state_indices": object()}  # a decode step, not a tree
-    assert gdn.conv_update(original, 1, 2, 3, None, "silu", **single) == "sglang"
+    assert gdn.conv_update(state, original, 1, 2, 3, None, "silu", **single) == "sglang"
     extra = {**tree, "num_accept_tokens": object()}  # a call conv_tree does not cover
-    assert gdn.conv_update(original, 1, 2, 3, None, "silu", **extra) == "sglang"
-    assert gdn.conv_update(original, 1, 2, 3, None, "silu", None, **tree) == "sglang"  # 6th arg
+    assert gdn.conv_update(state, original, 1, 2, 3, None, "silu", **extra) == "sglang"
+    # a 6th positional argument
+    assert gdn.conv_update(state, original, 1, 2, 3, None, "silu", None, **tree) == "sglang"
     # on the compact pool the commit reads the nodes' inputs: a tree call SGLang's kernel would
     # take instead (its per-node windows) is refused, a non-tree call still passes
-    monkeypatch.setattr(gdn, "current", lambda: gdn.GDNPath(16))
+    state = gdn.GDNState(gdn.GDNPath(16))
     with pytest.raises(RuntimeError, match="SGLANG_DDTREE_GDN=sglang"):
-        gdn.conv_update(original, 1, 2, 3, None, "silu", **extra)
-    assert gdn.conv_update(original, 1, 2, 3, None, "silu", **single) == "sglang"
+        gdn.conv_update(state, original, 1, 2, 3, None, "silu", **extra)
+    assert gdn.conv_update(state, original, 1, 2, 3, None, "silu", **single) == "sglang"
     assert len(calls) == 5
 
 
@@ -313,12 +314,11 @@ def test_the_conv_hook_stores_inputs_once_on_the_compact_pool_only(monkeypatch):
 
     seen = []
     monkeypatch.setattr(conv_module, "conv_tree", lambda *a, **k: seen.append(k["save_inputs"]))
-    monkeypatch.setattr(gdn, "_first_conv_state", [None])
-    monkeypatch.setattr(gdn, "_filled", [None])
     tree = {k: torch.zeros(2, 3) for k in gdn._CONV_TREE_ARGS}
     for compact in (True, False):
-        monkeypatch.setattr(gdn, "current", lambda c=compact: gdn.GDNPath(16, compact=c))
-        gdn.conv_update(None, torch.zeros(1), torch.zeros(1), torch.zeros(1), None, "silu", **tree)
+        state = gdn.GDNState(gdn.GDNPath(16, compact=compact))
+        x = torch.zeros(1)
+        gdn.conv_update(state, None, x, torch.zeros(1), torch.zeros(1), None, "silu", **tree)
     assert seen == [True, False]
 
 
@@ -328,16 +328,13 @@ def test_conv_hook_runs_conv_tree_when_enabled(monkeypatch, caplog):
     import sglang_ddtree.gdn.conv_tree as conv_module
     from sglang_ddtree.integration import gdn
 
-    monkeypatch.setattr(gdn, "current", lambda: gdn.GDNPath(16, compact=False))
-    monkeypatch.setattr(gdn, "_used", set())
-    monkeypatch.setattr(gdn, "_first_conv_state", [None])
-    monkeypatch.setattr(gdn, "_filled", [None])
+    state = gdn.GDNState(gdn.GDNPath(16, compact=False))
     caplog.set_level("INFO", logger=gdn.__name__)
     used = []
     plain = conv_module.conv_tree
     monkeypatch.setattr(conv_module, "conv_tree", lambda *a, **k: used.append(1) or plain(*a, **k))
     original = mod.causal_conv1d_update
-    hooked = lambda *a, **k: gdn.conv_update(original, *a, **k)  # noqa: E731
+    hooked = lambda *a, **k: gdn.conv_update(state, original, *a, **k)  # noqa: E731
     monkeypatch.setattr(mod, "causal_conv1d_update", hooked)  # run_both's "sglang" side: hooked
     out = run_both(trees(2, 9, seed=4), dim=24, dtype=torch.float32)
     (o, win, par), (o_h, win_h, par_h) = out["ours"], out["sglang"]
@@ -355,9 +352,7 @@ def test_the_hook_fills_the_parents_in_the_first_layer_only(monkeypatch):
     import sglang_ddtree.gdn.conv_tree as conv_module
     from sglang_ddtree.integration import gdn
 
-    monkeypatch.setattr(gdn, "current", lambda: gdn.GDNPath(16, compact=False))
-    monkeypatch.setattr(gdn, "_first_conv_state", [None])
-    monkeypatch.setattr(gdn, "_filled", [None])
+    hooks = gdn.GDNState(gdn.GDNPath(16, compact=False))  # the process's, once
     filled = []
     plain = conv_module.tree_parents
     monkeypatch.setattr(conv_module, "tree_parents",
@@ -376,7 +371,8 @@ def test_the_hook_fills_the_parents_in_the_first_layer_only(monkeypatch):
     for _ in range(2):  # two rounds: the first layer refills every round
         for x, state, weight, bias in layers:
             got, want = [], []
-            for fn, out in ((lambda *a, **k: gdn.conv_update(mod.causal_conv1d_update, *a, **k),
+            for fn, out in ((lambda *a, **k: gdn.conv_update(hooks, mod.causal_conv1d_update, *a,
+                                                             **k),
                              got), (mod.causal_conv1d_update, want)):  # fmt: skip
                 windows = torch.zeros((bs + 1, N, dim, KW - 1))
                 own = torch.full((bs, N), 99, dtype=torch.int64)
@@ -396,7 +392,7 @@ def test_the_hook_fills_the_parents_in_the_first_layer_only(monkeypatch):
     # a layer handed a parent buffer the first layer did not fill fills it itself
     x, state, weight, bias = layers[1]
     other = torch.full((bs, N), 99, dtype=torch.int64)
-    gdn.conv_update(mod.causal_conv1d_update, x, state, weight, bias, "silu",
+    gdn.conv_update(hooks, mod.causal_conv1d_update, x, state, weight, bias, "silu",
                     conv_state_indices=idx, intermediate_conv_window=torch.zeros(
                         (bs + 1, N, dim, KW - 1)), intermediate_state_indices=idx,
                     retrieve_next_token=nxt, retrieve_next_sibling=sib,

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from sglang_ddtree.config import DDTreeConfig, Options
 from sglang_ddtree.gdn.tree_verify import scratch_floats
 from sglang_ddtree.integration import gdn, gdn_pool
 
@@ -33,19 +34,19 @@ def cache_params(tp: int = 1):
     return Mamba2CacheParams(shape=shape, layers=LAYERS, dtype=dtype)
 
 
-@pytest.fixture
-def compact(monkeypatch):
-    monkeypatch.setattr(gdn_pool, "compact_on", lambda: True)
+COMPACT = Options()  # the default: the compact scratch
+FULL = Options(gdn_scratch="full")
 
 
-def hybrid_pool(num_nodes, requests=3, slots=9):
-    """SGLang's HybridReqToTokenPool on the CPU, its Mamba pool built through the hook."""
+def hybrid_pool(num_nodes, requests=3, slots=9, opts=COMPACT):
+    """SGLang's HybridReqToTokenPool on the CPU, its Mamba pool built through the hook (bound to
+    the worker factory's options `opts`, as hooks.bound_hooks binds it)."""
     from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
 
     class Pool(HybridReqToTokenPool):
         def _init_mamba_pool(self, *args, **kwargs):
-            return gdn_pool.init_mamba_pool(HybridReqToTokenPool._init_mamba_pool, self, *args,
-                                            **kwargs)  # fmt: skip
+            return gdn_pool.init_mamba_pool(opts, HybridReqToTokenPool._init_mamba_pool, self,
+                                            *args, **kwargs)  # fmt: skip
 
     return Pool(size=requests, mamba_size=slots, mamba_spec_state_size=requests,
                 max_context_len=64, device="cpu", enable_memory_saver=False,
@@ -54,7 +55,7 @@ def hybrid_pool(num_nodes, requests=3, slots=9):
                 speculative_eagle_topk=4)  # fmt: skip
 
 
-def test_compact_pool_holds_the_scratch_and_the_per_node_conv_buffer(compact):
+def test_compact_pool_holds_the_scratch_and_the_per_node_conv_buffer():
     """The per-node conv buffer holds each node's input once ([.., N, dim, 1]), where SGLang
     keeps dense per-node windows ([.., N, dim, K - 1])."""
     from sglang.srt.mem_cache.memory_pool import MambaPool
@@ -94,17 +95,16 @@ def test_the_pool_hook_passes_sglangs_pool_through_unless_compact(monkeypatch):
     def original(req_pool, *, mamba_spec_state_size, speculative_num_draft_tokens=None):
         calls.append(speculative_num_draft_tokens)
 
-    monkeypatch.setattr(gdn_pool, "compact_on", lambda: False)
-    gdn_pool.init_mamba_pool(original, None, mamba_spec_state_size=3,
+    gdn_pool.init_mamba_pool(FULL, original, None, mamba_spec_state_size=3,
                              speculative_num_draft_tokens=6)  # fmt: skip
-    monkeypatch.setattr(gdn_pool, "compact_on", lambda: True)
-    gdn_pool.init_mamba_pool(original, None, mamba_spec_state_size=3)  # no verify: no scratch
+    gdn_pool.init_mamba_pool(COMPACT, original, None, mamba_spec_state_size=3)  # no verify
     assert calls == [6, None]
     pool = hybrid_pool(None)  # a pool without speculative buffers stays one
     assert pool.mamba_pool.mamba_cache.__class__.__name__ == "State"
 
 
-def solve(hook: bool, total_gib: float, num_nodes=64, running=16, mamba_slots=None):
+def solve(hook: bool, total_gib: float, num_nodes=64, running=16, mamba_slots=None,
+          opts=COMPACT):  # fmt: skip
     """SGLang's `_handle_max_mamba_cache` (through the hook or not) for cache_params() with the
     radix cache on: (the memory it leaves in GiB, max_mamba_cache_size, the solver's
     speculative_num_draft_tokens after it returns)."""
@@ -125,7 +125,7 @@ def solve(hook: bool, total_gib: float, num_nodes=64, running=16, mamba_slots=No
         cfg._calculate_mamba_ratio = lambda: KVCacheConfigurator._calculate_mamba_ratio(cfg)
         solver = KVCacheConfigurator._handle_max_mamba_cache
         if hook:
-            rest = gdn_pool.size_mamba_pool(solver, cfg, total_gib)
+            rest = gdn_pool.size_mamba_pool(opts, solver, cfg, total_gib)
         else:
             rest = solver(cfg, total_gib)
         ratio = cfg._calculate_mamba_ratio()
@@ -137,7 +137,7 @@ def solve(hook: bool, total_gib: float, num_nodes=64, running=16, mamba_slots=No
         )
 
 
-def test_the_solver_reserves_the_compact_scratch_and_gives_the_rest_to_requests(compact):
+def test_the_solver_reserves_the_compact_scratch_and_gives_the_rest_to_requests():
     params = cache_params()
     N, running, total = 64, 16, 0.05  # GiB
     rest_full, slots_full, _, ratio = solve(False, total, N, running)
@@ -153,7 +153,7 @@ def test_the_solver_reserves_the_compact_scratch_and_gives_the_rest_to_requests(
     assert needed <= (total - rest) * (1 << 30) <= 1.1 * needed + params.mamba_cache_per_req * 8
 
 
-def test_a_configuration_that_leaves_no_kv_cache_is_refused_with_the_numbers(compact):
+def test_a_configuration_that_leaves_no_kv_cache_is_refused_with_the_numbers():
     """Through SGLang's own solver: state slots asked for (--max-mamba-cache-size) and the
     compact scratch that leave nothing for the KV cache stop start-up with the memory in
     numbers and the flags that fix it; the same memory with fewer slots is fine."""
@@ -171,27 +171,28 @@ def test_a_configuration_that_leaves_no_kv_cache_is_refused_with_the_numbers(com
     assert rest > 0 and slots == 8
 
 
-def test_the_solver_is_sglangs_own_unless_compact(monkeypatch):
-    monkeypatch.setattr(gdn_pool, "compact_on", lambda: False)
-    assert solve(True, 0.01) == solve(False, 0.01)
+def test_the_solver_is_sglangs_own_unless_compact():
+    assert solve(True, 0.01, opts=FULL) == solve(False, 0.01)
 
 
 def test_gdn_path_follows_the_servers_flags_and_the_one_switch(monkeypatch):
     """Default: the chunked verify, the tree conv1d and the compact scratch; the root paths
     under --enable-deterministic-inference; the full scratch under --enable-unified-memory (SGLang's
     pool allocates the per-node states); SGLANG_DDTREE_GDN=sglang: SGLang's own path. The hooks
-    read it from the options the process activated (gdn.current, gdn_pool.compact_on)."""
+    are bound to the path the worker factory made from its options (gdn.configure)."""
     from sglang_ddtree import config
 
-    monkeypatch.setattr(config, "_active", None)  # options() parses the environment
-    monkeypatch.setattr(gdn.compat, "dflash_block_size", lambda: 16)
+    cfg = DDTreeConfig(block_size=16, num_nodes=32, topk=8)
     monkeypatch.delenv("SGLANG_DDTREE_GDN", raising=False)
 
     def path(unified=False):
         return gdn.path_of(config.Options.from_env(unified_memory=unified), 16)
 
-    assert path() == gdn.GDNPath(16, verify="chunk", compact=True) == gdn.current()
-    assert gdn_pool.compact_on() and gdn.active()
+    def configured():  # what the worker factory hands the GDN hooks
+        return gdn.configure(config.Options.from_env(), cfg).path
+
+    assert path() == gdn.GDNPath(16, verify="chunk", compact=True) == configured()
+    assert config.Options.from_env().compact_scratch
     assert gdn.describe(path()) == (
         "ddtree (verify: chunk; commit: replay; tree conv1d: ddtree; scratch: compact)"
     )
@@ -206,24 +207,19 @@ def test_gdn_path_follows_the_servers_flags_and_the_one_switch(monkeypatch):
     monkeypatch.setenv("SGLANG_DDTREE_GDN", "sglang")
     sglang = config.Options.from_env()
     assert (sglang.gdn_verify, sglang.gdn_scratch) == ("paths", "full")
-    assert path() is None and gdn.current() is None
-    assert not gdn_pool.compact_on() and not gdn.active()
+    assert path() is None and configured() is None
+    assert not config.Options.from_env().compact_scratch
     monkeypatch.setenv("SGLANG_DDTREE_GDN", "triton")
     with pytest.raises(ValueError, match="SGLANG_DDTREE_GDN must be"):
-        gdn.current()
+        configured()
 
 
-def test_the_activated_options_are_resolved_once():
-    """gdn.current resolves the activated options object once and reuses it on every layer."""
-    from unittest import mock
-
-    from sglang_ddtree import config
-
-    opts = config.Options(gdn_verify="chunk")
-    with mock.patch.object(config, "_active", opts), \
-         mock.patch.object(gdn.compat, "dflash_block_size", side_effect=[16]) as block:  # fmt: skip
-        assert gdn.current() == gdn.GDNPath(16, verify="chunk") and gdn.current() is gdn.current()
-    assert block.call_count == 1
+def test_the_gdn_path_is_resolved_once_from_the_factorys_options_and_config():
+    """gdn.configure resolves the path once (the worker factory); the hooks read that object on
+    every layer, and the block size is SGLang's resolved one (DDTreeConfig)."""
+    state = gdn.configure(Options(gdn_verify="chunk"), DDTreeConfig(16, 32, 8))
+    assert state.path == gdn.GDNPath(16, verify="chunk")
+    assert state.first_conv_state is state.filled is None and state.engaged.sorted() == []
 
 
 def test_sglangs_own_verify_and_commit_refuse_a_compact_scratch(monkeypatch):
@@ -231,20 +227,21 @@ def test_sglangs_own_verify_and_commit_refuse_a_compact_scratch(monkeypatch):
     whole states per row past its end: the hooks raise instead of calling it."""
     N = 4
     scratch = torch.zeros(2, scratch_floats(N, HV, K, V))
-    monkeypatch.setattr(gdn, "current", lambda: None)
+    state = gdn.GDNState(None)  # SGLang's own path
 
     def never(*args, **kwargs):
         raise AssertionError("SGLang's own path was called on a compact scratch")
 
     with pytest.raises(RuntimeError, match="compact scratch.*SGLANG_DDTREE_GDN=sglang"):
-        gdn.target_verify(never, None, None, None, None, None, None, None, None,
+        gdn.target_verify(state, never, None, None, None, None, None, None, None, None,
                           intermediate_states_buffer=scratch, retrieve_parent_token=None)  # fmt: skip
     caches = SimpleNamespace(intermediate_ssm=scratch[None])
     backend = SimpleNamespace(linear_attn_backend=SimpleNamespace(
         forward_metadata=SimpleNamespace(retrieve_parent_token=None),
         req_to_token_pool=SimpleNamespace(get_speculative_mamba2_params_all_layers=lambda: caches)))  # fmt: skip
     with pytest.raises(RuntimeError, match="compact scratch.*SGLANG_DDTREE_GDN=sglang"):
-        gdn.commit(never, backend, torch.zeros(1, dtype=torch.int64), None, None, model=None)
+        gdn.commit(state, never, backend, torch.zeros(1, dtype=torch.int64), None, None,
+                   model=None)  # fmt: skip
 
 
 def test_pool_hook_targets_have_the_parameters_the_hooks_use():
@@ -263,22 +260,28 @@ def test_pool_hook_targets_have_the_parameters_the_hooks_use():
     assert list(solver) == ["self", "total_rest_memory"]
 
 
-def test_options_are_parsed_once_and_the_activated_ones_win(monkeypatch):
-    """config.Options: every switch typed in one object; the worker factory activates what it
-    parsed, and later environment changes do not reach the hooks."""
+def test_options_are_parsed_once_and_the_factorys_reach_the_hooks(monkeypatch):
+    """config.Options: every switch typed in one object; the worker factory parses it once and
+    binds it into the hooks, so later environment changes do not reach them."""
     from sglang_ddtree import config
+    from sglang_ddtree.integration import hooks
+    from sglang_ddtree.integration.runtime import Runtime
 
-    monkeypatch.setattr(config, "_active", None)
     monkeypatch.setenv("SGLANG_DDTREE_WIDTH", "fixed")
     monkeypatch.setenv("SGLANG_DDTREE_PENALTIES", "0")
     parsed = config.Options.from_env()
     assert parsed == config.Options(width="fixed", penalties=False)
     assert parsed.describe().startswith("gdn=ddtree, gdn_verify=chunk, gdn_scratch=compact")
-    config.activate(parsed)
+    runtime = Runtime.create(parsed, DDTreeConfig(16, 32, 8))
     monkeypatch.setenv("SGLANG_DDTREE_WIDTH", "auto")
-    assert config.options() is parsed
-    config.activate(None)
-    assert config.options().width == "auto"  # not activated: the environment now
+    bound = hooks.bound_hooks(runtime)
+    assert set(bound) == set(hooks.HOOKS)
+    for target, hook in bound.items():  # each hook holds what it reads, none reads a global
+        if hook is not hooks.HOOKS[target]:
+            assert hook.func is hooks.HOOKS[target]
+            assert hook.args[0] in (runtime, runtime.gdn, runtime.options, runtime.cfg)
+    assert bound[gdn_pool.compat.MAMBA_POOL_INIT].args[0] is parsed
+    assert parsed.width == "fixed"  # the environment changed after the parse: not seen
     monkeypatch.setenv("SGLANG_DDTREE_PENALTIES", "yes")
     with pytest.raises(ValueError, match="SGLANG_DDTREE_PENALTIES must be '1' or '0'"):
         config.Options.from_env()
@@ -299,27 +302,28 @@ def test_server_info_reports_the_resolved_options(monkeypatch):
     assert list(inspect.signature(Scheduler.get_internal_state).parameters) == ["self", "recv_req"]
     assert hooks.HOOKS[compat.SCHEDULER_INTERNAL_STATE] is hooks._internal_state
     opts = config.Options(gdn_verify="chunk", verify_plan="host")
-    monkeypatch.setattr(config, "_active", opts)
-    monkeypatch.setattr(gdn.compat, "dflash_block_size", lambda: 16)
+    from sglang_ddtree.integration.runtime import Runtime
+
+    runtime = Runtime.create(opts, DDTreeConfig(16, 32, 8))  # the worker factory's
     ddtree = SimpleNamespace(spec_algorithm=SimpleNamespace(name="DDTREE"))
 
     def original(scheduler, req):  # what SGLang's get_internal_state returns
         return GetInternalStateReqOutput(internal_state={"startup_time": 1.0})
 
-    monkeypatch.setattr(gdn, "_used", set())
-    state = hooks._internal_state(original, ddtree, None).internal_state
+    state = hooks._internal_state(runtime, original, ddtree, None).internal_state
     assert state["ddtree"]["options"] == dataclasses.asdict(opts)
     assert state["ddtree"]["gdn_path"] == gdn.describe(gdn.GDNPath(16, verify="chunk"))
     assert state["ddtree"]["engaged"] == []
-    gdn.first_use("tree conv1d through sglang_ddtree.gdn.conv_tree")  # a hook took its path
-    gdn.first_use("GDN state commit through sglang_ddtree.gdn.tree_verify.commit_paths")
-    state = hooks._internal_state(original, ddtree, None).internal_state
+    runtime.engaged.first_use("tree conv1d through sglang_ddtree.gdn.conv_tree")  # a hook's path
+    runtime.gdn.first_use("GDN state commit through sglang_ddtree.gdn.tree_verify.commit_paths")
+    state = hooks._internal_state(runtime, original, ddtree, None).internal_state
     assert state["ddtree"]["engaged"] == [
         "GDN state commit through sglang_ddtree.gdn.tree_verify.commit_paths",
         "tree conv1d through sglang_ddtree.gdn.conv_tree",
     ]
     dflash = SimpleNamespace(spec_algorithm=SimpleNamespace(name="DFLASH"))
-    assert hooks._internal_state(original, dflash, None).internal_state == {"startup_time": 1.0}
+    assert hooks._internal_state(runtime, original, dflash,
+                                 None).internal_state == {"startup_time": 1.0}  # fmt: skip
 
 
 def test_configure_says_when_the_chunked_verify_cannot_apply(monkeypatch, caplog):
@@ -329,9 +333,8 @@ def test_configure_says_when_the_chunked_verify_cannot_apply(monkeypatch, caplog
     opts = config.Options()
     for nodes, warned in ((32, False), (128, True)):
         caplog.clear()
-        args = SimpleNamespace(speculative_dflash_block_size=16, speculative_num_draft_tokens=nodes)
         with caplog.at_level("INFO"):
-            gdn.configure(args, opts)
+            gdn.configure(opts, DDTreeConfig(block_size=16, num_nodes=nodes, topk=8))
         assert "GDN path: ddtree (verify: chunk;" in caplog.text
         assert ("wider than the chunked GDN verify takes" in caplog.text) == warned, nodes
 

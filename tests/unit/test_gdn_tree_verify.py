@@ -379,7 +379,8 @@ def test_hook_targets_exist_with_the_signatures_the_hooks_assume():
     verify = list(inspect.signature(GDNKernelDispatcher.target_verify).parameters)
     assert verify[:8] == ["self", "A_log", "dt_bias", "q", "k", "v", "a", "b"]
     commit = inspect.signature(HybridLinearAttnBackend.update_mamba_state_after_mtp_verify)
-    assert list(commit.parameters)[1:] == list(inspect.signature(gdn.commit).parameters)[2:]
+    # the hook: the GDN state it is bound to, SGLang's function, then that function's parameters
+    assert list(commit.parameters)[1:] == list(inspect.signature(gdn.commit).parameters)[3:]
     assert callable(compat.scatter_mamba_states_after_mtp_verify())
 
 
@@ -423,15 +424,14 @@ def test_hooks_commit_the_state_sglangs_own_tree_verify_and_commit_would(
     )  # fmt: skip
     args = (case.A_log, case.dt_bias, case.q[None], case.k[None], case.v[None], case.a, case.b)
     kernel = TritonGDNKernel()
-    monkeypatch.setattr(gdn, "current", lambda: None)
-    o_sglang = gdn.target_verify(type(kernel).target_verify, kernel, *args, **kwargs)
+    o_sglang = gdn.target_verify(gdn.GDNState(None), type(kernel).target_verify, kernel, *args,
+                                 **kwargs)  # fmt: skip
     last = torch.tensor([N - 1, 3])
     expected = inter[0, torch.arange(bs), last].clone()  # what SGLang's commit copies
     track_node = torch.tensor([-1, root_path(parents, 1, 3)[1]])
     expected_track = inter[0, 1, track_node[1]].clone()
 
-    monkeypatch.setattr(gdn, "current", lambda: gdn.GDNPath(block, verify=verify, compact=compact))
-    monkeypatch.setattr(gdn, "_used", set())
+    state = gdn.GDNState(gdn.GDNPath(block, verify=verify, compact=compact))  # the process's
     caplog.set_level("INFO", logger=gdn.__name__)
     inter.fill_(float("nan"))  # the hooks must not read SGLang's per-node states
     scratch = (
@@ -445,7 +445,7 @@ def test_hooks_commit_the_state_sglangs_own_tree_verify_and_commit_would(
     caches = MambaPool.SpeculativeState(conv=[conv0.clone()], temporal=temporal,
                                         intermediate_ssm=scratch,
                                         intermediate_conv_window=[windows])  # fmt: skip
-    o_ours = gdn.target_verify(None, None, *args, **kwargs)
+    o_ours = gdn.target_verify(state, None, None, *args, **kwargs)
     assert o_ours.shape == o_sglang.shape and o_ours.dtype == o_sglang.dtype
     assert (o_ours.float() - o_sglang.float()).abs().max() <= 2**-8
     scattered = []
@@ -461,7 +461,7 @@ def test_hooks_commit_the_state_sglangs_own_tree_verify_and_commit_would(
         verify_intermediate_state_indices=torch.arange(bs + 1, dtype=torch.int32)))  # fmt: skip
     free = next(s for s in range(S) if s not in case.slots.tolist())
     track_idx = torch.tensor([-1, free + 100], dtype=torch.int32)
-    gdn.commit(None, backend, last, track_idx, track_node, model=None)
+    gdn.commit(state, None, backend, last, track_idx, track_node, model=None)
     for b in range(bs):
         got = temporal[0, int(case.slots[b])]
         torch.testing.assert_close(got, expected[b], rtol=1e-5, atol=1e-5)
@@ -487,18 +487,18 @@ def test_hooks_commit_the_state_sglangs_own_tree_verify_and_commit_would(
 
 
 def test_gdn_switch_and_an_unsupported_pool_name_the_fix(monkeypatch):
-    from sglang_ddtree import config
+    from sglang_ddtree.config import DDTreeConfig, Options
     from sglang_ddtree.integration import gdn
 
-    monkeypatch.setattr(config, "_active", None)  # options() parses the environment
-    monkeypatch.setattr(gdn.compat, "dflash_block_size", lambda: 16)
+    cfg = DDTreeConfig(block_size=16, num_nodes=32, topk=8)
     monkeypatch.setenv("SGLANG_DDTREE_GDN", "sglang")
-    assert not gdn.active()
+    assert gdn.configure(Options.from_env(), cfg).path is None
     monkeypatch.setenv("SGLANG_DDTREE_GDN", "fast")
     with pytest.raises(ValueError, match="SGLANG_DDTREE_GDN must be"):
-        gdn.current()
+        Options.from_env()
     monkeypatch.setenv("SGLANG_DDTREE_GDN", "ddtree")
-    assert gdn.active() and gdn.current().max_path == 16
+    state = gdn.configure(Options.from_env(), cfg)
+    assert state.path.max_path == 16
     # a pool whose K is not contiguous (a transposed layout): a clear error, not wrong numbers
     bs, N, H, HV, K, V = 1, 4, 1, 2, 8, 8
     pool = torch.zeros(2, HV, K, V).transpose(-1, -2)
@@ -511,4 +511,5 @@ def test_gdn_switch_and_an_unsupported_pool_name_the_fix(monkeypatch):
     v = torch.zeros(1, bs * N, HV, V)
     ab = torch.zeros(bs * N, HV)
     with pytest.raises(RuntimeError, match="SGLANG_DDTREE_GDN=sglang"):
-        gdn.target_verify(None, None, torch.zeros(HV), torch.zeros(HV), q, q, v, ab, ab, **kwargs)
+        gdn.target_verify(state, None, None, torch.zeros(HV), torch.zeros(HV), q, q, v, ab, ab,
+                          **kwargs)  # fmt: skip

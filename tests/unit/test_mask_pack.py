@@ -91,24 +91,30 @@ def _unwritten_verify(seq: torch.Tensor, N: int):
     return info, vis
 
 
-def _plan_call(info, seq, seq_lens_cpu):
+def _runtime(**options):
+    """The worker factory's runtime (options, engaged paths) that the plan hook is bound to."""
+    from sglang_ddtree.config import DDTreeConfig, Options
+    from sglang_ddtree.integration.runtime import Runtime
+
+    return Runtime.create(Options(**options), DDTreeConfig(block_size=4, num_nodes=8, topk=2))
+
+
+def _plan_call(runtime, info, seq, seq_lens_cpu):
     from sglang_ddtree.integration.verify_plan import call_begin_forward
 
     wrapper = _Wrapper()
-    out = call_begin_forward(_sglang_call, "updater", None, wrapper, None, seq, int(seq.sum()),
+    out = call_begin_forward(runtime, _sglang_call, "updater", None, wrapper, None, seq, int(seq.sum()),
                              seq, None, None, None, None, False, info, seq_lens_cpu=seq_lens_cpu)  # fmt: skip
     return out, wrapper.kw
 
 
 @interpreter_only
 def test_the_plan_packs_an_unwritten_mask_from_the_tree(monkeypatch):
-    from sglang_ddtree import config
-
-    monkeypatch.setattr(config, "_active", config.Options(verify_plan="host"))
+    runtime = _runtime(verify_plan="host")
     seq, N = torch.tensor([6, 2, 11]), 4
     info, vis = _unwritten_verify(seq, N)
-    assert not info.tree_mask_written and verify_plan.packs_from_tree()
-    _, kw = _plan_call(info, seq, seq.clone())
+    assert not info.tree_mask_written and verify_plan.packs_from_tree(runtime.options)
+    _, kw = _plan_call(runtime, info, seq, seq.clone())
     plan = verify_plan.host_plan(seq, N)
     want = verify_plan.pack_at_bit_offsets(_written(vis, seq), plan.mask_starts, plan.total_bits,
                                            plan.packed_bytes)  # fmt: skip
@@ -120,18 +126,15 @@ def test_the_plan_packs_an_unwritten_mask_from_the_tree(monkeypatch):
 def test_an_unwritten_mask_is_written_before_sglangs_plan_reads_it(monkeypatch):
     """Where the host plan does not apply (here: no host lengths), SGLang's plan reads the
     unpacked mask: it is written first, as make_verify_input would have written it."""
-    from sglang_ddtree import config
-
-    monkeypatch.setattr(config, "_active", config.Options(verify_plan="host"))
+    runtime = _runtime(verify_plan="host")
     seq, N = torch.tensor([6, 2, 11]), 4
     info, vis = _unwritten_verify(seq, N)
     assert info.custom_mask.numel() == 0 and info.tree_mask_size == _written(vis, seq).numel()
-    read, kw = _plan_call(info, seq, None)
+    read, kw = _plan_call(runtime, info, seq, None)
     assert "packed_custom_mask" not in kw and info.tree_mask_written
     assert torch.equal(read, _written(vis, seq))
     # SGLang's plan reads the mask unpacked: written by every verify input there
-    monkeypatch.setattr(config, "_active", config.Options(verify_plan="sglang"))
-    assert not verify_plan.packs_from_tree()
+    assert not verify_plan.packs_from_tree(_runtime(verify_plan="sglang").options)
 
 
 @pytest.mark.gpu
@@ -191,9 +194,7 @@ def test_the_staged_lengths_give_sglangs_attention_arguments(seq, N):
 
 
 def test_the_plan_stages_its_lengths_for_its_own_call_only(monkeypatch):
-    from sglang_ddtree import config
-
-    monkeypatch.setattr(config, "_active", config.Options(verify_plan="host"))
+    runtime = _runtime(verify_plan="host")
     seq, N = torch.tensor([6, 2, 11]), 4
     info, _ = _unwritten_verify(seq, N)
     verify_plan.write_mask(info)  # written, as a warm-up stand-in: packed by the torch reference
@@ -205,13 +206,13 @@ def test_the_plan_stages_its_lengths_for_its_own_call_only(monkeypatch):
 
     from sglang_ddtree.integration.verify_plan import call_begin_forward
 
-    call_begin_forward(sglang, "updater", None, _Wrapper(), None, seq, int(seq.sum()), seq, None,
+    call_begin_forward(runtime, sglang, "updater", None, _Wrapper(), None, seq, int(seq.sum()), seq, None,
                        None, None, None, False, info, seq_lens_cpu=seq.clone())  # fmt: skip
     kv_lens, kv_indptr, qo, total = seen[0]
     assert kv_lens.tolist() == (seq + N).tolist() and kv_indptr.tolist() == [0, 10, 16, 31]
     assert total == 31
     assert torch.equal(qo, verify_plan.host_plan(seq, N).qo_indptr)
     assert info.staged_attn_args is None  # cleared after the call
-    call_begin_forward(sglang, "updater", None, _Wrapper(), None, seq, int(seq.sum()), seq, None,
+    call_begin_forward(runtime, sglang, "updater", None, _Wrapper(), None, seq, int(seq.sum()), seq, None,
                        None, None, None, False, info, seq_lens_cpu=None)  # fmt: skip
     assert seen[1] is None  # SGLang's plan: nothing staged

@@ -272,21 +272,21 @@ def test_front_end_rejects_what_ddtree_cannot_serve_exactly(request_kwargs, word
     other refusals hold whatever the switch."""
     monkeypatch.setenv("SGLANG_DDTREE_PENALTIES", "0")
     with pytest.raises(ValueError, match=words):
-        hooks._reject_unsupported(_tokenizer_manager("DDTREE"), _request(**request_kwargs), [1])
+        hooks.RequestCheck()(_tokenizer_manager("DDTREE"), _request(**request_kwargs), [1])
 
 
 def test_up_to_128_samples_per_request_pass_and_token_ids_outside_the_vocabulary_do_not():
-    assert hooks._reject_unsupported(_tokenizer_manager("DDTREE"),
+    assert hooks.RequestCheck()(_tokenizer_manager("DDTREE"),
                                      _request(max_new_tokens=8, n=128), [1]) is None  # fmt: skip
     with pytest.raises(ValueError, match="token id -7, outside"):  # embedding row -7: a crash
-        hooks._reject_unsupported(_tokenizer_manager("DDTREE"), _request(max_new_tokens=8),
+        hooks.RequestCheck()(_tokenizer_manager("DDTREE"), _request(max_new_tokens=8),
                                   [1, -7, 3])  # fmt: skip
     manager = _tokenizer_manager("DDTREE")
     manager.model_config = types.SimpleNamespace(vocab_size=100)
     with pytest.raises(ValueError, match=r"token id 100, outside the vocabulary \[0, 100\)"):
-        hooks._reject_unsupported(manager, _request(max_new_tokens=8), [1, 100])
-    assert hooks._reject_unsupported(manager, _request(max_new_tokens=8), [0, 99]) is None
-    assert hooks._reject_unsupported(_tokenizer_manager("DFLASH"), _request(n=5000), [-1]) is None
+        hooks.RequestCheck()(manager, _request(max_new_tokens=8), [1, 100])
+    assert hooks.RequestCheck()(manager, _request(max_new_tokens=8), [0, 99]) is None
+    assert hooks.RequestCheck()(_tokenizer_manager("DFLASH"), _request(n=5000), [-1]) is None
 
 
 def test_logprobs_and_penalties_are_served_by_default(monkeypatch):
@@ -295,7 +295,7 @@ def test_logprobs_and_penalties_are_served_by_default(monkeypatch):
     monkeypatch.delenv("SGLANG_DDTREE_PENALTIES", raising=False)
     asked = _request(logprob=True, max_new_tokens=8, frequency_penalty=0.5, min_new_tokens=2,
                      min_p=0.1)  # fmt: skip
-    assert hooks._reject_unsupported(_tokenizer_manager("DDTREE"), asked, [1]) is None
+    assert hooks.RequestCheck()(_tokenizer_manager("DDTREE"), asked, [1]) is None
 
 
 def test_logprobs_are_served_with_penalties_switched_off(monkeypatch):
@@ -303,10 +303,10 @@ def test_logprobs_are_served_with_penalties_switched_off(monkeypatch):
     other refusals stay."""
     monkeypatch.setenv("SGLANG_DDTREE_PENALTIES", "0")
     asked = _request(logprob=True, max_new_tokens=8)
-    assert hooks._reject_unsupported(_tokenizer_manager("DDTREE"), asked, [1]) is None
+    assert hooks.RequestCheck()(_tokenizer_manager("DDTREE"), asked, [1]) is None
     with pytest.raises(ValueError, match="min_p=0.1"):
-        hooks._reject_unsupported(_tokenizer_manager("DDTREE"),
-                                  _request(logprob=True, max_new_tokens=8, min_p=0.1), [1])  # fmt: skip
+        hooks.RequestCheck()(_tokenizer_manager("DDTREE"),
+                             _request(logprob=True, max_new_tokens=8, min_p=0.1), [1])  # fmt: skip
 
 
 def test_the_package_parses_the_eight_switches_and_refuses_the_retired(monkeypatch):
@@ -360,18 +360,18 @@ def test_penalties_are_refused_when_switched_off(monkeypatch):
     monkeypatch.setenv("SGLANG_DDTREE_PENALTIES", "1")
     asked = _request(max_new_tokens=8, frequency_penalty=0.5, presence_penalty=0.2,
                      repetition_penalty=1.3, min_new_tokens=4, min_p=0.1)  # fmt: skip
-    assert hooks._reject_unsupported(_tokenizer_manager("DDTREE"), asked, [1]) is None
+    assert hooks.RequestCheck()(_tokenizer_manager("DDTREE"), asked, [1]) is None
     with pytest.raises(ValueError, match="at least 1"):
-        hooks._reject_unsupported(_tokenizer_manager("DDTREE"),
+        hooks.RequestCheck()(_tokenizer_manager("DDTREE"),
                                   _request(max_new_tokens=0, min_p=0.1), [1])  # fmt: skip
     deterministic = types.SimpleNamespace(server_args=types.SimpleNamespace(
         speculative_algorithm="DDTREE", enable_deterministic_inference=True))  # fmt: skip
     with pytest.raises(ValueError, match="min_p=0.1 cannot be served with --enable-determ"):
-        hooks._reject_unsupported(deterministic, _request(max_new_tokens=8, min_p=0.1), [1])
+        hooks.RequestCheck()(deterministic, _request(max_new_tokens=8, min_p=0.1), [1])
     monkeypatch.setenv("SGLANG_DDTREE_PENALTIES", "0")
     for name in ("frequency_penalty", "min_p"):
         with pytest.raises(ValueError, match=f"{name}=.*SGLANG_DDTREE_PENALTIES=1"):
-            hooks._reject_unsupported(_tokenizer_manager("DDTREE"),
+            hooks.RequestCheck()(_tokenizer_manager("DDTREE"),
                                       _request(max_new_tokens=8, **{name: 0.1}), [1])  # fmt: skip
 
 
@@ -387,34 +387,31 @@ def test_front_end_accepts_plain_requests_and_other_algorithms():
         presence_penalty=0.0,
         min_new_tokens=0,
     )
-    assert hooks._reject_unsupported(_tokenizer_manager("DDTREE"), ok, [1]) is None
+    assert hooks.RequestCheck()(_tokenizer_manager("DDTREE"), ok, [1]) is None
     bad = _request(logprob=True, max_new_tokens=0)
-    assert hooks._reject_unsupported(_tokenizer_manager("DFLASH"), bad, [1]) is None
+    assert hooks.RequestCheck()(_tokenizer_manager("DFLASH"), bad, [1]) is None
 
 
 def test_dummy_inputs_have_the_right_width_and_fields(registered, monkeypatch):
     import torch
 
-    monkeypatch.setattr(
-        hooks,
-        "_config",
-        lambda: spec.DDTreeConfig(block_size=16, num_nodes=32, topk=4),
-    )
+    cfg = spec.DDTreeConfig(block_size=16, num_nodes=32, topk=4)  # the worker factory's
     mask = torch.ones(8, dtype=torch.bool)
-    draft = hooks._dummy_verify_input(None, registered, mask, 16, True)
+    draft = hooks._dummy_verify_input(cfg, None, registered, mask, 16, True)
     assert draft.draft_token_num == 16 and draft.custom_mask is None
-    target = hooks._dummy_verify_input(None, registered, mask, 32, False)
+    target = hooks._dummy_verify_input(cfg, None, registered, mask, 32, False)
     assert target.draft_token_num == 32 and target.custom_mask is mask
     assert target.retrieve_next_token is None  # GDN reads the attribute: it must exist
     assert target.max_tree_depth == 16 and target.topk == 4
     sentinel = object()
-    other = hooks._dummy_verify_input(lambda *a: sentinel, SpeculativeAlgorithm.EAGLE, 0, 0, 0)
+    other = hooks._dummy_verify_input(cfg, lambda *a: sentinel, SpeculativeAlgorithm.EAGLE, 0, 0,
+                                      0)  # fmt: skip
     assert other is sentinel
     # the hook takes SGLang's create_dummy_verify_input's parameters
     from sglang.srt.speculative import spec_info as spec_info_mod
 
     theirs = list(inspect.signature(spec_info_mod.create_dummy_verify_input).parameters)
-    assert list(inspect.signature(hooks._dummy_verify_input).parameters)[1:] == theirs
+    assert list(inspect.signature(hooks._dummy_verify_input).parameters)[2:] == theirs
 
 
 def test_worker_module_imports_against_installed_sglang():
@@ -422,6 +419,49 @@ def test_worker_module_imports_against_installed_sglang():
     from sglang_ddtree.integration import worker
 
     assert issubclass(worker.DDTreeWorker, worker.DFlashWorkerV2)
+
+
+def test_the_worker_factory_hands_one_runtime_to_the_hooks_and_the_worker(monkeypatch):
+    """The scheduler process parses its options once (the worker factory), reads SGLang's
+    resolved (B, N, K) once, and hands both as one Runtime to the hooks it installs and to the
+    worker SGLang constructs with its own four arguments."""
+    from sglang_ddtree.integration import worker as worker_mod
+
+    installed = []
+    monkeypatch.setattr(hooks, "install_runtime_hooks", installed.append)
+    cfg = spec.DDTreeConfig(block_size=16, num_nodes=32, topk=8)
+    monkeypatch.setattr(compat, "resolved_config", lambda: cfg)
+    monkeypatch.setenv("SGLANG_DDTREE_PENALTIES", "0")
+    worker_cls = plugin._worker_factory(types.SimpleNamespace())
+    (runtime,) = installed
+    assert runtime.cfg is cfg and runtime.options.penalties is False
+    assert runtime.gdn.path.max_path == 16 and runtime.penalties is None
+    assert issubclass(worker_cls, worker_mod.DDTreeWorker)
+    assert worker_cls.__name__ == "DDTreeWorker"
+    seen = []
+    monkeypatch.setattr(worker_mod.DDTreeWorker, "__init__", lambda self, *a: seen.append(a))
+    worker_cls("server_args", 0, 1234, "target")
+    assert seen == [("server_args", 0, 1234, "target", runtime)]
+
+
+def test_the_runtime_hooks_are_installed_once_per_process(monkeypatch):
+    """A second install would leave the first runtime's hooks in SGLang's functions: refused."""
+    import collections
+    import functools
+
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from sglang_ddtree.config import Options
+    from sglang_ddtree.integration import gdn
+    from sglang_ddtree.integration.runtime import Runtime
+
+    runtime = Runtime.create(Options(), spec.DDTreeConfig(block_size=16, num_nodes=32, topk=8))
+    earlier = functools.partial(gdn.target_verify, runtime.gdn)
+    monkeypatch.setattr(HookRegistry, "_hooks", collections.defaultdict(
+        list, {compat.GDN_TARGET_VERIFY: [(HookType.AROUND, earlier, None)]}))  # fmt: skip
+    assert compat.hook_registered(compat.GDN_TARGET_VERIFY, gdn.target_verify)
+    with pytest.raises(RuntimeError, match="already installed in this process"):
+        hooks.install_runtime_hooks(runtime)
 
 
 def test_the_rounds_ranges_exist_while_a_torch_profiler_runs_and_cost_nothing_otherwise():
@@ -544,8 +584,10 @@ def test_the_request_hooks_are_registered(monkeypatch):
     monkeypatch.setattr(HookRegistry, "register",
                         lambda target, fn, kind: registered.append((target, fn)))  # fmt: skip
     hooks.register_request_hook()
-    assert registered == [(compat.TOKENIZER_REQUEST_VALIDATOR, hooks._reject_unsupported),
-                          (compat.TOKENIZER_MANAGER_INIT, hooks._guard_json_bodies)]  # fmt: skip
+    (validator, check), guard = registered
+    assert validator == compat.TOKENIZER_REQUEST_VALIDATOR
+    assert isinstance(check, hooks.RequestCheck)
+    assert guard == (compat.TOKENIZER_MANAGER_INIT, hooks._guard_json_bodies)
 
 
 def _row_context(monkeypatch, algorithm, nodes: int, page_size: int = 1) -> None:

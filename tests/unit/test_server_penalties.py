@@ -119,11 +119,9 @@ def test_the_hook_penalises_every_node_by_its_own_path_and_hides_sglangs_vectors
                      info.acc_scaling_penalties, grammar_mask))  # fmt: skip
         return "sampled"
 
-    penalties.activate(table)
-    try:
-        assert penalties.eagle_sample(original, verify, batch, logits_output, "mask") == "sampled"
-    finally:
-        penalties.activate(None)
+    runtime = SimpleNamespace(penalties=table)  # the worker's table, as the hook is bound to it
+    assert penalties.eagle_sample(runtime, original, verify, batch, logits_output,
+                                  "mask") == "sampled"  # fmt: skip
     got, add, scale, mask = seen[0]
     assert add is None and scale is None and mask == "mask"  # SGLang's shared vectors hidden
     assert info.acc_additive_penalties == "sglang's" == info.acc_scaling_penalties  # restored
@@ -145,13 +143,11 @@ def test_the_hook_passes_everything_else_through():
     asked = SimpleNamespace(reqs=[_req(f=0.5)], sampling_info=None)
     ddtree = SimpleNamespace(tree_visibility=torch.ones(1, 2, 2, dtype=torch.bool))
     eagle = SimpleNamespace()  # another algorithm's verify input: no tree
-    assert penalties.eagle_sample(original, ddtree, asked, None) == "sglang"  # no table: off
-    penalties.activate(PenaltyTable(rows=2, vocab=V, device="cpu"))
-    try:
-        assert penalties.eagle_sample(original, eagle, asked, None) == "sglang"
-        assert penalties.eagle_sample(original, ddtree, plain, None) == "sglang"
-    finally:
-        penalties.activate(None)
+    off = SimpleNamespace(penalties=None)  # no table: off
+    assert penalties.eagle_sample(off, original, ddtree, asked, None) == "sglang"
+    on = SimpleNamespace(penalties=PenaltyTable(rows=2, vocab=V, device="cpu"))
+    assert penalties.eagle_sample(on, original, eagle, asked, None) == "sglang"
+    assert penalties.eagle_sample(on, original, ddtree, plain, None) == "sglang"
     assert len(calls) == 3
 
 
@@ -213,11 +209,8 @@ def test_min_p_rides_on_sglangs_tree_sampling_for_the_call_only(monkeypatch):
                            acc_additive_penalties=None, acc_scaling_penalties=None)  # fmt: skip
     batch = SimpleNamespace(reqs=[_req()], req_pool_indices=torch.tensor([0]), sampling_info=info)
     verify = SimpleNamespace(tree_visibility=torch.ones(1, 1, 1, dtype=torch.bool))
-    penalties.activate(PenaltyTable(rows=1, vocab=4, device="cpu"))
-    try:
-        got = penalties.eagle_sample(eagle_sample, verify, batch, None, None, 7, mark="w")
-    finally:
-        penalties.activate(None)
+    runtime = SimpleNamespace(penalties=PenaltyTable(rows=1, vocab=4, device="cpu"))
+    got = penalties.eagle_sample(runtime, eagle_sample, verify, batch, None, None, 7, mark="w")
     assert got == ("sampled", 7, "w")
     torch.testing.assert_close(seen[0]["target_probs"], torch.tensor([[[0.625, 0.375, 0, 0]]]))
     assert getattr(module, compat.TREE_SAMPLER) is original_kernel
@@ -252,11 +245,8 @@ def test_the_worker_makes_its_table_once_the_request_pool_exists(monkeypatch):
     from sglang_ddtree.integration.worker import DDTreeWorker
 
     monkeypatch.setenv("SGLANG_DDTREE_PENALTIES", "1")
-    config.activate(None)  # the environment's options
-    activated = []
-    monkeypatch.setattr(penalties, "activate", activated.append)
     runner = SimpleNamespace(req_to_token_pool=None, model_config=SimpleNamespace(vocab_size=V))
-    worker = _bare_worker(DDTreeWorker, runner)
+    worker = _bare_worker(DDTreeWorker, runner, options=config.Options.from_env())
     with pytest.raises(AttributeError):  # what __init__ met: no pool yet
         DDTreeWorker._penalty_table(worker)
 
@@ -268,13 +258,16 @@ def test_the_worker_makes_its_table_once_the_request_pool_exists(monkeypatch):
     worker.cfg = DDTreeConfig(block_size=4, num_nodes=8, topk=2)
     worker._tree_head = SimpleNamespace(max_bs=4)
     assert worker.alloc_memory_pool(memory_pool_config=None) == "allocated"
-    assert activated == [worker._penalties]
+    assert worker.runtime.penalties is worker._penalties  # the eagle_sample hook's
     assert tuple(worker._penalties.counts.shape) == (7, V)
 
 
-def _bare_worker(cls, runner, device="cpu"):
+def _bare_worker(cls, runner, device="cpu", options=None):
     """A DDTreeWorker with the attributes the start-up methods read, no __init__."""
+    from sglang_ddtree.config import Options
+
     worker = object.__new__(cls)
+    worker.runtime = SimpleNamespace(options=options or Options(), penalties=None)
     worker.model_runner, worker.device, worker.gpu_id = runner, device, 0
     worker._tp_rank = 0  # the sizes go to the log on rank 0
     worker._target_worker = SimpleNamespace(model_runner=runner)  # behind target_worker
@@ -290,11 +283,11 @@ def test_memory_that_does_not_fit_at_the_maximum_stops_the_start_up_with_the_num
     from sglang_ddtree.config import DDTreeConfig
     from sglang_ddtree.integration import worker as worker_mod
 
-    monkeypatch.setattr(config, "_active", config.Options(penalties=True))
     runner = SimpleNamespace(req_to_token_pool=SimpleNamespace(req_to_token=torch.zeros(0, 0)),
                              model_config=SimpleNamespace(vocab_size=248320))  # fmt: skip
     runner.req_to_token_pool.req_to_token = SimpleNamespace(shape=(1000, 4096 + 68))
-    worker = _bare_worker(worker_mod.DDTreeWorker, runner, device="cuda:0")
+    worker = _bare_worker(worker_mod.DDTreeWorker, runner, device="cuda:0",
+                          options=config.Options(penalties=True))  # fmt: skip
     worker.cfg, worker._tree_head = DDTreeConfig(16, 32, 8), SimpleNamespace(max_bs=16)
     monkeypatch.setattr(worker_mod, "get_available_gpu_memory", lambda device, gpu: 0.5)
     with pytest.raises(RuntimeError, match=r"needs 1\.40 GiB: penalty tables 1\.16, per-round "

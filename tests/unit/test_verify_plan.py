@@ -7,6 +7,7 @@ host tensors and the packed mask only for a DDTREE verify with host lengths."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import pytest
@@ -110,10 +111,11 @@ def _spec_info(mask, N):
 @pytest.fixture()
 def verify_plan_on(monkeypatch):
     pytest.importorskip("sglang.srt.speculative.eagle_info")
-    from sglang_ddtree import config
+    from sglang_ddtree.config import DDTreeConfig, Options
+    from sglang_ddtree.integration.runtime import Runtime
 
-    monkeypatch.setattr(config, "_active", config.Options(verify_plan="host"))
-    yield config
+    # the worker factory's runtime, as the hook is bound to it
+    yield Runtime.create(Options(verify_plan="host"), DDTreeConfig(4, 8, 2))
 
 
 def test_the_hook_plans_a_ddtree_verify_from_the_host(verify_plan_on):
@@ -125,7 +127,8 @@ def test_the_hook_plans_a_ddtree_verify_from_the_host(verify_plan_on):
     info, wrapper = _spec_info(mask, N), _Wrapper()
     args = ("updater", None, wrapper, None, seq, int(seq.sum()), seq, None, None, None, None,
             False, info)  # fmt: skip
-    assert call_begin_forward(_sglang_like, *args, seq_lens_cpu=seq.clone()) == "planned"
+    planned = call_begin_forward(verify_plan_on, _sglang_like, *args, seq_lens_cpu=seq.clone())
+    assert planned == "planned"
     qo, kv, kv_indices, last, rest, kw = wrapper.calls[-1]
     plan = host_plan(seq, N)
     assert torch.equal(qo, plan.qo_indptr) and torch.equal(kv, plan.kv_indptr)
@@ -135,17 +138,17 @@ def test_the_hook_plans_a_ddtree_verify_from_the_host(verify_plan_on):
     assert torch.equal(kw["packed_custom_mask"], packed)
     assert "begin_forward" not in vars(wrapper)  # the wrapper's own plan is back
     # no host lengths, or the switch off: SGLang's call as it was
-    call_begin_forward(_sglang_like, *args, seq_lens_cpu=None)
+    call_begin_forward(verify_plan_on, _sglang_like, *args, seq_lens_cpu=None)
     assert "custom_mask" in wrapper.calls[-1][5]
     # a CUDA-graph wrapper whose mask buffer cannot hold the bit-offset layout: SGLang's call
     wrapper.is_cuda_graph_enabled, wrapper._custom_mask_buf = True, torch.zeros(plan.total_bits - 1)
-    call_begin_forward(_sglang_like, *args, seq_lens_cpu=seq.clone())
+    call_begin_forward(verify_plan_on, _sglang_like, *args, seq_lens_cpu=seq.clone())
     assert "custom_mask" in wrapper.calls[-1][5]
     wrapper._custom_mask_buf = torch.zeros(plan.total_bits)
-    call_begin_forward(_sglang_like, *args, seq_lens_cpu=seq.clone())
+    call_begin_forward(verify_plan_on, _sglang_like, *args, seq_lens_cpu=seq.clone())
     assert "packed_custom_mask" in wrapper.calls[-1][5]
-    verify_plan_on.activate(verify_plan_on.Options(verify_plan="sglang"))
-    call_begin_forward(_sglang_like, *args, seq_lens_cpu=seq.clone())
+    verify_plan_on.options = dataclasses.replace(verify_plan_on.options, verify_plan="sglang")
+    call_begin_forward(verify_plan_on, _sglang_like, *args, seq_lens_cpu=seq.clone())
     assert "custom_mask" in wrapper.calls[-1][5]
 
 

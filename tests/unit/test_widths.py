@@ -394,7 +394,7 @@ def test_the_worker_at_tensor_parallel_takes_rank_0s_width(monkeypatch, kept):
         shared.clear()
         worker_mod, w = _worker(N=64)
         w._tp_size = 2
-        monkeypatch.setattr(worker_mod, "options", lambda: config.Options.from_env())
+        w.runtime = SimpleNamespace(options=config.Options.from_env())  # the factory's
         monkeypatch.setattr(worker_mod, "RoundReadings",
                             lambda policy, buffer, widths: RoundReadingsOnCpu(policy, buffer, widths))  # fmt: skip
         monkeypatch.setattr(worker_mod, "RankWidths", Sent)
@@ -505,7 +505,7 @@ def test_the_worker_serves_one_width_when_fixed_or_given_only_n(monkeypatch, env
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     worker_mod, w = _worker()
-    monkeypatch.setattr(worker_mod, "options", lambda: config.Options.from_env())
+    w.runtime = SimpleNamespace(options=config.Options.from_env())  # the factory's
     w._ask_for_readings()
     assert w._tree_head.readings is None  # one width: nothing for the draft graph to compute
     w._init_widths(capture=True)
@@ -519,7 +519,7 @@ def test_the_worker_chooses_among_the_widths_without_graphs(monkeypatch):
     from sglang_ddtree import config
 
     worker_mod, w = _worker(N=64)
-    monkeypatch.setattr(worker_mod, "options", lambda: config.Options.from_env())
+    w.runtime = SimpleNamespace(options=config.Options.from_env())  # the factory's
     monkeypatch.setattr(worker_mod, "RoundReadings",
                         lambda policy, buffer, widths: RoundReadingsOnCpu(policy, buffer, widths))  # fmt: skip
     with pytest.raises(RuntimeError, match="not asked for before the draft graphs"):
@@ -589,7 +589,7 @@ def test_a_verify_without_cuda_graphs_is_warned_once_per_width_and_counted(monke
     from sglang_ddtree import config
 
     worker_mod, w = _worker()
-    monkeypatch.setattr(worker_mod, "options", lambda: config.Options.from_env())
+    w.runtime = SimpleNamespace(options=config.Options.from_env())  # the factory's
     monkeypatch.setattr(worker_mod, "RoundReadings",
                         lambda policy, buffer, widths: RoundReadingsOnCpu(policy, buffer, widths))  # fmt: skip
     w._ask_for_readings()
@@ -617,7 +617,7 @@ def test_the_draft_graphs_are_captured_after_the_readings_are_asked_for(monkeypa
     from sglang_ddtree import config
 
     worker_mod, w = _worker()
-    monkeypatch.setattr(worker_mod, "options", lambda: config.Options.from_env())
+    w.runtime = SimpleNamespace(options=config.Options.from_env())  # the factory's
     monkeypatch.setattr(worker_mod, "RoundReadings",
                         lambda policy, buffer, widths: RoundReadingsOnCpu(policy, buffer, widths))  # fmt: skip
     disabled = SimpleNamespace(decode=SimpleNamespace(backend=worker_mod.Backend.DISABLED))

@@ -1,0 +1,39 @@
+"""What one scheduler process's DDTREE worker and runtime hooks share, made once by the worker
+factory (plugin._worker_factory) and handed to both: no module holds it.
+
+`Runtime` carries the options parsed once for this process, SGLang's resolved (B, N, K), the GDN
+hooks' state (path, data-pointer caches, the DDTREE paths taken) and the penalty table the worker
+makes once its pools exist. Each hook in hooks.HOOKS takes it (or the part it needs) as its first
+argument, bound by `hooks.bound_hooks` when the hooks are installed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from sglang_ddtree.config import DDTreeConfig, Options
+from sglang_ddtree.integration import gdn
+from sglang_ddtree.integration.penalties import PenaltyTable
+
+
+@dataclasses.dataclass(eq=False)
+class Runtime:
+    options: Options  # this process's switches, parsed once (config.Options.from_env)
+    cfg: DDTreeConfig  # B, N, K as SGLang resolved them (compat.resolved_config)
+    gdn: gdn.GDNState  # the GDN hooks' path and caches
+    penalties: PenaltyTable | None = None  # the worker's (alloc_memory_pool), for eagle_sample
+
+    @classmethod
+    def create(cls, options: Options, cfg: DDTreeConfig) -> Runtime:
+        return cls(options=options, cfg=cfg, gdn=gdn.configure(options, cfg))
+
+    @property
+    def engaged(self) -> gdn.Engaged:
+        """The DDTREE paths this process's hooks have taken so far (first_use's names)."""
+        return self.gdn.engaged
+
+    def report(self) -> dict:
+        """The resolved DDTREE options, GDN path, and the DDTREE paths the hooks have taken so
+        far (e.g. "tree conv1d through sglang_ddtree.gdn.conv_tree"): /server_info's values."""
+        return {"options": dataclasses.asdict(self.options),
+                "gdn_path": gdn.describe(self.gdn.path), "engaged": self.engaged.sorted()}  # fmt: skip
