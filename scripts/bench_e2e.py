@@ -168,7 +168,9 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--reference-prompts", type=int, default=4)
     p.add_argument("--attach", type=Path, help="use the running GPU test servers under this root")
-    p.add_argument("--plot-only", type=Path, help="re-plot a budget_sweep_pair.jsonl into OUT and stop")
+    p.add_argument(
+        "--plot-only", type=Path, help="re-plot a budget_sweep_pair.jsonl into OUT and stop"
+    )
     p.add_argument(
         "--profile",
         action="store_true",

@@ -6,4 +6,5 @@ cd "$(dirname "$0")/.."
 df -h . | sed 's/^/disk: /'  # the install needs ~6.5 GB free; say what there was if it fails
 bash scripts/setup_cpu.sh
 .venv/bin/python -m ruff check sglang_ddtree tests scripts
+.venv/bin/python -m ruff format --check sglang_ddtree tests scripts
 .venv/bin/python -m pytest -q "$@"

@@ -123,8 +123,11 @@ class FrontEnd:
         if ids is None:
             ids = self.tokenizer(item.text)["input_ids"]
         hooks.RequestCheck()(self.manager, item, ids)
-        for name in ("_validate_one_request", "_validate_token_ids_logprob",
-                     "_validate_joint_schema_request"):
+        for name in (
+            "_validate_one_request",
+            "_validate_token_ids_logprob",
+            "_validate_joint_schema_request",
+        ):
             method = tokenizer_manager_method(name)
             setattr(self.manager, name, types.MethodType(method, self.manager))
         self.manager._validate_one_request(item, list(ids))  # SGLang's, compiled once

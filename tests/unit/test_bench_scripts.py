@@ -58,7 +58,9 @@ def test_bench_round_server_commands_parse(tmp_path):
     bench = _script("bench_round")
     _, draft = bench.write_configs(tmp_path)
     for name, extra in bench.variants(draft).items():
-        ns = _parse_cli(["--model-path", "x", *bench.COMMON, "--cuda-graph-max-bs-decode", "8", *extra])
+        ns = _parse_cli(
+            ["--model-path", "x", *bench.COMMON, "--cuda-graph-max-bs-decode", "8", *extra]
+        )
         assert ns.load_format == "dummy", name
         if name.startswith("ddtree"):
             nodes = int(name[6:].split("_")[0])
@@ -528,7 +530,9 @@ def test_bench_serving_first_token_probe_alternates_servers_by_length(tmp_path, 
     got = {(r["server"], r["max_new_tokens"]): r["median_ms"] for r in rows}
     assert got[("ddtree", 3)] == pytest.approx(12.0) and got[("dflash", 1)] == pytest.approx(3.0)
     assert all(r["requests"] == 2 and r["probe"] == "first_token" for r in rows)
-    written = [json.loads(x) for x in (tmp_path / "first_token_pair.jsonl").read_text().splitlines()]
+    written = [
+        json.loads(x) for x in (tmp_path / "first_token_pair.jsonl").read_text().splitlines()
+    ]
     assert written == rows and bench.first_token(servers, [], tmp_path, 0) == []
     # a --host-profile server then takes the one-token requests alone, its sampler on
     sampler = tmp_path / "sampler"

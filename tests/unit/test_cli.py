@@ -213,8 +213,8 @@ def test_help_shows_every_default_and_tells_topk_from_top_k(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "(default: 32)" in text and "(default: 8)" in text and "(default: cpu)" in text
     for flag, default in (("--max-new-tokens", "64"), ("--seed", "0"), ("--dtype", "float32")):
-        options = text[text.index("options:"):]  # past the usage line
-        after = options[options.index(f"{flag} "):]  # its own entry, up to the next option
+        options = text[text.index("options:") :]  # past the usage line
+        after = options[options.index(f"{flag} ") :]  # its own entry, up to the next option
         entry = after[: after.index(" --", len(flag))]
         assert f"(default: {default})" in entry, entry
     assert "draft tree: candidates per draft position" in text and "(not --top-k)" in text

@@ -69,8 +69,11 @@ class _Handler(BaseHTTPRequestHandler):
 
 def _good(b) -> bool:
     """The fuzz's own good requests: its greedy prompts, the probe and the liveness check."""
-    return str(b.get("text")).startswith(("def f", "def fibonacci")) or b.get("text") == "hi" and (
-        b.get("sampling_params") == {"max_new_tokens": 1})
+    return (
+        str(b.get("text")).startswith(("def f", "def fibonacci"))
+        or b.get("text") == "hi"
+        and (b.get("sampling_params") == {"max_new_tokens": 1})
+    )
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +141,7 @@ def test_a_5xx_a_silent_4xx_a_silent_stream_and_a_changed_text_are_caught(fuzz, 
     # but a refusal; the judge takes a 200 stream only with a 4xx error event first
     assert all(v == "ok" for v in verdicts.values())
     assert not report["good_text_unchanged"] and not report["ok"]
-    assert fuzz.judge(200, "data: {\"text\": \"hi\"}\n\ndata: [DONE]", False, streamed=True) != "ok"
+    assert fuzz.judge(200, 'data: {"text": "hi"}\n\ndata: [DONE]', False, streamed=True) != "ok"
     assert fuzz.judge(200, 'data: {"error": {"message": "no", "code": 400}}', False, True) == "ok"
     assert fuzz.judge(200, 'data: {"error": {"message": "no", "code": 500}}', False, True) != "ok"
 

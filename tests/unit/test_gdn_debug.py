@@ -25,7 +25,9 @@ def test_a_server_refuses_the_old_debug_switches(monkeypatch, name):
     monkeypatch.setenv(name, "1")
     with pytest.raises(ValueError, match=f"{name} is no longer a server switch.*server_debug"):
         config.Options.from_env()
-    assert not {"gdn_check", "gdn_perturb", "gdn_check_serve"} & set(config.Options.__dataclass_fields__)
+    assert not {"gdn_check", "gdn_perturb", "gdn_check_serve"} & set(
+        config.Options.__dataclass_fields__
+    )
 
 
 def _args(scratch=None):
@@ -113,7 +115,9 @@ def test_settings_are_read_and_checked():
     env = {"DDTREE_GDN_CHECK": "/x", "DDTREE_GDN_CHECK_SERVE": "paths",
            "DDTREE_GDN_CHECK_SAVE": "3", "DDTREE_GDN_PERTURB": "0.004"}  # fmt: skip
     assert Settings.from_env(env) == Settings("/x", "paths", 3, 0.004)
-    assert not Settings.from_env({}).active and Settings.from_env({"DDTREE_GDN_PERTURB": "0.1"}).active
+    assert (
+        not Settings.from_env({}).active and Settings.from_env({"DDTREE_GDN_PERTURB": "0.1"}).active
+    )
     with pytest.raises(ValueError, match="set DDTREE_GDN_CHECK=DIR too"):
         Settings.from_env({"DDTREE_GDN_CHECK_SERVE": "paths"})
     with pytest.raises(ValueError, match="_SAVE >= 0"):

@@ -286,7 +286,7 @@ def test_the_limits_are_the_readmes():
     from pathlib import Path
 
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    table = readme[readme.index("### Per-request limits"):]
+    table = readme[readme.index("### Per-request limits") :]
     table = table[: table.index("\n\n", table.index("|"))]
     for number in (limits.MAX_TOP_LOGPROBS, limits.MAX_TOKEN_IDS_LOGPROB, int(limits.MAX_LOGIT_BIAS),
                    limits.MAX_LOGIT_BIAS_ENTRIES, limits.MAX_STOPS, limits.MAX_STOP_CHARS,

@@ -47,7 +47,10 @@ def test_add_stamps_rows_as_the_next_sitting(tmp_path):
     rows = page.read_rows("x", tmp_path)
     assert rows == first + second
     assert [(r["sitting"], r["date"], r["commit"]) for r in rows] == [
-        (1, "2026-12-05", "abc1234"), (1, "2026-12-05", "abc1234"), (2, "2026-12-06", "def5678")]
+        (1, "2026-12-05", "abc1234"),
+        (1, "2026-12-05", "abc1234"),
+        (2, "2026-12-06", "def5678"),
+    ]
     assert list(rows[0])[:4] == ["date", "commit", "sitting", "command"]
     assert "command" not in rows[2]
     with pytest.raises(SystemExit, match="pass --commit"):
@@ -79,7 +82,8 @@ def test_latest_is_the_newest_sitting_that_measured_the_key():
     rows = [{"sitting": 1, "a": 1}, {"sitting": 2, "b": 2}, {"sitting": 2, "a": 3}]
     assert page.latest(rows) == rows[1:]
     assert page.latest([{"sitting": 1, "a": 1}, {"sitting": 2, "b": 2}], "a") == [
-        {"sitting": 1, "a": 1}]
+        {"sitting": 1, "a": 1}
+    ]
     assert page.latest(rows, "c") == []
 
 
@@ -100,8 +104,10 @@ def test_the_readme_blocks_are_replaced_and_the_rest_kept(tmp_path):
 
 
 def test_a_long_command_is_wrapped_into_the_same_shell_words():
-    command = ("python scripts/bench_gdn_tree.py --out OUT --bs 1,8,16 --nodes 16,32,64 --conv "
-               "--conv-tilings t1n256w2in,t2n256w2in,t2n256w4in --chunk-tiles 16x4xsplit,64x4xsplit")
+    command = (
+        "python scripts/bench_gdn_tree.py --out OUT --bs 1,8,16 --nodes 16,32,64 --conv "
+        "--conv-tilings t1n256w2in,t2n256w2in,t2n256w4in --chunk-tiles 16x4xsplit,64x4xsplit"
+    )
     text = page._wrap(command, width=60)
     lines = text.splitlines()
     assert len(lines) > 1 and all(line.startswith("    ") for line in lines)

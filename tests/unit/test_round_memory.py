@@ -39,7 +39,10 @@ def test_the_int32_offsets_bound_refuses_at_start_up_with_the_flags():
     # N x max_bs x (row + N) at 2^31: 64 x 128 x (262144 + 68 + 64) does not fit
     big = _memory(num_nodes=64, max_bs=128, row=262144 + 68)
     assert big.mask_bits >= INT32_LIMIT
-    with pytest.raises(RuntimeError, match=r"2148564992 bits.*2\^31.*Lower --max-running-requests, --context-length"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"2148564992 bits.*2\^31.*Lower --max-running-requests, --context-length",
+    ):
         check(big, None)  # whatever the memory
     assert check(_memory(num_nodes=64, max_bs=16), None) is None  # 16 x: fits
 
