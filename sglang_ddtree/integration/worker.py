@@ -124,6 +124,8 @@ class DDTreeWorker(DFlashWorkerV2):
         return Bound
 
     def __init__(self, server_args, gpu_id, nccl_port, target_worker, runtime: Runtime):
+        # before DFlashWorkerV2's start-up, which may call methods overridden here
+        self.runtime = runtime  # the options, (B, N, K) and hook state, shared with the hooks
         dflash_logger = logging.getLogger(DFlashWorkerV2.__module__)
         width_note = _DropWidthMismatch()
         dflash_logger.addFilter(width_note)
@@ -131,7 +133,6 @@ class DDTreeWorker(DFlashWorkerV2):
             super().__init__(server_args, gpu_id, nccl_port, target_worker)
         finally:
             dflash_logger.removeFilter(width_note)
-        self.runtime = runtime  # the options, (B, N, K) and hook state, shared with the hooks
         self.cfg = runtime.cfg
         self._tp_rank = compat.tp_rank()
         # DFlashWorkerV2 took N (the verify width) for its block size; the DFlash block is B.
