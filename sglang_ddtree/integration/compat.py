@@ -194,7 +194,8 @@ def tree_greedy_targets(targets):
     original = getattr(module, TREE_GREEDY)
 
     def verify(*args, target_predict, **kwargs):
-        picked = targets.reshape(target_predict.shape).to(target_predict.dtype)
+        # contiguous: a width below N slices each row, and the kernel takes dense rows only
+        picked = targets.reshape(target_predict.shape).to(target_predict.dtype).contiguous()
         return original(*args, target_predict=picked, **kwargs)
 
     setattr(module, TREE_GREEDY, verify)

@@ -214,6 +214,8 @@ def test_the_tree_verify_reads_the_worlds_tokens_for_the_call_only(monkeypatch):
         got = getattr(module, compat.TREE_GREEDY)(candidates="c", target_predict=argmax)
     assert got == "walked" and seen[0]["candidates"] == "c"
     assert torch.equal(seen[0]["target_predict"], picks)
+    # SGLang's kernel checks its inputs are contiguous: a width below N slices every row
+    assert not picks.is_contiguous() and seen[0]["target_predict"].is_contiguous()
     assert getattr(module, compat.TREE_GREEDY) is original
 
 
