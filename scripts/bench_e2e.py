@@ -1,5 +1,5 @@
 """End-to-end speed on the real (trained) pair: DDTREE (node-budget sweep) vs DFLASH vs plain
-decoding, all servers in one run on one GPU, with held-out prompts (issue 5, part 2).
+decoding, all servers in one run on one GPU, with held-out prompts.
 
     python scripts/bench_e2e.py --out OUT [--target DIR --draft DIR (default: the shipped pair)]
         [--budgets 16,32,64,128] [--concurrency 1,4,16] [--prompts 64] [--tokens 256]

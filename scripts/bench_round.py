@@ -1,5 +1,5 @@
 """Per-round decode cost at Qwen3.6-27B scale (dummy weights), DDTREE against DFLASH, NEXTN (the
-built-in MTP layer with its tree) and no speculation, side by side on one GPU (issue 5, part 1).
+built-in MTP layer with its tree) and no speculation, side by side on one GPU.
 
     python scripts/bench_round.py --out OUT [--variants none,dflash,nextn,ddtree32,ddtree64]
         [--batch 1,4,8,16] [--tokens 96] [--profile ddtree64]
@@ -52,7 +52,7 @@ DRAFT = dict(  # a Qwen3.6-27B-DFlash-shaped draft: 5 layers, 4 sliding + 1 full
     tie_word_embeddings=False, dtype="bfloat16",
 )  # fmt: skip
 # Prefill CUDA graphs are off: they do not touch the decode round and took 33-112 s to capture
-# per server at 27B (session 4).
+# per server at 27B.
 COMMON = ["--attention-backend", "flashinfer", "--load-format", "dummy", "--context-length",
           "8192", "--mem-fraction-static", "0.85", "--disable-prefill-cuda-graph"]  # fmt: skip
 
@@ -215,8 +215,8 @@ def measure(server, bs: int, tokens: int) -> dict:
     and of `tokens // 2` new tokens (median latencies), over the difference of their rounds, so
     that the prefill and whatever else both runs share cancel out, after a warm-up at `tokens`
     (the graphs, and an automatic server's calibration of every width at this batch's graph
-    bucket). round_ms_from_prefill: sessions 4-12's figure, (latency - the batch's 1-token
-    latency) / (rounds - 1), which a slow 1-token batch (session 12: DDTREE's at bs 8 and 16)
+    bucket). round_ms_from_prefill: the earlier figure, (latency - the batch's 1-token
+    latency) / (rounds - 1), which a slow 1-token batch (DDTREE's at bs 8 and 16 was one)
     makes too small."""
     _latencies(server, bs, tokens)  # warm-up
     prefill = statistics.median(r["latency"] for r in _latencies(server, bs, 1))
@@ -239,7 +239,7 @@ def measure(server, bs: int, tokens: int) -> dict:
 
 
 def long_prompts(server, lengths: list[int], vocab: int, tokens: int = 32) -> list[dict]:
-    """Issue 15, part 2: per prompt length, one request alone and then 4 at once, greedy, whose
+    """Long prompts: per prompt length, one request alone and then 4 at once, greedy, whose
     token ids share their first three quarters (the radix cache serves it to the later ones).
     Per request: HTTP status, latency, cached prompt tokens, completion tokens, or the error;
     dummy weights, so the text is not compared."""

@@ -1,6 +1,6 @@
 """End to end on the shipped pair through SGLang's own load generator, `sglang.bench_serving`
 (`--dataset-name custom`, held-out prompts): DDTREE with automatic widths (the default), DDTREE
-at fixed N, DFLASH and plain decoding (issue 13's end-to-end target).
+at fixed N, DFLASH and plain decoding (the end-to-end target).
 
     python scripts/bench_serving.py --out OUT [--servers ddtree,ddtree16,ddtree32,dflash,none]
         [--concurrency 1,4,16,32] [--temperatures 0,1] [--runs 3] [--tokens 128]
@@ -11,8 +11,8 @@ a time. Per temperature the runs alternate: run 1 of every (concurrency, server)
 ..., so that a drift of the shared machine spreads over all servers alike (each run takes the
 servers in an order rotated by one); the pair is host-bound and one run varies by 15-30%. A run
 is --requests-per-client requests per client, at least 16, so that the batch's decode rounds,
-not the first wave's prefills or its tail, fill most of it (session 17's runs of two per client
-lasted under 2 s). Per (server, temperature, concurrency): the median output tokens/s of the
+not the first wave's prefills or its tail, fill most of it (runs of two per client lasted under
+2 s). Per (server, temperature, concurrency): the median output tokens/s of the
 runs and their spread (min, max), SGLang's accept length, and the median over DFLASH's median,
 with the geometric mean and the range of the run-by-run ratios over DFLASH (the runs alternate,
 so a run's servers are neighbours in time).
@@ -187,7 +187,7 @@ MIN_PINNED_CPUS = 2  # per set, for --pin-cpus's default
 def pinned_cpus(cpus: list[int], servers: int, pin: bool | None) -> list[tuple[int, ...]]:
     """--pin-cpus: a CPU set per server, all of one size, then the load generator's (the lowest
     CPUs and any left over: harness.cpu_sets' first set), or none. Unset, on where every set
-    gets MIN_PINNED_CPUS or more: session 21's pinned runs took out a steady excess that servers
+    gets MIN_PINNED_CPUS or more: pinned runs took out a steady excess that servers
     and client sharing cores had put on one server's rounds."""
     if pin is None:
         pin = len(cpus) >= MIN_PINNED_CPUS * (servers + 1)

@@ -1,4 +1,4 @@
-"""GPU time of the draft head and of the tree build alone, torch vs Triton builder (issue 5's
+"""GPU time of the draft head and of the tree build alone, torch vs Triton builder (the target:
 "tree building under 0.2 ms per round at batch 1"), without a server.
 
     python scripts/bench_tree_build.py [--bs 1,8] [--nodes 16,32,64,128] [--shapes pair,27b]

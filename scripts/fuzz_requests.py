@@ -1,4 +1,4 @@
-"""Bad requests, fuzzed (issue 15, part 4): a seeded, bounded corpus of malformed requests sent to
+"""Bad requests, fuzzed: a seeded, bounded corpus of malformed requests sent to
 a running server while good greedy requests run beside them.
 
     python scripts/fuzz_requests.py http://127.0.0.1:31010 [--rounds 3] [--context 2048] \

@@ -80,7 +80,7 @@ def cpu_sets(cpus: list[int], parts: int) -> list[tuple[int, ...]]:
     remainder, the others all of one size. bench_serving gives the first (the lowest CPUs, CPU 0
     among them, where a Linux guest often takes its interrupts and housekeeping) to its load
     generator and the others to the servers, so that servers compared side by side get as many
-    cores each and none of them CPU 0: the shipped pair is host-bound, and session 24's five
+    cores each and none of them CPU 0: the shipped pair is host-bound, and five
     servers on 16 CPUs, split as evenly as they went, ran two servers on 2 cores (one of them
     on CPU 0) and three on 3."""
     if not 1 <= parts <= len(cpus):

@@ -1,4 +1,4 @@
-"""A bounded mixed soak of running servers (issue 15, part 1): seeded requests through the OpenAI
+"""A bounded mixed soak of running servers: seeded requests through the OpenAI
 chat API (streaming and not) and /generate, prompt lengths from one token to near the context,
 max_tokens 1-512, temperature 0 / 0.7 / 1.0 with top-p / top-k, n 1 and 2, stop strings, about
 a third with one client option (logprobs, penalties, a JSON schema or min_p), about 30 %
@@ -53,7 +53,7 @@ class Request:
     option: str | None = None  # one of OPTIONS: what clients send beside the prompt
 
 
-# per-request options clients send (issue 14): a server that does not serve one answers 4xx,
+# per-request options clients send: a server that does not serve one answers 4xx,
 # which counts as refused, not failed
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
           "required": ["name", "n"]}  # fmt: skip

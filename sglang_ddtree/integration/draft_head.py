@@ -39,7 +39,7 @@ def tree_builder(name: str | None = None, device: torch.device | None = None):
 
 @dataclass(frozen=True)
 class VocabShard:
-    """This rank's slice of a vocabulary-parallel LM head (issue 18; tensor parallelism stays
+    """This rank's slice of a vocabulary-parallel LM head (tensor parallelism stays
     refused at start-up until a multi-GPU run has verified it): its rows are global token ids
     offset, offset + 1, ...; gather(t) -> [ranks, *t.shape], every rank's t in rank order (the
     TP group's all-gather)."""

@@ -131,7 +131,7 @@ MAX_SAMPLES = 128  # n per request, as the OpenAI API bounds it
 def _check_token_ids(tokenizer_manager, ids) -> None:
     """A prompt's token ids lie in [0, vocab): SGLang 0.5.17 defines that check
     (_validate_input_ids_in_vocab) but never calls it, and the embedding lookup of an id
-    outside takes the scheduler down (session 12's fuzz, on DDTREE and DFLASH alike)."""
+    outside takes the scheduler down (a fuzzed request did this to DDTREE and DFLASH alike)."""
     if not ids:
         return
     vocab = getattr(getattr(tokenizer_manager, "model_config", None), "vocab_size", None)

@@ -1,4 +1,4 @@
-"""A 400 for an OpenAI request whose body is JSON but not an object (issue 15's fuzz).
+"""A 400 for an OpenAI request whose body is JSON but not an object (found by fuzzing).
 
 SGLang 0.5.17's chat request model runs a `mode="before"` validator
 (`ChatCompletionRequest.set_json_schema`) that calls `.get` on the raw body, so a body such as

@@ -1,5 +1,5 @@
-"""Sampling penalties inside the tree, exactly (issue 14, part 2; the default,
-SGLANG_DDTREE_PENALTIES=1, since its GPU tests passed in session 13; 0 refuses penalties).
+"""Sampling penalties inside the tree, exactly (the default, SGLANG_DDTREE_PENALTIES=1, since
+its GPU tests passed; 0 refuses penalties).
 
 SGLang's tree verify (`eagle_sample`) adds one penalty vector per request to every node,
 and that vector comes from a relaxed count (the scheduler cumulates one output token per round,

@@ -1,7 +1,7 @@
 """A host-sync-free FlashInfer plan for DDTREE's tree verify (the default; SGLANG_DDTREE_VERIFY_PLAN=
-sglang gives SGLang's plan back; issue 12, part 4). On the H200 FlashInfer 0.6.15 attends
-bit-equally with it and with SGLang's plan (tests/unit/test_verify_plan.py, session 8), and the
-GPU suite's servers with it passed (sessions 9 and 10) before it became the default.
+sglang gives SGLang's plan back). On the H200 FlashInfer 0.6.15 attends bit-equally with it
+and with SGLang's plan (tests/unit/test_verify_plan.py), and the GPU suite's servers with it
+passed before it became the default.
 
 SGLang 0.5.17 plans the verify's masked prefill (`FlashInferIndicesUpdaterPrefill.call_begin_forward`
 -> `BatchPrefillWithPagedKVCacheWrapper.plan`) with device indptrs and an unpacked bool mask,

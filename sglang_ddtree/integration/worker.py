@@ -89,7 +89,7 @@ def tree_head(lm_head, cfg: DDTreeConfig, max_bs: int, gather=None,
               world: World | None = None) -> DraftTreeHead:  # fmt: skip
     """The draft head on the target's LM head: its real rows (`compat.lm_head_rows`); given the
     TP group's `gather` (a vocabulary-parallel head, tp > 1), a VocabShard that merges the
-    ranks' top-K through it, so every rank builds the same tree (issue 18, part 1). Start-up
+    ranks' top-K through it, so every rank builds the same tree. Start-up
     still refuses --tp-size > 1 (integration/spec.py) until a multi-GPU run has verified the
     rest."""
     offset, rows = compat.lm_head_rows(lm_head)

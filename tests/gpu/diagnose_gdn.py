@@ -13,14 +13,14 @@ token?).
 --verify paths --perturb EPS serves the root-path kernel (DDTREE_GDN_VERIFY) with its outputs off by up to EPS
 (DDTREE_GDN_PERTURB): if the same prompt then serves a wrong token, the model is fragile
 there (any other rounding flips it), not the chunked kernel wrong (an EPS below half a bf16
-step, about 2e-3, rounds the bf16 outputs back to themselves: a no-op, session 9). --precision: the chunked
+step, about 2e-3, rounds the bf16 outputs back to themselves: a no-op). --precision: the chunked
 verify's products (DDTREE_GDN_PRECISION). --serve paths: the check serves the root
 paths' outputs with the chunked kernel's scratch (DDTREE_GDN_CHECK_SERVE), so a wrong
 token that stays comes from the scratch and one that goes from the outputs. --save N (with
 --eager): the inputs and both outputs of the first N verifies, for a float64 replay
 (DDTREE_GDN_CHECK_SAVE). --model pair --deterministic --concurrency 1,8: the shipped
 pair in SGLang's deterministic mode, the prompts served at each concurrency in turn, and which
-prompts' tokens changed between them (session 9: the chunked verify's served tokens were not
+prompts' tokens changed between them (the chunked verify's served tokens were once found not
 batch-invariant there); with --eager --save N the verifies of both passes are saved in order
 (`call` in each file), to find the first input or output that differs.
 """

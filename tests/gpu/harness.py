@@ -55,7 +55,7 @@ def referee_accepts(row: tuple, tie_tol: float) -> bool:
     """A `beyond_tol_referee` row is a near-tie when its float32 deficit is within tie_tol or
     within twice the bf16 error: the served token comes from one bf16 pass (the tree verify) and
     the deficit from another (teacher forcing), each of which can stray from float32 by about
-    that much (run 10: a token 0.253 below the float32 argmax where teacher forcing strays by
+    that much (once a token 0.253 below the float32 argmax where teacher forcing strays by
     0.215 elsewhere). A wrong token sits nats below the argmax in both precisions, which agree
     elsewhere (bf16 error near 0), and still fails; `referee_verdict` adds the one other case."""
     return referee_verdict(row, tie_tol) == "near-tie"

@@ -32,7 +32,7 @@ MODELS = ("qwen3", "qwen35", "pair")
 NEW_TOKENS = 128
 # Binary pairs: budget 30 = the complete binary tree of depth 4 (the draft ties its two tokens).
 NUM_NODES, TOPK = 31, 4
-# The trained pair (sglang_ddtree/assets/demo): the issue-4 default shape, budget 31, top-8.
+# The trained pair (sglang_ddtree/assets/demo): the default shape, budget 31, top-8.
 PAIR_NUM_NODES, PAIR_TOPK = 32, 8
 # Pools capped far below the memory fraction: each server measures the free memory before it
 # loads and needs all but 15% of it still free when it sizes its pools (a second later), so

@@ -107,8 +107,8 @@ def _up(servers, name: str) -> harness.Server:
 def _flush(server) -> None:
     """Empty the radix cache, so the next request's prefill runs over the whole prompt (the same
     kernel shapes as a cold request) and no cached state is reused. SGLang can still count the
-    last request as running just after its response arrived (it then answers 400: session 8's
-    deterministic test failed on that), so this retries for up to 10 s."""
+    last request as running just after its response arrived (it then answers 400, which failed
+    the deterministic test), so this retries for up to 10 s."""
     for _ in range(20):
         status, body = harness.post(server.url + "/flush_cache", {})
         if status == 200:
@@ -529,7 +529,7 @@ def test_sampled_tokens_are_in_the_targets_top_k(servers, sampled, model, varian
         meta = _next_token_logprobs(base, ids + [0], len(ids), top=SAMPLE_TOP_K + 8)
         top = meta["input_top_logprobs"][-1]  # the distribution after `ids`
         allowed = {tok for _lp, tok, *_ in top[:SAMPLE_TOP_K]}
-        eighth = top[SAMPLE_TOP_K - 1][0]  # tokens near-tied with the 8th may be in (run 10:
+        eighth = top[SAMPLE_TOP_K - 1][0]  # tokens near-tied with the 8th may be in (once:
         allowed |= {tok for lp, tok, *_ in top if eighth - lp <= TIE_TOL}  # three at -4.32)
         checked += 1
         for tok, count in counts.items():
@@ -694,7 +694,7 @@ def test_the_variants_switches_engaged(servers, model, variant):
     assert reported[0]["gdn_path"] in log  # the start-up line gives the same GDN path
 
 
-# Grammar-constrained decoding (issue 14, part 3): SGLang's grammar backend (xgrammar) masks the
+# Grammar-constrained decoding: SGLang's grammar backend (xgrammar) masks the
 # draft tree per path in the verify. Small grammars that every output can finish within
 # GRAMMAR_TOKENS, and a checker per grammar.
 GRAMMAR_TOKENS = 96
@@ -799,7 +799,7 @@ def _assert_greedy_logprob(token: int, chosen, top, where) -> None:
     assert all(abs(x - chosen[0]) < 1e-5 for x in listed), (where, chosen, top)
 
 
-# Penalties per node (issue 14, part 2; SGLANG_DDTREE_PENALTIES=1, the default `ddtree`
+# Penalties per node (SGLANG_DDTREE_PENALTIES=1, the default `ddtree`
 # servers): greedy with each setting, every served token refereed in float32 in the penalised
 # distribution its own context gives (the reference engine on the CPU). The control for bf16
 # noise is the plain server without the overlap scheduler (`base_sync`): with it, SGLang 0.5.17
@@ -1186,7 +1186,7 @@ def test_a_prefix_hit_on_states_left_by_tree_rounds_is_the_targets_greedy(
 
 @pytest.mark.parametrize("model", MODELS)
 def test_prompts_at_the_context_limit_are_the_targets_greedy(servers, fp32_pair, model):
-    """Issue 15, part 2 on the small models: prompts 8 tokens short of the context limit once
+    """Long prompts on the small models: prompts 8 tokens short of the context limit once
     LONG_NEW tokens are added, 4 at once, on the default DDTREE server: served, and every token
     the target's own greedy choice up to the near-tie referee (the plain server's own greedy on
     the same prompts is the control)."""
@@ -1211,7 +1211,7 @@ def test_prompts_at_the_context_limit_are_the_targets_greedy(servers, fp32_pair,
     plain, spec = greedy(base), greedy(spec_server)
     assert all(len(t) == LONG_NEW for t in spec)
     # the rounds near the limit leave no KV slot behind: SGLang's idle check (the suite's
-    # SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE=1) stops the server on a leak (session 14)
+    # SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE=1) stops the server on a leak
     time.sleep(3)
     assert spec_server.is_healthy(), spec_server.log_text()[-3000:]
     assert "memory leak" not in spec_server.log_text()
@@ -1229,7 +1229,7 @@ def test_prompts_at_the_context_limit_are_the_targets_greedy(servers, fp32_pair,
 
 @pytest.mark.skipif("pair" not in MODELS, reason="runs with the pair's tests (one start-up)")
 def test_a_configuration_that_does_not_fit_is_refused_before_any_graph(tmp_path):
-    """Issue 15, part 3: DDTREE on the shipped pair asked for far more Mamba state slots than its
+    """DDTREE on the shipped pair asked for far more Mamba state slots than its
     memory fraction holds stops during start-up, before any CUDA graph is captured, with the
     memory in numbers and the flags that fix it (gdn_pool.size_mamba_pool), not with an OOM."""
     from tests.gpu.servers import COMMON, DEMO, ENV, ddtree_args
@@ -1258,8 +1258,8 @@ def test_a_configuration_that_does_not_fit_is_refused_before_any_graph(tmp_path)
     assert "out of memory" not in log.lower(), log[-3000:]
 
 
-# Issue 14 as a new user meets it: the OpenAI Python SDK (openai 2.x) against the default DDTREE
-# server, logprobs, penalties and min_p on (their defaults since session 13), and a JSON schema.
+# Per-request options as a new user meets them: the OpenAI Python SDK (openai 2.x) against the default DDTREE
+# server, logprobs, penalties and min_p on (their defaults), and a JSON schema.
 @pytest.mark.parametrize("model", MODELS)
 def test_the_openai_sdk_gets_logprobs_penalties_and_json_schemas(servers, model):
     """Through `openai.OpenAI(...).chat.completions.create`, on the default `ddtree` server

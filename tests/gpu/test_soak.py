@@ -1,4 +1,4 @@
-"""Issue 15, parts 1 and 4, on the GPU: the mixed soak (scripts/soak.py) and the fuzzed bad
+"""On the GPU: the mixed soak (scripts/soak.py) and the fuzzed bad
 requests (scripts/fuzz_requests.py) against DDTREE (default options) and DFLASH on the shipped
 pair, each server started here with the suite's flags and SGLang's idle memory check. Bounded:
 at most SOAK_S seconds of traffic per server, to 127.0.0.1 only. Run alone:
@@ -61,7 +61,7 @@ def test_a_mixed_soak_and_fuzzed_bad_requests_leave_ddtree_and_dflash_serving(se
                for i, (name, extra) in enumerate(flags.items())}  # fmt: skip
     reqs = soak.request_mix(REQUESTS, CONTEXT, seed=0)
     # SGLang 0.5.17's DFLASH does not serve logprobs: it refuses them with a 400, except in a
-    # streamed chat, where it fails with a 500 (sessions 12 and 13: "Internal server error:
+    # streamed chat, where it fails with a 500 ("Internal server error:
     # 'output_token_logprobs_length'"), an SGLang bug that is not this soak's subject. Its
     # requests go without that option; every other request is DDTREE's.
     mixes = {"dflash": soak.without(reqs, "logprobs")}

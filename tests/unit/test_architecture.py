@@ -1,4 +1,4 @@
-"""The codebase's own bars (issue 17), checked on every CI run from the source alone."""
+"""The codebase's own bars, checked on every CI run from the source alone."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ MAX_FILE_LINES, MAX_FUNCTION_LINES = 600, 60
 # Longer than MAX_FUNCTION_LINES, with the reason it is not split yet.
 LONG_FUNCTIONS = {
     # the default CUDA tree builder's kernel: splitting it into jit helpers needs a GPU run to
-    # re-check its compile and speed, which the session that added this bar did not have
+    # re-check its compile and speed
     ("tree/build_triton.py", "_tree_search_kernel"),
 }
 

@@ -278,9 +278,9 @@ def test_greedy_referee_allows_what_bf16_strays_by_elsewhere_and_nothing_more():
     bf16 = [0.0] * 5 + [fp32]  # both precisions call it off-argmax, and agree elsewhere
     (row,) = harness.beyond_tol_referee(target, prompt, wrong, bf16, 0.25)
     assert fp32 > 0.25 and not harness.referee_accepts(row, 0.25)  # the test's assertion fails
-    assert harness.referee_accepts((5, 0.27, 0.253, 0.215), 0.25)  # run 10's bf16 near-tie
+    assert harness.referee_accepts((5, 0.27, 0.253, 0.215), 0.25)  # a bf16 near-tie seen on the GPU
     assert harness.referee_verdict(row, 0.25) is None
-    # session 9: 6.125 nats in bf16, 2.885 in float32 at the same position: unresolved there,
+    # a served case: 6.125 nats in bf16, 2.885 in float32 at the same position: unresolved there,
     # within twice its controls' worst (1.719); not beyond a tighter bound, not when the two
     # precisions agree better, and never for a token far below the argmax
     row = (15, 97, 6.125, 2.885, 0.384)
@@ -396,7 +396,7 @@ def test_project_budget_multiplies_the_measured_rows(capsys):
 
 def test_bench_gdn_tree_parses_its_sweeps_before_any_gpu_work():
     """The sweep flags fail on a typo at once, and tf32x3 is a precision, not a fourth field
-    (session 7 lost a GPU call to that split)."""
+    (splitting it there would cost a GPU call)."""
     bench = _script("bench_gdn_tree")
     assert bench.parse_chunk_tiles("32x4xtf32,64x8xtf32x3,16x4xieee,64x4xsplit") == [
         (32, 4, "tf32"), (64, 8, "tf32x3"), (16, 4, "ieee"), (64, 4, "split")]  # fmt: skip
@@ -474,7 +474,7 @@ def test_bench_serving_servers_dataset_and_summary(tmp_path):
     old = [{k: v for k, v in r.items() if "_ms" not in k and k != "run"} for r in runs]
     assert "| 0 | 1 | ddtree | 130 (120-150) | 2.00 | 1.30 | - | - | - | - |" in bench.table(
         bench.summarize(old)
-    )  # rows without TTFT, TPOT or run numbers (session 18's had no TTFT or TPOT)
+    )  # rows without TTFT, TPOT or run numbers (older rows had no TTFT or TPOT)
     # a run DFLASH lacks is left out; a run of 0 tok/s makes the mean 0; two benchmarks' rows
     # (repeated run numbers) in one summary are refused
     ratio = bench._run_ratios(runs[1::2], runs[0:4:2])
@@ -560,7 +560,7 @@ def test_bench_serving_pins_cpus_by_default_where_each_set_gets_two():
     bench = _script("bench_serving")
     assert bench.pinned_cpus(list(range(16)), 3, None) == [(4, 5, 6, 7), (8, 9, 10, 11),
                                                           (12, 13, 14, 15), (0, 1, 2, 3)]  # fmt: skip
-    five = bench.pinned_cpus(list(range(16)), 5, None)  # session 24's five servers
+    five = bench.pinned_cpus(list(range(16)), 5, None)  # five servers
     assert five == [(6, 7), (8, 9), (10, 11), (12, 13), (14, 15), (0, 1, 2, 3, 4, 5)]
     assert [bench.run_order(list("abc"), run) for run in (1, 2, 3, 4)] == [
         list("abc"), list("bca"), list("cab"), list("abc")]  # fmt: skip
@@ -624,7 +624,7 @@ def test_a_server_that_exits_during_start_up_is_started_once_more(tmp_path, monk
 
 def test_bench_round_takes_a_round_from_two_decode_lengths(monkeypatch):
     """bench_round.measure: 20 ms rounds after a 150 ms prefill, and a 1-token batch that took
-    900 ms (session 12's DDTREE at bs 16): the two-length difference gives 20 ms, the old
+    900 ms (as DDTREE's did at bs 16): the two-length difference gives 20 ms, the old
     prefill-subtracted figure less."""
     bench = _script("bench_round")
     calls = []

@@ -1,4 +1,4 @@
-"""Penalties in the reference engine (issue 14, part 2): DDTree with frequency, presence and
+"""Penalties in the reference engine: DDTree with frequency, presence and
 repetition penalties and min_new_tokens emits exactly plain decoding's tokens under the same
 penalties (float32, CPU, tiny seeded Qwen3 and Qwen3.5 targets, the OracleDrafter so that deep
 paths and side branches are accepted), and the negative control, SGLang's way of applying one

@@ -159,7 +159,7 @@ PENALTIES = Penalties(frequency=-2.0, presence=-1.0, repetition=0.7)
 
 @pytest.mark.slow
 def test_ddtree_sampling_with_penalties_matches_the_penalised_target(model):
-    """Issue 14, part 2: with frequency, presence and repetition penalties every node samples
+    """With frequency, presence and repetition penalties every node samples
     from the distribution its own path gives, so DDTree's tokens follow plain penalised
     sampling exactly."""
     dist = exact_distribution(model, PROMPT, NUM_TOKENS, PENALTIES)

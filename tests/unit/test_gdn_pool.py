@@ -198,7 +198,7 @@ def test_gdn_path_follows_the_servers_flags_and_the_one_switch(monkeypatch):
     )
     assert path(unified=True) == gdn.GDNPath(16, compact=False)  # SGLang's pool allocates them
     assert config.Options.from_env(unified_memory=True).gdn_scratch == "full"
-    # --enable-deterministic-inference: the root paths (session 9's batch invariance)
+    # --enable-deterministic-inference: the root paths (batch invariance)
     flags = SimpleNamespace(enable_deterministic_inference=True, enable_unified_memory=False)
     assert gdn.compat.option_modes(flags) == {"unified_memory": False, "deterministic": True,
                                               "tensor_parallel": False}  # fmt: skip
@@ -340,7 +340,7 @@ def test_configure_says_when_the_chunked_verify_cannot_apply(monkeypatch, caplog
 
 
 def test_the_compact_scratch_is_sized_per_tensor_parallel_rank():
-    """Issue 18, part 3: SGLang's cache shapes are per rank (heads and conv channels divided by
+    """Tensor parallelism: SGLang's cache shapes are per rank (heads and conv channels divided by
     the TP size), and the compact buffers are sized from them: at TP 2 a rank holds half."""
     one, two = (gdn_pool.compact_bytes_per_request(cache_params(tp), num_nodes=16) for tp in (1, 2))
     assert cache_params(2).shape.temporal[0] == HV // 2

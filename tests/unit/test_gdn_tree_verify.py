@@ -291,7 +291,7 @@ def test_chunk_tree_verify_precision_on_gpu(N):
     """The chunked form's products on the H200 against the float64 recurrence, float32 inputs
     (the output is not rounded to bf16): "split" (the default, hi + lo tf32 parts) within 2e-5
     of max |o|, as close as the root-path kernel's float32 FMAs; one tf32 pass for comparison
-    (session 7 measured 1.5e-3 there). Printed per precision."""
+    (measured at 1.5e-3 there). Printed per precision."""
     gen = torch.Generator().manual_seed(29)
     parents = builder_parents(2, N, 16, gen)
     case = Case(parents, 16, 48, 128, 128, gen, device="cuda", ref_dtype=torch.float64)

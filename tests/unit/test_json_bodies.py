@@ -1,6 +1,6 @@
 """integration/json_bodies.py: a JSON body that is not an object gets a 400 on the OpenAI
-endpoints (SGLang 0.5.17 answers `[1, 2, 3]` with a 500: issue 15's fuzz on the GPU, session
-13), every other body reaches the app byte for byte, and the hook adds the middleware to the
+endpoints (SGLang 0.5.17 answers `[1, 2, 3]` with a 500, as fuzzing on the GPU
+found), every other body reaches the app byte for byte, and the hook adds the middleware to the
 HTTP server's app on DDTREE servers only."""
 
 from __future__ import annotations

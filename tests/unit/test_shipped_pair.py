@@ -1,4 +1,4 @@
-"""The trained pair shipped in sglang_ddtree/assets/demo (issue 4): it loads offline in
+"""The trained pair shipped in sglang_ddtree/assets/demo: it loads offline in
 transformers, the reference engine and SGLang's config readers, fits the size budget, and
 DDTree / chain DFlash on it emit the target's own greedy tokens on a held-out prompt."""
 

@@ -1,4 +1,4 @@
-"""Issue 18, part 3 (the CPU part): at --tp-size t each rank runs DDTREE's Gated DeltaNet kernels
+"""Tensor parallelism (the CPU part): at --tp-size t each rank runs DDTREE's Gated DeltaNet kernels
 on its own shard, HV / t value heads and H / t key heads of the recurrence, its slice of each of
 the conv's q / k / v channel blocks, and a compact scratch sized from SGLang's per-rank state
 shapes. A rank's result is the matching slice of the one-GPU result, bit for bit.

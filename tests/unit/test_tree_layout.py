@@ -88,7 +88,7 @@ def test_tree_builder_follows_the_device_and_is_checked():
 
 
 def test_ranks_of_a_vocabulary_sharded_lm_head_build_the_single_rank_tree():
-    """Issue 18, part 1: three ranks holding uneven slices of the LM head (each with padding
+    """Tensor parallelism: three ranks holding uneven slices of the LM head (each with padding
     rows), each reducing its slice to its top-K and merging what the (simulated) all-gather
     returns, build the tree the single-rank head builds, identical on every rank."""
     from sglang_ddtree.integration.draft_head import VocabShard
@@ -139,7 +139,7 @@ def test_ranks_of_a_vocabulary_sharded_lm_head_build_the_single_rank_tree():
 
 
 def test_the_worker_gives_each_rank_of_a_sharded_lm_head_its_rows_and_the_same_tree():
-    """Issue 18, part 1, the wiring: `worker.tree_head` reads a vocabulary-parallel LM head's
+    """Tensor parallelism, the wiring: `worker.tree_head` reads a vocabulary-parallel LM head's
     shard (SGLang's shard indices: this rank's first global id and its real rows, the padding
     rows left out) and, given the TP gather, merges through it; two ranks with padded shards
     then build the single-rank tree, and at tp = 1 the head takes the real rows, no shard."""

@@ -63,7 +63,7 @@ def test_the_packed_mask_reads_back_as_the_kernel_reads_it(seq):
 
 
 def test_the_packed_bytes_are_those_checked_on_the_gpu():
-    """Byte for byte the packing that session 8 ran through FlashInfer on the H200 (one entry
+    """Byte for byte the packing that was run through FlashInfer on the H200 (one entry
     per mask bit, bits summed into bytes at the request's bit offset)."""
     gen = torch.Generator().manual_seed(9)
     seq, N = torch.tensor([37, 5, 120]), 16

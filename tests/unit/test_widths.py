@@ -1,4 +1,4 @@
-"""Budget by load in the server (issue 13): the verify widths, the per-round policy
+"""Budget by load in the server: the verify widths, the per-round policy
 (tree/budget.WidthPolicy), its lagged readings (integration/widths.RoundReadings) and the two
 switches (SGLANG_DDTREE_WIDTH / _WIDTHS). The server side runs in tests/gpu."""
 
@@ -87,7 +87,7 @@ def test_the_observed_ratio_per_width_corrects_the_drafters_optimism():
 
 def test_a_wider_width_never_reads_fewer_tokens_or_a_lower_cost_than_a_narrower_one():
     """Ratios learned on different rounds can say that 32 nodes accept fewer tokens than 16
-    (1.55 against 1.63 in session 17's table), and a host-bound server's noise that 32 costs
+    (1.55 against 1.63 in one measured table), and a host-bound server's noise that 32 costs
     less: the wider width reads the narrower one's tokens, the two costs their mean. Flat
     costs measured the wrong way round then leave the choice to the tokens, and the wider
     width wins."""
@@ -463,7 +463,7 @@ def test_calibration_completes_when_readings_come_rounds_late():
 
 def test_one_stalled_round_does_not_move_the_cost_a_width_is_chosen_by():
     """The events time the host's stalls too: on the GPU suite's host-bound servers a single
-    round read 10x its width's cost and the mean-based policy of the first run then chose the
+    round read 10x its width's cost and a mean-based policy then chose the
     narrow width for most rounds. The median of the recent rounds shrugs one off."""
     policy = WidthPolicy(WIDTHS, buckets=(8,))
     costs = {16: 8.0, 32: 8.1, 64: 8.2}  # host-bound: every width costs about the same
@@ -498,8 +498,8 @@ def _worker(N: int = 32, B: int = 16):
 
 @pytest.mark.parametrize("env", [{"SGLANG_DDTREE_WIDTH": "fixed"}, {"SGLANG_DDTREE_WIDTHS": "32"}])
 def test_the_worker_serves_one_width_when_fixed_or_given_only_n(monkeypatch, env):
-    """Session 10's first GPU run: every fixed-width server failed at start-up here (the policy
-    was built for widths that were never captured)."""
+    """A fixed-width server must not build its policy for widths that are never captured: that
+    made every fixed-width server fail at start-up."""
     from sglang_ddtree import config
 
     for name, value in env.items():
