@@ -169,17 +169,15 @@ def tree_sampling_probs(transform):
     target-only tree sampling through `transform` first (it calls its module's global
     `tree_speculative_sampling_target_only` after its top-k / top-p renormalisation; the
     global, not the kernel package's name, is what that call reads)."""
-    module = importlib.import_module(TREE_SAMPLER_MODULE)
-    original = getattr(module, TREE_SAMPLER)
 
-    def sample(*args, target_probs, **kwargs):
-        return original(*args, target_probs=transform(target_probs), **kwargs)
+    def wrap(original):
+        def sample(*args, target_probs, **kwargs):
+            return original(*args, target_probs=transform(target_probs), **kwargs)
 
-    setattr(module, TREE_SAMPLER, sample)
-    try:
+        return sample
+
+    with _eagle_sample_global(TREE_SAMPLER, wrap):
         yield
-    finally:
-        setattr(module, TREE_SAMPLER, original)
 
 
 # eagle_sample's greedy tree verify, a global of the same module
@@ -190,19 +188,30 @@ TREE_GREEDY = "verify_tree_greedy_func"
 def tree_greedy_targets(targets):
     """For the duration: SGLang's eagle_sample verifies its greedy tree against `targets`
     [bs, width] (a simulated world's token at each node) instead of the argmax it computed."""
+
+    def wrap(original):
+        def verify(*args, target_predict, **kwargs):
+            # contiguous: a width below N slices each row, and the kernel takes dense rows only
+            picked = targets.reshape(target_predict.shape).to(target_predict.dtype).contiguous()
+            return original(*args, target_predict=picked, **kwargs)
+
+        return verify
+
+    with _eagle_sample_global(TREE_GREEDY, wrap):
+        yield
+
+
+@contextlib.contextmanager
+def _eagle_sample_global(name: str, wrap):
+    """For the duration: the global `name` of eagle_sample's module (read by eagle_sample at
+    call time) is wrap(SGLang's function); SGLang's is put back after."""
     module = importlib.import_module(TREE_SAMPLER_MODULE)
-    original = getattr(module, TREE_GREEDY)
-
-    def verify(*args, target_predict, **kwargs):
-        # contiguous: a width below N slices each row, and the kernel takes dense rows only
-        picked = targets.reshape(target_predict.shape).to(target_predict.dtype).contiguous()
-        return original(*args, target_predict=picked, **kwargs)
-
-    setattr(module, TREE_GREEDY, verify)
+    original = getattr(module, name)
+    setattr(module, name, wrap(original))
     try:
         yield
     finally:
-        setattr(module, TREE_GREEDY, original)
+        setattr(module, name, original)
 
 
 # DFLASH's worker, for a simulated world: its start-up (where dummy weights are required) and
