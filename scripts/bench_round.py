@@ -5,9 +5,11 @@ built-in MTP layer with its tree) and no speculation, side by side on one GPU.
         [--batch 1,4,8,16] [--tokens 96] [--profile ddtree64]
 
 Per variant: one server (CUDA graphs on, FlashInfer), then for each batch size b: b concurrent
-requests of `--tokens` new tokens. Round time = (request latency - the same batch's 1-token
-latency) / (rounds - 1), rounds = spec_verify_ct (speculative) or tokens (plain). Dummy weights
-accept at random, so this is the cost of a round, not a speed-up. Also recorded: the Gated DeltaNet
+requests of 1, `--tokens` / 2 and `--tokens` new tokens. Round time = the slope of request
+latency against the request's decode rounds (spec_verify_ct, or new tokens - 1 for plain
+decoding). Dummy weights accept at random, so this is the cost of a round, not a speed-up;
+`--simulate` gives every server a world in which drafts are accepted as a real drafter's are
+(docs/simulation.md), and `--serving` measures end to end in it. Also recorded: the Gated DeltaNet
 verify scratch the server allocated, and (for `--profile` variants) GPU time per DDTREE part from
 SGLang's torch-profiler trace, using the worker's `ddtree.*` ranges.
 Output: OUT/round_cost_27b.jsonl (one row per measurement; docs/data/ keeps them, docs/results.md
@@ -206,35 +208,45 @@ def wait_gpu_free(baseline: int, timeout: float = 120) -> float:
         time.sleep(2)
 
 
-def _rounds(runs: list[dict]) -> list[int]:
-    return [r["meta"].get("spec_verify_ct") or r["meta"]["completion_tokens"] for r in runs]
+def _decode_rounds(meta: dict) -> int:
+    """Decode rounds after the prefill: verify passes (speculative), or new tokens past the
+    first (plain decoding, where the prefill makes the first)."""
+    return meta.get("spec_verify_ct") or meta["completion_tokens"] - 1
+
+
+def slope(points: list[tuple[float, float]]) -> float | None:
+    """Least-squares slope of y on x; None when every x is the same."""
+    n = len(points)
+    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    sxy = sum((x - mx) * (y - my) for x, y in points)
+    return sxy / sxx if sxx > 0 else None
 
 
 def measure(server, bs: int, tokens: int) -> dict:
-    """One batch size's round cost. round_ms: the difference between `bs` requests of `tokens`
-    and of `tokens // 2` new tokens (median latencies), over the difference of their rounds, so
-    that the prefill and whatever else both runs share cancel out, after a warm-up at `tokens`
-    (the graphs, and an automatic server's calibration of every width at this batch's graph
-    bucket). round_ms_from_prefill: the earlier figure, (latency - the batch's 1-token
-    latency) / (rounds - 1), which a slow 1-token batch (DDTREE's at bs 8 and 16 was one)
-    makes too small."""
+    """One batch size's round cost: the slope of each request's latency against its decode
+    rounds, over batches of `bs` requests of `tokens // 2` and `tokens` new tokens (each
+    repeated until it holds at least 3 requests), after a warm-up at `tokens` (the graphs, and
+    an automatic server's calibration of every width at this batch's graph bucket). What all
+    requests share (the prefill, the client) falls in the intercept; a request's rounds are
+    counted, not assumed, so acceptance (real or simulated) varying from request to request
+    is what the slope runs over. A batch of 1-token requests gives prefill_ms and stays out of
+    the fit (one such batch once took 900 ms at bs 16)."""
     _latencies(server, bs, tokens)  # warm-up
-    prefill = statistics.median(r["latency"] for r in _latencies(server, bs, 1))
-    half = _latencies(server, bs, max(2, tokens // 2))
-    runs = _latencies(server, bs, tokens)
-    rounds, half_rounds = _rounds(runs), _rounds(half)
-    per_round = [
-        (r["latency"] - prefill) / max(n - 1, 1) for r, n in zip(runs, rounds, strict=True)
-    ]
-    extra = statistics.median(rounds) - statistics.median(half_rounds)
-    span = statistics.median(r["latency"] for r in runs) - statistics.median(
-        r["latency"] for r in half)  # fmt: skip
-    accept = [r["meta"].get("spec_accept_length", 1.0) for r in runs]
+    repeat = -(-3 // bs)
+    runs = {n: [r for _ in range(repeat) for r in _latencies(server, bs, n)]
+            for n in (1, max(2, tokens // 2), tokens)}  # fmt: skip
+    points = [(_decode_rounds(r["meta"]), r["latency"]) for n in runs if n > 1 for r in runs[n]]
+    per_round = slope(points)
+    full = runs[tokens]
+    accept = [r["meta"].get("spec_accept_length", 1.0) for r in full]
     return {
-        "bs": bs, "round_ms": 1e3 * span / extra if extra > 0 else None,
-        "round_ms_from_prefill": 1e3 * statistics.median(per_round),
-        "tokens_per_s": bs * tokens / max(r["latency"] for r in runs),
-        "accept_len": statistics.mean(accept), "prefill_ms": 1e3 * prefill,
+        "bs": bs, "method": "slope",
+        "round_ms": 1e3 * per_round if per_round and per_round > 0 else None,
+        "requests": len(points),
+        "tokens_per_s": bs * tokens / max(r["latency"] for r in full[-bs:]),
+        "accept_len": statistics.mean(accept),
+        "prefill_ms": 1e3 * statistics.median(r["latency"] for r in runs[1]),
     }  # fmt: skip
 
 

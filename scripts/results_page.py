@@ -104,22 +104,94 @@ def shown(rows: list[dict], markdown: str) -> str:
 # ---------------------------------------------------------------- tables, one per kind
 
 
+def conditions(rows: list[dict]) -> str:
+    """The SGLang release and the acceptance a sitting's rows ran under, as a sentence."""
+    release = next((r["sglang"] for r in rows if r.get("sglang")), None)
+    world = next((r["simulate"] for r in rows if r.get("simulate")), None)
+    if world:
+        means = ", ".join(f"{m:g}" for m in world["top1"])
+        accept = (f"the simulated `{world['name']}` world (docs/simulation.md: top-1 mean "
+                  f"{means} by depth, the last for every deeper one; spread "
+                  f"{world['spread']:g}, ratio {world['ratio']:g}, off-spine "
+                  f"{world['off_spine']:g}, seed {world['seed']})")  # fmt: skip
+    else:
+        accept = "the dummy weights' (about one token a round)"
+    return f"SGLang {release or '0.5.17'}; acceptance: {accept}."
+
+
 def round_cost_table(rows: list[dict]) -> str:
-    """ms per decode round by batch size: DFLASH, each DDTREE variant, and DDTREE / DFLASH."""
+    """ms per decode round by batch size: DFLASH, each DDTREE variant, and DDTREE / DFLASH.
+    A batch the server could not run reads "does not fit"; a round time the method could not
+    measure (not positive: the shorter batch ran slower than the longer) reads "-"."""
     rows = latest(rows)
-    variants = list(dict.fromkeys(r["variant"] for r in rows))
-    cost = {(r["variant"], r["bs"]): r.get("round_ms") for r in rows}
+    variants = list(dict.fromkeys(r["variant"] for r in rows if "bs" in r))
+    fits = {(r["variant"], r["bs"]) for r in rows if "bs" in r and "error" not in r}
+    cost = {(r["variant"], r["bs"]): r["round_ms"] for r in rows
+            if "bs" in r and (r.get("round_ms") or 0) > 0}  # fmt: skip
     batch = sorted({r["bs"] for r in rows if r.get("bs") is not None})
     trees = [v for v in variants if v.startswith("ddtree")]
     header = ["batch", *[f"{v} ms" for v in variants], *[f"{v} / dflash" for v in trees]]
     body = []
     for bs in batch:
-        cells = [_ms(cost.get((v, bs))) or "does not fit" for v in variants]
+        cells = [_ms(cost.get((v, bs))) or ("-" if (v, bs) in fits else "does not fit")
+                 for v in variants]  # fmt: skip
         chain = cost.get(("dflash", bs))
         ratios = [_ms(cost[(v, bs)] / chain) if chain and cost.get((v, bs)) else ""
                   for v in trees]  # fmt: skip
         body.append([str(bs), *cells, *ratios])
-    return shown(rows, table(header, body))
+    method = ("the slope of latency against rounds" if rows[0].get("method") == "slope" else
+              "the difference between the median requests of 64 and 32 new tokens over the "
+              "difference of their rounds, which under simulated acceptance moves with each "
+              "request's accepted lengths (one request per length at batch 1)")  # fmt: skip
+    head = f"{conditions(rows)} Round time: {method}."
+    return shown(rows, prose(head) + "\n\n" + table(header, body))
+
+
+def _width_counts(text: str | None) -> dict[int, int]:
+    """Rounds per width from a log line's counts: "16 x 776, 32 x 509" -> {16: 776, 32: 509}."""
+    pairs = (part.split(" x ") for part in (text or "").split(", ") if " x " in part)
+    return {int(w): int(n) for w, n in pairs}
+
+
+def serving_simulated_table(rows: list[dict]) -> str:
+    """Per concurrency: each server's output tok/s, DDTREE's over DFLASH's, TPOT, tokens per
+    round, ms per round (TPOT x tokens per round), and the widths an automatic server chose during that run (its log counts rounds per
+    width since start-up: each run's share is the difference from the run before; the first
+    run's also holds the round-cost measurements before it)."""
+    rows = latest(rows)
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    trees = [v for v in variants if v.startswith("ddtree")]
+    auto = [v for v in variants if "_auto" in v]
+    at = {(r["variant"], r["concurrency"]): r for r in rows}
+    chosen, before = {}, {}
+    for r in rows:  # in the order the runs were made
+        if r["variant"] in auto:
+            now = _width_counts(r.get("widths_chosen"))
+            last = before.get(r["variant"], {})
+            chosen[(r["variant"], r["concurrency"])] = ", ".join(
+                f"{w} x {n - last.get(w, 0)}" for w, n in now.items() if n > last.get(w, 0)
+            )
+            before[r["variant"]] = now
+    header = ["c", *[f"{v} tok/s" for v in variants], *[f"{v} / dflash" for v in trees],
+              *[f"{v} TPOT ms" for v in variants], *[f"{v} tokens/round" for v in variants],
+              *[f"{v} ms/round" for v in variants],
+              *[f"{v} widths x rounds" for v in auto]]  # fmt: skip
+    body = []
+    for c in sorted({r["concurrency"] for r in rows}):
+        got = [at.get((v, c), {}) for v in variants]
+        chain = at.get(("dflash", c), {}).get("output_tok_s")
+        ratios = [_ms(at[(v, c)]["output_tok_s"] / chain) if chain and (v, c) in at else ""
+                  for v in trees]  # fmt: skip
+        body.append([str(c), *[_ms(g.get("output_tok_s"), 0) for g in got], *ratios,
+                     *[_ms(g.get("median_tpot_ms")) for g in got],
+                     *[_ms(g.get("accept_len")) for g in got],
+                     *[_ms(g["median_tpot_ms"] * g["accept_len"], 1)
+                       if g.get("median_tpot_ms") and g.get("accept_len") else "" for g in got],
+                     *[chosen.get((v, c), "") for v in auto]])  # fmt: skip
+    running = "; ".join(f"{v} {at[(v, c)]['max_running']}" for v in variants
+                        for c in [min(k for w, k in at if w == v)])  # fmt: skip
+    head = f"{conditions(rows)} Running requests at most: {running}."
+    return shown(rows, prose(head) + "\n\n" + table(header, body))
 
 
 def _serving_cells(runs: list[dict], chain: dict[int, float]) -> list[str]:
@@ -355,18 +427,37 @@ class Section:
 
 SECTIONS = (
     Section(
+        "serving_simulated_27b",
+        "End to end at Qwen3.6-27B shapes, simulated acceptance",
+        "`scripts/bench_round.py --simulate REGIME --serving C,...`: SGLang's own load "
+        "generator (`sglang.bench_serving`, greedy, 128 new tokens, 2 requests per client and "
+        "at least 16) against one server at a time on one H200: a Qwen3.6-27B-shaped target "
+        "(64 layers, 48 of them Gated DeltaNet) and a 5-layer DFlash-shaped draft with dummy "
+        "weights, CUDA graphs, FlashInfer, the overlap scheduler. The weights are dummy, so "
+        "every kernel costs what it costs at 27B; which drafts the target accepts comes from "
+        "a simulated world calibrated to published DFlash acceptance (docs/simulation.md), the "
+        "same world for DFLASH's chain and DDTREE's tree. `ddtree32_auto` is DDTREE's default "
+        "(N = 32, a width among 16 and 32 chosen each round). A server runs at most its "
+        "running-request count (SGLang's per-node float32 verify scratch limits DFLASH to 16 "
+        "on one H200); clients beyond it queue. tokens/round is SGLang's accept length. One "
+        "run per cell: how much one run moves has not been measured at these shapes. ms/round = "
+        "median TPOT x tokens/round: what a decode round cost while serving, new requests' "
+        "prefills included.",
+        serving_simulated_table,
+    ),
+    Section(
         "round_cost_27b",
         "One decode round at Qwen3.6-27B shapes",
-        "`scripts/bench_round.py` on one H200: a Qwen3.6-27B-shaped target (64 layers, 48 of "
-        "them Gated DeltaNet) and a 5-layer DFlash-shaped draft with dummy weights "
-        "(`--load-format dummy`), CUDA graphs, FlashInfer, the overlap scheduler; b concurrent "
-        "requests per batch size. A round's time is (request latency - the same batch's "
-        "1-token latency) / (rounds - 1). Dummy weights accept about one token a round, so "
-        "this is what a round costs, not a speed-up: the speed-up also needs the real pair's "
-        "acceptance. `ddtree32_auto` is DDTREE's default (N = 32, automatic widths among 16 "
-        'and 32). "does not fit": SGLang\'s float32 per-node verify scratch for that many '
-        "DFLASH requests does not fit beside the weights on one GPU; DDTREE's compact scratch "
-        "does.",
+        "`scripts/bench_round.py` on one H200: the same 27B-shaped target and draft with dummy "
+        "weights, CUDA graphs, FlashInfer, the overlap scheduler; b concurrent requests per "
+        "batch size. A round's time is the slope of request latency against the request's "
+        "decode rounds (for rows measured before it, (latency - the batch's 1-token latency) / "
+        "(rounds - 1)). The line above the table names the SGLang release and the acceptance: "
+        "the dummy weights' own, about one token a round, or a simulated world, where a round "
+        "commits what a real drafter's would. `ddtree32_auto` is DDTREE's default. \"does not "
+        "fit\": SGLang's float32 per-node verify scratch for that many DFLASH requests does "
+        'not fit beside the weights on one GPU; DDTREE\'s compact scratch does. "-": the '
+        "method gave no positive time (the shorter requests ran slower than the longer).",
         round_cost_table,
     ),
     Section(
