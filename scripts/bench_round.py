@@ -479,8 +479,12 @@ def serving_requests(concurrency: int, per_client: int) -> int:
 def serve(server, dataset: Path, tokenizer: str, concurrency: int, tokens: int,
           per_client: int, out: Path) -> dict:  # fmt: skip
     """One sglang.bench_serving run at this concurrency (scripts/bench_serving.py's prompts and
-    arguments): tokens/s, TPOT, TTFT and SGLang's accept length."""
+    arguments): tokens/s, TPOT, TTFT and SGLang's accept length. A first wave of `concurrency`
+    requests goes unmeasured: without it, each server's first run at 4 clients stalled one
+    request about 6 s before its first token (a first-seen prefill shape), a third of the run."""
     prompts = serving_requests(concurrency, per_client)
+    run_bench(bench_args(server, dataset, tokenizer, concurrency, concurrency, 0.0, tokens,
+                         out / f"bench_serving_{server.name}_warmup.jsonl"))  # fmt: skip
     argv = bench_args(server, dataset, tokenizer, prompts, concurrency, 0.0, tokens,
                       out / f"bench_serving_{server.name}.jsonl")  # fmt: skip
     result = run_bench(argv)

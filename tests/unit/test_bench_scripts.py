@@ -135,6 +135,27 @@ def test_bench_round_measures_the_round_as_the_slope_over_counted_rounds(monkeyp
     assert bench.slope([(3, 1.0), (3, 2.0)]) is None
 
 
+def test_bench_round_serving_warms_each_concurrency_before_measuring(tmp_path, monkeypatch):
+    """One unmeasured wave of `concurrency` requests, then the measured run, whose row is what
+    the result says."""
+    bench = _script("bench_round")
+    calls = []
+
+    def run_bench(argv):
+        calls.append(argv)
+        return {"output_throughput": 100.0 * len(calls), "median_tpot_ms": 5.0,
+                "median_ttft_ms": 90.0, "accept_length": 3.5}  # fmt: skip
+
+    monkeypatch.setattr(bench, "run_bench", run_bench)
+    server = type("S", (), {"name": "ddtree32_auto", "port": 32001})()
+    row = bench.serve(server, tmp_path / "p.jsonl", "tok", 4, 128, 2, tmp_path)
+    prompts = [int(a[a.index("--num-prompts") + 1]) for a in calls]
+    outs = [a[a.index("--output-file") + 1] for a in calls]
+    assert prompts == [4, 16] and outs[0].endswith("_warmup.jsonl")
+    assert not outs[1].endswith("_warmup.jsonl")
+    assert row["output_tok_s"] == 200.0 and row["requests"] == 16 and row["accept_len"] == 3.5
+
+
 def test_bench_e2e_and_test_server_commands_parse(tmp_path):
     pytest.importorskip("sglang.srt.server_args")
     from tests.gpu.servers import COMMON, ENV, MODEL_VARIANTS, VARIANTS
