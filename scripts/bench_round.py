@@ -153,6 +153,13 @@ def variants(draft: Path, cap: int = 16) -> dict[str, list[str]]:
     return out
 
 
+def widths_rounds(server) -> dict[str, int] | None:
+    """An automatic-width server's decode rounds per width since start-up (/server_info)."""
+    status, info = harness.get(server.url + "/server_info")
+    states = info.get("internal_states", []) if status == 200 else []
+    return next((s["ddtree"].get("widths_chosen") for s in states if "ddtree" in s), None)
+
+
 def effective_max_running(log: str) -> int | None:
     """The max_running_requests SGLang settled on (it can lower the flag to fit its pools)."""
     found = re.findall(r"max_running_requests=(\d+)", log)
@@ -592,7 +599,7 @@ def main() -> int:
                             args.requests_per_client, args.out)  # fmt: skip
                 row.update(variant=name, max_running=max_req)
                 if "_auto" in name:
-                    row["widths_chosen"] = (width_table(server.log_text()) or {}).get("chosen")
+                    row["widths_rounds"] = widths_rounds(server)
                 emit(row, "serving_simulated_27b")
             if lengths:
                 emit({"variant": name, "long_context": long_prompts(server, lengths, VOCAB)})

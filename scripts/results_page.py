@@ -147,26 +147,24 @@ def round_cost_table(rows: list[dict]) -> str:
     return shown(rows, prose(head) + "\n\n" + table(header, body))
 
 
-def _width_counts(text: str | None) -> dict[int, int]:
-    """Rounds per width from a log line's counts: "16 x 776, 32 x 509" -> {16: 776, 32: 509}."""
-    pairs = (part.split(" x ") for part in (text or "").split(", ") if " x " in part)
-    return {int(w): int(n) for w, n in pairs}
-
-
 def serving_simulated_table(rows: list[dict]) -> str:
     """Per concurrency: each server's output tok/s, DDTREE's over DFLASH's, TPOT, tokens per
-    round, ms per round (TPOT x tokens per round), and the widths an automatic server chose during that run (its log counts rounds per
-    width since start-up: each run's share is the difference from the run before; the first
-    run's also holds the round-cost measurements before it)."""
+    round, ms per round (TPOT x tokens per round), and the widths an automatic server chose
+    during that run (the server counts rounds per width since start-up: each run's share is the
+    difference from the run before; the first run's also holds the round-cost measurements
+    before it)."""
     rows = latest(rows)
     variants = list(dict.fromkeys(r["variant"] for r in rows))
     trees = [v for v in variants if v.startswith("ddtree")]
-    auto = [v for v in variants if "_auto" in v]
     at = {(r["variant"], r["concurrency"]): r for r in rows}
+    # per run only where the server counted (/server_info); a log's table lags its rounds
+    auto = [v for v in variants if "_auto" in v
+            and all("widths_rounds" in r for r in rows if r["variant"] == v)]  # fmt: skip
+    logged = [v for v in variants if "_auto" in v and v not in auto]
     chosen, before = {}, {}
     for r in rows:  # in the order the runs were made
         if r["variant"] in auto:
-            now = _width_counts(r.get("widths_chosen"))
+            now = {int(w): n for w, n in (r["widths_rounds"] or {}).items()}
             last = before.get(r["variant"], {})
             chosen[(r["variant"], r["concurrency"])] = ", ".join(
                 f"{w} x {n - last.get(w, 0)}" for w, n in now.items() if n > last.get(w, 0)
@@ -191,6 +189,9 @@ def serving_simulated_table(rows: list[dict]) -> str:
     running = "; ".join(f"{v} {at[(v, c)]['max_running']}" for v in variants
                         for c in [min(k for w, k in at if w == v)])  # fmt: skip
     head = f"{conditions(rows)} Running requests at most: {running}."
+    for v in logged:  # the last table the server logged, over all of its runs
+        last = [r for r in rows if r["variant"] == v][-1].get("widths_chosen") or "none logged"
+        head += f" Widths {v} chose over all its runs, as its log last counted: {last}."
     return shown(rows, prose(head) + "\n\n" + table(header, body))
 
 

@@ -2,8 +2,8 @@
 factory (plugin._worker_factory) and handed to both: no module holds it.
 
 `Runtime` carries the options parsed once for this process, SGLang's resolved (B, N, K), the GDN
-hooks' state (path, data-pointer caches, the DDTREE paths taken) and the penalty table the worker
-makes once its pools exist. Each hook in hooks.HOOKS takes it (or the part it needs) as its first
+hooks' state (path, data-pointer caches, the DDTREE paths taken), and what the worker makes once
+its pools and graphs exist: the penalty table and the automatic-width policy. Each hook in hooks.HOOKS takes it (or the part it needs) as its first
 argument, bound by `hooks.bound_hooks` when the hooks are installed.
 """
 
@@ -14,6 +14,7 @@ import dataclasses
 from sglang_ddtree.config import DDTreeConfig, Options
 from sglang_ddtree.integration import gdn
 from sglang_ddtree.integration.penalties import PenaltyTable
+from sglang_ddtree.tree.budget import WidthPolicy
 
 
 @dataclasses.dataclass(eq=False)
@@ -22,6 +23,7 @@ class Runtime:
     cfg: DDTreeConfig  # B, N, K as SGLang resolved them (compat.resolved_config)
     gdn: gdn.GDNState  # the GDN hooks' path and caches
     penalties: PenaltyTable | None = None  # the worker's (alloc_memory_pool), for eagle_sample
+    widths: WidthPolicy | None = None  # the worker's automatic widths (rank 0's), for report()
 
     @classmethod
     def create(cls, options: Options, cfg: DDTreeConfig) -> Runtime:
@@ -33,7 +35,12 @@ class Runtime:
         return self.gdn.engaged
 
     def report(self) -> dict:
-        """The resolved DDTREE options, GDN path, and the DDTREE paths the hooks have taken so
-        far (e.g. "tree conv1d through sglang_ddtree.gdn.conv_tree"): /server_info's values."""
-        return {"options": dataclasses.asdict(self.options),
-                "gdn_path": gdn.describe(self.gdn.path), "engaged": self.engaged.sorted()}  # fmt: skip
+        """The resolved DDTREE options, GDN path, the DDTREE paths the hooks have taken so far
+        (e.g. "tree conv1d through sglang_ddtree.gdn.conv_tree") and, with automatic widths, the
+        decode rounds verified at each width since start-up: /server_info's values."""
+        out = {"options": dataclasses.asdict(self.options),
+               "gdn_path": gdn.describe(self.gdn.path), "engaged": self.engaged.sorted()}  # fmt: skip
+        if self.widths is not None:
+            chosen = dict(self.widths.chosen)  # one C-level copy: the decode loop may add to it
+            out["widths_chosen"] = {str(w): n for w, n in sorted(chosen.items())}
+        return out

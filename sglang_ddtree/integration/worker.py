@@ -240,6 +240,7 @@ class DDTreeWorker(DFlashWorkerV2):
             raise RuntimeError("DDTREE: the draft head's width readings were not asked for "
                                "before the draft graphs (_ask_for_readings): a bug")  # fmt: skip
         self._readings = RoundReadings(policy, head.readings, head.reading_widths)
+        self.runtime.widths = policy  # /server_info's widths_chosen
         if self._tp_rank == 0:
             logger.info("DDTREE verify width: auto among %s (graph batch sizes %s)",
                         ", ".join(map(str, widths)), list(self._widths.buckets) or "eager")  # fmt: skip

@@ -679,6 +679,11 @@ def test_the_variants_switches_engaged(servers, model, variant):
     reported = [s["ddtree"] for s in info.get("internal_states", []) if "ddtree" in s]
     assert reported and reported[0]["options"] == dataclasses.asdict(expected), reported
     assert f"sglang_ddtree: options: {expected.describe()}" in log
+    # an automatic-width server counts its rounds per width; a fixed one has no such count
+    chosen = reported[0].get("widths_chosen")
+    if expected.width != "auto":
+        assert chosen is None, chosen
+    assert all(isinstance(n, int) and n >= 0 for n in (chosen or {}).values()), chosen
 
     # which paths the hooks took, as values (/server_info's "engaged": gdn.Engaged's names);
     # the start-up lines (GDN path, width, pool) from the log

@@ -125,3 +125,35 @@ def test_the_fresh_clone_sentence_gives_the_times_and_the_load(tmp_path):
     assert text == ("Measured on a fresh clone (2026-12-05, a 2-CPU machine, load average "
                     "0.5 / 1 / 3.2 during them: shared with other work): setup 117 s, the demo "
                     "12 s, the tests 7.0 min (`scripts/time_fresh_clone.sh`).")  # fmt: skip
+
+
+def test_the_simulated_serving_table_gives_ratios_round_times_and_widths_per_run():
+    world = {"name": "narrative", "top1": [0.7315], "spread": 0.5, "ratio": 0.5,
+             "off_spine": 0.3, "seed": 0}  # fmt: skip
+    base = {"date": "2026-12-05", "commit": "abc1234", "sitting": 1, "sglang": "0.5.23",
+            "simulate": world, "command": "python scripts/bench_round.py --out OUT"}  # fmt: skip
+
+    def row(variant, c, tok_s, tpot, accept, running, **extra):
+        return {**base, "variant": variant, "concurrency": c, "output_tok_s": tok_s,
+                "median_tpot_ms": tpot, "accept_len": accept, "max_running": running, **extra}  # fmt: skip
+
+    rows = [row("dflash", 1, 100.0, 6.0, 3.5, 16), row("dflash", 8, 500.0, 10.0, 3.6, 16),
+            row("ddtree32_auto", 1, 120.0, 5.0, 4.0, 32, widths_rounds={"16": 5, "32": 40}),
+            row("ddtree32_auto", 8, 600.0, 9.0, 4.0, 32, widths_rounds={"16": 65, "32": 50})]  # fmt: skip
+    text = page.serving_simulated_table(rows)
+    words = " ".join(text.split())  # the prose is wrapped
+    assert "SGLang 0.5.23" in words and "`narrative` world" in words and "off-spine 0.3" in words
+    assert "Running requests at most: dflash 16; ddtree32_auto 32." in words
+    body = [line.split(" | ") for line in text.splitlines() if line.startswith("| 1 ")
+            or line.startswith("| 8 ")]  # fmt: skip
+    assert body[0][3] == "1.20" and body[1][3] == "1.20"  # tok/s over DFLASH's, same c
+    assert body[0][8:10] == ["21.0", "20.0"]  # ms per round = TPOT x tokens per round
+    assert body[0][10].rstrip(" |") == "16 x 5, 32 x 40"
+    assert body[1][10].rstrip(" |") == "16 x 60, 32 x 10"  # this run's rounds alone
+    # rows whose widths came from a lagging log table: no per-run column, the last count said
+    old = [{**r, "widths_chosen": "16 x 7, 32 x 9"} for r in rows]
+    for r in old:
+        r.pop("widths_rounds", None)
+    text = page.serving_simulated_table(old)
+    assert "widths x rounds" not in text
+    assert "as its log last counted: 16 x 7, 32 x 9" in " ".join(text.split())

@@ -515,11 +515,14 @@ def test_the_worker_serves_one_width_when_fixed_or_given_only_n(monkeypatch, env
 
 def test_the_worker_chooses_among_the_widths_without_graphs(monkeypatch):
     """auto without decode CUDA graphs: every width verifies through the one backend, and the
-    policy's first choice is the widest (its calibration)."""
+    policy's first choice is the widest (its calibration); /server_info's report counts the
+    rounds per width."""
     from sglang_ddtree import config
+    from sglang_ddtree.integration.runtime import Runtime
 
     worker_mod, w = _worker(N=64)
-    w.runtime = SimpleNamespace(options=config.Options.from_env())  # the factory's
+    w.runtime = Runtime.create(config.Options.from_env(), w.cfg)  # the factory's
+    assert "widths_chosen" not in w.runtime.report()
     monkeypatch.setattr(worker_mod, "RoundReadings",
                         lambda policy, buffer, widths: RoundReadingsOnCpu(policy, buffer, widths))  # fmt: skip
     with pytest.raises(RuntimeError, match="not asked for before the draft graphs"):
@@ -530,6 +533,7 @@ def test_the_worker_chooses_among_the_widths_without_graphs(monkeypatch):
     assert w._tree_head.reading_widths == (16, 32, 64)
     assert {w._widths.states[x] for x in (16, 32, 64)} == {("backend N", None)}
     assert w._choose_width(3) == 64 and w.speculative_num_draft_tokens == 64
+    assert w.runtime.report()["widths_chosen"] == {"64": 1}
 
 
 def RoundReadingsOnCpu(policy, buffer, widths):  # noqa: N802 - stands in for the class
