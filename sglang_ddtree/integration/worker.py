@@ -15,11 +15,13 @@ traces):
   accept  SGLang's tree walk: greedy, or target-only tree sampling at T > 0
   commit  accepted KV to contiguous slots, tree-aware Gated DeltaNet state commit (both inside
           run_eagle_verify), then draft KV for the accepted tokens from their target hidden states
+Each round's state is a `Round` that these steps fill one after another.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 
 import torch
@@ -51,6 +53,7 @@ from sglang_ddtree.integration.verify_input import make_verify_input
 from sglang_ddtree.integration.widths import RankWidths, RoundReadings, VerifyWidths
 from sglang_ddtree.simulation import World
 from sglang_ddtree.tree.budget import WidthPolicy, automatic_widths
+from sglang_ddtree.tree.types import DraftTree
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +111,20 @@ def draft_tail(head: DraftTreeHead):
         head(out.hidden_states, forward_batch.input_ids, forward_batch.positions)
 
     return tail
+
+
+@dataclasses.dataclass(eq=False)
+class Round:
+    """One decode round, owned by the worker: each step fills what the next reads. Inside
+    SGLang's verify the hooks reach the round's tree through the verify input it carries, and
+    the process's GDN path and penalty counts through the Runtime."""
+
+    bs: int
+    width: int  # the verify width: the policy's choice, or N
+    draft_input: DFlashDraftInputV2  # the draft state the last round (or the prefill) left
+    positions: torch.Tensor | None = None  # [bs, B] the block's positions (draft)
+    draft_slots: torch.Tensor | None = None  # [bs, B] where its draft KV goes (draft)
+    tree: DraftTree | None = None  # the first `width` nodes of the built tree (verify input)
 
 
 class DDTreeWorker(DFlashWorkerV2):
@@ -285,42 +302,22 @@ class DDTreeWorker(DFlashWorkerV2):
         batch.seq_lens.record_stream(torch.get_device_module(self.device).current_stream())
         bs = len(batch.seq_lens)
         with own_code():
-            width = self._choose_width(bs)
-
+            rnd = Round(bs=bs, width=self._choose_width(bs), draft_input=draft_input)
         with profiled("ddtree.draft_and_build"):
-            block = self._draft(batch, draft_input)  # draft + build (one graph replay)
+            self._draft(batch, rnd)  # draft + build (one graph replay)
         with own_code(), profiled("ddtree.verify_input"):
-            tree = self._tree_head.tree(bs, width)  # the first `width` nodes
-            batch.spec_info = make_verify_input(
-                self.cfg,
-                tree.tokens,
-                tree.depth,
-                tree.first_child,
-                tree.next_sibling,
-                tree.visibility,
-                batch.seq_lens,
-                self._seq_lens_sum_bound(batch, draft_input),
-                write_mask=not verify_plan.packs_from_tree(self.options),
-            )
-        verify_at = self._widths.use(width) if self._widths else contextlib.nullcontext()
+            batch.spec_info = self._verify_input(batch, rnd)
+        verify_at = self._widths.use(rnd.width) if self._widths else contextlib.nullcontext()
         with profiled("ddtree.verify_accept_commit"), verify_at:
-            result = self._verify_accept_commit(batch, grammar_barrier, width)
+            result = self._verify_accept_commit(batch, grammar_barrier, rnd)
         if not result.can_run_cuda_graph:
-            self._note_eager_verify(bs, width)
-        emitted = result.next_token_ids.view(bs, -1)[:, : self.cfg.block_size]  # a view
-        # the emitted tokens join each request's count in rounds whose batch asks for a penalty:
-        # only a penalised request's row changes any logit (a neutral one's leaves them as they
-        # are, whatever it holds), and a penalised request is in every round from its prefill on
-        if self._penalties is not None and penalties.wanted(batch.reqs):
-            self._penalties.observe(batch.req_pool_indices, emitted, result.accept_lens)
-        if self._round_dump is not None:  # device-to-pinned copies; a thread writes them
-            self._round_dump.round(tree.tokens, tree.parents, tree.scores, emitted,
-                                   result.accept_lens)  # fmt: skip
+            self._note_eager_verify(bs, rnd.width)
+        self._observe(batch, rnd, result)
         batch.spec_info = draft_input
         if on_publish is not None:
             on_publish(result.new_seq_lens)
         with own_code(), profiled("ddtree.draft_context"):
-            self._commit_draft_context(result, *block, width)
+            self._commit_draft_context(result, rnd)
             result.next_draft_input = make_draft_input_v2(
                 bonus_tokens=result.next_draft_input.bonus_tokens,
                 new_seq_lens=result.new_seq_lens,
@@ -328,6 +325,19 @@ class DDTreeWorker(DFlashWorkerV2):
             if self._readings is not None:
                 self._readings.finish(result.accept_lens)
         return result
+
+    def _observe(self, batch, rnd: Round, result) -> None:
+        """What the round emitted, for the penalty counts and the round dump."""
+        emitted = result.next_token_ids.view(rnd.bs, -1)[:, : self.cfg.block_size]  # a view
+        # the emitted tokens join each request's count in rounds whose batch asks for a penalty:
+        # only a penalised request's row changes any logit (a neutral one's leaves them as they
+        # are, whatever it holds), and a penalised request is in every round from its prefill on
+        if self._penalties is not None and penalties.wanted(batch.reqs):
+            self._penalties.observe(batch.req_pool_indices, emitted, result.accept_lens)
+        if self._round_dump is not None:  # device-to-pinned copies; a thread writes them
+            tree = rnd.tree
+            self._round_dump.round(tree.tokens, tree.parents, tree.scores, emitted,
+                                   result.accept_lens)  # fmt: skip
 
     def _note_eager_verify(self, bs: int, width: int) -> None:
         """A verify that ran without the target's CUDA graph (a host cost of a few ms on a small
@@ -392,10 +402,10 @@ class DDTreeWorker(DFlashWorkerV2):
         return table
 
     # -- step 1 + 2: draft the block, build the tree -----------------------------------------
-    def _draft(self, batch, draft_input) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the DFlash block; returns (positions [bs, B], the draft KV's write ids [bs, B])
-        of the block."""
-        bs, B = len(batch.seq_lens), self.cfg.block_size
+    def _draft(self, batch, rnd: Round) -> None:
+        """Run the DFlash block (and, in its graph, the tree build); the round gets the
+        block's positions and the draft KV's write slots [bs, B]."""
+        bs, B, draft_input = rnd.bs, self.cfg.block_size, rnd.draft_input
         # [bs, B] each: bonus + MASK x (B - 1); seq_len + 0..B-1; req_to_token slots; and the
         # host-bound lengths [bs]
         block_ids, positions, cache_loc, seq_lens_cpu = compat.draft_block_buffers(self, bs)
@@ -432,7 +442,24 @@ class DDTreeWorker(DFlashWorkerV2):
                 with own_code():
                     self._tree_head(draft_out.logits_output.hidden_states, block_ids.flatten(),
                                     positions.flatten())  # fmt: skip
-        return positions, compat.draft_write_ids(self, plan).view(bs, B)
+        rnd.positions, rnd.draft_slots = positions, compat.draft_write_ids(self, plan).view(bs, B)
+
+    # -- step 3 setup: the tree as SGLang's verify input --------------------------------------
+    def _verify_input(self, batch, rnd: Round):
+        """The first `width` nodes of the built tree as the EAGLE verify input (mask, positions,
+        retrieve links) SGLang's verify reads."""
+        rnd.tree = tree = self._tree_head.tree(rnd.bs, rnd.width)
+        return make_verify_input(
+            self.cfg,
+            tree.tokens,
+            tree.depth,
+            tree.first_child,
+            tree.next_sibling,
+            tree.visibility,
+            batch.seq_lens,
+            self._seq_lens_sum_bound(batch, rnd.draft_input),
+            write_mask=not verify_plan.packs_from_tree(self.options),
+        )
 
     def _prepare_block(self, batch, draft_input, block_ids, positions, cache_loc) -> None:
         """block_ids = [bonus, MASK...], positions = seq_len + 0..B-1, cache_loc from req_to_token."""
@@ -448,14 +475,14 @@ class DDTreeWorker(DFlashWorkerV2):
         )
 
     # -- step 3 + 4 + 5a: verify, accept, commit target state --------------------------------
-    def _verify_accept_commit(self, batch, grammar_barrier, width: int):
+    def _verify_accept_commit(self, batch, grammar_barrier, rnd: Round):
         # the verify plans its own window (eagle_prepare_for_verify: N slots from each
         # request's committed length, the block's B first)
         picks = self._tree_head.simulated_picks
         if picks is None:
-            return self._verify(batch, grammar_barrier, width)
-        with compat.tree_greedy_targets(picks[: len(batch.seq_lens), :width]):
-            return self._verify(batch, grammar_barrier, width)
+            return self._verify(batch, grammar_barrier, rnd.width)
+        with compat.tree_greedy_targets(picks[: rnd.bs, : rnd.width]):
+            return self._verify(batch, grammar_barrier, rnd.width)
 
     def _verify(self, batch, grammar_barrier, width: int):
         return run_eagle_verify(
@@ -474,11 +501,11 @@ class DDTreeWorker(DFlashWorkerV2):
         )
 
     # -- step 5b: the accepted tokens become draft context -----------------------------------
-    def _commit_draft_context(self, result, positions, cache_loc, width: int) -> None:
+    def _commit_draft_context(self, result, rnd: Round) -> None:
         """Draft KV of the accepted path from its (front-compacted) target hidden states: per
         request the verify's N rows (SGLang's compaction) or the path's S = B rows alone
         (integration/accept_path.py); the first B either way."""
-        bs, B = cache_loc.shape[0], self.cfg.block_size
+        bs, B, width, cache_loc = rnd.bs, self.cfg.block_size, rnd.width, rnd.draft_slots
         hidden = result.logits_output.hidden_states
         if hidden is None:
             raise RuntimeError("DDTREE verify returned no target hidden states.")
@@ -491,7 +518,7 @@ class DDTreeWorker(DFlashWorkerV2):
             target_hidden=accepted,
             cache_loc=cache_loc.reshape(-1),
             cache_loc_2d=cache_loc,
-            positions=positions.reshape(-1),
+            positions=rnd.positions.reshape(-1),
             commit_lens=result.accept_lens,
         )
         result.logits_output.hidden_states = None  # keep big buffers off the host copy
