@@ -154,10 +154,12 @@ def variants(draft: Path, cap: int = 16) -> dict[str, list[str]]:
 
 
 def widths_rounds(server) -> dict[str, int] | None:
-    """An automatic-width server's decode rounds per width since start-up (/server_info)."""
+    """An automatic-width server's decode rounds per width since start-up (/server_info: the
+    rank whose policy chooses for every rank reports them)."""
     status, info = harness.get(server.url + "/server_info")
     states = info.get("internal_states", []) if status == 200 else []
-    return next((s["ddtree"].get("widths_chosen") for s in states if "ddtree" in s), None)
+    counted = (s.get("ddtree", {}).get("widths_chosen") for s in states)
+    return next((c for c in counted if c is not None), None)
 
 
 def effective_max_running(log: str) -> int | None:

@@ -41,6 +41,6 @@ class Runtime:
         out = {"options": dataclasses.asdict(self.options),
                "gdn_path": gdn.describe(self.gdn.path), "engaged": self.engaged.sorted()}  # fmt: skip
         if self.widths is not None:
-            chosen = dict(self.widths.chosen)  # one C-level copy: the decode loop may add to it
+            chosen = dict(self.widths.chosen)  # a copy: the report outlives this call
             out["widths_chosen"] = {str(w): n for w, n in sorted(chosen.items())}
         return out
