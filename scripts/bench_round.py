@@ -162,6 +162,16 @@ def widths_rounds(server) -> dict[str, int] | None:
     return next((c for c in counted if c is not None), None)
 
 
+def startup_timings(log: str) -> dict[str, float]:
+    """SGLang's last "Engine startup timings (s): ..." line as {name: s} (the CUDA graph parts
+    under their own names, e.g. target_verify, draft_decode); {} when the log has none."""
+    lines = [x for x in log.splitlines() if "Engine startup timings (s):" in x]
+    if not lines:
+        return {}
+    found = re.findall(r"(\w+)=([0-9.]+)", lines[-1].split("Engine startup timings (s):")[1])
+    return {name: float(value) for name, value in found}
+
+
 def effective_max_running(log: str) -> int | None:
     """The max_running_requests SGLang settled on (it can lower the flag to fit its pools)."""
     found = re.findall(r"max_running_requests=(\d+)", log)
@@ -579,7 +589,8 @@ def main() -> int:
         print(json.dumps({"variant": name, "gpu_free_gib": round(wait_gpu_free(baseline), 1)}))
         server.start()
         try:
-            server.wait_healthy(timeout=900)
+            healthy_s = server.wait_healthy(timeout=900)  # from launch
+            startup = {"healthy_s": round(healthy_s, 1), **startup_timings(server.log_text())}
             scratch = gdn_scratch_gb(server.log_text())
             max_req = int(table[name][table[name].index("--max-running-requests") + 1])
             max_req = min(max_req, effective_max_running(server.log_text()) or max_req)
@@ -589,7 +600,7 @@ def main() -> int:
                           "error": f"does not fit: at most {max_req} running requests"})  # fmt: skip
                     continue
                 row = {"variant": name, "gdn_scratch_gb": scratch, "max_running": max_req,
-                       **measure(server, bs, args.tokens)}  # fmt: skip
+                       "startup": startup, **measure(server, bs, args.tokens)}  # fmt: skip
                 if name in args.profile.split(",") and bs in (1, 8):
                     row["profile"] = profile_parts(server, bs, args.work)
                 if "_auto" in name:

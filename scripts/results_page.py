@@ -144,6 +144,17 @@ def round_cost_table(rows: list[dict]) -> str:
               "difference of their rounds, which under simulated acceptance moves with each "
               "request's accepted lengths (one request per length at batch 1)")  # fmt: skip
     head = f"{conditions(rows)} Round time: {method}."
+    started = {r["variant"]: r["startup"] for r in rows if r.get("startup")}
+    if started:
+        head += (
+            " Start-up, launch to healthy (of it, the verify and draft CUDA graphs): "
+            + "; ".join(
+                f"{v} {t['healthy_s']:.0f} s ({t.get('target_verify', 0):.0f} s, "
+                f"{t.get('draft_decode', 0):.0f} s)"
+                for v, t in started.items()
+            )
+            + "."
+        )
     return shown(rows, prose(head) + "\n\n" + table(header, body))
 
 

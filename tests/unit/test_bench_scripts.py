@@ -813,3 +813,17 @@ def test_project_budget_reads_one_sitting_of_the_merged_rows(tmp_path):
     assert bench.load(path, acceptance, 0.0, sitting=1)[0].ms[bench.CHAIN] == (20.0,)
     with pytest.raises(SystemExit, match=r"no sitting 3 in the rows; there are \[1, 2\]"):
         bench.load(path, acceptance, 0.0, sitting=3)
+
+
+def test_bench_round_reads_sglangs_startup_timings():
+    bench = _script("bench_round")
+    log = (
+        "[x] Engine startup timings (s): load_weight=0.26, kv_cache_allocation=1.01, "
+        "scheduler_e2e=30.15, cuda_graph={prefill=0.00, decode=0.00, target_verify=12.08, "
+        "draft_prefill=0.00, draft_decode=2.98, draft_extend=0.00}, tokenizer_e2e=56.41\n"
+        "[x] The server is fired up and ready to roll!\n"
+    )
+    got = bench.startup_timings(log)
+    assert got["scheduler_e2e"] == 30.15 and got["target_verify"] == 12.08
+    assert got["draft_decode"] == 2.98 and got["tokenizer_e2e"] == 56.41
+    assert bench.startup_timings("no such line") == {}

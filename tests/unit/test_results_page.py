@@ -157,3 +157,23 @@ def test_the_simulated_serving_table_gives_ratios_round_times_and_widths_per_run
     text = page.serving_simulated_table(old)
     assert "widths x rounds" not in text
     assert "as its log last counted: 16 x 7, 32 x 9" in " ".join(text.split())
+
+
+def test_the_round_cost_table_names_the_method_startup_and_what_did_not_fit():
+    base = {"date": "2026-12-05", "commit": "abc1234", "sitting": 1, "sglang": "0.5.23"}
+    start = {"healthy_s": 226.6, "target_verify": 40.17, "draft_decode": 38.53}
+    rows = [
+        {**base, "variant": "dflash", "bs": 1, "round_ms": 20.0, "method": "slope",
+         "startup": start},
+        {**base, "variant": "dflash", "bs": 32, "error": "does not fit: at most 16"},
+        {**base, "variant": "ddtree32_auto", "bs": 1, "round_ms": 19.0, "method": "slope",
+         "startup": {"healthy_s": 71.9, "target_verify": 12.08, "draft_decode": 2.98}},
+        {**base, "variant": "ddtree32_auto", "bs": 32, "round_ms": -3.0, "method": "slope"},
+    ]  # fmt: skip
+    text = page.round_cost_table(rows)
+    words = " ".join(text.split())
+    assert "dummy weights' (about one token a round)" in words
+    assert "Round time: the slope of latency against rounds." in words
+    assert "dflash 227 s (40 s, 39 s); ddtree32_auto 72 s (12 s, 3 s)" in words
+    assert "| 1 | 20.00 | 19.00 | 0.95 |" in text
+    assert "| 32 | does not fit | - |  |" in text
