@@ -176,9 +176,15 @@ class WidthPolicy:
       CUDA-graph batch size a batch pads to. A median, not a mean: the events also time the
       host's stalls inside a round, and on a host-bound server one stall reads 10x a round
       (the GPU suite's tables). A bucket first runs every width `explore` times
-      (the calibration: a few rounds per bucket), then every `refresh` rounds of that bucket
-      the width measured longest ago, for window // 2 + 1 rounds in a row (enough to move
-      its median).
+      (the calibration: a few rounds per bucket). After it, a width the policy is not
+      choosing is run again, for window // 2 + 1 rounds in a row (enough to move its median),
+      once `refresh` rounds of that bucket times its shortfall over `tolerance` have passed
+      without it: shortfall = 1 - its rate / the chosen width's, the interval at least
+      `refresh` rounds. A width within `tolerance` of the chosen one is watched every
+      `refresh` rounds; one 30% slower every 15 x `refresh` (tolerance 0.02), so watching it
+      costs about 0.3% of the bucket's time where a fixed interval cost 5% (the 27B round
+      table: tests/unit/test_widths.py). The chosen width runs every other round and needs no
+      refresh; if its cost rises, the shortfalls shrink and the others are watched sooner.
       Batches beyond the graphs' sizes (or without graphs) round up to a power of two.
     - Tokens: per width, the drafter's expected tokens per request (1 + sum of q over the first w
       nodes), averaged, times a per-width ratio of accepted to predicted tokens on the rounds
@@ -190,19 +196,23 @@ class WidthPolicy:
     Host floats only; the server feeds it readings one round late (integration/widths.py)."""
 
     def __init__(self, widths: Sequence[int], buckets: Sequence[int] = (), decay: float = 0.8,
-                 explore: int = 3, refresh: int = 32, window: int = 5) -> None:  # fmt: skip
+                 explore: int = 3, refresh: int = 32, window: int = 5,
+                 tolerance: float = 0.02) -> None:  # fmt: skip
         if not widths or list(widths) != sorted(set(widths)):
             raise ValueError(f"widths must be increasing, got {list(widths)}")
         if min(explore, refresh, window) < 1:
             raise ValueError(f"explore, refresh and window must be >= 1, got {explore}, "
                              f"{refresh}, {window}")  # fmt: skip
+        if not 0 < tolerance <= 1:
+            raise ValueError(f"tolerance must be in (0, 1], got {tolerance}")
         self.widths, self.buckets = tuple(widths), tuple(sorted(buckets))
         self.decay, self.explore, self.refresh = decay, explore, refresh
+        self.tolerance = tolerance
+        self.ran_at: dict[tuple[int, int], int] = {}  # (bucket, width) -> the bucket's round
         self.cost: dict[tuple[int, int], float] = {}  # (bucket, width) -> ms, the median
         self.recent: dict[tuple[int, int], collections.deque] = {}  # the last `window` ms
         self.window = window
         self.samples: collections.Counter = collections.Counter()  # (bucket, width) -> rounds
-        self.last_seen: dict[tuple[int, int], int] = {}  # (bucket, width) -> round number
         self.predicted: list[float] | None = None  # per width, tokens per request
         self.ratio = {w: Calibration(decay, start=None) for w in widths}
         self.overall = Calibration(decay, start=None)
@@ -230,14 +240,32 @@ class WidthPolicy:
             width = untried[0]
         elif burst and burst[1] > 0:  # a refresh runs a few rounds, enough to move a median
             width, burst[1] = burst[0], burst[1] - 1
-        elif self.bucket_rounds[b] % self.refresh == 0:  # keep every width's cost fresh
-            width = min(self.widths, key=lambda w: self.last_seen[b, w])
-            self.burst[b] = [width, self.window // 2]
         else:
             cost, tokens = self.costs(b), self.all_tokens()
-            width = max(self.widths, key=lambda w: (tokens[w] / max(cost[w], 1e-6), w))
+            rate = {w: tokens[w] / max(cost[w], 1e-6) for w in self.widths}
+            width = max(self.widths, key=lambda w: (rate[w], w))
+            stale = self._overdue(b, rate, width)
+            if stale is not None:  # keep the others' costs fresh, the closer ones more often
+                width = stale
+                self.burst[b] = [width, self.window // 2]
+        self.ran_at[b, width] = self.bucket_rounds[b]
         self.chosen[width] += 1
         return width
+
+    def _overdue(self, bucket: int, rate: dict[int, float], best: int) -> int | None:
+        """The width other than `best` most overdue for a refresh in this bucket (None: none is
+        due): due once refresh x max(1, shortfall / tolerance) of the bucket's rounds have
+        passed since it last ran, shortfall = 1 - its rate / best's."""
+        now, due = self.bucket_rounds[bucket], []
+        for w in self.widths:
+            if w == best:
+                continue
+            shortfall = 1.0 - rate[w] / max(rate[best], 1e-12)
+            interval = self.refresh * max(1.0, shortfall / self.tolerance)
+            overdue = (now - self.ran_at.get((bucket, w), 0)) / interval
+            if overdue >= 1.0:
+                due.append((overdue, w))
+        return max(due)[1] if due else None
 
     def costs(self, bucket: int) -> dict[int, float]:
         """The bucket's measured costs made non-decreasing in the width (a wider tree verifies
@@ -282,7 +310,6 @@ class WidthPolicy:
         recent.append(ms)
         self.cost[key] = statistics.median(recent)
         self.samples[key] += 1
-        self.last_seen[key] = self.rounds
         b = key[0]  # readings come late, so a width may pass `explore`: at least, once
         if b not in self.announced and all(self.samples[b, w] >= self.explore
                                            for w in self.widths):  # fmt: skip
