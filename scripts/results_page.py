@@ -197,8 +197,8 @@ def serving_simulated_table(rows: list[dict]) -> str:
                      *[_ms(g["median_tpot_ms"] * g["accept_len"], 1)
                        if g.get("median_tpot_ms") and g.get("accept_len") else "" for g in got],
                      *[chosen.get((v, c), "") for v in auto]])  # fmt: skip
-    running = "; ".join(f"{v} {at[(v, c)]['max_running']}" for v in variants
-                        for c in [min(k for w, k in at if w == v)])  # fmt: skip
+    running = "; ".join(f"{v} {n}" for v, n in {r["variant"]: r["max_running"]
+                                                 for r in rows}.items())  # fmt: skip
     head = f"{conditions(rows)} Running requests at most: {running}."
     for v in logged:  # the last table the server logged, over all of its runs
         last = [r for r in rows if r["variant"] == v][-1].get("widths_chosen") or "none logged"
@@ -463,8 +463,8 @@ SECTIONS = (
         "`scripts/bench_round.py` on one H200: the same 27B-shaped target and draft with dummy "
         "weights, CUDA graphs, FlashInfer, the overlap scheduler; b concurrent requests per "
         "batch size. A round's time is the slope of request latency against the request's "
-        "decode rounds (for rows measured before it, (latency - the batch's 1-token latency) / "
-        "(rounds - 1)). The line above the table names the SGLang release and the acceptance: "
+        "decode rounds; rows measured before that method name theirs. The line above the "
+        "table names the method, the SGLang release and the acceptance: "
         "the dummy weights' own, about one token a round, or a simulated world, where a round "
         "commits what a real drafter's would. `ddtree32_auto` is DDTREE's default. \"does not "
         "fit\": SGLang's float32 per-node verify scratch for that many DFLASH requests does "

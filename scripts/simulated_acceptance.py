@@ -66,17 +66,15 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     for name, world in simulation.REGIMES.items():
-        calibrated = simulation.chain_tau(world, BLOCK - 1)
+        base = {"regime": name, "world": world.as_dict(), "rounds": args.rounds, "block": BLOCK,
+                "chain_tau_calibrated": simulation.chain_tau(world, BLOCK - 1)}  # fmt: skip
         tau, err = chain_tau(world, args.rounds, seed=1)
-        rows.append({"regime": name, "world": world.as_dict(), "verify": "chain", "nodes": BLOCK,
-                     "topk": 1, "tau": tau, "tau_stderr": err, "chain_tau_calibrated": calibrated,
-                     "rounds": args.rounds, "block": BLOCK})  # fmt: skip
+        rows.append({**base, "verify": "chain", "nodes": BLOCK, "topk": 1, "tau": tau,
+                     "tau_stderr": err})  # fmt: skip
         for nodes in (int(n) for n in args.nodes.split(",")):
             tau, err = tree_tau(world, nodes, args.rounds, seed=2)
-            rows.append({"regime": name, "world": world.as_dict(), "verify": "tree",
-                         "nodes": nodes, "topk": TOPK, "tau": tau, "tau_stderr": err,
-                         "chain_tau_calibrated": calibrated, "rounds": args.rounds,
-                         "block": BLOCK})  # fmt: skip
+            rows.append({**base, "verify": "tree", "nodes": nodes, "topk": TOPK, "tau": tau,
+                         "tau_stderr": err})  # fmt: skip
     with open(args.out / "simulated_acceptance.jsonl", "w") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")

@@ -9,8 +9,8 @@ DDTREE serves a tree (topk > 1):
 - `target_verify` (around GDNKernelDispatcher.target_verify, once per GDN layer, inside the
   verify CUDA graph): `gdn.chunk_tree.chunk_tree_verify`, every node at once in the chunked
   form on tensor cores (N <= 64; wider trees, and --enable-deterministic-inference, take
-  `gdn.tree_verify.tree_verify`, one program per root path, whose tokens are batch-invariant). Each node's g, beta, k and v go
-  to the request's scratch row, no state does.
+  `gdn.tree_verify.tree_verify`, one program per root path, whose tokens are batch-invariant).
+  Each node's g, beta, k and v go to the request's scratch row, no state does.
 - `commit` (around HybridLinearAttnBackend.update_mamba_state_after_mtp_verify, once per round):
   `commit_paths` replays the accepted path into the pool for all GDN layers in one launch (and
   into the radix-cache track slot where SGLang would snapshot one); the conv windows from

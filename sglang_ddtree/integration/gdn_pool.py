@@ -58,7 +58,8 @@ def size_mamba_pool(opts: Options, original, configurator, total_rest_memory):
     params = configurator.mambaish_config.mamba2_cache_params
     spec = get_spec()
     N = int(max_speculative_num_draft_tokens() or spec.speculative_num_draft_tokens)
-    states = math.ceil(compact_bytes_per_request(params, N) / params.mamba_cache_per_req)
+    per_request = compact_bytes_per_request(params, N)
+    states = math.ceil(per_request / params.mamba_cache_per_req)
     logger.info(
         "sglang_ddtree: Mamba pool sized for %d verify state(s) per request instead of %d "
         "(compact GDN scratch)", states, spec.speculative_num_draft_tokens
@@ -76,7 +77,7 @@ def size_mamba_pool(opts: Options, original, configurator, total_rest_memory):
             f"--mem-fraction-static leaves after the weights, {slots} Mamba state slots (plus "
             f"SGLang's padding slot; {params.mamba_cache_per_req / (1 << 20):.2f} MiB each) and "
             f"the compact GDN verify scratch for N = {N} "
-            f"({compact_bytes_per_request(params, N) / (1 << 20):.2f} MiB per running request, "
+            f"({per_request / (1 << 20):.2f} MiB per running request, "
             f"reserved as {states} whole states) leave {rest:.2f} GiB for the KV cache. Lower "
             "--max-mamba-cache-size or "
             "--max-running-requests, lower --speculative-num-draft-tokens, or raise "

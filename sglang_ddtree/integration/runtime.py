@@ -3,8 +3,9 @@ factory (plugin._worker_factory) and handed to both: no module holds it.
 
 `Runtime` carries the options parsed once for this process, SGLang's resolved (B, N, K), the GDN
 hooks' state (path, data-pointer caches, the DDTREE paths taken), and what the worker makes once
-its pools and graphs exist: the penalty table and the automatic-width policy. Each hook in hooks.HOOKS takes it (or the part it needs) as its first
-argument, bound by `hooks.bound_hooks` when the hooks are installed.
+its pools and graphs exist: the penalty table and the automatic-width policy. Each hook in
+hooks.HOOKS takes it (or the part it needs) as its first argument, bound by `hooks.bound_hooks`
+when the hooks are installed.
 """
 
 from __future__ import annotations
@@ -41,6 +42,5 @@ class Runtime:
         out = {"options": dataclasses.asdict(self.options),
                "gdn_path": gdn.describe(self.gdn.path), "engaged": self.engaged.sorted()}  # fmt: skip
         if self.widths is not None:
-            chosen = dict(self.widths.chosen)  # a copy: the report outlives this call
-            out["widths_chosen"] = {str(w): n for w, n in sorted(chosen.items())}
+            out["widths_chosen"] = {str(w): n for w, n in sorted(self.widths.chosen.items())}
         return out

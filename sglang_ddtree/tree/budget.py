@@ -183,8 +183,8 @@ class WidthPolicy:
       `refresh` rounds. A width within `tolerance` of the chosen one is watched every
       `refresh` rounds; one 30% slower every 15 x `refresh` (tolerance 0.02), so watching it
       costs about 0.3% of the bucket's time where a fixed interval cost 5% (the 27B round
-      table: tests/unit/test_widths.py). The chosen width runs every other round and needs no
-      refresh; if its cost rises, the shortfalls shrink and the others are watched sooner.
+      table: tests/unit/test_widths.py). The chosen width runs in all the other rounds and needs
+      no refresh; if its cost rises, the shortfalls shrink and the others are watched sooner.
       Batches beyond the graphs' sizes (or without graphs) round up to a power of two.
     - Tokens: per width, the drafter's expected tokens per request (1 + sum of q over the first w
       nodes), averaged, times a per-width ratio of accepted to predicted tokens on the rounds
