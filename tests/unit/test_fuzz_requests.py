@@ -27,6 +27,7 @@ class _Handler(BaseHTTPRequestHandler):
     front_end = None  # set by the fixture
     broken: set[str] = set()  # behaviours switched on by a test
     greedy_calls = 0
+    lock = threading.Lock()
 
     def log_message(self, *args):
         pass
@@ -60,10 +61,14 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _good(self, b):
         text = str(b.get("text"))
-        if text.startswith("def f"):
-            _Handler.greedy_calls += 1
-        # "drift": one good prompt's text changes once the fuzz has begun
-        drift = "drift" in self.broken and _Handler.greedy_calls > 4 and text.startswith("def f1")
+        # "drift": one good prompt's text changes once the fuzz has begun, that is after the
+        # fuzz's first pass over its good prompts (GOOD; the probe is not one of them). The
+        # calls arrive on several threads in any order: counted under a lock.
+        with _Handler.lock:
+            if text.startswith("def f") and not text.startswith("def fibonacci"):
+                _Handler.greedy_calls += 1
+            begun = _Handler.greedy_calls > 4  # fuzz_requests.GOOD's four prompts
+        drift = "drift" in self.broken and begun and text.startswith("def f1")
         return self._reply(200, {"text": "drift" if drift else "ok"})
 
 
