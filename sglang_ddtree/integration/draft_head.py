@@ -74,7 +74,8 @@ class DraftTreeHead:
         self.visibility = torch.zeros((max_bs, N, N), dtype=torch.bool, device=dev)
         self.scores = torch.zeros((max_bs, N), dtype=torch.float32, device=dev)
         # automatic widths (read_widths): per request, the drafter's expected tokens at each
-        # width, then one column the width policy's readings fill (integration/widths.py)
+        # width, then as many columns the width policy's readings fill with the accepted tokens
+        # at each width (integration/widths.py)
         self.readings: torch.Tensor | None = None
         self.reading_widths: tuple[int, ...] = ()
         # per read width w < N: first_child and next_sibling of the first w nodes, links past
@@ -92,7 +93,7 @@ class DraftTreeHead:
         the first w nodes' links cut (`cuts`, what `tree(bs, w)` returns)."""
         widths = tuple(int(w) for w in widths)
         expected_tokens(self.scores[:1], widths)  # widths outside [1, N]: an error now
-        self.readings = torch.zeros((self.max_bs, len(widths) + 1), dtype=torch.float32,
+        self.readings = torch.zeros((self.max_bs, 2 * len(widths)), dtype=torch.float32,
                                     device=self.scores.device)  # fmt: skip
         self.reading_widths = widths
         self.cuts = {}
@@ -137,9 +138,10 @@ class DraftTreeHead:
             self.simulated_picks[:bs].copy_(picks)
 
     def write_readings(self, scores: torch.Tensor) -> None:
-        """readings[:bs, :-1] = the expected tokens at the read widths of trees with these
-        scores [bs, N] (log q); the last column is left to the readings (accepted lengths)."""
-        self.readings[: scores.shape[0], :-1].copy_(expected_tokens(scores, self.reading_widths))
+        """readings[:bs, :W] = the expected tokens at the W read widths of trees with these
+        scores [bs, N] (log q); the other W columns are left to the readings (accepted tokens)."""
+        W = len(self.reading_widths)
+        self.readings[: scores.shape[0], :W].copy_(expected_tokens(scores, self.reading_widths))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[bs, L, H] draft hidden states -> [bs, L, V] logits over this head's real rows: one

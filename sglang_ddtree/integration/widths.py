@@ -7,8 +7,9 @@
 - `RankWidths`: at --tp-size > 1, rank 0's choice broadcast to every TP rank each round.
 - `RoundReadings`: per round, on the device, the drafter's expected tokens at every width
   (1 + sum of q over the first w nodes, from the tree's scores: the draft head writes them
-  inside the draft's CUDA graph) and the accepted lengths, copied into pinned host memory in one
-  copy, with CUDA events at the round's start and end. A later round reads
+  inside the draft's CUDA graph) and the tokens accepted at the round's width and at each
+  narrower one (tree.budget.accepted_at_widths, from the accepted path), copied into pinned
+  host memory in one copy, with CUDA events at the round's start and end. A later round reads
   a slot once its end event has completed (`Event.query`, which never waits), so the host
   never waits on the device; a reading not ready by the time its slot comes round is dropped.
 
@@ -136,7 +137,7 @@ def _free_gb() -> float:
 
 @dataclasses.dataclass
 class _Slot:
-    host: torch.Tensor  # [max_bs, W + 1] float32, pinned: predictions | accepted
+    host: torch.Tensor  # [max_bs, 2W] float32, pinned: predictions | accepted, per width
     start: object  # CUDA events (timing)
     end: object
     bs: int = 0
@@ -150,18 +151,20 @@ class _Slot:
 class RoundReadings:
     """Readings of past rounds for the policy, one round late or more, without host waits.
 
-    buffer [max_bs, len(widths) + 1] float32 on the device (the draft head's `readings`): each
+    buffer [max_bs, 2 * len(widths)] float32 on the device (the draft head's `readings`): each
     round's expected tokens per request at `widths` (the configured ones; the policy's are those
-    whose graphs were captured), written by the draft head; `finish` adds the accepted lengths
-    in the last column and copies the rows to the host."""
+    whose graphs were captured), written by the draft head; `finish` adds the tokens accepted
+    at each width (those wider than the round's read as its own) in the other half and copies
+    the rows to the host."""
 
     def __init__(self, policy: WidthPolicy, buffer: torch.Tensor, widths, slots: int = 4,
                  event=None) -> None:  # fmt: skip
         self.policy, self.buffer = policy, buffer
-        if buffer.shape[1] != len(widths) + 1 or not set(policy.widths) <= set(widths):
+        if buffer.shape[1] != 2 * len(widths) or not set(policy.widths) <= set(widths):
             raise ValueError(f"readings of widths {list(widths)} ({buffer.shape[1]} columns) "
                              f"cannot serve the policy's {list(policy.widths)}")  # fmt: skip
         self.columns = [list(widths).index(w) for w in policy.widths]
+        self.accepted_columns = [len(widths) + c for c in self.columns]
         pin = torch.cuda.is_available() and buffer.device.type == "cuda"
         event = event or (lambda: torch.cuda.Event(enable_timing=True))
         self.slots = [
@@ -182,7 +185,10 @@ class RoundReadings:
                 slot.pending = False
                 mean = slot.array[: slot.bs].mean(0).tolist()  # host memory: no device work
                 predicted = [mean[c] for c in self.columns]
-                self.policy.observe_tokens(slot.width, predicted, mean[-1])
+                accepted = {w: mean[c] for w, c in zip(self.policy.widths, self.accepted_columns,
+                                                       strict=True) if w <= slot.width}  # fmt: skip
+                run = accepted.pop(slot.width)
+                self.policy.observe_tokens(slot.width, predicted, run, accepted, slot.bs)
                 self.policy.observe_cost(slot.bs, slot.width, slot.start.elapsed_time(slot.end))
                 done += 1
         return done
@@ -198,14 +204,15 @@ class RoundReadings:
         slot.start.record()
         self.current = slot
 
-    def finish(self, accept_lens: torch.Tensor) -> None:
-        """At the round's end, its accepted lengths [bs] (the buffer holds its expected tokens):
-        one column write and one device-to-host copy."""
+    def finish(self, accepted: torch.Tensor) -> None:
+        """At the round's end, the tokens it accepted at each read width [bs, W]
+        (tree.budget.accepted_at_widths; the buffer holds its expected tokens): one write and
+        one device-to-host copy."""
         slot = self.current
         if slot is None:
             return
         rows = self.buffer[: slot.bs]
-        rows[:, -1].copy_(accept_lens)
+        rows[:, rows.shape[1] // 2 :].copy_(accepted)
         slot.host[: slot.bs].copy_(rows, non_blocking=True)
         slot.end.record()
         slot.pending = True

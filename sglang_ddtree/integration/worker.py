@@ -52,7 +52,7 @@ from sglang_ddtree.integration.runtime import Runtime
 from sglang_ddtree.integration.verify_input import make_verify_input
 from sglang_ddtree.integration.widths import RankWidths, RoundReadings, VerifyWidths
 from sglang_ddtree.simulation import World
-from sglang_ddtree.tree.budget import WidthPolicy, automatic_widths
+from sglang_ddtree.tree.budget import WidthPolicy, accepted_at_widths, automatic_widths
 from sglang_ddtree.tree.types import DraftTree
 
 logger = logging.getLogger(__name__)
@@ -323,8 +323,15 @@ class DDTreeWorker(DFlashWorkerV2):
                 new_seq_lens=result.new_seq_lens,
             )
             if self._readings is not None:
-                self._readings.finish(result.accept_lens)
+                self._readings.finish(self._accepted_at_widths(result, rnd))
         return result
+
+    def _accepted_at_widths(self, result, rnd: Round) -> torch.Tensor:
+        """[bs, W] the tokens the round accepted at each read width: its own, and what each
+        narrower width's first nodes would have accepted (the policy's paired readings)."""
+        emitted = result.next_token_ids.view(rnd.bs, -1)[:, : self.cfg.block_size]
+        return accepted_at_widths(rnd.tree, emitted, result.accept_lens,
+                                  self._tree_head.reading_widths)  # fmt: skip
 
     def _observe(self, batch, rnd: Round, result) -> None:
         """What the round emitted, for the penalty counts and the round dump."""

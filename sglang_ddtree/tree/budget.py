@@ -1,5 +1,5 @@
 """Budget by load: how many of a tree's nodes to verify, from the verify's measured cost and the
-drafter's own expected acceptance (the policy; wiring it into the server is not done yet).
+drafter's own expected acceptance (the policy; integration/widths.py runs it in the server).
 
 The builders emit nodes in non-increasing q(u) (the drafter's probability of the root->u path),
 so the first n nodes of an N-node DDTree are the best n-node tree, prefix-closed, and under the
@@ -9,8 +9,10 @@ the largest width therefore gives every smaller width's tree and its prediction.
 the top-1 path: 1 + sum_d prod_{i <= d} p_i(top 1).
 
 The prediction assumes the target accepts what the drafter believes; `Calibration` scales it by
-the running ratio of observed to predicted acceptance. The policy picks the width (or the chain)
-with the most expected tokens per millisecond of verify at the running batch size.
+the ratio of observed to predicted acceptance over recent requests. The policy picks the width
+(or the chain) with the most expected tokens per millisecond of verify at the running batch size.
+A round verified at width w also tells what every narrower width would have accepted
+(`accepted_at_widths`): the narrower tree is the first nodes of the wider one.
 
     truncate       the first w nodes of a built tree as a w-node tree (the smaller build, exactly)
     verify_widths  the widths N (nodes, root included) the server captures verify graphs for
@@ -46,6 +48,32 @@ def expected_tokens(scores: torch.Tensor, widths: Sequence[int]) -> torch.Tensor
     return torch.stack([total[:, w - 1] for w in widths], dim=1)
 
 
+def accepted_at_widths(tree: DraftTree, emitted: torch.Tensor, accept_lens: torch.Tensor,
+                       widths: Sequence[int]) -> torch.Tensor:  # fmt: skip
+    """[bs, len(widths)] float32: the tokens (bonus included) a verified round would have
+    accepted at each width w, had it verified only the first w nodes of `tree` (w capped at the
+    tree's width), from what it accepted: `emitted` [bs, >= max depth] the round's tokens (the
+    accepted drafts, then the bonus), `accept_lens` [bs] how many it emitted.
+
+    The first w nodes are prefix-closed, so the accepted path's nodes among them are a prefix of
+    it, and the narrower round's walk stops where the path leaves them: 1 + the path's nodes of
+    index below w. Exact for greedy requests (a node's target token depends on its path alone);
+    under sampling, the narrower round under the same draws of the target's token at each node.
+    On the device, no host sync."""
+    w_run = tree.tokens.shape[1]
+    depth = tree.depth
+    column = (depth - 1).clamp(0, emitted.shape[1] - 1)
+    matches = (tree.tokens == emitted.gather(1, column).to(tree.tokens.dtype)) & (
+        depth < accept_lens[:, None].to(depth.dtype)
+    )
+    matches[:, 0] = True
+    on_path = (matches[:, None, :] | ~tree.visibility).all(dim=-1)  # [bs, w_run]
+    on_path[:, 0] = False  # the root is committed; the 1 below is the bonus token
+    through = 1.0 + on_path.float().cumsum(1)  # [bs, w_run]: accepted through node i
+    # columns one by one (a list index would be a host-to-device copy, i.e. a sync)
+    return torch.stack([through[:, min(w, w_run) - 1] for w in widths], dim=1)
+
+
 def truncate(tree: DraftTree, width: int) -> DraftTree:
     """The first `width` nodes of a tree (root included) as a tree of their own: what the
     builder gives for budget width - 1 (prefix-closed best-first order; a node's children and
@@ -79,20 +107,32 @@ def chain_expected_tokens(top1_logprobs: torch.Tensor) -> torch.Tensor:
 
 
 class Calibration:
-    """A running ratio observed / predicted tokens per round (exponential average), so that the
-    policy's predictions follow what the target really accepts. start=None: the first reading
-    itself (no prior to wash out)."""
+    """The ratio of observed to predicted tokens per round over about the last `horizon` requests'
+    rounds (sums weighted by requests, older ones fading geometrically), so that the policy's
+    predictions follow what the target really accepts. None before any reading; its first
+    reading alone at first, then the mean of all readings until they span the horizon.
 
-    def __init__(self, decay: float = 0.9, start: float | None = 1.0) -> None:
-        if not 0 <= decay < 1:
-            raise ValueError(f"decay must be in [0, 1), got {decay}")
-        self.decay, self.ratio = decay, start
+    A ratio of sums, by requests, because one request's round is noisy (a batch-1 server's rounds
+    accept 1 to 16 tokens): an average of the last few rounds' ratios read a width 20% better or
+    worse than it was, and the width the policy stops choosing keeps the reading that stopped it
+    (biased low)."""
 
-    def update(self, observed: float, predicted: float) -> float | None:
+    def __init__(self, horizon: float = 256.0) -> None:
+        if not horizon >= 1:
+            raise ValueError(f"horizon must be >= 1 (requests), got {horizon}")
+        self.keep = 1.0 - 1.0 / horizon
+        self.observed = self.predicted = 0.0
+
+    @property
+    def ratio(self) -> float | None:
+        return self.observed / self.predicted if self.predicted > 0 else None
+
+    def update(self, observed: float, predicted: float, requests: int = 1) -> float | None:
+        """One round's mean observed and predicted tokens per request, over `requests`."""
         if predicted > 0:
-            seen = observed / predicted
-            old = self.ratio
-            self.ratio = seen if old is None else self.decay * old + (1 - self.decay) * seen
+            fade = self.keep**requests
+            self.observed = fade * self.observed + observed * requests
+            self.predicted = fade * self.predicted + predicted * requests
         return self.ratio
 
 
@@ -187,9 +227,11 @@ class WidthPolicy:
       no refresh; if its cost rises, the shortfalls shrink and the others are watched sooner.
       Batches beyond the graphs' sizes (or without graphs) round up to a power of two.
     - Tokens: per width, the drafter's expected tokens per request (1 + sum of q over the first w
-      nodes), averaged, times a per-width ratio of accepted to predicted tokens on the rounds
-      that ran that width, seeded by its first reading (widths not yet run: the ratio over all
-      rounds).
+      nodes), averaged over recent rounds (`decay`), times that width's ratio of accepted to
+      predicted tokens over about the last `horizon` requests (`Calibration`), read on the
+      rounds that ran it or a wider width: a round at width w also gives what each narrower
+      width would have accepted (`accepted_at_widths`), so the narrower widths are read on the
+      same rounds as the chosen one. A width not yet read takes the ratio of every round.
     - Both are made monotone in the width before they are compared, as the true ones are: a
       wider tree costs at least and accepts at least what a narrower one does (`costs`,
       `tokens`). Between equal rates the wider width wins.
@@ -197,7 +239,7 @@ class WidthPolicy:
 
     def __init__(self, widths: Sequence[int], buckets: Sequence[int] = (), decay: float = 0.8,
                  explore: int = 3, refresh: int = 32, window: int = 5,
-                 tolerance: float = 0.02) -> None:  # fmt: skip
+                 tolerance: float = 0.02, horizon: float = 256.0) -> None:  # fmt: skip
         if not widths or list(widths) != sorted(set(widths)):
             raise ValueError(f"widths must be increasing, got {list(widths)}")
         if min(explore, refresh, window) < 1:
@@ -205,6 +247,8 @@ class WidthPolicy:
                              f"{refresh}, {window}")  # fmt: skip
         if not 0 < tolerance <= 1:
             raise ValueError(f"tolerance must be in (0, 1], got {tolerance}")
+        if not 0 <= decay < 1:
+            raise ValueError(f"decay must be in [0, 1), got {decay}")
         self.widths, self.buckets = tuple(widths), tuple(sorted(buckets))
         self.decay, self.explore, self.refresh = decay, explore, refresh
         self.tolerance = tolerance
@@ -214,8 +258,8 @@ class WidthPolicy:
         self.window = window
         self.samples: collections.Counter = collections.Counter()  # (bucket, width) -> rounds
         self.predicted: list[float] | None = None  # per width, tokens per request
-        self.ratio = {w: Calibration(decay, start=None) for w in widths}
-        self.overall = Calibration(decay, start=None)
+        self.ratio = {w: Calibration(horizon) for w in widths}
+        self.overall = Calibration(horizon)
         self.rounds = 0
         self.bucket_rounds: collections.Counter = collections.Counter()  # bucket -> rounds
         self.burst: dict[int, list] = {}  # bucket -> [width, rounds left] of a refresh
@@ -321,11 +365,16 @@ class WidthPolicy:
         done, self.calibrated = self.calibrated, []
         return done
 
-    def observe_tokens(self, width: int, predicted: Sequence[float], accepted: float) -> None:
-        """One round's readings: the mean per request of the predicted tokens at every width,
-        and of the tokens the round accepted (bonus included) at the width it ran."""
+    def observe_tokens(self, width: int, predicted: Sequence[float], accepted: float,
+                       narrower: dict[int, float] | None = None, requests: int = 1) -> None:  # fmt: skip
+        """One round's readings, each a mean over its `requests`: the predicted tokens at every
+        width, the tokens the round accepted (bonus included) at the width it ran, and
+        (`narrower`) what it would have accepted at narrower widths."""
         if len(predicted) != len(self.widths):
             raise ValueError(f"need {len(self.widths)} predictions, got {len(predicted)}")
+        if any(w >= width or w not in self.widths for w in narrower or {}):
+            raise ValueError(f"narrower widths {sorted(narrower)} must be the policy's, below "
+                             f"{width}")  # fmt: skip
         if self.predicted is None:
             self.predicted = [float(p) for p in predicted]
         else:
@@ -333,9 +382,9 @@ class WidthPolicy:
             self.predicted = [
                 d * old + (1 - d) * p for old, p in zip(self.predicted, predicted, strict=True)
             ]
-        at = float(predicted[self.widths.index(width)])
-        self.ratio[width].update(accepted, at)
-        self.overall.update(accepted, at)
+        for w, tokens in {**(narrower or {}), width: accepted}.items():
+            self.ratio[w].update(float(tokens), float(predicted[self.widths.index(w)]), requests)
+        self.overall.update(accepted, float(predicted[self.widths.index(width)]), requests)
 
     def table(self) -> str:
         """The measured cost table (ms per round; '-' not measured) and the chosen widths."""

@@ -105,12 +105,18 @@ def test_the_policy_picks_a_wide_tree_when_verify_cost_is_flat():
     assert choose_width(flat, _expected(8, [2.4, 2.4, 2.4]), widths) == 16
 
 
-def test_calibration_scales_all_choices_alike_and_follows_the_observed_ratio():
-    cal = Calibration(decay=0.5)
-    assert cal.update(observed=2.0, predicted=4.0) == pytest.approx(0.75)
-    assert cal.update(observed=2.0, predicted=4.0) == pytest.approx(0.625)
-    with pytest.raises(ValueError, match="decay"):
-        Calibration(decay=1.0)
+def test_calibration_is_a_ratio_of_sums_over_the_last_requests():
+    """The ratio of observed to predicted tokens summed over requests, the older fading by
+    1 - 1 / horizon per request: a batch of 8 weighs 8 rounds of one request."""
+    cal = Calibration(horizon=4)
+    assert cal.ratio is None
+    assert cal.update(observed=2.0, predicted=4.0) == pytest.approx(0.5)  # the first alone
+    assert cal.update(observed=4.0, predicted=4.0) == pytest.approx((0.75 * 2 + 4) / (0.75 * 4 + 4))
+    assert cal.update(observed=1.0, predicted=2.0, requests=8) == pytest.approx(
+        (0.75**8 * (0.75 * 2 + 4) + 8) / (0.75**8 * (0.75 * 4 + 4) + 16)
+    )
+    with pytest.raises(ValueError, match="horizon"):
+        Calibration(horizon=0.5)
 
 
 def test_the_cost_table_interpolates_and_extrapolates_along_the_batch():
