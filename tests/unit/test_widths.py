@@ -807,3 +807,23 @@ def test_a_width_the_policy_is_not_choosing_keeps_an_unbiased_reading_at_batch_1
         want = truth[0] / float(predicted[:, 0].mean())
         assert policy.ratio[16].ratio == pytest.approx(want, rel=0.05), seed
         assert policy.chosen[32] >= 0.85 * 3000, (seed, policy.chosen)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_accepted_tokens_at_widths_take_no_host_sync_on_cuda():
+    """What RoundReadings.finish gets every round, on the device without a host sync, and the
+    same numbers as on the CPU."""
+    from sglang_ddtree.tree import DraftTree, accept_walk
+    from sglang_ddtree.tree.budget import accepted_at_widths
+    from sglang_ddtree.tree.testing import no_host_sync
+
+    head, _, picks = _world_rounds(64, num_nodes=32)
+    accept = accept_walk(head.tree(64), picks, 15)
+    lens = (accept.num_accepted + 1).int()
+    want = accepted_at_widths(head.tree(64), accept.emitted, lens, (16, 32))
+    tree = DraftTree(*(t.cuda() for t in head.tree(64)))
+    emitted, lens = accept.emitted.cuda(), lens.cuda()
+    with no_host_sync():
+        got = accepted_at_widths(tree, emitted, lens, (16, 32))
+    assert torch.equal(got.cpu(), want)
