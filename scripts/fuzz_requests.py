@@ -8,7 +8,8 @@ Every malformed request must get a 4xx with a message (a streamed /generate: SGL
 and sends the 4xx as the stream's first event; a few, such as unknown top-level fields, may also
 be ignored with a 200: OpenAI-compatible servers differ there, and the report says which); none
 may get a 5xx or break the connection. The corpus holds every class of the per-request limits
-(README) on chat and /generate, streamed and not. The good requests' greedy text during the
+(README) on chat and /generate, streamed and not, and bodies SGLang reads untyped (Vertex). Some
+of its requests end a plain SGLang server (a control, not a target of this script). The good requests' greedy text during the
 fuzz must equal their text before it (exactly so only on a batch-invariant server, e.g.
 --enable-deterministic-inference: otherwise bf16 near-ties can flip with the batch), a fixed
 greedy probe sent alone must give the same text before and after, and the server must still
@@ -94,7 +95,22 @@ LIMITS = [
     ("ignore_eos a string", None, {"ignore_eos": "yes"}, {}),
     ("custom_logit_processor", {"custom_logit_processor": "{}"}, {},
      {"custom_logit_processor": "{}"}),
+    ("stop_regex that backtracks", {"stop_regex": "(a+)+c"}, {"stop_regex": "(a+)+c"}, {}),
+    ("stop_regex without bound", {"stop_regex": "a+"}, {"stop_regex": "a+"}, {}),
+    ("n a million", {"n": 10**6}, {"n": 10**6}, {}),  # 10**8 takes a plain server minutes
+    ("return_hidden_states", {"return_hidden_states": True}, {}, {"return_hidden_states": True}),
+    ("session_params id a list", None, {}, {"session_params": {"id": ["a"]}}),
+    ("session_params offset a string", None, {}, {"session_params": {"id": "s", "offset": "x"}}),
+    ("custom_labels not allowed", None, {}, {"custom_labels": {"x": "y"}}),
+    ("return_sampling_mask", None, {}, {"return_sampling_mask": True}),
+    ("sampling is_normalized", None, {"is_normalized": True, "temperature": 0}, {}),
 ]  # fmt: skip
+VERTEX = "/vertex_generate"
+
+
+def _vertex(**parameters) -> dict:
+    return {"instances": [{"text": "hi"}], "parameters": {"sampling_params": {"max_new_tokens": 8},
+                                                          **parameters}}  # fmt: skip
 
 
 def limit_cases() -> list[tuple[str, str, dict, bool]]:
@@ -145,6 +161,20 @@ def corpus(context: int, seed: int = 0) -> list[tuple[str, str, bytes, bool]]:
          {"input_ids": [1, 10**9], "sampling_params": {"max_new_tokens": 4}}, False),
         ("generate: max_new_tokens negative", GENERATE,
          {"text": "hi", "sampling_params": {"max_new_tokens": -1}}, False),
+        ("generate: 2000 prompts", GENERATE,
+         {"text": ["hi"] * 2000, "sampling_params": {"max_new_tokens": 1}}, False),
+        ("generate: an empty prompt in a batch", GENERATE,
+         {"input_ids": [[], [1, 2]], "sampling_params": {"max_new_tokens": 4}}, False),
+        ("a 40 MiB body", CHAT, _chat(messages=[{"role": "user", "content": "x" * (40 << 20)}]),
+         False),
+        # SGLang builds a Vertex request from its parameters untyped: each ended a plain server
+        ("vertex: top_logprobs_num a float", VERTEX,
+         _vertex(return_logprob=True, top_logprobs_num=2.0), False),
+        ("vertex: logprob_start_len a float", VERTEX,
+         _vertex(return_logprob=True, logprob_start_len=1.0), False),
+        ("vertex: lora_id a list", VERTEX, _vertex(lora_id=[5]), False),
+        ("vertex: routed_experts_start_len a string", VERTEX,
+         _vertex(return_routed_experts=True, routed_experts_start_len="x"), False),
         *limit_cases(),
     ]  # fmt: skip
     out = [

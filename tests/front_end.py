@@ -1,7 +1,8 @@
 """A DDTREE server's request path in miniature, on the CPU: SGLang's own request classes and checks
 in the order the HTTP server runs them, with DDTREE's front-end hook, for /generate,
 /v1/chat/completions and /v1/completions; `answer(path, body)` gives the HTTP status the server
-would answer before anything reaches the scheduler (200: the request would be scheduled).
+would answer before anything reaches the scheduler (200: the request would be scheduled), and
+/vertex_generate and the body size bound as DDTREE's middleware (json_bodies.py) answers them.
 
 The path, SGLang 0.5.23 (http_server.py, serving_chat.py, serving_completions.py,
 tokenizer_manager.py):
@@ -10,7 +11,8 @@ tokenizer_manager.py):
 - OpenAI requests converted as SGLang converts them (`to_sampling_params` / the completions
   server's `_build_sampling_params`, top_logprobs into top_logprobs_num); the chat template is
   left out (the prompt's text is the messages' contents);
-- `normalize_batch_and_arguments`, then per request of the batch (and sample of n): DDTREE's
+- DDTREE's hook around `generate_request` (n and the prompts of a call), then
+  `normalize_batch_and_arguments`, then per request of the batch (and sample of n): DDTREE's
   `RequestCheck`, SGLang's `_validate_one_request` and `SamplingParams(...)
   .normalize(tokenizer).verify(vocab)`.
 A ValueError anywhere is a 400 (a streamed /generate: HTTP 200 with an error event, which
@@ -21,6 +23,7 @@ server would answer with a 500.
 from __future__ import annotations
 
 import ast
+import asyncio
 import contextlib
 import dataclasses
 import functools
@@ -34,6 +37,7 @@ import types
 import pydantic
 
 STREAMED_ERROR = "streamed error event"
+VERTEX = "/vertex_generate"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,12 +81,18 @@ class FrontEnd:
         return self.manager.model_config.vocab_size
 
     def answer(self, path: str, body: bytes | dict) -> Answer:
+        from sglang_ddtree.integration import json_bodies
+
+        if isinstance(body, bytes | str) and len(body) > json_bodies.MAX_BODY_BYTES:
+            return Answer(413, "the request body is over DDTREE's limit")  # its middleware's
         try:
             raw = json.loads(body) if isinstance(body, bytes | str) else body
         except json.JSONDecodeError as exc:
             return Answer(400, f"JSON decode error: {exc}")
         if not isinstance(raw, dict):
             return Answer(400, "the body must be a JSON object")
+        if path == VERTEX:
+            return self._vertex(raw)
         streamed = path == "/generate" and bool(raw.get("stream"))
         try:
             with self._published():
@@ -91,6 +101,30 @@ class FrontEnd:
             return Answer(400, str(exc)[:300])
         except ValueError as exc:
             return Answer(400, str(exc), streamed)
+        except Exception as exc:  # what the server answers with a 500
+            return Answer(500, f"{type(exc).__name__}: {exc}")
+        return Answer(200, "")
+
+    def _vertex(self, raw: dict) -> Answer:
+        """The Vertex route: DDTREE's middleware checks the /generate body SGLang's handler
+        builds against SGLang's /generate contract; SGLang then builds the request untyped."""
+        from sglang.srt.entrypoints.api_contract import generate_contract_error
+
+        from sglang_ddtree.integration import json_bodies
+
+        generate = json_bodies.vertex_as_generate(json.dumps(raw).encode())
+        if generate is None:
+            return Answer(400, "not a Vertex request")  # SGLang's own validation
+        fault = generate_contract_error(generate)
+        if fault is not None and self.manager.server_args.speculative_algorithm == "DDTREE":
+            return Answer(400, fault)
+        from sglang.srt.managers.io_struct import GenerateReqInput
+
+        try:
+            with self._published():
+                self._run("/generate", GenerateReqInput(**generate))
+        except ValueError as exc:
+            return Answer(400, str(exc))
         except Exception as exc:  # what the server answers with a 500
             return Answer(500, f"{type(exc).__name__}: {exc}")
         return Answer(200, "")
@@ -106,13 +140,26 @@ class FrontEnd:
             finally:
                 reset_context()
 
-    def _run(self, path: str, raw: dict) -> None:
-        obj = {"/generate": self._generate, "/v1/chat/completions": self._chat,
-               "/v1/completions": self._completion}[path](raw)  # fmt: skip
-        obj.normalize_batch_and_arguments()
-        items = [obj] if obj.is_single else [obj[i] for i in range(len(obj.sampling_params))]
-        for item in items:
-            self._one(item)
+    def _run(self, path: str, raw) -> None:
+        """raw: a parsed body, or (the Vertex route) the request SGLang built from one."""
+        from sglang_ddtree.integration import hooks
+
+        obj = raw if not isinstance(raw, dict) else {
+            "/generate": self._generate, "/v1/chat/completions": self._chat,
+            "/v1/completions": self._completion}[path](raw)  # fmt: skip
+
+        async def generate_request(manager, obj):  # TokenizerManager.generate_request's start
+            obj.normalize_batch_and_arguments()
+            items = [obj] if obj.is_single else [obj[i] for i in range(len(obj.sampling_params))]
+            for item in items:
+                self._one(item)
+            yield None
+
+        async def call():  # through DDTREE's hook around it, as the server calls it
+            async for _ in hooks._bounded_call(generate_request, self.manager, obj):
+                pass
+
+        asyncio.run(call())
 
     def _one(self, item) -> None:
         from sglang.srt.sampling.sampling_params import SamplingParams
@@ -155,7 +202,8 @@ class FrontEnd:
                                 return_logprob=request.logprobs, logprob_start_len=-1,
                                 top_logprobs_num=request.top_logprobs or 0,
                                 stream=request.stream,
-                                custom_logit_processor=request.custom_logit_processor)  # fmt: skip
+                                custom_logit_processor=request.custom_logit_processor,
+                                return_hidden_states=request.return_hidden_states)  # fmt: skip
 
     @staticmethod
     def _completion(raw: dict):
@@ -172,7 +220,8 @@ class FrontEnd:
                                 return_logprob=request.logprobs is not None,
                                 top_logprobs_num=request.logprobs or 0,
                                 logprob_start_len=-1, stream=request.stream,
-                                custom_logit_processor=request.custom_logit_processor)  # fmt: skip
+                                custom_logit_processor=request.custom_logit_processor,
+                                return_hidden_states=request.return_hidden_states)  # fmt: skip
 
 
 TOKENIZER_MANAGER = "sglang.srt.managers.tokenizer_manager"

@@ -24,8 +24,15 @@ TOKENIZER_REQUEST_VALIDATOR = (
 # The tokenizer manager, made in the HTTP server's process before uvicorn starts the app: then
 # json_bodies.py's middleware goes on the app (the HTTP server's module and the app's name in it).
 TOKENIZER_MANAGER_INIT = "sglang.srt.managers.tokenizer_manager.TokenizerManager.__init__"
+TOKENIZER_GENERATE_REQUEST = (
+    "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request"
+)
 HTTP_SERVER_MODULE = "sglang.srt.entrypoints.http_server"
 HTTP_APP = "app"
+# in that module: SGLang's /generate contract check (a parsed body -> its fault, or None), and
+# the Vertex AI handler's name (its route is AIP_PREDICT_ROUTE's, or /vertex_generate)
+GENERATE_CONTRACT = "generate_contract_error"
+VERTEX_HANDLER = "vertex_generate"
 # Gated DeltaNet tree verify (per layer) and state commit (per round): integration/gdn.py.
 GDN_TARGET_VERIFY = (
     "sglang.srt.layers.attention.linear.gdn_backend.GDNKernelDispatcher.target_verify"
@@ -565,3 +572,17 @@ def front_end_sizes(tokenizer_manager: Any) -> tuple[int | None, int | None]:
     context = getattr(tokenizer_manager, "context_len", None)
     return (int(vocab) if vocab is not None else None,
             int(context) if context is not None else None)  # fmt: skip
+
+
+def allowed_custom_labels(server_args: Any) -> tuple[str, ...]:
+    """The metric labels a request's custom_labels may set (0.5.23's
+    --tokenizer-metrics-allowed-custom-labels; none where absent)."""
+    return tuple(getattr(server_args, "tokenizer_metrics_allowed_custom_labels", None) or ())
+
+
+def vertex_route(app: Any) -> str | None:
+    """The path of the HTTP app's Vertex AI route (None: the app has none)."""
+    for route in getattr(app, "routes", ()):
+        if getattr(getattr(route, "endpoint", None), "__name__", None) == VERTEX_HANDLER:
+            return route.path
+    return None

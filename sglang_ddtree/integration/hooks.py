@@ -11,6 +11,8 @@
 | TokenizerManager._validate_one_request  | (front end) reject what DDTREE cannot serve with a    |
 |                                         | 400 before it is scheduled: max_tokens < 1, every     |
 |                                         | limit of request_limits.py                            |
+| TokenizerManager.generate_request       | (front end) n and the number of prompts bounded       |
+|                                         | before SGLang makes a request of each                 |
 | GDNKernelDispatcher.target_verify       | Gated DeltaNet tree verify without per-node states    |
 | HybridLinearAttnBackend                 | and the commit by replaying the accepted path         |
 |   .update_mamba_state_after_mtp_verify  | (integration/gdn.py; SGLANG_DDTREE_GDN=sglang: off)   |
@@ -31,8 +33,10 @@
 |                                         | off: SGLANG_DDTREE_VERIFY_PLAN=sglang)                |
 | eagle_worker_common                     | the accepted path moved to the block front in one     |
 |   ._finalize_accept_tree_path           | Triton launch, its hidden rows alone (accept_path.py) |
-| TokenizerManager.__init__               | (front end) a JSON body that is not an object gets a  |
-|                                         | 400, not SGLang's 500 (json_bodies.py)                |
+| TokenizerManager.__init__               | (front end) the HTTP app's bodies: a size bound, an   |
+|                                         | OpenAI body that is not an object a 400 (not SGLang's |
+|                                         | 500), a Vertex body SGLang's /generate contract check |
+|                                         | (json_bodies.py)                                      |
 
 All but the front-end ones are installed from the worker factory (scheduler process only, before
 any graph capture), so other processes never import those heavy modules; each is bound there to
@@ -125,9 +129,6 @@ def _dummy_verify_input(cfg: DDTreeConfig, original, spec_algorithm, custom_mask
     return make_dummy_verify_input(cfg, custom_mask, num_tokens_per_req)
 
 
-MAX_SAMPLES = 128  # n per request, as the OpenAI API bounds it
-
-
 def _check_token_ids(tokenizer_manager, ids) -> None:
     """A prompt's token ids lie in [0, vocab): SGLang 0.5.17 defines that check
     (_validate_input_ids_in_vocab) but never calls it, and the embedding lookup of an id
@@ -146,21 +147,41 @@ def register_request_hook() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(compat.TOKENIZER_REQUEST_VALIDATOR, RequestCheck(), HookType.BEFORE)
+    HookRegistry.register(compat.TOKENIZER_GENERATE_REQUEST, _bounded_call, HookType.AROUND)
     HookRegistry.register(compat.TOKENIZER_MANAGER_INIT, _guard_json_bodies, HookType.AFTER)
+
+
+async def _bounded_call(original, manager, obj, *args, **kwargs):
+    """AROUND TokenizerManager.generate_request (an async generator): on a DDTREE server, a
+    call's n and prompts are bounded (request_limits.check_batch) before SGLang splits it into
+    one request per prompt and sample, which it does first; the refusal is a ValueError at the
+    first item, as SGLang's own checks there raise. The original's items pass through, and it
+    is closed with this generator (a client that goes away aborts its requests)."""
+    if serves_ddtree(getattr(manager, "server_args", None)) and hasattr(obj, "sampling_params"):
+        request_limits.check_batch(obj)
+    items = original(manager, obj, *args, **kwargs)
+    try:
+        async for item in items:
+            yield item
+    finally:
+        await items.aclose()
 
 
 def _guard_json_bodies(result, manager, server_args, *args, **kwargs):
     """AFTER TokenizerManager.__init__: on a DDTREE server whose process has SGLang's HTTP server
-    (imported, its app not started yet), JSON bodies that are not objects get a 400
-    (json_bodies.py; SGLang 0.5.17 answers a JSON array with a 500). Nothing is imported here:
-    the offline engine and other processes are left alone."""
+    (imported, its app not started yet), the app's request bodies are checked before SGLang reads
+    them (json_bodies.py: their size, an OpenAI body's shape, a Vertex body's fields by SGLang's
+    own /generate contract). Nothing is imported here: the offline engine and other processes are
+    left alone."""
     http = sys.modules.get(compat.HTTP_SERVER_MODULE)
     if http is None or not serves_ddtree(server_args):
         return None
     try:
-        json_bodies.add_to(getattr(http, compat.HTTP_APP))
+        app = getattr(http, compat.HTTP_APP)
+        json_bodies.add_to(app, vertex=compat.vertex_route(app),
+                           contract=getattr(http, compat.GENERATE_CONTRACT, None))  # fmt: skip
     except (AttributeError, RuntimeError) as exc:  # an app already started, or none
-        logger.warning("sglang_ddtree: no JSON-object check on the HTTP app: %s", exc)
+        logger.warning("sglang_ddtree: no request-body checks on the HTTP app: %s", exc)
     return None
 
 
@@ -179,8 +200,9 @@ class RequestCheck:
         if not serves_ddtree(server_args):
             return None
         ids = args[0] if args else None
-        request_limits.check_request(obj, ids, request_limits.Sizes(
-            *compat.front_end_sizes(tokenizer_manager)))  # fmt: skip
+        sizes = request_limits.Sizes(*compat.front_end_sizes(tokenizer_manager),
+                                     labels=compat.allowed_custom_labels(server_args))  # fmt: skip
+        request_limits.check_request(obj, ids, sizes)
         _check_token_ids(tokenizer_manager, ids)
         sampling = getattr(obj, "sampling_params", None) or {}
         if isinstance(sampling, dict):
@@ -195,9 +217,9 @@ def _check_sampling(sampling: dict, server_args, per_node: bool) -> None:
     if max_new_tokens is not None and max_new_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, got {max_new_tokens}.")
     samples = sampling.get("n")
-    if isinstance(samples, int) and not 1 <= samples <= MAX_SAMPLES:
+    if isinstance(samples, int) and not 1 <= samples <= request_limits.MAX_SAMPLES:
         # SGLang 0.5.17 expands n into n requests with no bound (n=5000: 5,000 requests)
-        raise ValueError(f"n={samples}: between 1 and {MAX_SAMPLES} samples per request "
+        raise ValueError(f"n={samples}: between 1 and {request_limits.MAX_SAMPLES} samples per request "
                          "(OpenAI's bound); send several requests for more.")  # fmt: skip
     min_p = sampling.get("min_p")
     if min_p and getattr(server_args, "enable_deterministic_inference", False):

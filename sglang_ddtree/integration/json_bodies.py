@@ -1,75 +1,146 @@
-"""A 400 for an OpenAI request whose body is JSON but not an object (found by fuzzing).
+"""What a DDTREE server's HTTP app checks of a request body before SGLang reads it: its size, an
+OpenAI body's shape, and a Vertex body's fields.
 
-SGLang 0.5.17's chat request model runs a `mode="before"` validator
-(`ChatCompletionRequest.set_json_schema`) that calls `.get` on the raw body, so a body such as
-`[1, 2, 3]` raises AttributeError inside FastAPI's validation and the client gets a 500 with a
-traceback in the log. The validator is compiled into pydantic's schema when the class is made,
-so no hook reaches it; instead DDTREE's servers put a small ASGI middleware in front of the
-OpenAI endpoints that looks at the body's first byte that is not white space and answers 400 when
-it cannot open a JSON object. Every other request passes untouched, its body replayed as it came.
+- **Size.** SGLang reads every body whole and tokenizes its text in the front end before any
+  length check, so a body of gigabytes would fill the front end's memory. A POST or PUT body
+  over `MAX_BODY_BYTES` gets a 413 (a declared length at once; an undeclared one once that many
+  bytes have come).
+- **An OpenAI body that is JSON but not an object** gets a 400. SGLang's chat request model runs
+  a `mode="before"` validator (`ChatCompletionRequest.set_json_schema`) that calls `.get` on the
+  raw body, so a body such as `[1, 2, 3]` raised AttributeError inside FastAPI's validation and
+  the client got a 500 (found by fuzzing). The validator is compiled into pydantic's schema when
+  the class is made, so no hook reaches it.
+- **A Vertex AI body** (`/vertex_generate`, or the route AIP_PREDICT_ROUTE names) gets SGLang's
+  own `/generate` contract check. SGLang builds its request from the body's `parameters` with no
+  type check at all (neither pydantic's nor the contract's, which `/generate` runs), so a float
+  where the scheduler takes an integer, or a list where it takes a string, reached the scheduler
+  and ended the server. The check runs on the `/generate` body SGLang's handler builds from the
+  Vertex one; a violation is a 400 naming it.
+
+One ASGI middleware, put innermost on the app (inside SGLang's decompression and CORS
+middlewares): it buffers a body, judges it, and replays it to the app as it came.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
-# the endpoints whose request models expect an object (SGLang 0.5.17's OpenAI routes, and
+# the endpoints whose request models expect an object (SGLang's OpenAI routes, and
 # /invocations, which takes the chat request too)
 OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/invocations")
+MAX_BODY_BYTES = 32 << 20  # 32 MiB: a 262,144-token context of text is about 1 MiB
+VERTEX_INPUTS = ("text", "input_ids", "input_embeds")  # SGLang's handler takes the first present
 _SPACE = b" \t\r\n"
 
 
-class JsonObjectBodies:
-    """ASGI middleware: a POST to OPENAI_PATHS whose body begins with anything but `{` (after
-    white space) gets a 400 in SGLang's error shape; an empty body goes on to SGLang's own check."""
+class JsonBodies:
+    """ASGI middleware: a POST or PUT body over `limit` bytes gets a 413; on `paths` one that
+    begins with anything but `{` (after white space) a 400; on `vertex` (the Vertex route, None:
+    none) one whose `/generate` form `contract` faults (a message, or None) a 400. Each in
+    SGLang's error shape; every other body reaches the app byte for byte."""
 
-    def __init__(self, app, paths: tuple[str, ...] = OPENAI_PATHS) -> None:
-        self.app, self.paths = app, paths
+    def __init__(self, app, paths: tuple[str, ...] = OPENAI_PATHS, vertex: str | None = None,
+                 contract: Callable[[dict], str | None] | None = None,
+                 limit: int = MAX_BODY_BYTES) -> None:  # fmt: skip
+        self.app, self.paths, self.vertex = app, paths, vertex
+        self.contract, self.limit = contract, limit
 
     async def __call__(self, scope, receive, send):
-        path, root = scope.get("path", ""), scope.get("root_path", "")
-        if root and path.startswith(root):  # uvicorn's path holds the root path (--root-path)
-            path = path[len(root) :]
-        if scope.get("type") != "http" or scope.get("method") != "POST" or path not in self.paths:
+        if scope.get("type") != "http" or scope.get("method") not in ("POST", "PUT"):
             return await self.app(scope, receive, send)
-        seen, first = [], b""
-        while True:  # until the first byte that is not white space, or the end of the body
+        declared = dict(scope.get("headers") or ()).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.limit:
+            return await _refuse(send, 413, self._too_large(int(declared)))
+        seen, body = [], b""
+        while True:
             message = await receive()
             seen.append(message)
             if message.get("type") != "http.request":
                 break
-            first = message.get("body", b"").lstrip(_SPACE)[:1]
-            if first or not message.get("more_body", False):
+            body += message.get("body", b"")
+            if len(body) > self.limit:
+                return await _refuse(send, 413, self._too_large(len(body)))
+            if not message.get("more_body", False):
                 break
-        if first and first != b"{":
-            return await _bad_request(send, first)
+        refusal = self._judge(_path(scope), body)
+        if refusal is not None:
+            return await _refuse(send, 400, refusal)
 
         async def replay():
             return seen.pop(0) if seen else await receive()
 
         return await self.app(scope, replay, send)
 
+    def _too_large(self, size: int) -> str:
+        return f"the request body is {size} bytes or more, over DDTREE's limit of {self.limit}"
 
-async def _bad_request(send, first: bytes) -> None:
-    message = f"the request body must be a JSON object ({{...}}); it begins with {first!r}"
-    body = json.dumps({"object": "error", "message": message, "type": "BadRequestError",
-                       "param": None, "code": 400}).encode()  # fmt: skip
-    await send({"type": "http.response.start", "status": 400,
+    def _judge(self, path: str, body: bytes) -> str | None:
+        first = body.lstrip(_SPACE)[:1]
+        if path in self.paths and first and first != b"{":
+            return f"the request body must be a JSON object ({{...}}); it begins with {first!r}"
+        if path == self.vertex and self.contract is not None:
+            generate = vertex_as_generate(body)
+            fault = None if generate is None else self.contract(generate)
+            if fault is not None:
+                return f"the Vertex request's parameters, as a /generate body: {fault}"
+        return None
+
+
+def vertex_as_generate(body: bytes) -> dict | None:
+    """The /generate body SGLang's Vertex handler builds from a Vertex one (the first input
+    field the first instance has, from every instance; their images; then the parameters), or
+    None where the body is not a Vertex request SGLang's own validation takes (its answer)."""
+    try:
+        request = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(request, dict):
+        return None
+    instances, parameters = request.get("instances"), request.get("parameters") or {}
+    if not isinstance(instances, list) or not instances or not isinstance(parameters, dict):
+        return None
+    if not all(isinstance(instance, dict) for instance in instances):
+        return None
+    generate = {}
+    for key in VERTEX_INPUTS:
+        if instances[0].get(key):
+            generate[key] = [instance.get(key) for instance in instances]
+            break
+    images = [i["image_data"] for i in instances if i.get("image_data") is not None]
+    if images:
+        generate["image_data"] = images
+    return {**generate, **parameters}
+
+
+def _path(scope) -> str:
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    if root and path.startswith(root):  # uvicorn's path holds the root path (--root-path)
+        path = path[len(root) :]
+    return path
+
+
+async def _refuse(send, status: int, message: str) -> None:
+    kind = "BadRequestError" if status == 400 else "RequestTooLarge"
+    body = json.dumps({"object": "error", "message": message, "type": kind, "param": None,
+                       "code": status}).encode()  # fmt: skip
+    await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"),
                             (b"content-length", str(len(body)).encode())]})  # fmt: skip
     await send({"type": "http.response.body", "body": body})
 
 
-def add_to(app) -> bool:
+def add_to(app, vertex: str | None = None,
+           contract: Callable[[dict], str | None] | None = None) -> bool:  # fmt: skip
     """Put the middleware on a FastAPI / Starlette app that has not started (once), innermost:
     inside SGLang's own middlewares, so that it reads a body after their decompression and its
-    400 gets their CORS headers (Starlette's add_middleware would put it outermost). Whether it
-    was added; RuntimeError for an app that has started."""
+    refusals get their CORS headers (Starlette's add_middleware would put it outermost). Whether
+    it was added; RuntimeError for an app that has started."""
     from starlette.middleware import Middleware
 
-    if any(getattr(m, "cls", None) is JsonObjectBodies for m in app.user_middleware):
+    if any(getattr(m, "cls", None) is JsonBodies for m in app.user_middleware):
         return False
     if app.middleware_stack is not None:
         raise RuntimeError("the HTTP app has started; its middleware is fixed")
-    app.user_middleware.append(Middleware(JsonObjectBodies))
+    app.user_middleware.append(Middleware(JsonBodies, vertex=vertex, contract=contract))
     return True

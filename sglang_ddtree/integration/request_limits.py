@@ -31,6 +31,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from re import _constants as re_constants  # the parsed form's opcodes (SGLang reads it too)
+from re import _parser as re_parser
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat top_logprobs
 MAX_TOKEN_IDS_LOGPROB = 256
@@ -40,7 +42,13 @@ MAX_STOPS = 32  # SGLang 0.5.23's MAX_STOP_COUNT, also for stop_regex
 MAX_STOP_CHARS = 256  # SGLang 0.5.23's MAX_STOP_REGEX_LEN (bytes for stop_regex, as there)
 MAX_STOP_TOKEN_IDS = 1024
 MAX_SAMPLED_TOKENS = 1 << 20  # n x max_tokens (or the context, if longer): 128 x 8,192
+MAX_STOP_REGEX_MATCH = 256  # characters one stop_regex pattern can match
+MAX_STOP_REGEX_WAYS = 256  # a request's patterns' ways to match at one place, summed
 MAX_GRAMMAR_CHARS = 1 << 16
+MAX_SAMPLES = 128  # n: OpenAI's bound
+MAX_BATCH = 1024  # prompts in one call (a /generate or /v1/completions list)
+MAX_BATCH_SAMPLES = 1024  # prompts x n in one call
+MAX_LABEL_CHARS = 128  # a custom_labels value
 MAX_TEMPERATURE = 100.0
 MIN_REPETITION_PENALTY = 0.01
 INT32_MAX = (1 << 31) - 1  # the scheduler's int32 tensors (top_k, min_new_tokens)
@@ -51,14 +59,76 @@ _SGLANG_RANGED = ("top_p", "min_p", "frequency_penalty", "presence_penalty")
 # flags the scheduler and the detokenizer read as they come (a string there reaches
 # tokenizer.decode or a modulo in the scheduler's output streamer)
 _FLAGS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
+# SamplingParams fields SGLang fills itself (normalize); a client's would skip the checks here
+_INTERNAL_SAMPLING = ("is_normalized", "stop_strs", "stop_regex_strs", "stop_str_max_len",
+                      "stop_regex_max_len")  # fmt: skip
+# request fields a DDTREE server does not serve, refused when set, and why
+UNSERVED = {
+    "input_embeds": "the DFlash drafter reads token ids; send text or input_ids",
+    "image_data": "the tree verify has not been checked with multimodal positions; send text, "
+    "or use a server without DDTREE",
+    "video_data": "as image_data",
+    "audio_data": "as image_data",
+    "return_hidden_states": "a tree verify's hidden-state rows are its nodes', not the emitted "
+    "tokens'",
+    "return_routed_experts": "captured for every tree node, not for the emitted tokens",
+    "return_indexer_topk": "captured for every tree node, not for the emitted tokens",
+    "return_sampling_mask": "DDTREE's tree sampler does not capture the sampling support",
+    "sampling_logprobs_mode": "it goes with return_sampling_mask",
+    "lora_path": "the DFlash drafter has no adapters, and the tree verify has not been run with "
+    "them",
+    "lora_id": "SGLang sets it from lora_path",
+    "positional_embed_overrides": "it is for SGLang's Python engine, not a served request",
+}
+SESSION_FIELDS = ("id", "rid", "offset", "replace", "drop_previous_output")
+MAX_SESSION_ID_CHARS = 256
 
 
 @dataclasses.dataclass(frozen=True)
 class Sizes:
-    """The served model's sizes the limits depend on (None: unknown, that bound not applied)."""
+    """What the limits depend on: the served model's sizes (None: unknown, that bound not
+    applied) and the custom metric labels the server allows
+    (--tokenizer-metrics-allowed-custom-labels)."""
 
     vocab: int | None
     context: int | None
+    labels: tuple[str, ...] = ()
+
+
+def check_batch(obj) -> None:
+    """Raise ValueError for a call (SGLang's GenerateReqInput before it is split into requests)
+    whose size the split itself would make too large: n in [1, MAX_SAMPLES], at most MAX_BATCH
+    prompts, at most MAX_BATCH_SAMPLES prompts x n, and each token_ids_logprob list (copied once
+    per sample) within MAX_TOKEN_IDS_LOGPROB. SGLang makes one request, with its own state,
+    per prompt and sample before any per-request check runs."""
+    sampling = getattr(obj, "sampling_params", None)
+    each = sampling if isinstance(sampling, list) else [sampling]
+    most = 1
+    for params in each:
+        samples = params.get("n") if isinstance(params, dict) else None
+        if samples is not None:
+            samples = _whole("n", samples)
+            _within("n", samples, 1, MAX_SAMPLES, "samples per request (OpenAI's bound; SGLang "
+                    "makes a request of each)")  # fmt: skip
+            most = max(most, samples)
+    prompts = _prompts(obj)
+    _within("the number of prompts", prompts, 1, MAX_BATCH, "in one call")
+    _within("prompts x n", prompts * most, 1, MAX_BATCH_SAMPLES, "requests in one call")
+    ids = getattr(obj, "token_ids_logprob", None)
+    for entry in ids if isinstance(ids, list) and ids and isinstance(ids[0], list) else [ids]:
+        if isinstance(entry, list):
+            _within("len(token_ids_logprob)", len(entry), 0, MAX_TOKEN_IDS_LOGPROB,
+                    "ids (every prompt and output token returns one logprob per id)")  # fmt: skip
+
+
+def _prompts(obj) -> int:
+    """How many prompts a call holds: a list of texts or of id lists is a batch."""
+    text, ids = getattr(obj, "text", None), getattr(obj, "input_ids", None)
+    if isinstance(text, list):
+        return len(text)
+    if isinstance(ids, list) and ids and isinstance(ids[0], list):
+        return len(ids)
+    return 1
 
 
 def check_request(obj, input_ids, sizes: Sizes) -> None:
@@ -71,13 +141,24 @@ def check_request(obj, input_ids, sizes: Sizes) -> None:
             "tree verify never calls it, so it would change the first token only; send this "
             "request to a server without speculative decoding, or without the processor."
         )
+    for name, why in UNSERVED.items():
+        value = getattr(obj, name, None)
+        if value is not None and value is not False and value != [] and value != {}:
+            raise ValueError(f"{name}={_show(value)} is not served by DDTREE: {why}.")
     prompt_len = len(input_ids) if input_ids is not None else None
+    if prompt_len == 0:  # SGLang refuses an empty one alone, not one of a batch
+        raise ValueError("the prompt is empty: a request needs at least one prompt token.")
     _check_logprobs(obj, prompt_len, sizes.vocab)
+    _check_session(obj, prompt_len, sizes.context)
+    _check_labels(getattr(obj, "custom_labels", None), sizes.labels)
     sampling = getattr(obj, "sampling_params", None)
     if sampling is None:
         return
     if not isinstance(sampling, dict):
         raise ValueError(f"sampling_params must be a JSON object, got {_show(sampling)}.")
+    for name in _INTERNAL_SAMPLING:
+        if name in sampling:
+            raise ValueError(f"sampling_params.{name} is SGLang's own field, not a client's.")
     _check_numbers(sampling)
     _check_flags(sampling)
     _check_lengths(sampling, prompt_len, sizes.context)
@@ -108,6 +189,55 @@ def _check_logprobs(obj, prompt_len: int | None, vocab: int | None) -> None:
             high = prompt_len if prompt_len is not None else max(start, 0)
             _within("logprob_start_len", start, 0, high,
                     "(a position in the prompt; -1: output logprobs only)")  # fmt: skip
+
+
+def _check_session(obj, prompt_len: int | None, context: int | None) -> None:
+    """session_id a string; session_params null or an object of SESSION_FIELDS, each of its
+    type: the scheduler looks the id up in a dict and slices by the offset as they come (a
+    list there raised in the scheduler)."""
+    session_id = getattr(obj, "session_id", None)
+    if session_id is not None:
+        _text("session_id", session_id, MAX_SESSION_ID_CHARS)
+    params = getattr(obj, "session_params", None)
+    if params is None:
+        return
+    if not isinstance(params, dict) or not set(params) <= set(SESSION_FIELDS):
+        raise ValueError(f"session_params must be an object of {', '.join(SESSION_FIELDS)}, "
+                         f"got {_show(params)}.")  # fmt: skip
+    for name in ("id", "rid"):
+        if params.get(name) is not None:
+            _text(f"session_params.{name}", params[name], MAX_SESSION_ID_CHARS)
+    if params.get("offset") is not None:
+        offset = _whole("session_params.offset", params["offset"])
+        _within("session_params.offset", offset, 0, context if context is not None else INT32_MAX,
+                "tokens (a position in the session's context)")  # fmt: skip
+    for name in ("replace", "drop_previous_output"):
+        if params.get(name) is not None and not isinstance(params[name], bool):
+            raise ValueError(f"session_params.{name} must be true or false, got "
+                             f"{_show(params[name])}.")  # fmt: skip
+
+
+def _check_labels(labels, allowed: tuple[str, ...]) -> None:
+    """custom_labels: an object of the labels the server allows
+    (--tokenizer-metrics-allowed-custom-labels), each value a string of at most MAX_LABEL_CHARS:
+    SGLang passes them to its Prometheus metrics as they come, where another name raises in the
+    front end's output loop and ends the server."""
+    if not labels:
+        return
+    if not isinstance(labels, dict):
+        raise ValueError(f"custom_labels must be an object, got {_show(labels)}.")
+    for name, value in labels.items():
+        if name not in allowed:
+            listed = ", ".join(allowed) or "none: the server allows no custom labels"
+            raise ValueError(f"custom_labels {_show(name)} is not a label this server allows "
+                             f"({listed}; --tokenizer-metrics-allowed-custom-labels).")  # fmt: skip
+        _text(f"custom_labels[{_show(name)}]", value, MAX_LABEL_CHARS)
+
+
+def _text(name: str, value, most: int) -> None:
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a string, got {_show(value)}.")
+    _within(f"len({name})", len(value), 0, most, "characters")
 
 
 def _check_numbers(sampling: dict) -> None:
@@ -196,6 +326,9 @@ def _check_stops(sampling: dict, vocab: int | None) -> None:
         texts = sampling.get(name)
         if texts is not None:
             _check_stop_texts(name, [texts] if isinstance(texts, str) else texts)
+    patterns = sampling.get("stop_regex")
+    if patterns:
+        _check_regex_cost([patterns] if isinstance(patterns, str) else patterns)
     ids = sampling.get("stop_token_ids")
     if ids is None:
         return
@@ -241,6 +374,89 @@ def _check_grammar(sampling: dict) -> None:
                 "characters (SGLang compiles it on the scheduler's grammar threads)")  # fmt: skip
 
 
+def _check_regex_cost(patterns: list[str]) -> None:
+    """After every round the scheduler decodes as many of the output's last tokens as the
+    longest match of a request's patterns, and searches each pattern over them: a pattern that
+    can match without bound (`+`, `*`, `{n,}`) makes that the whole output, every round, and one
+    that can match one place in many ways backtracks through all of them (`(a+)+c` took 0.8 s
+    on 24 characters, and the scheduler's watchdog ends a server whose round stalls). So each
+    pattern matches at most MAX_STOP_REGEX_MATCH characters, and the ways a request's patterns
+    can match at one place, summed, are at most MAX_STOP_REGEX_WAYS."""
+    total = 0
+    for pattern in patterns:
+        longest, ways = _regex_shape(re_parser.parse(pattern), {})
+        if longest > MAX_STOP_REGEX_MATCH:
+            raise ValueError(
+                f"stop_regex {_show(pattern)} can match "
+                f"{'without bound' if longest >= _UNBOUNDED else f'{longest} characters'}: "
+                f"DDTREE's limit is {MAX_STOP_REGEX_MATCH} (the scheduler decodes that much "
+                "of the output after every round to search it); bound its repeats, e.g. "
+                "{0,16} for *."
+            )
+        total += ways
+        if total > MAX_STOP_REGEX_WAYS:
+            raise ValueError(
+                f"stop_regex {_show(pattern)} can match one place in {total if ways < _MANY else 'too many'} "
+                f"ways (with the request's other patterns): DDTREE's limit is "
+                f"{MAX_STOP_REGEX_WAYS} (the search backtracks through them after every round); "
+                "use fewer optional or repeated parts, and no repeat inside a repeat."
+            )
+
+
+_UNBOUNDED = 1 << 30  # a match length without bound (SGLang's MAX_LEN)
+_MANY = 1 << 20  # ways counted no further
+_REPEATS = (re_constants.MAX_REPEAT, re_constants.MIN_REPEAT, re_constants.POSSESSIVE_REPEAT)
+
+
+def _regex_shape(items, groups: dict) -> tuple[int, int]:
+    """(the longest match, the ways to match at one place) of a parsed pattern: lengths add and
+    ways multiply along a sequence, a branch takes its longest and the sum of its ways, a repeat
+    of a part with w ways k times in [low, high] has sum_k w^k. Both saturate."""
+    longest, ways = 0, 1
+    for op, value in items:
+        if op in _REPEATS:
+            low, high, body = value
+            part, part_ways = _regex_shape(body, groups)
+            longest += _UNBOUNDED if high == re_constants.MAXREPEAT else high * part
+            ways *= _MANY if high == re_constants.MAXREPEAT else _repeat_ways(low, high, part_ways)
+        elif op is re_constants.BRANCH:
+            shapes = [_regex_shape(branch, groups) for branch in value[1]]
+            longest += max(s[0] for s in shapes)
+            ways *= sum(s[1] for s in shapes)
+        elif op is re_constants.SUBPATTERN:
+            part, part_ways = _regex_shape(value[3], groups)
+            if value[0] is not None:
+                groups[value[0]] = part
+            longest, ways = longest + part, ways * part_ways
+        elif op in (re_constants.ASSERT, re_constants.ASSERT_NOT, re_constants.ATOMIC_GROUP):
+            body = value if op is re_constants.ATOMIC_GROUP else value[1]
+            part, part_ways = _regex_shape(body, groups)
+            longest, ways = longest + part, ways * part_ways
+        elif op is re_constants.GROUPREF:
+            longest += groups.get(value, _UNBOUNDED)
+        elif op is re_constants.GROUPREF_EXISTS:
+            shapes = [_regex_shape(b, groups) for b in value[1:] if b is not None]
+            longest += max(s[0] for s in shapes)
+            ways *= sum(s[1] for s in shapes) + (value[2] is None)
+        elif op is not re_constants.AT:  # one character (a literal, a class, any); AT: none
+            longest += 1
+        longest, ways = min(longest, _UNBOUNDED), min(ways, _MANY)
+    return longest, ways
+
+
+def _repeat_ways(low: int, high: int, part: int) -> int:
+    """sum of part^k for k in [low, high], saturating at _MANY."""
+    if part > 1 and low * part.bit_length() > _MANY.bit_length():
+        return _MANY
+    total, power = 0, part**low
+    for _ in range(low, high + 1):
+        total += power
+        if total >= _MANY:
+            return _MANY
+        power *= part
+    return total
+
+
 def _compiles(pattern: str) -> None:
     try:
         re.compile(pattern)
@@ -262,9 +478,8 @@ def _number(name: str, value) -> float | None:
 
 
 def _whole(name: str, value) -> int:
-    """value as an integer (an integral float such as 8.0 taken as 8), or a ValueError."""
-    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
-        return int(value)
+    """value as an integer, or a ValueError: 8.0 too, since the scheduler takes the value as it
+    comes (a float top_logprobs_num reached torch.topk's k)."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an integer, got {_show(value)}.")
     return value

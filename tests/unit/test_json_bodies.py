@@ -1,7 +1,8 @@
-"""integration/json_bodies.py: a JSON body that is not an object gets a 400 on the OpenAI
-endpoints (SGLang 0.5.17 answers `[1, 2, 3]` with a 500, as fuzzing on the GPU
-found), every other body reaches the app byte for byte, and the hook adds the middleware to the
-HTTP server's app on DDTREE servers only."""
+"""integration/json_bodies.py: a body over the size bound gets a 413; a JSON body that is not an
+object gets a 400 on the OpenAI endpoints (SGLang answered `[1, 2, 3]` with a 500, as fuzzing on
+the GPU found); a Vertex body whose parameters break SGLang's own /generate contract gets a 400;
+every other body reaches the app byte for byte, and the hook adds the middleware to the HTTP
+server's app on DDTREE servers only."""
 
 from __future__ import annotations
 
@@ -107,16 +108,17 @@ def test_a_body_in_chunks_is_replayed_whole():
 
 def test_the_hook_guards_ddtree_http_servers_only(monkeypatch):
     calls = []
-    monkeypatch.setattr(json_bodies, "add_to", calls.append)
+    monkeypatch.setattr(json_bodies, "add_to", lambda app, **kw: calls.append((app, kw)))
     dflash = types.SimpleNamespace(speculative_algorithm="DFLASH")
     ddtree = types.SimpleNamespace(speculative_algorithm="DDTREE")
     monkeypatch.delitem(sys.modules, compat.HTTP_SERVER_MODULE, raising=False)
     assert hooks._guard_json_bodies(None, "manager", ddtree, "port args") is None
     assert calls == []  # no HTTP server in this process (the offline engine): nothing
-    monkeypatch.setitem(sys.modules, compat.HTTP_SERVER_MODULE, types.SimpleNamespace(app="app"))
+    http = types.SimpleNamespace(app="app", generate_contract_error="contract")
+    monkeypatch.setitem(sys.modules, compat.HTTP_SERVER_MODULE, http)
     assert hooks._guard_json_bodies(None, "manager", dflash, "port args") is None and calls == []
     assert hooks._guard_json_bodies(None, "manager", ddtree, "port args") is None
-    assert calls == ["app"]
+    assert calls == [("app", {"vertex": None, "contract": "contract"})]
 
 
 def test_an_app_that_has_started_is_left_as_it_is(monkeypatch, caplog):
@@ -125,7 +127,7 @@ def test_an_app_that_has_started_is_left_as_it_is(monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, compat.HTTP_SERVER_MODULE, types.SimpleNamespace(app=app))
     ddtree = types.SimpleNamespace(speculative_algorithm="DDTREE")
     assert hooks._guard_json_bodies(None, "manager", ddtree) is None
-    assert "no JSON-object check" in caplog.text
+    assert "no request-body checks" in caplog.text
 
 
 def test_the_hook_targets_sglangs_tokenizer_manager():
@@ -144,3 +146,72 @@ def test_the_hook_targets_sglangs_tokenizer_manager():
     assert [a.arg for a in init.args.args][:3] == ["self", "server_args", "port_args"]
     http = importlib.util.find_spec(compat.HTTP_SERVER_MODULE)
     assert f"\n{compat.HTTP_APP} = FastAPI(" in open(http.origin).read()
+
+
+def test_a_body_over_the_bound_gets_a_413_declared_or_not():
+    """Every POST and PUT path; a declared length is refused before a byte is read."""
+    app = _app()
+    app.user_middleware[-1].kwargs["limit"] = 1000
+    client = TestClient(app)
+    r = client.post("/generate", content=b'{"text": "' + b"x" * 1000 + b'"}')
+    assert r.status_code == 413 and "over DDTREE's limit of 1000" in r.json()["message"]
+
+    def chunks():  # no content-length: counted as it comes
+        yield from (b'{"text": "', b"x" * 600, b"x" * 600, b'"}')
+
+    r = client.post("/v1/chat/completions", content=chunks())
+    assert r.status_code == 413 and "bytes or more, over" in r.json()["message"]
+    body = b'{"text": "' + b"x" * 900 + b'"}'
+    assert client.post("/generate", content=body).json()["got"] == body.decode()
+    assert json_bodies.MAX_BODY_BYTES == 32 << 20
+
+
+def _vertex_app():
+    from sglang.srt.entrypoints.api_contract import generate_contract_error
+
+    async def vertex_generate(request):
+        return JSONResponse({"got": (await request.body()).decode()})
+
+    app = Starlette(routes=[Route("/vertex_generate", vertex_generate, methods=["POST"])])
+    assert compat.vertex_route(app) == "/vertex_generate"
+    assert compat.vertex_route(_plain_app()) is None
+    json_bodies.add_to(app, vertex=compat.vertex_route(app), contract=generate_contract_error)
+    return TestClient(app)
+
+
+@pytest.mark.parametrize("parameters,words", [
+    ({"return_logprob": True, "top_logprobs_num": 2.0}, "floating point `2.0`"),
+    ({"return_logprob": True, "logprob_start_len": 1.0}, "floating point `1.0`"),
+    ({"return_routed_experts": True, "routed_experts_start_len": "x"}, 'string "x"'),
+    ({"sampling_params": {"is_normalized": True, "temperature": 0}}, "unknown field `is_normalized`"),
+])  # fmt: skip
+def test_a_vertex_body_gets_sglangs_generate_contract(parameters, words):
+    """SGLang builds the Vertex request from `parameters` untyped: each of these reached the
+    scheduler and raised there (a float k in torch.topk, a string compared with an int, ...)."""
+    pytest.importorskip("sglang")
+    client = _vertex_app()
+    r = client.post(
+        "/vertex_generate", json={"instances": [{"text": "hi"}], "parameters": parameters}
+    )
+    assert r.status_code == 400 and words in r.json()["message"], r.json()
+    assert "Vertex request's parameters" in r.json()["message"]
+
+
+def test_a_good_vertex_body_and_one_sglang_answers_itself_reach_the_app():
+    pytest.importorskip("sglang")
+    client = _vertex_app()
+    for body in ({"instances": [{"text": "hi"}, {"text": "yo"}], "parameters": {"top_logprobs_num": 2,
+                  "return_logprob": True, "sampling_params": {"max_new_tokens": 8}}},
+                 {"instances": "not a list"}, {"instances": []}):  # fmt: skip
+        r = client.post("/vertex_generate", json=body)
+        assert r.status_code == 200 and json.loads(r.json()["got"]) == body
+    assert json_bodies.vertex_as_generate(b'{"instances": [{"input_ids": [1]}, {"input_ids": [2]}],'
+                                          b' "parameters": {"stream": true}}') == {
+        "input_ids": [[1], [2]], "stream": True}  # fmt: skip
+
+
+def test_the_body_bound_is_the_readmes():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert f"a request body over {json_bodies.MAX_BODY_BYTES >> 20} MiB" in readme

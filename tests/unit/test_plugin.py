@@ -584,10 +584,61 @@ def test_the_request_hooks_are_registered(monkeypatch):
     monkeypatch.setattr(HookRegistry, "register",
                         lambda target, fn, kind: registered.append((target, fn)))  # fmt: skip
     hooks.register_request_hook()
-    (validator, check), guard = registered
+    (validator, check), call, guard = registered
     assert validator == compat.TOKENIZER_REQUEST_VALIDATOR
     assert isinstance(check, hooks.RequestCheck)
+    assert call == (compat.TOKENIZER_GENERATE_REQUEST, hooks._bounded_call)
     assert guard == (compat.TOKENIZER_MANAGER_INIT, hooks._guard_json_bodies)
+
+
+def test_a_calls_size_is_bounded_before_sglang_splits_it_and_its_items_pass_through():
+    """hooks._bounded_call through SGLang's own AROUND wrapper on an async generator method, as
+    TokenizerManager.generate_request is: a DDTREE call with n past 128 is refused at its first
+    item, before the original runs; a good call's items pass through; closing the call early
+    closes the original (its finally runs: SGLang aborts a request whose client left); other
+    algorithms' calls are not checked."""
+    import asyncio
+
+    from sglang.srt.plugins.hook_registry import HookType, _wrap_fn
+
+    ran = []
+
+    async def generate_request(manager, obj, request=None):
+        ran.append("start")
+        try:
+            for i in range(3):
+                yield i
+        finally:
+            ran.append("closed")
+
+    wrapped = _wrap_fn(generate_request, hooks._bounded_call, HookType.AROUND)
+    ddtree = types.SimpleNamespace(
+        server_args=types.SimpleNamespace(speculative_algorithm="DDTREE")
+    )
+    dflash = types.SimpleNamespace(
+        server_args=types.SimpleNamespace(speculative_algorithm="DFLASH")
+    )
+
+    def call(manager, n):
+        obj = types.SimpleNamespace(text="hi", input_ids=None, sampling_params={"n": n})
+        return wrapped(manager, obj, None)
+
+    async def first(gen):
+        try:
+            return await gen.__anext__()
+        finally:
+            await gen.aclose()
+
+    async def every(gen):
+        return [item async for item in gen]
+
+    with pytest.raises(ValueError, match=r"n=129 is outside DDTREE's limit \[1, 128\]"):
+        asyncio.run(first(call(ddtree, 129)))
+    assert ran == []
+    assert asyncio.run(every(call(ddtree, 128))) == [0, 1, 2]
+    assert asyncio.run(first(call(ddtree, 2))) == 0
+    assert ran == ["start", "closed", "start", "closed"]
+    assert asyncio.run(every(call(dflash, 10**6))) == [0, 1, 2]
 
 
 def _row_context(monkeypatch, algorithm, nodes: int, page_size: int = 1) -> None:

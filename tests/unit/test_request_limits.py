@@ -100,6 +100,31 @@ BOUNDS = {
     "repetition_penalty": (dict(sampling={"repetition_penalty": 0.01}),
                            dict(sampling={"repetition_penalty": 1e-40}),
                            ["repetition_penalty=1e-40", "limit of 0.01"]),
+    "stop_regex match length": (dict(sampling={"stop_regex": "x{0,255}y"}),
+                                dict(sampling={"stop_regex": "x{0,256}y"}),
+                                ["stop_regex 'x{0,256}y'", "257 characters", "limit is 256"]),
+    "stop_regex without bound": (dict(sampling={"stop_regex": r"\n{2,16}"}),
+                                 dict(sampling={"stop_regex": r"\n\n+"}),
+                                 ["stop_regex", "without bound", "{0,16}"]),
+    "stop_regex ways": (dict(sampling={"stop_regex": "a?" * 8}),
+                        dict(sampling={"stop_regex": "a?" * 9}),
+                        ["in 512 ways", "limit is 256", "no repeat inside a repeat"]),
+    "stop_regex ways summed": (dict(sampling={"stop_regex": ["a{0,127}b", "c{0,127}d"]}),
+                               dict(sampling={"stop_regex": ["a{0,127}b", "c{0,128}d"]}),
+                               ["'c{0,128}d'", "257 ways", "other patterns"]),
+    "nested repeats": (dict(sampling={"stop_regex": "(?:ab|cd){4}"}),
+                       dict(sampling={"stop_regex": "(a+)+c"}), ["'(a+)+c'", "without bound"]),
+    "nested bounded repeats": (dict(sampling={"stop_regex": "(?:a{1,4}){1,3}"}),
+                               dict(sampling={"stop_regex": "(a{1,8}){1,8}"}),
+                               ["too many ways"]),
+    "session offset": (dict(session_params={"id": "s", "offset": 2048}),
+                       dict(session_params={"id": "s", "offset": 2049}),
+                       ["session_params.offset=2049", "[0, 2048]"]),
+    "session id length": (dict(session_params={"id": "s" * 256}),
+                          dict(session_id="s" * 257), ["len(session_id)=257", "[0, 256]"]),
+    "custom label value": (dict(custom_labels={"team": "t" * 128}, sizes=Sizes(1000, 2048, ("team",))),
+                           dict(custom_labels={"team": "t" * 129}, sizes=Sizes(1000, 2048, ("team",))),
+                           ["len(custom_labels['team'])=129", "[0, 128]"]),
 }  # fmt: skip
 
 
@@ -143,6 +168,31 @@ MALFORMED = {
     "skip_special_tokens a number": (dict(sampling={"skip_special_tokens": 2}), ["skip_special_tokens", "2"]),
     "a custom logit processor": (dict(custom_logit_processor='{"callable": "x"}'),
                                  ["custom_logit_processor", "first token"]),
+    "top_logprobs_num a float": (dict(top_logprobs_num=2.0), ["top_logprobs_num", "integer", "2.0"]),
+    "logprob_start_len a float": (dict(logprob_start_len=1.0), ["logprob_start_len", "integer", "1.0"]),
+    "max_new_tokens a float": (dict(sampling={"max_new_tokens": 8.0}), ["max_new_tokens", "8.0"]),
+    "an empty prompt": (dict(prompt=()), ["the prompt is empty"]),
+    "session_params id a list": (dict(session_params={"id": ["a"]}),
+                                 ["session_params.id must be a string", "['a']"]),
+    "session_params a list": (dict(session_params=["a"]), ["session_params must be an object"]),
+    "session_params unknown key": (dict(session_params={"id": "a", "x": 1}), ["session_params"]),
+    "session_params offset a string": (dict(session_params={"id": "a", "offset": "3"}),
+                                       ["session_params.offset", "integer", "'3'"]),
+    "session_params replace a string": (dict(session_params={"replace": "yes"}),
+                                        ["session_params.replace must be true or false"]),
+    "session_id a dict": (dict(session_id={"a": 1}), ["session_id must be a string"]),
+    "custom_labels not allowed": (dict(custom_labels={"x": "y"}),
+                                  ["custom_labels 'x'", "allows no custom labels"]),
+    "custom_labels a list": (dict(custom_labels=["x"]), ["custom_labels must be an object"]),
+    "an internal sampling field": (dict(sampling={"is_normalized": True, "temperature": 0}),
+                                   ["sampling_params.is_normalized", "SGLang's own"]),
+    "internal stop strings": (dict(sampling={"stop_strs": ["x" * 10**6]}), ["sampling_params.stop_strs"]),
+    **{f"{name} set": (dict(**{name: value}), [name, "not served by DDTREE"]) for name, value in [
+        ("input_embeds", [[0.1, 0.2]]), ("image_data", ["http://x/a.png"]), ("video_data", ["v"]),
+        ("audio_data", ["a"]), ("return_hidden_states", True), ("return_routed_experts", True),
+        ("return_indexer_topk", True), ("return_sampling_mask", True),
+        ("sampling_logprobs_mode", "support"), ("lora_path", "adapter"), ("lora_id", [5]),
+        ("positional_embed_overrides", {"embeds": 1})]},
 }  # fmt: skip
 
 
@@ -152,6 +202,65 @@ def test_malformed_values_are_refused_by_name(case):
     message = _refused(**fields)
     for word in words:
         assert word in message, (word, message)
+
+
+def test_unserved_fields_at_their_defaults_pass():
+    """What SGLang's OpenAI adapters set on every request (False, None, empty) is not a request
+    for the feature."""
+    _passes(return_hidden_states=False, return_routed_experts=False, return_sampling_mask=False,
+            image_data=None, video_data=[], input_embeds=None, lora_path=None,
+            sampling_logprobs_mode=None, custom_labels={}, session_params=None, session_id=None)  # fmt: skip
+    _passes(session_params={"id": "s", "rid": "r", "offset": 0, "replace": True,
+                            "drop_previous_output": False}, session_id=None)  # fmt: skip
+    _passes(custom_labels={"team": "a"}, sizes=Sizes(1000, 2048, ("team", "tier")))
+
+
+def _call(text="hi", input_ids=None, token_ids_logprob=None, **sampling):
+    return types.SimpleNamespace(text=text, input_ids=input_ids, sampling_params=sampling,
+                                 token_ids_logprob=token_ids_logprob)  # fmt: skip
+
+
+@pytest.mark.parametrize("obj,words", [
+    (_call(n=129), ["n=129", "[1, 128]"]),
+    (_call(n=0), ["n=0", "[1, 128]"]),
+    (_call(n=2.0), ["n must be an integer", "2.0"]),
+    (_call(n=10**9), ["n=1000000000", "[1, 128]"]),
+    (_call(text=["x"] * 1025), ["the number of prompts=1025", "[1, 1024]"]),
+    (_call(text=None, input_ids=[[1]] * 1025), ["the number of prompts=1025"]),
+    (_call(text=["x"] * 9, n=128), ["prompts x n=1152", "[1, 1024]"]),
+    (types.SimpleNamespace(text=["x", "y"], input_ids=None, token_ids_logprob=None,
+                           sampling_params=[{"n": 1}, {"n": 200}]), ["n=200"]),
+    (_call(token_ids_logprob=[1] * 257), ["len(token_ids_logprob)=257", "[0, 256]"]),
+    (_call(text=["a", "b"], token_ids_logprob=[[1], [1] * 257]), ["len(token_ids_logprob)=257"]),
+])  # fmt: skip
+def test_a_calls_size_is_bounded_before_it_is_split(obj, words):
+    with pytest.raises(ValueError) as info:
+        limits.check_batch(obj)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+
+
+def test_a_call_within_the_bounds_passes_before_it_is_split():
+    for obj in (_call(n=128), _call(text=["x"] * 1024), _call(text=["x"] * 8, n=128),
+                _call(text=None, input_ids=[1, 2, 3], n=4), _call(token_ids_logprob=[1] * 256),
+                types.SimpleNamespace(text="x", input_ids=None, sampling_params=None)):  # fmt: skip
+        assert limits.check_batch(obj) is None
+
+
+def test_the_stop_regex_bounds_keep_a_search_short():
+    """The worst pattern the bounds admit, searched over the longest tail the scheduler decodes
+    (256 characters and a round's 16 tokens), takes milliseconds, where `(a+)+c` took 0.8 s on
+    24 characters: the admitted ones are each a few hundred backtracking paths at most."""
+    import re
+    import time
+
+    worst = ["a?" * 8, "a{0,255}", "(?:ab|a){1,7}", "a{0,15}a{0,15}"]
+    for pattern in worst:
+        _passes(sampling={"stop_regex": pattern + "c"})
+        tic = time.perf_counter()
+        for _ in range(10):
+            re.search(pattern + "c", "a" * 272)
+        assert (time.perf_counter() - tic) / 10 < 0.02, pattern
 
 
 def test_one_sample_may_run_to_a_context_longer_than_the_product_bound():
@@ -172,7 +281,7 @@ def test_requests_within_every_limit_pass_and_unknown_sizes_skip_their_bounds():
                       "frequency_penalty": 0.5, "presence_penalty": -0.5,
                       "repetition_penalty": 1.2, "min_new_tokens": 2, "n": 4, "sampling_seed": -3,
                       "logit_bias": {"17": 2.5, 18: -1}, "stop": ["\n\n", "END"],
-                      "stop_regex": r"\d+\.", "stop_token_ids": [2, 3], "ebnf": "root ::= 'a'"},
+                      "stop_regex": r"\d{1,8}\.", "stop_token_ids": [2, 3], "ebnf": "root ::= 'a'"},
             top_logprobs_num=5, token_ids_logprob=[1, 2], logprob_start_len=0,
             custom_logit_processor=None)  # fmt: skip
     obj = types.SimpleNamespace(sampling_params={"logit_bias": {"10000": 1.0}, "n": 100,
@@ -229,6 +338,9 @@ THROUGH_SGLANG = {
     "seed 2**70": ({"seed": 2**70}, {"sampling_seed": 2**70}, {}),
     "min_tokens 10**12": ({"min_tokens": 10**12}, {"min_new_tokens": 10**12}, {}),
     "custom_logit_processor": ({"custom_logit_processor": "{}"}, {}, {"custom_logit_processor": "{}"}),
+    "n 10**9": ({"n": 10**9}, {"n": 10**9}, {}),
+    "a backtracking stop_regex": ({"stop_regex": "(a+)+c"}, {"stop_regex": "(a+)+c"}, {}),
+    "return_hidden_states": ({"return_hidden_states": True}, {}, {"return_hidden_states": True}),
 }  # fmt: skip
 
 
@@ -292,5 +404,10 @@ def test_the_limits_are_the_readmes():
                    limits.MAX_LOGIT_BIAS_ENTRIES, limits.MAX_STOPS, limits.MAX_STOP_CHARS,
                    limits.MAX_STOP_TOKEN_IDS, f"{limits.MAX_SAMPLED_TOKENS:,}",
                    f"{limits.MAX_GRAMMAR_CHARS:,}", int(limits.MAX_TEMPERATURE),
-                   limits.MIN_REPETITION_PENALTY):  # fmt: skip
+                   limits.MIN_REPETITION_PENALTY, limits.MAX_STOP_REGEX_MATCH,
+                   limits.MAX_STOP_REGEX_WAYS, limits.MAX_SAMPLES, f"{limits.MAX_BATCH:,}",
+                   f"{limits.MAX_BATCH_SAMPLES:,}", limits.MAX_LABEL_CHARS,
+                   limits.MAX_SESSION_ID_CHARS):  # fmt: skip
         assert str(number) in table, number
+    for name in limits.UNSERVED:
+        assert f"`{name}`" in readme, name
