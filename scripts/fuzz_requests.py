@@ -104,6 +104,8 @@ LIMITS = [
     ("custom_labels not allowed", None, {}, {"custom_labels": {"x": "y"}}),
     ("return_sampling_mask", None, {}, {"return_sampling_mask": True}),
     ("sampling is_normalized", None, {"is_normalized": True, "temperature": 0}, {}),
+    ("custom_params nested", {"custom_params": {"a": {"b": {"c": 1}}}},
+     {"custom_params": {"a": {"b": {"c": 1}}}}, {}),
 ]  # fmt: skip
 VERTEX = "/vertex_generate"
 

@@ -82,6 +82,9 @@ UNSERVED = {
 }
 SESSION_FIELDS = ("id", "rid", "offset", "replace", "drop_previous_output")
 MAX_SESSION_ID_CHARS = 256
+MAX_CUSTOM_PARAMS = 64  # custom_params keys
+MAX_CUSTOM_PARAM_ITEMS = 1024  # items of one list or object value
+INT64 = (-(1 << 63), (1 << 63) - 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,6 +163,7 @@ def check_request(obj, input_ids, sizes: Sizes) -> None:
         if name in sampling:
             raise ValueError(f"sampling_params.{name} is SGLang's own field, not a client's.")
     _check_numbers(sampling)
+    _check_custom_params(sampling.get("custom_params"))
     _check_flags(sampling)
     _check_lengths(sampling, prompt_len, sizes.context)
     _check_logit_bias(sampling.get("logit_bias"), sizes.vocab)
@@ -262,6 +266,51 @@ def _check_numbers(sampling: dict) -> None:
     top_k = None if top_k is None else _whole("top_k", top_k)
     if top_k is not None and top_k != -1:
         _within("top_k", top_k, 1, TOP_K_ALL, "(-1: off; the scheduler holds top_k in int32)")
+
+
+def _check_custom_params(params) -> None:
+    """custom_params as SGLang types it (sampling_params.CustomParamValue): an object whose values
+    are JSON scalars (integers within int64), lists of them or objects of them, at most
+    MAX_CUSTOM_PARAMS keys and MAX_CUSTOM_PARAM_ITEMS items a value. SGLang's own request models
+    let deeper values through, and its scheduler's typed decoder (SGLANG_USE_PICKLE_IPC=0)
+    raises on them, which ends the scheduler."""
+    if params is None:
+        return
+    if not isinstance(params, dict):
+        raise ValueError(f"custom_params must be an object, got {_show(params)}.")
+    _within("len(custom_params)", len(params), 0, MAX_CUSTOM_PARAMS, "keys")
+    for key, value in params.items():
+        name = f"custom_params[{_show(key)}]"
+        if not isinstance(key, str):
+            raise ValueError(f"custom_params keys must be strings, got {_show(key)}.")
+        items = (
+            value.values()
+            if isinstance(value, dict)
+            else value
+            if isinstance(value, list)
+            else None
+        )
+        if items is None:
+            _scalar(name, value)
+            continue
+        _within(f"len({name})", len(items), 0, MAX_CUSTOM_PARAM_ITEMS, "items")
+        if isinstance(value, dict) and not all(isinstance(k, str) for k in value):
+            raise ValueError(f"{name}'s keys must be strings, got {_show(value)}.")
+        for item in items:
+            _scalar(name, item)
+
+
+def _scalar(name: str, value) -> None:
+    """A JSON scalar: null, true or false, a string, an integer within int64, a finite number."""
+    if value is None or isinstance(value, bool | str):
+        return
+    if isinstance(value, int):
+        _within(name, value, *INT64, "(an integer within int64)")
+    elif isinstance(value, float):
+        _number(name, value)
+    else:
+        raise ValueError(f"{name} must hold JSON scalars (no deeper lists or objects), got "
+                         f"{_show(value)}.")  # fmt: skip
 
 
 def _check_flags(sampling: dict) -> None:

@@ -122,6 +122,12 @@ BOUNDS = {
                        ["session_params.offset=2049", "[0, 2048]"]),
     "session id length": (dict(session_params={"id": "s" * 256}),
                           dict(session_id="s" * 257), ["len(session_id)=257", "[0, 256]"]),
+    "custom_params keys": (dict(sampling={"custom_params": {str(i): 1 for i in range(64)}}),
+                           dict(sampling={"custom_params": {str(i): 1 for i in range(65)}}),
+                           ["len(custom_params)=65", "[0, 64]"]),
+    "custom_params items": (dict(sampling={"custom_params": {"a": [1] * 1024, "b": {"x": None}}}),
+                            dict(sampling={"custom_params": {"a": {str(i): 1 for i in range(1025)}}}),
+                            ["len(custom_params['a'])=1025", "[0, 1024]"]),
     "custom label value": (dict(custom_labels={"team": "t" * 128}, sizes=Sizes(1000, 2048, ("team",))),
                            dict(custom_labels={"team": "t" * 129}, sizes=Sizes(1000, 2048, ("team",))),
                            ["len(custom_labels['team'])=129", "[0, 128]"]),
@@ -187,6 +193,14 @@ MALFORMED = {
     "an internal sampling field": (dict(sampling={"is_normalized": True, "temperature": 0}),
                                    ["sampling_params.is_normalized", "SGLang's own"]),
     "internal stop strings": (dict(sampling={"stop_strs": ["x" * 10**6]}), ["sampling_params.stop_strs"]),
+    "custom_params nested": (dict(sampling={"custom_params": {"a": {"b": {"c": 1}}}}),
+                             ["custom_params['a']", "JSON scalars", "{'c': 1}"]),
+    "custom_params a list of objects": (dict(sampling={"custom_params": {"a": [{"b": 1}]}}),
+                                        ["custom_params['a']", "JSON scalars"]),
+    "custom_params a list": (dict(sampling={"custom_params": [1]}), ["custom_params must be an object"]),
+    "custom_params past int64": (dict(sampling={"custom_params": {"a": 2**64}}),
+                                 ["custom_params['a']=", "int64"]),
+    "custom_params NaN": (dict(sampling={"custom_params": {"a": [float("nan")]}}), ["custom_params['a']", "nan"]),
     **{f"{name} set": (dict(**{name: value}), [name, "not served by DDTREE"]) for name, value in [
         ("input_embeds", [[0.1, 0.2]]), ("image_data", ["http://x/a.png"]), ("video_data", ["v"]),
         ("audio_data", ["a"]), ("return_hidden_states", True), ("return_routed_experts", True),
@@ -407,7 +421,8 @@ def test_the_limits_are_the_readmes():
                    limits.MIN_REPETITION_PENALTY, limits.MAX_STOP_REGEX_MATCH,
                    limits.MAX_STOP_REGEX_WAYS, limits.MAX_SAMPLES, f"{limits.MAX_BATCH:,}",
                    f"{limits.MAX_BATCH_SAMPLES:,}", limits.MAX_LABEL_CHARS,
-                   limits.MAX_SESSION_ID_CHARS):  # fmt: skip
+                   limits.MAX_SESSION_ID_CHARS, limits.MAX_CUSTOM_PARAMS,
+                   f"{limits.MAX_CUSTOM_PARAM_ITEMS:,}"):  # fmt: skip
         assert str(number) in table, number
     for name in limits.UNSERVED:
         assert f"`{name}`" in readme, name
