@@ -26,8 +26,9 @@
 #   [GDN_ARGS=... SERVING_ARGS=...] bash scripts/gpu_session.sh measure NAME [ARGS]  the same
 #                                                with the benchmarks first on the quiet GPU
 #                                                (bench_round.py ARGS, bench_gdn_tree.py), then
-#                                                the suite (soak.py and fuzz_requests.py on
-#                                                bench_serving.py's servers meanwhile), then
+#                                                the suite (soak.py on bench_serving.py's
+#                                                servers, fuzz_requests.py on its DDTREE one,
+#                                                meanwhile), then
 #                                                bench_serving.py on the pair
 #   bash scripts/gpu_session.sh soak-serving DIR   the soak and fuzz on DIR's bench_serving servers
 #   bash scripts/gpu_session.sh bench-tree [ARGS]   scripts/bench_tree_build.py (no server)
@@ -191,7 +192,7 @@ case "${1:-}" in
     sleep 2; echo "measure $name started in $dir" ;;
   soak-serving)  # soak-serving DIR: once DIR/serving.log names healthy ddtree and dflash
     # servers (scripts/bench_serving.py), scripts/soak.py on both, then scripts/fuzz_requests.py
-    # on each; results in DIR/soak.json, DIR/fuzz_<name>.json
+    # on ddtree; results in DIR/soak.json, DIR/fuzz_ddtree.json
     dir=$2; t0=$SECONDS
     until grep -q "dflash: healthy" "$dir/serving.log" 2>/dev/null; do
       [ $((SECONDS - t0)) -gt 900 ] && { echo "no healthy bench_serving servers"; exit 1; }
@@ -202,10 +203,11 @@ case "${1:-}" in
       --log "ddtree=$dir/serving/server_ddtree.log" --log "dflash=$dir/serving/server_dflash.log" \
       --requests 1000 --seconds 150 --concurrency 64 --context 4096 --out "$dir/soak.json"
     echo "soak rc=$?"
-    for name in ddtree dflash; do
-      python3 scripts/fuzz_requests.py "$(url $name)" --context 4096 --out "$dir/fuzz_$name.json"
-      echo "fuzz $name rc=$?"
-    done ;;
+    # the fuzz on DDTREE only: its corpus holds requests that end a plain SGLang server (the
+    # Vertex bodies, logit_bias 1e300), and DFLASH's server is measured after this (its control
+    # fuzz is tests/gpu/test_soak.py's, on servers of its own)
+    python3 scripts/fuzz_requests.py "$(url ddtree)" --context 4096 --out "$dir/fuzz_ddtree.json"
+    echo "fuzz ddtree rc=$?" ;;
   collect-all)  # collect-all NAME [WAIT_S]: wait for `all NAME` (up to WAIT_S), results to $OUT
     dir="$ROOT/$2"; t0=$SECONDS
     while [ ! -e "$dir/done" ] && [ $((SECONDS - t0)) -lt "${3:-540}" ]; do sleep 5; done
