@@ -166,7 +166,7 @@ def corpus(context: int, seed: int = 0) -> list[tuple[str, str, bytes, bool]]:
          {"text": ["hi"] * 2000, "sampling_params": {"max_new_tokens": 1}}, False),
         ("generate: an empty prompt in a batch", GENERATE,
          {"input_ids": [[], [1, 2]], "sampling_params": {"max_new_tokens": 4}}, False),
-        ("a 40 MiB body", CHAT, _chat(messages=[{"role": "user", "content": "x" * (40 << 20)}]),
+        ("an 80 MiB body", CHAT, _chat(messages=[{"role": "user", "content": "x" * (80 << 20)}]),
          False),
         # SGLang builds a Vertex request from its parameters untyped: each ended a plain server
         ("vertex: top_logprobs_num a float", VERTEX,

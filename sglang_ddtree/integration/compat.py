@@ -586,3 +586,12 @@ def vertex_route(app: Any) -> str | None:
         if getattr(getattr(route, "endpoint", None), "__name__", None) == VERTEX_HANDLER:
             return route.path
     return None
+
+
+def stop_regex_length(pattern: str) -> int:
+    """SGLang's measure of a stop_regex's longest match (2^30: unbounded), which sizes the tail
+    its scheduler decodes and searches after every round (0.5.17 and 0.5.23:
+    sampling_params.get_max_seq_length)."""
+    from sglang.srt.sampling.sampling_params import get_max_seq_length
+
+    return get_max_seq_length(pattern)

@@ -201,7 +201,8 @@ class RequestCheck:
             return None
         ids = args[0] if args else None
         sizes = request_limits.Sizes(*compat.front_end_sizes(tokenizer_manager),
-                                     labels=compat.allowed_custom_labels(server_args))  # fmt: skip
+                                     labels=compat.allowed_custom_labels(server_args),
+                                     regex_length=compat.stop_regex_length)  # fmt: skip
         request_limits.check_request(obj, ids, sizes)
         _check_token_ids(tokenizer_manager, ids)
         sampling = getattr(obj, "sampling_params", None) or {}

@@ -18,7 +18,8 @@ OpenAI body's shape, and a Vertex body's fields.
   Vertex one; a violation is a 400 naming it.
 
 One ASGI middleware, put innermost on the app (inside SGLang's decompression and CORS
-middlewares): it buffers a body, judges it, and replays it to the app as it came.
+middlewares): it holds a body's messages while it counts them (and joins them once where it judges
+the body), then replays them to the app as they came.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ from collections.abc import Callable
 # the endpoints whose request models expect an object (SGLang's OpenAI routes, and
 # /invocations, which takes the chat request too)
 OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/invocations")
-MAX_BODY_BYTES = 32 << 20  # 32 MiB: a 262,144-token context of text is about 1 MiB
+MAX_BODY_BYTES = 64 << 20  # 64 MiB: 262,144 tokens are about 1 MiB of text, 2 of input_ids
 VERTEX_INPUTS = ("text", "input_ids", "input_embeds")  # SGLang's handler takes the first present
 _SPACE = b" \t\r\n"
+_UTF8_BOM = b"\xef\xbb\xbf"  # json.loads takes a body after it, and UTF-16 and UTF-32 ones
 
 
 class JsonBodies:
@@ -52,20 +54,23 @@ class JsonBodies:
         declared = dict(scope.get("headers") or ()).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.limit:
             return await _refuse(send, 413, self._too_large(int(declared)))
-        seen, body = [], b""
+        seen, size = [], 0  # the messages as they came, replayed; the body joined only to judge
         while True:
             message = await receive()
             seen.append(message)
             if message.get("type") != "http.request":
                 break
-            body += message.get("body", b"")
-            if len(body) > self.limit:
-                return await _refuse(send, 413, self._too_large(len(body)))
+            size += len(message.get("body", b""))
+            if size > self.limit:
+                return await _refuse(send, 413, self._too_large(size))
             if not message.get("more_body", False):
                 break
-        refusal = self._judge(_path(scope), body)
-        if refusal is not None:
-            return await _refuse(send, 400, refusal)
+        path = _path(scope)
+        if path in self.paths or path == self.vertex:
+            body = b"".join(m.get("body", b"") for m in seen if m.get("type") == "http.request")
+            refusal = self._judge(path, body)
+            if refusal is not None:
+                return await _refuse(send, 400, refusal)
 
         async def replay():
             return seen.pop(0) if seen else await receive()
@@ -76,8 +81,9 @@ class JsonBodies:
         return f"the request body is {size} bytes or more, over DDTREE's limit of {self.limit}"
 
     def _judge(self, path: str, body: bytes) -> str | None:
-        first = body.lstrip(_SPACE)[:1]
-        if path in self.paths and first and first != b"{":
+        first = body.removeprefix(_UTF8_BOM).lstrip(_SPACE)[:1]
+        wide = body[:4].count(b"\x00") > 0 or body[:2] in (b"\xff\xfe", b"\xfe\xff")
+        if path in self.paths and first and first != b"{" and not wide:  # UTF-16/32: SGLang's
             return f"the request body must be a JSON object ({{...}}); it begins with {first!r}"
         if path == self.vertex and self.contract is not None:
             generate = vertex_as_generate(body)

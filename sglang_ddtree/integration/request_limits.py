@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Callable
 from re import _constants as re_constants  # the parsed form's opcodes (SGLang reads it too)
 from re import _parser as re_parser
 
@@ -42,8 +43,8 @@ MAX_STOPS = 32  # SGLang 0.5.23's MAX_STOP_COUNT, also for stop_regex
 MAX_STOP_CHARS = 256  # SGLang 0.5.23's MAX_STOP_REGEX_LEN (bytes for stop_regex, as there)
 MAX_STOP_TOKEN_IDS = 1024
 MAX_SAMPLED_TOKENS = 1 << 20  # n x max_tokens (or the context, if longer): 128 x 8,192
-MAX_STOP_REGEX_MATCH = 256  # characters one stop_regex pattern can match
-MAX_STOP_REGEX_WAYS = 256  # a request's patterns' ways to match at one place, summed
+MAX_STOP_REGEX_MATCH = 128  # characters one stop_regex pattern can match (SGLang's measure)
+MAX_STOP_REGEX_WORK = 512  # a request's patterns' ways to match at one place x that length, summed
 MAX_GRAMMAR_CHARS = 1 << 16
 MAX_SAMPLES = 128  # n: OpenAI's bound
 MAX_BATCH = 1024  # prompts in one call (a /generate or /v1/completions list)
@@ -65,10 +66,6 @@ _INTERNAL_SAMPLING = ("is_normalized", "stop_strs", "stop_regex_strs", "stop_str
 # request fields a DDTREE server does not serve, refused when set, and why
 UNSERVED = {
     "input_embeds": "the DFlash drafter reads token ids; send text or input_ids",
-    "image_data": "the tree verify has not been checked with multimodal positions; send text, "
-    "or use a server without DDTREE",
-    "video_data": "as image_data",
-    "audio_data": "as image_data",
     "return_hidden_states": "a tree verify's hidden-state rows are its nodes', not the emitted "
     "tokens'",
     "return_routed_experts": "captured for every tree node, not for the emitted tokens",
@@ -90,12 +87,15 @@ INT64 = (-(1 << 63), (1 << 63) - 1)
 @dataclasses.dataclass(frozen=True)
 class Sizes:
     """What the limits depend on: the served model's sizes (None: unknown, that bound not
-    applied) and the custom metric labels the server allows
-    (--tokenizer-metrics-allowed-custom-labels)."""
+    applied), the custom metric labels the server allows
+    (--tokenizer-metrics-allowed-custom-labels) and SGLang's measure of a stop pattern."""
 
     vocab: int | None
     context: int | None
     labels: tuple[str, ...] = ()
+    # SGLang's measure of a stop_regex's longest match, which sizes the text its scheduler
+    # searches (sampling_params.get_max_seq_length; None: this module's own)
+    regex_length: Callable[[str], int] | None = None
 
 
 def check_batch(obj) -> None:
@@ -148,9 +148,12 @@ def check_request(obj, input_ids, sizes: Sizes) -> None:
         value = getattr(obj, name, None)
         if value is not None and value is not False and value != [] and value != {}:
             raise ValueError(f"{name}={_show(value)} is not served by DDTREE: {why}.")
+    _integers(obj, _INTEGER_FIELDS)
     prompt_len = len(input_ids) if input_ids is not None else None
-    if prompt_len == 0:  # SGLang refuses an empty one alone, not one of a batch
-        raise ValueError("the prompt is empty: a request needs at least one prompt token.")
+    in_session = getattr(obj, "session_params", None) or getattr(obj, "session_id", None)
+    if prompt_len == 0 and not in_session:  # SGLang refuses it alone, not in a batch
+        raise ValueError("the prompt is empty: a request needs at least one prompt token (or a "
+                         "session whose context it continues).")  # fmt: skip
     _check_logprobs(obj, prompt_len, sizes.vocab)
     _check_session(obj, prompt_len, sizes.context)
     _check_labels(getattr(obj, "custom_labels", None), sizes.labels)
@@ -162,12 +165,13 @@ def check_request(obj, input_ids, sizes: Sizes) -> None:
     for name in _INTERNAL_SAMPLING:
         if name in sampling:
             raise ValueError(f"sampling_params.{name} is SGLang's own field, not a client's.")
+    _integers(sampling, _INTEGER_SAMPLING)
     _check_numbers(sampling)
     _check_custom_params(sampling.get("custom_params"))
     _check_flags(sampling)
     _check_lengths(sampling, prompt_len, sizes.context)
     _check_logit_bias(sampling.get("logit_bias"), sizes.vocab)
-    _check_stops(sampling, sizes.vocab)
+    _check_stops(sampling, sizes.vocab, sizes.regex_length)
     _check_grammar(sampling)
 
 
@@ -193,6 +197,25 @@ def _check_logprobs(obj, prompt_len: int | None, vocab: int | None) -> None:
             high = prompt_len if prompt_len is not None else max(start, 0)
             _within("logprob_start_len", start, 0, high,
                     "(a position in the prompt; -1: output logprobs only)")  # fmt: skip
+
+
+# the integer fields, of the request and of its sampling parameters
+_INTEGER_FIELDS = ("top_logprobs_num", "logprob_start_len")
+_INTEGER_SAMPLING = ("max_new_tokens", "min_new_tokens", "top_k", "n", "stream_interval")
+
+
+def _integers(holder, names: tuple[str, ...]) -> None:
+    """An integral float in an integer field (20.0, as a model's generation_config.json may give
+    top_k) becomes the integer, written back: the scheduler takes the value as it comes, and a
+    float top_logprobs_num reached torch.topk's k. Any other non-integer is refused later."""
+    is_dict = isinstance(holder, dict)
+    for name in names:
+        value = holder.get(name) if is_dict else getattr(holder, name, None)
+        if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+            if is_dict:
+                holder[name] = int(value)
+            else:
+                setattr(holder, name, int(value))
 
 
 def _check_session(obj, prompt_len: int | None, context: int | None) -> None:
@@ -223,7 +246,8 @@ def _check_session(obj, prompt_len: int | None, context: int | None) -> None:
 
 def _check_labels(labels, allowed: tuple[str, ...]) -> None:
     """custom_labels: an object of the labels the server allows
-    (--tokenizer-metrics-allowed-custom-labels), each value a string of at most MAX_LABEL_CHARS:
+    (--tokenizer-metrics-allowed-custom-labels), each value a JSON scalar of at most
+    MAX_LABEL_CHARS characters as text:
     SGLang passes them to its Prometheus metrics as they come, where another name raises in the
     front end's output loop and ends the server."""
     if not labels:
@@ -235,7 +259,9 @@ def _check_labels(labels, allowed: tuple[str, ...]) -> None:
             listed = ", ".join(allowed) or "none: the server allows no custom labels"
             raise ValueError(f"custom_labels {_show(name)} is not a label this server allows "
                              f"({listed}; --tokenizer-metrics-allowed-custom-labels).")  # fmt: skip
-        _text(f"custom_labels[{_show(name)}]", value, MAX_LABEL_CHARS)
+        _scalar(f"custom_labels[{_show(name)}]", value)  # Prometheus takes its str()
+        _within(f"len(custom_labels[{_show(name)}])", len(str(value)), 0, MAX_LABEL_CHARS,
+                "characters")  # fmt: skip
 
 
 def _text(name: str, value, most: int) -> None:
@@ -367,7 +393,8 @@ def _check_logit_bias(bias, vocab: int | None) -> None:
                 "(OpenAI's range; the verify adds it after SGLang's NaN guard)")  # fmt: skip
 
 
-def _check_stops(sampling: dict, vocab: int | None) -> None:
+def _check_stops(sampling: dict, vocab: int | None,
+                 regex_length: Callable[[str], int] | None = None) -> None:  # fmt: skip
     """stop strings, stop_regex patterns and stop_token_ids: counts, lengths, ids in the
     vocabulary (each round the scheduler decodes as many of a request's last tokens as its
     longest stop holds, and runs every pattern over them)."""
@@ -377,7 +404,7 @@ def _check_stops(sampling: dict, vocab: int | None) -> None:
             _check_stop_texts(name, [texts] if isinstance(texts, str) else texts)
     patterns = sampling.get("stop_regex")
     if patterns:
-        _check_regex_cost([patterns] if isinstance(patterns, str) else patterns)
+        _check_regex_cost([patterns] if isinstance(patterns, str) else patterns, regex_length)
     ids = sampling.get("stop_token_ids")
     if ids is None:
         return
@@ -423,32 +450,39 @@ def _check_grammar(sampling: dict) -> None:
                 "characters (SGLang compiles it on the scheduler's grammar threads)")  # fmt: skip
 
 
-def _check_regex_cost(patterns: list[str]) -> None:
+def _check_regex_cost(patterns: list[str], measure: Callable[[str], int] | None) -> None:
     """After every round the scheduler decodes as many of the output's last tokens as the
-    longest match of a request's patterns, and searches each pattern over them: a pattern that
-    can match without bound (`+`, `*`, `{n,}`) makes that the whole output, every round, and one
-    that can match one place in many ways backtracks through all of them (`(a+)+c` took 0.8 s
-    on 24 characters, and the scheduler's watchdog ends a server whose round stalls). So each
-    pattern matches at most MAX_STOP_REGEX_MATCH characters, and the ways a request's patterns
-    can match at one place, summed, are at most MAX_STOP_REGEX_WAYS."""
+    longest match of a request's patterns (SGLang's measure of it, `measure`) and searches each
+    pattern over them. A pattern it cannot bound (`+`, `*`, `{n,}`, and in SGLang's measure also
+    lookarounds, backreferences, `[^x]`, atomic groups, possessive repeats) makes that the whole
+    output, every round; and a search backtracks through every way a pattern can match at each
+    place of that text (`(a+)+c` took 0.8 s on 24 characters, and SGLang's watchdog ends a server
+    whose round stalls). So each pattern's longest match is at most MAX_STOP_REGEX_MATCH
+    characters, and its ways to match one place times that length, summed over the request's
+    patterns, at most MAX_STOP_REGEX_WORK: a few milliseconds a round, even on a tail of the
+    vocabulary's longest tokens."""
     total = 0
     for pattern in patterns:
         longest, ways = _regex_shape(re_parser.parse(pattern), {})
+        if measure is not None:
+            longest = max(longest, measure(pattern))
         if longest > MAX_STOP_REGEX_MATCH:
+            span = "without bound" if longest >= _UNBOUNDED else f"{longest} characters"
             raise ValueError(
-                f"stop_regex {_show(pattern)} can match "
-                f"{'without bound' if longest >= _UNBOUNDED else f'{longest} characters'}: "
-                f"DDTREE's limit is {MAX_STOP_REGEX_MATCH} (the scheduler decodes that much "
-                "of the output after every round to search it); bound its repeats, e.g. "
-                "{0,16} for *."
+                f"stop_regex {_show(pattern)} can match {span}: DDTREE's limit is "
+                f"{MAX_STOP_REGEX_MATCH} characters (the scheduler decodes that much of the "
+                "output after every round to search it, all of it for a pattern it cannot bound: "
+                "`+`, `*`, lookarounds, backreferences, [^x]); bound its repeats, e.g. {0,16} for *."
             )
-        total += ways
-        if total > MAX_STOP_REGEX_WAYS:
+        total += ways * longest
+        if total > MAX_STOP_REGEX_WORK:
+            shown = f"{ways} ways" if ways < _MANY else "too many ways"
             raise ValueError(
-                f"stop_regex {_show(pattern)} can match one place in {total if ways < _MANY else 'too many'} "
-                f"ways (with the request's other patterns): DDTREE's limit is "
-                f"{MAX_STOP_REGEX_WAYS} (the search backtracks through them after every round); "
-                "use fewer optional or repeated parts, and no repeat inside a repeat."
+                f"stop_regex {_show(pattern)} can match one place in {shown}, each up to "
+                f"{longest} characters: with the request's other patterns, {min(total, _MANY)} "
+                f"against DDTREE's limit of {MAX_STOP_REGEX_WORK} (the search backtracks through "
+                "them at every place of the text after every round); use fewer or shorter "
+                "optional and repeated parts, and no repeat inside a repeat."
             )
 
 
@@ -494,22 +528,19 @@ def _regex_shape(items, groups: dict) -> tuple[int, int]:
 
 
 def _repeat_ways(low: int, high: int, part: int) -> int:
-    """sum of part^k for k in [low, high], saturating at _MANY."""
-    if part > 1 and low * part.bit_length() > _MANY.bit_length():
+    """sum of part^k for k in [low, high], saturating at _MANY, in a few steps whatever the
+    counts (a pattern of 256 bytes can hold repeats of 2^32)."""
+    if part <= 1:
+        return min(high - low + 1, _MANY)
+    if high * (part.bit_length() - 1) >= _MANY.bit_length():  # part^high alone is past it
         return _MANY
-    total, power = 0, part**low
-    for _ in range(low, high + 1):
-        total += power
-        if total >= _MANY:
-            return _MANY
-        power *= part
-    return total
+    return min(sum(part**k for k in range(low, high + 1)), _MANY)
 
 
 def _compiles(pattern: str) -> None:
     try:
         re.compile(pattern)
-    except (re.error, RecursionError) as exc:
+    except (re.error, RecursionError, OverflowError) as exc:  # a{4294967295}: OverflowError
         raise ValueError(
             f"stop_regex {_show(pattern)} is not a regular expression: {exc}."
         ) from None
@@ -527,8 +558,8 @@ def _number(name: str, value) -> float | None:
 
 
 def _whole(name: str, value) -> int:
-    """value as an integer, or a ValueError: 8.0 too, since the scheduler takes the value as it
-    comes (a float top_logprobs_num reached torch.topk's k)."""
+    """value as an integer, or a ValueError (an integral float where the scheduler reads the
+    field is made an integer first: `_integers`)."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an integer, got {_show(value)}.")
     return value

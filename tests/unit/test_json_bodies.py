@@ -163,7 +163,7 @@ def test_a_body_over_the_bound_gets_a_413_declared_or_not():
     assert r.status_code == 413 and "bytes or more, over" in r.json()["message"]
     body = b'{"text": "' + b"x" * 900 + b'"}'
     assert client.post("/generate", content=body).json()["got"] == body.decode()
-    assert json_bodies.MAX_BODY_BYTES == 32 << 20
+    assert json_bodies.MAX_BODY_BYTES == 64 << 20
 
 
 def _vertex_app():
@@ -215,3 +215,20 @@ def test_the_body_bound_is_the_readmes():
 
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     assert f"a request body over {json_bodies.MAX_BODY_BYTES >> 20} MiB" in readme
+
+
+def test_a_body_with_a_byte_order_mark_or_in_utf_16_is_sglangs_to_parse():
+    """json.loads (Starlette's) takes a UTF-8 body after a byte order mark, and UTF-16 ones: the
+    shape check reads past the mark and leaves wide encodings alone."""
+    client = TestClient(_app())
+    body = b'\xef\xbb\xbf  {"a": 1}'
+    assert client.post("/v1/chat/completions", content=body).status_code == 200
+    assert client.post("/v1/chat/completions", content=b"\xef\xbb\xbf[1]").status_code == 400
+
+    async def parse(request):
+        return JSONResponse({"parsed": type(json.loads(await request.body())).__name__})
+
+    app = Starlette(routes=[Route("/v1/chat/completions", parse, methods=["POST"])])
+    json_bodies.add_to(app)
+    wide = '{"a": 1}'.encode("utf-16")
+    assert TestClient(app).post("/v1/chat/completions", content=wide).json() == {"parsed": "dict"}

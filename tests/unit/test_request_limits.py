@@ -10,10 +10,11 @@ import types
 
 import pytest
 
+from sglang_ddtree.integration import compat
 from sglang_ddtree.integration import request_limits as limits
 from sglang_ddtree.integration.request_limits import Sizes, check_request
 
-SIZES = Sizes(vocab=1000, context=2048)
+SIZES = Sizes(vocab=1000, context=2048, regex_length=compat.stop_regex_length)
 
 
 def _request(sampling=None, prompt=(1, 2, 3), **fields):
@@ -100,21 +101,24 @@ BOUNDS = {
     "repetition_penalty": (dict(sampling={"repetition_penalty": 0.01}),
                            dict(sampling={"repetition_penalty": 1e-40}),
                            ["repetition_penalty=1e-40", "limit of 0.01"]),
-    "stop_regex match length": (dict(sampling={"stop_regex": "x{0,255}y"}),
-                                dict(sampling={"stop_regex": "x{0,256}y"}),
-                                ["stop_regex 'x{0,256}y'", "257 characters", "limit is 256"]),
+    "stop_regex match length": (dict(sampling={"stop_regex": "x{127}y"}),
+                                dict(sampling={"stop_regex": "x{128}y"}),
+                                ["stop_regex 'x{128}y'", "129 characters", "limit is 128"]),
     "stop_regex without bound": (dict(sampling={"stop_regex": r"\n{2,16}"}),
                                  dict(sampling={"stop_regex": r"\n\n+"}),
                                  ["stop_regex", "without bound", "{0,16}"]),
-    "stop_regex ways": (dict(sampling={"stop_regex": "a?" * 8}),
-                        dict(sampling={"stop_regex": "a?" * 9}),
-                        ["in 512 ways", "limit is 256", "no repeat inside a repeat"]),
-    "stop_regex ways summed": (dict(sampling={"stop_regex": ["a{0,127}b", "c{0,127}d"]}),
-                               dict(sampling={"stop_regex": ["a{0,127}b", "c{0,128}d"]}),
-                               ["'c{0,128}d'", "257 ways", "other patterns"]),
-    "nested repeats": (dict(sampling={"stop_regex": "(?:ab|cd){4}"}),
+    "stop_regex SGLang cannot bound": (dict(sampling={"stop_regex": "(?:ab|cd){4}"}),
+                                       dict(sampling={"stop_regex": "[^a]b"}),
+                                       ["stop_regex '[^a]b'", "without bound", "[^x]"]),
+    "stop_regex ways": (dict(sampling={"stop_regex": "a?" * 6 + "b"}),
+                        dict(sampling={"stop_regex": "a?" * 7 + "b"}),
+                        ["in 128 ways", "8 characters", "1024", "limit of 512", "no repeat inside"]),
+    "stop_regex work summed": (dict(sampling={"stop_regex": ["a{0,15}b", "c{0,15}d"]}),
+                               dict(sampling={"stop_regex": ["a{0,15}b", "c{0,16}d"]}),
+                               ["'c{0,16}d'", "17 ways", "545", "other patterns"]),
+    "nested repeats": (dict(sampling={"stop_regex": "(?:a{1,2}){1,2}"}),
                        dict(sampling={"stop_regex": "(a+)+c"}), ["'(a+)+c'", "without bound"]),
-    "nested bounded repeats": (dict(sampling={"stop_regex": "(?:a{1,4}){1,3}"}),
+    "nested bounded repeats": (dict(sampling={"stop_regex": "(?:a{1,2}){1,2}"}),
                                dict(sampling={"stop_regex": "(a{1,8}){1,8}"}),
                                ["too many ways"]),
     "session offset": (dict(session_params={"id": "s", "offset": 2048}),
@@ -174,9 +178,11 @@ MALFORMED = {
     "skip_special_tokens a number": (dict(sampling={"skip_special_tokens": 2}), ["skip_special_tokens", "2"]),
     "a custom logit processor": (dict(custom_logit_processor='{"callable": "x"}'),
                                  ["custom_logit_processor", "first token"]),
-    "top_logprobs_num a float": (dict(top_logprobs_num=2.0), ["top_logprobs_num", "integer", "2.0"]),
-    "logprob_start_len a float": (dict(logprob_start_len=1.0), ["logprob_start_len", "integer", "1.0"]),
-    "max_new_tokens a float": (dict(sampling={"max_new_tokens": 8.0}), ["max_new_tokens", "8.0"]),
+    "top_logprobs_num fractional": (dict(top_logprobs_num=2.5), ["top_logprobs_num", "integer", "2.5"]),
+    "logprob_start_len fractional": (dict(logprob_start_len=1.5), ["logprob_start_len", "integer", "1.5"]),
+    "max_new_tokens fractional": (dict(sampling={"max_new_tokens": 8.5}), ["max_new_tokens", "8.5"]),
+    "a repeat count past the parser's": (dict(sampling={"stop_regex": "a{4294967295}"}),
+                                         ["stop_regex", "not a regular expression"]),
     "an empty prompt": (dict(prompt=()), ["the prompt is empty"]),
     "session_params id a list": (dict(session_params={"id": ["a"]}),
                                  ["session_params.id must be a string", "['a']"]),
@@ -202,8 +208,7 @@ MALFORMED = {
                                  ["custom_params['a']=", "int64"]),
     "custom_params NaN": (dict(sampling={"custom_params": {"a": [float("nan")]}}), ["custom_params['a']", "nan"]),
     **{f"{name} set": (dict(**{name: value}), [name, "not served by DDTREE"]) for name, value in [
-        ("input_embeds", [[0.1, 0.2]]), ("image_data", ["http://x/a.png"]), ("video_data", ["v"]),
-        ("audio_data", ["a"]), ("return_hidden_states", True), ("return_routed_experts", True),
+        ("input_embeds", [[0.1, 0.2]]), ("return_hidden_states", True), ("return_routed_experts", True),
         ("return_indexer_topk", True), ("return_sampling_mask", True),
         ("sampling_logprobs_mode", "support"), ("lora_path", "adapter"), ("lora_id", [5]),
         ("positional_embed_overrides", {"embeds": 1})]},
@@ -218,6 +223,24 @@ def test_malformed_values_are_refused_by_name(case):
         assert word in message, (word, message)
 
 
+def test_an_integral_float_in_an_integer_field_is_written_back_as_the_integer():
+    """A model's generation_config.json may give top_k as 20.0 (transformers keeps it a float),
+    and SGLang's chat adapter puts it in every request that does not set top_k: served, with the
+    integer the scheduler needs."""
+    obj, prompt = _request({"top_k": 20.0, "max_new_tokens": 8.0, "n": 2.0}, top_logprobs_num=3.0,
+                           logprob_start_len=1.0)  # fmt: skip
+    assert check_request(obj, prompt, SIZES) is None
+    assert obj.sampling_params == {"top_k": 20, "max_new_tokens": 8, "n": 2}
+    assert (obj.top_logprobs_num, obj.logprob_start_len) == (3, 1)
+    assert all(type(v) is int for v in (*obj.sampling_params.values(), obj.top_logprobs_num))
+
+
+def test_a_session_turn_may_bring_no_new_tokens():
+    """A session continues its own context, so an empty prompt is SGLang's to judge there."""
+    _passes(prompt=(), session_params={"id": "s"})
+    assert "the prompt is empty" in _refused(prompt=())
+
+
 def test_unserved_fields_at_their_defaults_pass():
     """What SGLang's OpenAI adapters set on every request (False, None, empty) is not a request
     for the feature."""
@@ -226,7 +249,8 @@ def test_unserved_fields_at_their_defaults_pass():
             sampling_logprobs_mode=None, custom_labels={}, session_params=None, session_id=None)  # fmt: skip
     _passes(session_params={"id": "s", "rid": "r", "offset": 0, "replace": True,
                             "drop_previous_output": False}, session_id=None)  # fmt: skip
-    _passes(custom_labels={"team": "a"}, sizes=Sizes(1000, 2048, ("team", "tier")))
+    _passes(custom_labels={"team": "a", "tier": 2}, sizes=Sizes(1000, 2048, ("team", "tier")))
+    _passes(image_data=["http://x/a.png"])  # SGLang's start-up warm-up of an image model sends one
 
 
 def _call(text="hi", input_ids=None, token_ids_logprob=None, **sampling):
@@ -262,19 +286,22 @@ def test_a_call_within_the_bounds_passes_before_it_is_split():
 
 
 def test_the_stop_regex_bounds_keep_a_search_short():
-    """The worst pattern the bounds admit, searched over the longest tail the scheduler decodes
-    (256 characters and a round's 16 tokens), takes milliseconds, where `(a+)+c` took 0.8 s on
-    24 characters: the admitted ones are each a few hundred backtracking paths at most."""
+    """The costliest patterns the bounds admit, each searched over the longest tail the
+    scheduler decodes for it (its longest match + 1 + a round's 15 more tokens, each as long as
+    a long vocabulary token, 73 characters), take milliseconds, where `(a+)+c` took 0.8 s on 24
+    characters and patterns of 256 ways and characters took a second on such a tail."""
     import re
     import time
 
-    worst = ["a?" * 8, "a{0,255}", "(?:ab|a){1,7}", "a{0,15}a{0,15}"]
+    worst = [".{0,3}" + "." * 123 + "x", "(?:a|a)" + "." * 126 + "x", "[ab]{0,15}" + "." * 16 + "c",
+             "a?" * 6 + "b", "(?:a{1,2}){1,3}" + "." * 14 + "x"]  # fmt: skip
     for pattern in worst:
-        _passes(sampling={"stop_regex": pattern + "c"})
+        _passes(sampling={"stop_regex": pattern})
+        tail = "a" * (73 * (compat.stop_regex_length(pattern) + 16))
         tic = time.perf_counter()
-        for _ in range(10):
-            re.search(pattern + "c", "a" * 272)
-        assert (time.perf_counter() - tic) / 10 < 0.02, pattern
+        for _ in range(5):
+            re.search(pattern, tail)
+        assert (time.perf_counter() - tic) / 5 < 0.02, pattern
 
 
 def test_one_sample_may_run_to_a_context_longer_than_the_product_bound():
@@ -419,10 +446,24 @@ def test_the_limits_are_the_readmes():
                    limits.MAX_STOP_TOKEN_IDS, f"{limits.MAX_SAMPLED_TOKENS:,}",
                    f"{limits.MAX_GRAMMAR_CHARS:,}", int(limits.MAX_TEMPERATURE),
                    limits.MIN_REPETITION_PENALTY, limits.MAX_STOP_REGEX_MATCH,
-                   limits.MAX_STOP_REGEX_WAYS, limits.MAX_SAMPLES, f"{limits.MAX_BATCH:,}",
+                   limits.MAX_STOP_REGEX_WORK, limits.MAX_SAMPLES, f"{limits.MAX_BATCH:,}",
                    f"{limits.MAX_BATCH_SAMPLES:,}", limits.MAX_LABEL_CHARS,
                    limits.MAX_SESSION_ID_CHARS, limits.MAX_CUSTOM_PARAMS,
                    f"{limits.MAX_CUSTOM_PARAM_ITEMS:,}"):  # fmt: skip
         assert str(number) in table, number
     for name in limits.UNSERVED:
         assert f"`{name}`" in readme, name
+
+
+def test_a_stop_pattern_with_huge_repeat_counts_is_refused_at_once():
+    """Counting ways takes a few steps whatever the repeat counts (a loop over them took 0.5 s of
+    the front end's event loop for 18 repeats of 2^32 in one 252-byte pattern)."""
+    import time
+
+    pattern = "a{,4294967294}" * 18
+    tic = time.perf_counter()
+    assert "stop_regex" in _refused(sampling={"stop_regex": pattern[:252]})
+    assert limits._regex_shape(limits.re_parser.parse("(?:a{,4294967294}){,4294967294}"), {})
+    assert time.perf_counter() - tic < 0.05
+    assert limits._repeat_ways(0, 4294967294, 1) == limits._MANY
+    assert limits._repeat_ways(2, 4, 3) == 9 + 27 + 81
