@@ -1321,3 +1321,58 @@ def test_the_openai_sdk_gets_logprobs_penalties_and_json_schemas(servers, model)
             tokens = chunk.usage.completion_tokens
     assert streamed == 24 and tokens in (0, 24), (streamed, tokens)
     print(f"{model}: SDK logprobs agree on {agree} tokens, worst gap {max(gaps):.3f}")
+
+
+def _image_data_url(seed: int, side: int = 96) -> str:
+    """A side x side RGB PNG of seeded noise, as a data URL."""
+    import base64
+    import io
+
+    import numpy as np
+
+    image = pytest.importorskip("PIL.Image")
+    pixels = np.random.default_rng(seed).integers(0, 256, (side, side, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    image.fromarray(pixels).save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+# Last in this file: a server an image request broke would take no other test with it.
+@pytest.mark.parametrize("model", [m for m in MODELS if m != "qwen3"])  # the image models
+def test_an_image_request_is_the_targets_greedy_up_to_a_near_tie(servers, model):
+    """Qwen3.5 / 3.6 are image models, and a chat request with an image reaches the tree verify
+    with SGLang's multimodal (mrope) positions. On the fixed-width DDTREE server and the plain
+    one, greedy, from a flushed cache: the same tokens up to the first divergence, and there
+    DDTREE's token within the greedy test's tolerance of the plain server's best, by the plain
+    server's own log-probs; both emit every token asked for, and DDTREE serves on."""
+    server, base = _up(servers, f"{model}-ddtree_fixed"), _up(servers, f"{model}-base")
+    tol = max(TIE_TOL, 2 * CONTROL_MAX)
+    agreed = []
+    for i, prompt in enumerate(harness.PROMPTS[:4]):
+        content = [{"type": "image_url", "image_url": {"url": _image_data_url(i)}},
+                   {"type": "text", "text": prompt}]  # fmt: skip
+        body = {"model": "x", "messages": [{"role": "user", "content": content}],
+                "max_tokens": 32, "temperature": 0, "ignore_eos": True, "logprobs": True,
+                "top_logprobs": 5}  # fmt: skip
+        answers = []
+        for s in (server, base):
+            _flush(s)
+            status, out = harness.post(s.url + "/v1/chat/completions", body)
+            assert status == 200, (s.name, out)
+            assert out["usage"]["completion_tokens"] == 32, (s.name, out["usage"])
+            answers.append(out["choices"][0]["logprobs"]["content"])
+        ours, plain = answers
+        k = next((j for j, (a, b) in enumerate(zip(ours, plain, strict=True))
+                  if a["token"] != b["token"]), len(ours))  # fmt: skip
+        agreed.append(k)
+        if k < len(ours):  # a divergence must be a near-tie of the target's own
+            alternatives = {t["token"]: t["logprob"] for t in plain[k]["top_logprobs"]}
+            gap = plain[k]["logprob"] - alternatives.get(ours[k]["token"], float("-inf"))
+            assert gap <= tol, (prompt, k, ours[k]["token"], plain[k]["token"], gap)
+    print(f"{model}: image requests agree with plain on {agreed} of 32 tokens")
+    assert (
+        harness.generate(server, "def f(x):", max_new_tokens=4, temperature=0, ignore_eos=True)[
+            "meta_info"
+        ]["completion_tokens"]
+        == 4
+    )
