@@ -309,20 +309,13 @@ def _check_custom_params(params) -> None:
         name = f"custom_params[{_show(key)}]"
         if not isinstance(key, str):
             raise ValueError(f"custom_params keys must be strings, got {_show(key)}.")
-        items = (
-            value.values()
-            if isinstance(value, dict)
-            else value
-            if isinstance(value, list)
-            else None
-        )
-        if items is None:
+        if not isinstance(value, dict | list):
             _scalar(name, value)
             continue
-        _within(f"len({name})", len(items), 0, MAX_CUSTOM_PARAM_ITEMS, "items")
+        _within(f"len({name})", len(value), 0, MAX_CUSTOM_PARAM_ITEMS, "items")
         if isinstance(value, dict) and not all(isinstance(k, str) for k in value):
             raise ValueError(f"{name}'s keys must be strings, got {_show(value)}.")
-        for item in items:
+        for item in value.values() if isinstance(value, dict) else value:
             _scalar(name, item)
 
 
