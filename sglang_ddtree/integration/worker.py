@@ -322,7 +322,7 @@ class DDTreeWorker(DFlashWorkerV2):
                 bonus_tokens=result.next_draft_input.bonus_tokens,
                 new_seq_lens=result.new_seq_lens,
             )
-            if self._readings is not None:
+            if self._readings is not None and self._readings.current is not None:  # measured
                 self._readings.finish(self._accepted_at_widths(result, rnd))
         return result
 

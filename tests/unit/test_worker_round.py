@@ -131,3 +131,23 @@ def test_a_verify_without_graphs_is_noted_at_the_rounds_width(monkeypatch):
     w._note_eager_verify = lambda bs, width: noted.append((bs, width))
     w.forward_batch_generation(batch)
     assert noted == [(2, N)]
+
+
+@pytest.mark.parametrize("measured", [True, False])
+def test_a_measured_round_hands_the_readings_what_each_width_accepted(monkeypatch, measured):
+    """With automatic widths the round's end gives the readings the tokens accepted at each read
+    width (worker._accepted_at_widths, after the draft context is written); a round whose
+    reading was dropped (its slot still out) computes nothing for them."""
+    calls = []
+    w, batch, *_ = _round_worker(monkeypatch, calls)
+    finished = []
+    w._readings = SimpleNamespace(current="slot" if measured else None,
+                                  finish=lambda accepted: finished.append(accepted))  # fmt: skip
+    w._choose_width = lambda bs: N
+    w._accepted_at_widths = lambda result, rnd: calls.append(("accepted", rnd.width)) or "read"
+    w.forward_batch_generation(batch)
+    names = [c[0] for c in calls]
+    if measured:
+        assert names[-2:] == ["kv", "accepted"] and finished == ["read"]
+    else:
+        assert "accepted" not in names and finished == []
