@@ -19,10 +19,10 @@
 #                                                detached (several at once under distinct ROUNDs)
 #   bash scripts/gpu_session.sh chain GPU NAME [--after-tests] [ARGS]  on one GPU, detached: (the
 #                                                tests, then) bench_round.py into ROOT/NAME
-#   [GDN_ARGS=...] bash scripts/gpu_session.sh all NAME [ARGS]  detached, into ROOT/NAME: the GPU
-#                                                unit tests, the suite, bench_gdn_tree.py, then
-#                                                (given ARGS) bench_round.py ARGS;
-#                                                collect-all NAME [WAIT_S]
+#   [GDN_ARGS=...|none SUITE_WAIT=S] bash scripts/gpu_session.sh all NAME [ARGS]  detached,
+#                                                into ROOT/NAME: the suite with the GPU unit
+#                                                tests beside it, bench_gdn_tree.py, then (given
+#                                                ARGS) bench_round.py ARGS; collect-all NAME [WAIT_S]
 #   [GDN_ARGS=... SERVING_ARGS=...] bash scripts/gpu_session.sh measure NAME [ARGS]  the same
 #                                                with the benchmarks first on the quiet GPU
 #                                                (bench_round.py ARGS, bench_gdn_tree.py), then
@@ -149,16 +149,20 @@ case "${1:-}" in
       python3 scripts/bench_round.py --out "$ROOT/$NAME" --work "/root/bench_$NAME" "$@" \
         > "$ROOT/$NAME/run.log" 2>&1' chain "$@" < /dev/null > /dev/null 2>&1 &
     sleep 2; echo "chain $name on GPU $gpu started" ;;
-  all)  # all NAME [BENCH_ROUND ARGS]: detached, into ROOT/NAME: the GPU unit tests, the GPU
-    # suite (DDTREE_GPU_SERVERS narrows it), bench_gdn_tree.py with $GDN_ARGS on the quiet GPU,
-    # then, given ARGS, bench_round.py with them
+  all)  # all NAME [BENCH_ROUND ARGS]: detached, into ROOT/NAME: the GPU suite
+    # (DDTREE_GPU_SERVERS narrows it) with the GPU unit tests beside it, its servers stopped
+    # after SUITE_WAIT s (default 1500) at the latest; bench_gdn_tree.py with $GDN_ARGS on the
+    # quiet GPU (GDN_ARGS=none: skipped); then, given ARGS, bench_round.py with them
     name=$2; shift 2; dir="$ROOT/$name"; mkdir -p "$dir"
-    ROOT=$ROOT NAME=$name DIR=$dir GDN_ARGS="${GDN_ARGS:---bs 1,8,16 --nodes 16,32,64 --conv --conv-tilings t4n256w4anc --chunk-tiles 16x4xsplit,32x4xsplit,64x4xtf32}" \
+    ROOT=$ROOT NAME=$name DIR=$dir SUITE_WAIT=${SUITE_WAIT:-1500} GDN_ARGS="${GDN_ARGS:---bs 1,8,16 --nodes 16,32,64 --conv --conv-tilings t4n256w4anc --chunk-tiles 16x4xsplit,32x4xsplit,64x4xtf32}" \
       setsid nohup bash -c '
-        python3 -m pytest tests/unit -m gpu -q -rA > "$DIR/unit_gpu.log" 2>&1
-        OUT="$DIR/suite" bash scripts/gpu_session.sh start 1500 > "$DIR/suite.log" 2>&1
+        python3 -m pytest tests/unit -m gpu -q -rA > "$DIR/unit_gpu.log" 2>&1 &
+        unit=$!
+        OUT="$DIR/suite" bash scripts/gpu_session.sh start "$SUITE_WAIT" > "$DIR/suite.log" 2>&1
         python3 -m tests.gpu.servers stop "$ROOT"
-        python3 scripts/bench_gdn_tree.py --out "$DIR/gdn" $GDN_ARGS > "$DIR/gdn.log" 2>&1
+        wait $unit
+        [ "$GDN_ARGS" = none ] || python3 scripts/bench_gdn_tree.py --out "$DIR/gdn" $GDN_ARGS \
+          > "$DIR/gdn.log" 2>&1
         [ $# -gt 0 ] && python3 scripts/bench_round.py --out "$DIR/round" \
           --work "/root/bench_$NAME" "$@" > "$DIR/round.log" 2>&1
         touch "$DIR/done"' all "$@" < /dev/null > /dev/null 2>&1 &
