@@ -155,7 +155,7 @@ def check_request(obj, input_ids, sizes: Sizes) -> None:
         raise ValueError("the prompt is empty: a request needs at least one prompt token (or a "
                          "session whose context it continues).")  # fmt: skip
     _check_logprobs(obj, prompt_len, sizes.vocab)
-    _check_session(obj, prompt_len, sizes.context)
+    _check_session(obj, sizes.context)
     _check_labels(getattr(obj, "custom_labels", None), sizes.labels)
     sampling = getattr(obj, "sampling_params", None)
     if sampling is None:
@@ -218,7 +218,7 @@ def _integers(holder, names: tuple[str, ...]) -> None:
                 setattr(holder, name, int(value))
 
 
-def _check_session(obj, prompt_len: int | None, context: int | None) -> None:
+def _check_session(obj, context: int | None) -> None:
     """session_id a string; session_params null or an object of SESSION_FIELDS, each of its
     type: the scheduler looks the id up in a dict and slices by the offset as they come (a
     list there raised in the scheduler)."""

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .accept import accepted_nodes
 from .types import DraftTree
 
 CHAIN = 0  # the width `choose_width` returns for chain DFlash
@@ -60,14 +61,10 @@ def accepted_at_widths(tree: DraftTree, emitted: torch.Tensor, accept_lens: torc
     index below w. Exact for greedy requests (a node's target token depends on its path alone);
     under sampling, the narrower round under the same draws of the target's token at each node.
     On the device, no host sync."""
-    w_run = tree.tokens.shape[1]
-    depth = tree.depth
-    column = (depth - 1).clamp(0, emitted.shape[1] - 1)
-    matches = (tree.tokens == emitted.gather(1, column).to(tree.tokens.dtype)) & (
-        depth < accept_lens[:, None].to(depth.dtype)
-    )
-    matches[:, 0] = True
-    on_path = (matches[:, None, :] | ~tree.visibility).all(dim=-1)  # [bs, w_run]
+    w_run, depth = tree.tokens.shape[1], tree.depth
+    # the target's token at each node, as far as the path goes: the emitted token at its depth
+    targets = emitted.gather(1, depth.clamp(max=emitted.shape[1] - 1)).to(tree.tokens.dtype)
+    on_path = accepted_nodes(tree, targets) & (depth < accept_lens[:, None].to(depth.dtype))
     on_path[:, 0] = False  # the root is committed; the 1 below is the bonus token
     through = 1.0 + on_path.float().cumsum(1)  # [bs, w_run]: accepted through node i
     # columns one by one (a list index would be a host-to-device copy, i.e. a sync)
