@@ -46,12 +46,15 @@ timed demo bash scripts/demo.sh
 timed test bash scripts/test.sh
 
 WORK=$work OUT=$out COMMIT=$commit LOAD="$load_before" python3 - <<'EOF'
-import datetime, json, os, platform
+import datetime, json, os, platform, re
 from pathlib import Path
 
 work = Path(os.environ["WORK"])
 seconds = {n: round(float((work / f"{n}.s").read_text()), 1) for n in ("setup", "demo", "test")}
-summary = (work / "test.log").read_text().strip().splitlines()[-1]  # pytest's last line
+# pytest's summary line ("N passed, M skipped ... in S s"); a warning printed at interpreter exit
+# can follow it
+summary = next(line for line in reversed((work / "test.log").read_text().splitlines())
+               if re.search(r"\d+ (passed|failed)", line))
 mem_kb = int(next(l for l in open("/proc/meminfo") if l.startswith("MemTotal")).split()[1])
 samples = [line.split() for line in (work / "load.txt").read_text().splitlines()]
 load = {n: [float(v) for step, v in samples if step == n] for n in ("setup", "demo", "test")}
