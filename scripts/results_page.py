@@ -644,7 +644,9 @@ def readme_block(name: str, data: Path = DATA) -> str:
     if name == "fresh_clone":
         r = latest(rows)[0]
         cpus, load = r["machine"]["cpus"], _load(r)
-        shared = f", load average {load} during them: shared with other work" if load else ""
+        busy = max((r.get("load_mean") or {}).values(), default=0) > cpus  # more than its own
+        shared = f", load average {load} during them" if load else ""
+        shared += ": shared with other work" if busy else ""
         times = (f"setup {_duration(r['setup_s'])}, the demo {_duration(r['demo_s'])}, the "
                  f"tests {_duration(r['test_s'])}")  # fmt: skip
         return (

@@ -125,6 +125,12 @@ def test_the_fresh_clone_sentence_gives_the_times_and_the_load(tmp_path):
     assert text == ("Measured on a fresh clone (2026-12-05, a 2-CPU machine, load average "
                     "0.5 / 1 / 3.2 during them: shared with other work): setup 117 s, the demo "
                     "12 s, the tests 7.0 min (`scripts/time_fresh_clone.sh`).")  # fmt: skip
+    # a load within the machine's CPUs is the steps' own work: not called shared
+    row["load_mean"] = {"setup": 0.6, "demo": 1.0, "test": 1.0}
+    (tmp_path / "fresh_clone.jsonl").write_text(json.dumps(row) + "\n")
+    text = " ".join(page.readme_block("fresh_clone", tmp_path).split())
+    assert text.startswith("Measured on a fresh clone (2026-12-05, a 2-CPU machine, load average "
+                           "0.6 / 1 / 1 during them): setup 117 s")  # fmt: skip
 
 
 def test_the_simulated_serving_table_gives_ratios_round_times_and_widths_per_run():
