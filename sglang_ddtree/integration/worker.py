@@ -329,13 +329,17 @@ class DDTreeWorker(DFlashWorkerV2):
     def _accepted_at_widths(self, result, rnd: Round) -> torch.Tensor:
         """[bs, W] the tokens the round accepted at each read width: its own, and what each
         narrower width's first nodes would have accepted (the policy's paired readings)."""
-        emitted = result.next_token_ids.view(rnd.bs, -1)[:, : self.cfg.block_size]
-        return accepted_at_widths(rnd.tree, emitted, result.accept_lens,
+        return accepted_at_widths(rnd.tree, self._emitted(result, rnd), result.accept_lens,
                                   self._tree_head.reading_widths)  # fmt: skip
+
+    def _emitted(self, result, rnd: Round) -> torch.Tensor:
+        """[bs, B] a view of the round's tokens per request: its accepted drafts, then the
+        bonus, the first accept_lens of each row."""
+        return result.next_token_ids.view(rnd.bs, -1)[:, : self.cfg.block_size]
 
     def _observe(self, batch, rnd: Round, result) -> None:
         """What the round emitted, for the penalty counts and the round dump."""
-        emitted = result.next_token_ids.view(rnd.bs, -1)[:, : self.cfg.block_size]  # a view
+        emitted = self._emitted(result, rnd)
         # the emitted tokens join each request's count in rounds whose batch asks for a penalty:
         # only a penalised request's row changes any logit (a neutral one's leaves them as they
         # are, whatever it holds), and a penalised request is in every round from its prefill on
