@@ -46,9 +46,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--out", type=Path, help="folder for the rows, OUT/acceptance.jsonl")
     p.add_argument("--plot", type=Path, help="also draw acceptance against budget (.png/.svg)")
-    p.add_argument("--rows", type=Path,
-                   help="table and plot from these rows (a .jsonl this script wrote) instead of "
-                   "decoding")  # fmt: skip
+    p.add_argument(
+        "--rows",
+        type=Path,
+        help="table and plot from these rows (a .jsonl this script wrote) instead of decoding",
+    )
     a = p.parse_args(argv)
     a.budgets = [int(b) for b in a.budgets.split(",")]
     a.temperatures = [float(t) for t in a.temperatures.split(",")]
@@ -126,14 +128,18 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.8))
     for i, temp in enumerate(sorted({r["temperature"] for r in rows})):
         at = [r for r in rows if r["temperature"] == temp]
-        tree = sorted((int(r["method"].split()[-1]), r["mean_accept_len"]) for r in at
-                      if r["method"].startswith("DDTree"))  # fmt: skip
+        tree = sorted(
+            (int(r["method"].split()[-1]), r["mean_accept_len"])
+            for r in at
+            if r["method"].startswith("DDTree")
+        )
         color = f"C{i}"
         ax.plot(*zip(*tree, strict=True), marker="o", color=color, label=f"DDTree, T={temp:g}")
         for r in at:
             if r["method"].startswith("chain"):
-                ax.axhline(r["mean_accept_len"], color=color, ls="--",
-                           label=f"chain DFlash, T={temp:g}")  # fmt: skip
+                ax.axhline(
+                    r["mean_accept_len"], color=color, ls="--", label=f"chain DFlash, T={temp:g}"
+                )
     budgets = sorted(
         {int(r["method"].split()[-1]) for r in rows if r["method"].startswith("DDTree")}
     )

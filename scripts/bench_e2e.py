@@ -33,8 +33,18 @@ import harness  # beside this script (scripts/harness.py)
 from sglang_ddtree import DEMO_PAIR_DIR
 from sglang_ddtree.training.corpus import heldout_prompts
 
-COMMON = ["--attention-backend", "flashinfer", "--dtype", "bfloat16", "--mem-fraction-static",
-          "0.08", "--max-running-requests", "16", "--cuda-graph-max-bs-decode", "16"]  # fmt: skip
+COMMON = [
+    "--attention-backend",
+    "flashinfer",
+    "--dtype",
+    "bfloat16",
+    "--mem-fraction-static",
+    "0.08",
+    "--max-running-requests",
+    "16",
+    "--cuda-graph-max-bs-decode",
+    "16",
+]
 
 
 TOPK = 8  # DDTREE's --speculative-eagle-topk, and the reference engine's topk beside it
@@ -44,9 +54,15 @@ def server_table(draft: str, budgets: list[int]) -> dict[str, list[str]]:
     spec = ["--speculative-draft-model-path", draft]
     table = {"none": [], "dflash": ["--speculative-algorithm", "DFLASH", *spec]}
     for n in budgets:
-        table[f"ddtree{n}"] = ["--speculative-algorithm", "DDTREE", *spec,
-                               "--speculative-num-draft-tokens", str(n),
-                               "--speculative-eagle-topk", str(TOPK)]  # fmt: skip
+        table[f"ddtree{n}"] = [
+            "--speculative-algorithm",
+            "DDTREE",
+            *spec,
+            "--speculative-num-draft-tokens",
+            str(n),
+            "--speculative-eagle-topk",
+            str(TOPK),
+        ]
     return table
 
 
@@ -57,22 +73,30 @@ def attached_servers(root: Path) -> list:
         table = json.loads((Path(root) / "servers.json").read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise SystemExit(f"no server table under {root} ({exc}): start the set first") from exc
-    missing = [n for n in ("pair-base", "pair-dflash", "pair-ddtree", "pair-ddtree64")
-               if n not in table]  # fmt: skip
+    missing = [
+        n for n in ("pair-base", "pair-dflash", "pair-ddtree", "pair-ddtree64") if n not in table
+    ]
     if missing:
-        raise SystemExit(f"the server set under {root} has no {', '.join(missing)}: start the "
-                         "whole set (without DDTREE_GPU_SERVERS) first")  # fmt: skip
+        raise SystemExit(
+            f"the server set under {root} has no {', '.join(missing)}: start the "
+            "whole set (without DDTREE_GPU_SERVERS) first"
+        )
     spec = table["pair-ddtree"]["args"]
     nodes = int(spec[spec.index("--speculative-num-draft-tokens") + 1])
     topk = int(spec[spec.index("--speculative-eagle-topk") + 1])
     assert topk == TOPK, (topk, TOPK)
-    names = {"none": "pair-base", "dflash": "pair-dflash", f"ddtree{nodes}": "pair-ddtree",
-             "ddtree64": "pair-ddtree64"}  # fmt: skip
+    names = {
+        "none": "pair-base",
+        "dflash": "pair-dflash",
+        f"ddtree{nodes}": "pair-ddtree",
+        "ddtree64": "pair-ddtree64",
+    }
     servers = []
     for name, test_name in names.items():
         row = table[test_name]
-        server = harness.Server(test_name, row["model_path"], row["port"], row["args"],
-                                log_dir=Path(row["log_dir"]))  # fmt: skip
+        server = harness.Server(
+            test_name, row["model_path"], row["port"], row["args"], log_dir=Path(row["log_dir"])
+        )
         if not server.is_healthy():
             raise SystemExit(f"{test_name} is not running under {root}")
         server.name = name
@@ -83,8 +107,9 @@ def attached_servers(root: Path) -> list:
 def load(server, prompts: list[str], concurrency: int, tokens: int) -> dict:
     def one(prompt):
         t0 = time.perf_counter()
-        out = harness.generate(server, prompt, max_new_tokens=tokens, temperature=0,
-                               ignore_eos=True)  # fmt: skip
+        out = harness.generate(
+            server, prompt, max_new_tokens=tokens, temperature=0, ignore_eos=True
+        )
         return time.perf_counter() - t0, out["meta_info"], out["output_ids"]
 
     harness.run_all(one, prompts[:concurrency], concurrency)  # warm-up
@@ -129,8 +154,11 @@ def profile(servers: list, out: Path) -> None:
         if server.name == "none":
             continue
         for bs in (1, 8):
-            row = {"server": server.name, "bs": bs,
-                   **bench_round.profile_parts(server, bs, out / "traces")}  # fmt: skip
+            row = {
+                "server": server.name,
+                "bs": bs,
+                **bench_round.profile_parts(server, bs, out / "traces"),
+            }
             print(json.dumps(row), flush=True)
             with open(out / "round_profile_pair.jsonl", "a") as f:
                 f.write(json.dumps(row) + "\n")
@@ -142,19 +170,27 @@ def plot(rows: list[dict], path: Path) -> None:
     for name in dict.fromkeys(r["server"] for r in rows):
         mine = [r for r in rows if r["server"] == name]
         accept = statistics.mean(r["accept_len"] for r in mine)
-        series[f"{name} (accept {accept:.2f})"] = [(r["concurrency"], r["tokens_per_s"])
-                                                   for r in mine]  # fmt: skip
-    harness.line_plot(series, path, xlabel="concurrency", ylabel="output tokens/s",
-                      title="trained pair (9.7M target, 2.0M DFlash draft), one H200",
-                      log2_x=True)  # fmt: skip
+        series[f"{name} (accept {accept:.2f})"] = [
+            (r["concurrency"], r["tokens_per_s"]) for r in mine
+        ]
+    harness.line_plot(
+        series,
+        path,
+        xlabel="concurrency",
+        ylabel="output tokens/s",
+        title="trained pair (9.7M target, 2.0M DFlash draft), one H200",
+        log2_x=True,
+    )
 
 
 def print_table(rows: list[dict]) -> None:
     print(f"\n{'server':<16} {'conc':>4} {'tok/s':>9} {'TPOT ms':>8} {'accept':>7} {'same':>5}")
     for r in rows:
-        print(f"{r['server']:<16} {r['concurrency']:>4} {r['tokens_per_s']:>9.1f} "
-              f"{r['tpot_ms']:>8.2f} {r['accept_len']:>7.2f} "
-              f"{r.get('identical_to_plain', '-'):>5}")  # fmt: skip
+        print(
+            f"{r['server']:<16} {r['concurrency']:>4} {r['tokens_per_s']:>9.1f} "
+            f"{r['tpot_ms']:>8.2f} {r['accept_len']:>7.2f} "
+            f"{r.get('identical_to_plain', '-'):>5}"
+        )
 
 
 def main() -> int:
@@ -209,8 +245,11 @@ def main() -> int:
     try:
         for server in servers:
             for c in (int(x) for x in args.concurrency.split(",")):
-                row = {"server": server.name, "concurrency": c,
-                       **load(server, prompts, c, args.tokens)}  # fmt: skip
+                row = {
+                    "server": server.name,
+                    "concurrency": c,
+                    **load(server, prompts, c, args.tokens),
+                }
                 ids = row.pop("output_ids")
                 if server.name == "none" and c == 1:
                     plain_ids = ids
@@ -218,13 +257,19 @@ def main() -> int:
                     row["identical_to_plain"] = sum(
                         a == b for a, b in zip(ids, plain_ids, strict=False)
                     )
-                    row["first_divergence"] = [harness.first_divergence(a, b)
-                                               for a, b in zip(ids, plain_ids, strict=False)]  # fmt: skip
+                    row["first_divergence"] = [
+                        harness.first_divergence(a, b) for a, b in zip(ids, plain_ids, strict=False)
+                    ]
                 if server.name.startswith("ddtree") and c == 1 and args.reference_prompts:
                     k = args.reference_prompts
                     try:
-                        ref = reference_rounds(args.target, args.draft, prompts[:k],
-                                               budget_of(server.name), args.tokens)  # fmt: skip
+                        ref = reference_rounds(
+                            args.target,
+                            args.draft,
+                            prompts[:k],
+                            budget_of(server.name),
+                            args.tokens,
+                        )
                     except Exception as e:  # the measured rows matter more; report and go on
                         ref = f"reference engine failed: {e!r}"
                     row["reference_rounds"], row["sglang_rounds"] = ref, row["verify_ct"][:k]

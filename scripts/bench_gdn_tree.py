@@ -46,14 +46,23 @@ def trees(bs: int, nodes: int, seed: int) -> torch.Tensor:
 
 def deepest(parents: torch.Tensor) -> torch.Tensor:
     """Per request the deepest node (ties: the last): the longest commit a round can make."""
-    depth = [[len(root_path(parents, b, t)) for t in range(parents.shape[1])]
-             for b in range(parents.shape[0])]  # fmt: skip
+    depth = [
+        [len(root_path(parents, b, t)) for t in range(parents.shape[1])]
+        for b in range(parents.shape[0])
+    ]
     return torch.tensor([max(range(len(d)), key=lambda t, d=d: (d[t], t)) for d in depth])
 
 
-def run_one(bs: int, nodes: int, parents: torch.Tensor, iters: int, device: str = "cuda",
-            heads: tuple[int, int, int, int] = (H, HV, K, V), tiles=(),
-            chunk_tiles=()) -> dict:  # fmt: skip
+def run_one(
+    bs: int,
+    nodes: int,
+    parents: torch.Tensor,
+    iters: int,
+    device: str = "cuda",
+    heads: tuple[int, int, int, int] = (H, HV, K, V),
+    tiles=(),
+    chunk_tiles=(),
+) -> dict:
     """One configuration; on a CPU device (Triton's interpreter) only the equality checks."""
     from sglang.kernels.ops.attention.linear.fused_sigmoid_gating_recurrent import (
         fused_sigmoid_gating_delta_rule_update,
@@ -81,19 +90,45 @@ def run_one(bs: int, nodes: int, parents: torch.Tensor, iters: int, device: str 
 
     def sglang_verify():
         out["sglang"] = fused_sigmoid_gating_delta_rule_update(
-            A_log=A_log, a=a, dt_bias=dt_bias, softplus_beta=1.0, softplus_threshold=20.0,
-            q=q, k=k, v=v, b=b, initial_state_source=ssm, initial_state_indices=slots,
-            cu_seqlens=cu, use_qk_l2norm_in_kernel=True, disable_state_update=True,
-            intermediate_states_buffer=inter, intermediate_state_indices=slots,
-            cache_steps=nodes, retrieve_parent_token=parents_dev.clamp(min=0),
-        )  # fmt: skip
+            A_log=A_log,
+            a=a,
+            dt_bias=dt_bias,
+            softplus_beta=1.0,
+            softplus_threshold=20.0,
+            q=q,
+            k=k,
+            v=v,
+            b=b,
+            initial_state_source=ssm,
+            initial_state_indices=slots,
+            cu_seqlens=cu,
+            use_qk_l2norm_in_kernel=True,
+            disable_state_update=True,
+            intermediate_states_buffer=inter,
+            intermediate_state_indices=slots,
+            cache_steps=nodes,
+            retrieve_parent_token=parents_dev.clamp(min=0),
+        )
 
     def sglang_commit():
         out["committed"] = inter[torch.arange(bs, device=dev), ends]
 
     def ours_verify():
-        out["ours"] = tree_verify(q[0], k[0], v[0], a, b, A_log, dt_bias, ssm, slots,
-                                  parents_dev, scratch[0], slots, max_path=BLOCK)  # fmt: skip
+        out["ours"] = tree_verify(
+            q[0],
+            k[0],
+            v[0],
+            a,
+            b,
+            A_log,
+            dt_bias,
+            ssm,
+            slots,
+            parents_dev,
+            scratch[0],
+            slots,
+            max_path=BLOCK,
+        )
 
     def ours_commit():
         commit_paths(pool, slots, scratch, slots, parents_dev, ends, max_path=BLOCK)
@@ -103,9 +138,23 @@ def run_one(bs: int, nodes: int, parents: torch.Tensor, iters: int, device: str 
     def chunk_verify(block_v=None, warps=None, precision="split"):
         def fn():
             out["chunk"] = chunk_tree_verify(
-                q[0], k[0], v[0], a, b, A_log, dt_bias, ssm, slots, parents_dev, scratch[0],
-                slots, max_path=BLOCK, block_v=block_v, num_warps=warps, precision=precision,
-            )  # fmt: skip
+                q[0],
+                k[0],
+                v[0],
+                a,
+                b,
+                A_log,
+                dt_bias,
+                ssm,
+                slots,
+                parents_dev,
+                scratch[0],
+                slots,
+                max_path=BLOCK,
+                block_v=block_v,
+                num_warps=warps,
+                precision=precision,
+            )
 
         return fn
 
@@ -119,17 +168,44 @@ def run_one(bs: int, nodes: int, parents: torch.Tensor, iters: int, device: str 
 
     def sglang_chain_verify():
         fused_sigmoid_gating_delta_rule_update(
-            A_log=A_log, a=a, dt_bias=dt_bias, softplus_beta=1.0, softplus_threshold=20.0,
-            q=q, k=k, v=v, b=b, initial_state_source=ssm, initial_state_indices=chain_slots,
-            cu_seqlens=chain_cu, use_qk_l2norm_in_kernel=True, disable_state_update=True,
-            intermediate_states_buffer=chain_inter, intermediate_state_indices=chain_idx,
+            A_log=A_log,
+            a=a,
+            dt_bias=dt_bias,
+            softplus_beta=1.0,
+            softplus_threshold=20.0,
+            q=q,
+            k=k,
+            v=v,
+            b=b,
+            initial_state_source=ssm,
+            initial_state_indices=chain_slots,
+            cu_seqlens=chain_cu,
+            use_qk_l2norm_in_kernel=True,
+            disable_state_update=True,
+            intermediate_states_buffer=chain_inter,
+            intermediate_state_indices=chain_idx,
             cache_steps=BLOCK,
-        )  # fmt: skip
+        )
 
     def ours_verify_tile(block_v, warps):
         def fn():
-            tree_verify(q[0], k[0], v[0], a, b, A_log, dt_bias, ssm, slots, parents_dev,
-                        scratch[0], slots, max_path=BLOCK, block_v=block_v, num_warps=warps)  # fmt: skip
+            tree_verify(
+                q[0],
+                k[0],
+                v[0],
+                a,
+                b,
+                A_log,
+                dt_bias,
+                ssm,
+                slots,
+                parents_dev,
+                scratch[0],
+                slots,
+                max_path=BLOCK,
+                block_v=block_v,
+                num_warps=warps,
+            )
 
         return fn
 
@@ -148,8 +224,12 @@ def run_one(bs: int, nodes: int, parents: torch.Tensor, iters: int, device: str 
     if dev == "cuda":
         from bench_tree_build import gpu_ms  # beside this script, so on sys.path when it runs
 
-        for name, fn in (("sglang_verify", sglang_verify), ("sglang_commit", sglang_commit),
-                         ("ours_verify", ours_verify), ("ours_commit", ours_commit)):  # fmt: skip
+        for name, fn in (
+            ("sglang_verify", sglang_verify),
+            ("sglang_commit", sglang_commit),
+            ("ours_verify", ours_verify),
+            ("ours_commit", ours_commit),
+        ):
             row[f"{name}_ms"] = gpu_ms(fn, iters, graph=True)
         for block_v, warps in tiles:
             row[f"ours_verify_bv{block_v}_w{warps}_ms"] = gpu_ms(
@@ -193,9 +273,14 @@ def conv_tilings(text: str) -> dict[str, dict]:
             raise ValueError(f"--conv-tilings {name}: expected tNnNwN[tile][anc][in][nosave]")
         if m[4] and m[6]:
             raise ValueError(f"--conv-tilings {name}: 'in' stores no windows to tile")
-        out[name] = dict(block_t=int(m[1]), block_n=int(m[2]), num_warps=int(m[3]),
-                         window_tile=m[4] is not None, ancestor_table=m[5] is not None,
-                         save_inputs=m[6] is not None)  # fmt: skip
+        out[name] = dict(
+            block_t=int(m[1]),
+            block_n=int(m[2]),
+            num_warps=int(m[3]),
+            window_tile=m[4] is not None,
+            ancestor_table=m[5] is not None,
+            save_inputs=m[6] is not None,
+        )
     return out
 
 
@@ -208,8 +293,15 @@ def _timed(gpu_ms, fn, iters: int) -> float | str:
         return f"error: {str(exc)[:200]}"
 
 
-def run_conv(bs: int, nodes: int, parents: torch.Tensor, iters: int, dim: int = CONV_DIM,
-             device: str = "cuda", tilings=()) -> dict:  # fmt: skip
+def run_conv(
+    bs: int,
+    nodes: int,
+    parents: torch.Tensor,
+    iters: int,
+    dim: int = CONV_DIM,
+    device: str = "cuda",
+    tilings=(),
+) -> dict:
     """One configuration of the tree conv1d: SGLang's causal_conv1d_update (tree path) against
     sglang_ddtree.gdn.conv_tree, bf16 at Qwen3.6-27B's conv width; also checks they agree. On a
     CPU device (Triton's interpreter) only the checks, in float32."""
@@ -234,15 +326,25 @@ def run_conv(bs: int, nodes: int, parents: torch.Tensor, iters: int, dim: int = 
     def call(name, fn):
         # its own conv state (SGLang's kernel rolls it during a tree verify), windows, parents
         own = state.clone()
-        windows = out[f"{name}_win"] = torch.zeros((bs + 1, nodes, dim, KW - 1), dtype=dtype,
-                                                   device=dev)  # fmt: skip
+        windows = out[f"{name}_win"] = torch.zeros(
+            (bs + 1, nodes, dim, KW - 1), dtype=dtype, device=dev
+        )
         par = out[f"{name}_par"] = torch.zeros((bs, nodes), dtype=torch.int64, device=dev)
 
         def run():
-            out[name] = fn(x, own, weight, bias, "silu", conv_state_indices=idx,
-                           intermediate_conv_window=windows, intermediate_state_indices=idx,
-                           retrieve_next_token=nxt, retrieve_next_sibling=sib,
-                           retrieve_parent_token=par)  # fmt: skip
+            out[name] = fn(
+                x,
+                own,
+                weight,
+                bias,
+                "silu",
+                conv_state_indices=idx,
+                intermediate_conv_window=windows,
+                intermediate_state_indices=idx,
+                retrieve_next_token=nxt,
+                retrieve_next_sibling=sib,
+                retrieve_parent_token=par,
+            )
 
         return run
 
@@ -258,9 +360,16 @@ def run_conv(bs: int, nodes: int, parents: torch.Tensor, iters: int, dim: int = 
     chain_win = torch.zeros((chains + 1, BLOCK, dim, KW - 1), dtype=dtype, device=dev)
 
     def sglang_chain():
-        causal_conv1d_update(chain_x, chain_state, weight, bias, "silu",
-                             conv_state_indices=chain_idx, intermediate_conv_window=chain_win,
-                             intermediate_state_indices=chain_idx)  # fmt: skip
+        causal_conv1d_update(
+            chain_x,
+            chain_state,
+            weight,
+            bias,
+            "silu",
+            conv_state_indices=chain_idx,
+            intermediate_conv_window=chain_win,
+            intermediate_state_indices=chain_idx,
+        )
 
     # as served on DDTREE's compact pool: each node's input once, the commit builds the window
     call("ours_in", partial(conv_tree, save_inputs=True))()
@@ -269,20 +378,35 @@ def run_conv(bs: int, nodes: int, parents: torch.Tensor, iters: int, dim: int = 
         front = buffer[:bs].reshape(bs, -1)[:, : nodes * dim].view(bs, nodes, dim)
         return torch.equal(front, x.transpose(1, 2))
 
-    row = {"bs": bs, "nodes": nodes, "conv_dim": dim,
-           "conv_max_abs_diff_o": float((out["ours"].float() - out["sglang"].float()).abs().max()),
-           "conv_windows_equal": bool(torch.equal(out["ours_win"][:bs], out["sglang_win"][:bs])),
-           "conv_parents_equal": bool(torch.equal(out["ours_par"], out["sglang_par"])),
-           "conv_inputs_equal": bool(torch.equal(out["ours_in"], out["ours"])
-                                     and fronts_hold_inputs(out["ours_in_win"]))}  # fmt: skip
+    row = {
+        "bs": bs,
+        "nodes": nodes,
+        "conv_dim": dim,
+        "conv_max_abs_diff_o": float((out["ours"].float() - out["sglang"].float()).abs().max()),
+        "conv_windows_equal": bool(torch.equal(out["ours_win"][:bs], out["sglang_win"][:bs])),
+        "conv_parents_equal": bool(torch.equal(out["ours_par"], out["sglang_par"])),
+        "conv_inputs_equal": bool(
+            torch.equal(out["ours_in"], out["ours"]) and fronts_hold_inputs(out["ours_in_win"])
+        ),
+    }
     timed = {}
     for tiling, kw in conv_tilings(",".join(tilings)).items():
         if "nosave" in tiling:  # the same kernel without the window stores (a bound)
-            timed[tiling] = partial(conv_tree, x, state.clone(), weight, bias, "silu",
-                                    conv_state_indices=idx, intermediate_conv_window=None,
-                                    intermediate_state_indices=idx, retrieve_next_token=nxt,
-                                    retrieve_next_sibling=sib,
-                                    retrieve_parent_token=out["ours_par"].clone(), **kw)  # fmt: skip
+            timed[tiling] = partial(
+                conv_tree,
+                x,
+                state.clone(),
+                weight,
+                bias,
+                "silu",
+                conv_state_indices=idx,
+                intermediate_conv_window=None,
+                intermediate_state_indices=idx,
+                retrieve_next_token=nxt,
+                retrieve_next_sibling=sib,
+                retrieve_parent_token=out["ours_par"].clone(),
+                **kw,
+            )
             continue
         timed[tiling] = call(f"ours_{tiling}", partial(conv_tree, **kw))
         timed[tiling]()
@@ -310,8 +434,9 @@ def run_conv(bs: int, nodes: int, parents: torch.Tensor, iters: int, dim: int = 
         served()
         row["conv_noparents_equal"] = bool(torch.equal(out["ours_np"], out["ours"]))
         row["ours_conv_noparents_ms"] = gpu_ms(served, iters, graph=True)
-        row["parents_ms"] = gpu_ms(partial(tree_parents, nxt, sib, out["ours_par"].clone()),
-                                   iters, graph=True)  # fmt: skip
+        row["parents_ms"] = gpu_ms(
+            partial(tree_parents, nxt, sib, out["ours_par"].clone()), iters, graph=True
+        )
         stored_np = call("ours_in_np", partial(conv_tree, fill_parents=False, save_inputs=True))
         out["ours_in_np_par"].copy_(out["ours_par"])
         stored_np()
@@ -319,16 +444,21 @@ def run_conv(bs: int, nodes: int, parents: torch.Tensor, iters: int, dim: int = 
         row.update(_time_window_commits(bs, nodes, dim, KW, out["ours_par"], randn, iters))
         if chain_x is not None:
             row["sglang_chain_conv_same_tokens_ms"] = gpu_ms(sglang_chain, iters, graph=True)
-        served_tilings = {"": {}} | {t: kw for t, kw in conv_tilings(",".join(tilings)).items()
-                                     if kw["save_inputs"]}  # fmt: skip
-        row.update(_time_conv_rounds(bs, nodes, dim, KW, nxt, sib, randn, iters, served_tilings,
-                                     chain=whole))  # fmt: skip
+        served_tilings = {"": {}} | {
+            t: kw for t, kw in conv_tilings(",".join(tilings)).items() if kw["save_inputs"]
+        }
+        row.update(
+            _time_conv_rounds(
+                bs, nodes, dim, KW, nxt, sib, randn, iters, served_tilings, chain=whole
+            )
+        )
 
     return row
 
 
-def _time_conv_rounds(bs, nodes, dim, KW, nxt, sib, randn, iters, tilings, chain: bool,
-                      layers=48) -> dict:  # fmt: skip
+def _time_conv_rounds(
+    bs, nodes, dim, KW, nxt, sib, randn, iters, tilings, chain: bool, layers=48
+) -> dict:
     """A round's conv1d as it runs in the server: `layers` GDN layers' calls back to back in one
     CUDA graph, each layer with its own inputs, weights, conv states and stores (so no layer
     reads another's data from L2), ms per round. Ours as DDTREE's compact pool serves it (the
@@ -357,12 +487,22 @@ def _time_conv_rounds(bs, nodes, dim, KW, nxt, sib, randn, iters, tilings, chain
             if ancestor_table:
                 tree_parents(nxt, sib, parents, table)
             for layer in range(layers):
-                conv_tree(xs[layer], states[layer], weights[layer], biases[layer], "silu",
-                          conv_state_indices=idx, intermediate_conv_window=windows[layer],
-                          intermediate_state_indices=idx, retrieve_next_token=nxt,
-                          retrieve_next_sibling=sib, retrieve_parent_token=parents,
-                          fill_parents=layer == 0 and not ancestor_table,
-                          ancestors=table if ancestor_table else None, **kw)  # fmt: skip
+                conv_tree(
+                    xs[layer],
+                    states[layer],
+                    weights[layer],
+                    biases[layer],
+                    "silu",
+                    conv_state_indices=idx,
+                    intermediate_conv_window=windows[layer],
+                    intermediate_state_indices=idx,
+                    retrieve_next_token=nxt,
+                    retrieve_next_sibling=sib,
+                    retrieve_parent_token=parents,
+                    fill_parents=layer == 0 and not ancestor_table,
+                    ancestors=table if ancestor_table else None,
+                    **kw,
+                )
 
         return run
 
@@ -377,16 +517,23 @@ def _time_conv_rounds(bs, nodes, dim, KW, nxt, sib, randn, iters, tilings, chain
         chains = bs * nodes // BLOCK
         chain_xs = [x.transpose(1, 2).reshape(chains, BLOCK, dim).transpose(1, 2) for x in xs]
         chain_states = randn(layers, chains + 1, dim, KW - 1)
-        chain_windows = torch.zeros((layers, chains + 1, BLOCK, dim, KW - 1), dtype=xs[0].dtype,
-                                    device=dev)  # fmt: skip
+        chain_windows = torch.zeros(
+            (layers, chains + 1, BLOCK, dim, KW - 1), dtype=xs[0].dtype, device=dev
+        )
         chain_idx = torch.arange(chains, dtype=torch.int32, device=dev)
 
         def sglang_chain():
             for layer in range(layers):
-                causal_conv1d_update(chain_xs[layer], chain_states[layer], weights[layer],
-                                     biases[layer], "silu", conv_state_indices=chain_idx,
-                                     intermediate_conv_window=chain_windows[layer],
-                                     intermediate_state_indices=chain_idx)  # fmt: skip
+                causal_conv1d_update(
+                    chain_xs[layer],
+                    chain_states[layer],
+                    weights[layer],
+                    biases[layer],
+                    "silu",
+                    conv_state_indices=chain_idx,
+                    intermediate_conv_window=chain_windows[layer],
+                    intermediate_state_indices=chain_idx,
+                )
 
         row["sglang_chain_conv_round_ms"] = _timed(gpu_ms, sglang_chain, iters)
     return row
@@ -408,11 +555,15 @@ def _time_window_commits(bs, nodes, dim, KW, parents, randn, iters, layers=48) -
     idx = torch.arange(bs, dtype=torch.int32, device=dev)
     last = torch.full((bs,), nodes - 1, dtype=torch.int64, device=dev)
     return {
-        "sglang_window_scatter_ms": gpu_ms(partial(fused_conv_window_scatter_with_mask, states,
-                                                   buffer, idx, last), iters, graph=True),
-        "ours_commit_windows_ms": gpu_ms(partial(commit_windows, states, buffer, idx, idx,
-                                                 parents, last), iters, graph=True),
-    }  # fmt: skip
+        "sglang_window_scatter_ms": gpu_ms(
+            partial(fused_conv_window_scatter_with_mask, states, buffer, idx, last),
+            iters,
+            graph=True,
+        ),
+        "ours_commit_windows_ms": gpu_ms(
+            partial(commit_windows, states, buffer, idx, idx, parents, last), iters, graph=True
+        ),
+    }
 
 
 def main() -> int:
@@ -421,14 +572,25 @@ def main() -> int:
     p.add_argument("--bs", default="1,8")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--out", type=Path)
-    p.add_argument("--tiles", default="", help="also time our verify at these V tiles x warps, "
-                   "e.g. 16x1,32x2,64x4")  # fmt: skip
-    p.add_argument("--chunk-tiles", default="", help="also time the chunked verify at these V "
-                   "tiles x warps x precision, e.g. 64x8xsplit,128x8xtf32")  # fmt: skip
+    p.add_argument(
+        "--tiles",
+        default="",
+        help="also time our verify at these V tiles x warps, e.g. 16x1,32x2,64x4",
+    )
+    p.add_argument(
+        "--chunk-tiles",
+        default="",
+        help="also time the chunked verify at these V "
+        "tiles x warps x precision, e.g. 64x8xsplit,128x8xtf32",
+    )
     p.add_argument("--conv", action="store_true", help="also time the tree conv1d (conv_tree)")
     p.add_argument("--conv-only", action="store_true", help="the tree conv1d alone (no verify)")
-    p.add_argument("--conv-tilings", default="", help="with --conv, also these conv_tree "
-                   "tilings, e.g. t16n256w4,t8n128w4tile,t16n256w4nosave")  # fmt: skip
+    p.add_argument(
+        "--conv-tilings",
+        default="",
+        help="with --conv, also these conv_tree "
+        "tilings, e.g. t16n256w4,t8n128w4tile,t16n256w4nosave",
+    )
     args = p.parse_args()
     tiles, chunk_tiles = parse_tiles(args.tiles), parse_chunk_tiles(args.chunk_tiles)
     conv_tilings(args.conv_tilings)  # a typo fails here, before any GPU work
@@ -439,11 +601,19 @@ def main() -> int:
             if args.conv_only:
                 rows.append({})
             else:
-                rows.append(run_one(bs, nodes, parents, args.iters, tiles=tiles,
-                                    chunk_tiles=chunk_tiles))  # fmt: skip
+                rows.append(
+                    run_one(bs, nodes, parents, args.iters, tiles=tiles, chunk_tiles=chunk_tiles)
+                )
             if args.conv or args.conv_only:
-                rows[-1].update(run_conv(bs, nodes, parents, args.iters,
-                                         tilings=[t for t in args.conv_tilings.split(",") if t]))  # fmt: skip
+                rows[-1].update(
+                    run_conv(
+                        bs,
+                        nodes,
+                        parents,
+                        args.iters,
+                        tilings=[t for t in args.conv_tilings.split(",") if t],
+                    )
+                )
             print(json.dumps(rows[-1]), flush=True)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
@@ -452,15 +622,19 @@ def main() -> int:
     if args.conv_only:
         _print_conv(rows)
         return 0
-    print(f"\n{'bs':>3} {'N':>4} {'SGLang verify':>13} {'commit':>7} {'chain same T':>12} "
-          f"{'root paths':>10} {'chunk':>7} {'commit':>7} {'diff o':>7} {'chunk':>7} "
-          f"{'diff state':>10}")  # fmt: skip
+    print(
+        f"\n{'bs':>3} {'N':>4} {'SGLang verify':>13} {'commit':>7} {'chain same T':>12} "
+        f"{'root paths':>10} {'chunk':>7} {'commit':>7} {'diff o':>7} {'chunk':>7} "
+        f"{'diff state':>10}"
+    )
     for r in rows:
-        print(f"{r['bs']:>3} {r['nodes']:>4} {r['sglang_verify_ms']:>13.3f} "
-              f"{r['sglang_commit_ms']:>7.3f} {r.get('sglang_chain_same_tokens_ms', -1):>12.3f} "
-              f"{r['ours_verify_ms']:>10.3f} {r.get('chunk_verify_ms', -1):>7.3f} "
-              f"{r['ours_commit_ms']:>7.3f} {r['max_abs_diff_o']:>7.4f} "
-              f"{r.get('chunk_max_abs_diff_o', -1):>7.4f} {r['max_abs_diff_state']:>10.2e}")  # fmt: skip
+        print(
+            f"{r['bs']:>3} {r['nodes']:>4} {r['sglang_verify_ms']:>13.3f} "
+            f"{r['sglang_commit_ms']:>7.3f} {r.get('sglang_chain_same_tokens_ms', -1):>12.3f} "
+            f"{r['ours_verify_ms']:>10.3f} {r.get('chunk_verify_ms', -1):>7.3f} "
+            f"{r['ours_commit_ms']:>7.3f} {r['max_abs_diff_o']:>7.4f} "
+            f"{r.get('chunk_max_abs_diff_o', -1):>7.4f} {r['max_abs_diff_state']:>10.2e}"
+        )
     return 0
 
 
@@ -470,10 +644,17 @@ def _print_conv(rows: list[dict]) -> None:
     for r in rows:
         tiled = {k: v for k, v in r.items() if k.startswith("conv_round_") and isinstance(v, float)}
         best = min(tiled, key=tiled.get, default="")
-        cells = [r.get(k) for k in ("ours_conv_round_ms", "ours_conv_round_windows_ms",
-                                    "sglang_chain_conv_round_ms")]  # fmt: skip
-        shown = " ".join(f"{c:>8.3f}" if isinstance(c, float) else f"{str(c)[:8]:>8}"
-                         for c in cells)  # fmt: skip
+        cells = [
+            r.get(k)
+            for k in (
+                "ours_conv_round_ms",
+                "ours_conv_round_windows_ms",
+                "sglang_chain_conv_round_ms",
+            )
+        ]
+        shown = " ".join(
+            f"{c:>8.3f}" if isinstance(c, float) else f"{str(c)[:8]:>8}" for c in cells
+        )
         print(
             f"{r['bs']:>3} {r['nodes']:>4} {shown} {best.removeprefix('conv_round_').removesuffix('_ms')} "
             f"{tiled.get(best, -1):.3f}"

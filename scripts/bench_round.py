@@ -33,30 +33,74 @@ import harness  # beside this script (scripts/harness.py)
 from bench_serving import bench_args, run_bench, write_dataset
 
 QWEN36_TEXT = dict(  # Qwen3.6-27B text sizes (ddtree.md §3)
-    model_type="qwen3_5_text", vocab_size=248320, hidden_size=5120, intermediate_size=17408,
-    num_hidden_layers=64, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 16,
-    num_attention_heads=24, num_key_value_heads=4, head_dim=256, attn_output_gate=True,
-    linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
-    linear_num_key_heads=16, linear_num_value_heads=48, full_attention_interval=4,
-    max_position_embeddings=262144, rms_norm_eps=1e-6, hidden_act="silu", partial_rotary_factor=0.25,
-    rope_parameters={"rope_type": "default", "rope_theta": 1e7, "mrope_section": [11, 11, 10],
-                     "mrope_interleaved": True, "partial_rotary_factor": 0.25},
-    tie_word_embeddings=False, dtype="bfloat16", mtp_num_hidden_layers=1,
+    model_type="qwen3_5_text",
+    vocab_size=248320,
+    hidden_size=5120,
+    intermediate_size=17408,
+    num_hidden_layers=64,
+    layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 16,
+    num_attention_heads=24,
+    num_key_value_heads=4,
+    head_dim=256,
+    attn_output_gate=True,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_num_key_heads=16,
+    linear_num_value_heads=48,
+    full_attention_interval=4,
+    max_position_embeddings=262144,
+    rms_norm_eps=1e-6,
+    hidden_act="silu",
+    partial_rotary_factor=0.25,
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 1e7,
+        "mrope_section": [11, 11, 10],
+        "mrope_interleaved": True,
+        "partial_rotary_factor": 0.25,
+    },
+    tie_word_embeddings=False,
+    dtype="bfloat16",
+    mtp_num_hidden_layers=1,
     mtp_use_dedicated_embeddings=False,
-)  # fmt: skip
+)
 DRAFT = dict(  # a Qwen3.6-27B-DFlash-shaped draft: 5 layers, 4 sliding + 1 full, block 16
-    architectures=["DFlashDraftModel"], model_type="qwen3", vocab_size=248320, hidden_size=5120,
-    intermediate_size=17408, num_hidden_layers=5, num_attention_heads=32, num_key_value_heads=8,
-    head_dim=128, rms_norm_eps=1e-6, rope_theta=1e7, max_position_embeddings=262144,
-    hidden_act="silu", use_sliding_window=True, sliding_window=2048,
-    layer_types=["sliding_attention"] * 4 + ["full_attention"], num_target_layers=64,
-    block_size=16, dflash_config={"target_layer_ids": [1, 16, 31, 46, 61]},
-    tie_word_embeddings=False, dtype="bfloat16",
-)  # fmt: skip
+    architectures=["DFlashDraftModel"],
+    model_type="qwen3",
+    vocab_size=248320,
+    hidden_size=5120,
+    intermediate_size=17408,
+    num_hidden_layers=5,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    rms_norm_eps=1e-6,
+    rope_theta=1e7,
+    max_position_embeddings=262144,
+    hidden_act="silu",
+    use_sliding_window=True,
+    sliding_window=2048,
+    layer_types=["sliding_attention"] * 4 + ["full_attention"],
+    num_target_layers=64,
+    block_size=16,
+    dflash_config={"target_layer_ids": [1, 16, 31, 46, 61]},
+    tie_word_embeddings=False,
+    dtype="bfloat16",
+)
 # Prefill CUDA graphs are off: they do not touch the decode round and took 33-112 s to capture
 # per server at 27B.
-COMMON = ["--attention-backend", "flashinfer", "--load-format", "dummy", "--context-length",
-          "8192", "--mem-fraction-static", "0.85", "--disable-prefill-cuda-graph"]  # fmt: skip
+COMMON = [
+    "--attention-backend",
+    "flashinfer",
+    "--load-format",
+    "dummy",
+    "--context-length",
+    "8192",
+    "--mem-fraction-static",
+    "0.85",
+    "--disable-prefill-cuda-graph",
+]
 
 
 # Gated DeltaNet verify scratch: SGLang keeps every verified token's recurrent state until the
@@ -122,34 +166,56 @@ def variants(draft: Path, cap: int = 16) -> dict[str, list[str]]:
     decoding run at most `cap` requests (--max-running), the others at most 16."""
 
     def requests(n: int) -> list[str]:
-        return ["--max-running-requests", str(n),
-                "--max-mamba-cache-size", str(MAMBA_SLOTS_PER_REQ * n)]  # fmt: skip
+        return [
+            "--max-running-requests",
+            str(n),
+            "--max-mamba-cache-size",
+            str(MAMBA_SLOTS_PER_REQ * n),
+        ]
 
     def running(width: int, state_bytes: int = 4) -> list[str]:
         # SGLang's per-node scratch: at most 16 requests whatever `cap` (more leave the KV
         # cache too little memory on one H200)
         return requests(max_requests(width, state_bytes))
 
-    spec = ["--speculative-draft-model-path", str(draft), "--speculative-draft-load-format",
-            "dummy"]  # fmt: skip
+    spec = [
+        "--speculative-draft-model-path",
+        str(draft),
+        "--speculative-draft-load-format",
+        "dummy",
+    ]
     dd = ["--speculative-algorithm", "DDTREE", *spec, "--speculative-eagle-topk", "8"]
     dflash = ["--speculative-algorithm", "DFLASH", *spec]
     out = {
         "none": ["--max-running-requests", str(cap)],
         "dflash": [*dflash, *running(16)],
         "dflash_bf16ssm": [*dflash, *running(16, 2)],
-        "nextn": ["--speculative-algorithm", "NEXTN", "--speculative-eagle-topk", "4",
-                  "--speculative-num-steps", "3", "--speculative-num-draft-tokens", "8",
-                  *running(8)],
-    }  # fmt: skip
+        "nextn": [
+            "--speculative-algorithm",
+            "NEXTN",
+            "--speculative-eagle-topk",
+            "4",
+            "--speculative-num-steps",
+            "3",
+            "--speculative-num-draft-tokens",
+            "8",
+            *running(8),
+        ],
+    }
     for n in (16, 32, 64, 128):
         width = [*dd, "--speculative-num-draft-tokens", str(n)]
         # the compact scratch (the default): SGLang's default 16 requests at every N
         out[f"ddtree{n}"] = out[f"ddtree{n}_auto"] = out[f"ddtree{n}_sglangplan"] = [
-            *width, *requests(cap)]  # fmt: skip
+            *width,
+            *requests(cap),
+        ]
         out[f"ddtree{n}_sglanggdn"] = [*width, *running(n)]  # N states per request
-    out["ddtree64_sglanggdn_bf16ssm"] = [*dd, "--speculative-num-draft-tokens", "64",
-                                         *running(64, 2)]  # fmt: skip
+    out["ddtree64_sglanggdn_bf16ssm"] = [
+        *dd,
+        "--speculative-num-draft-tokens",
+        "64",
+        *running(64, 2),
+    ]
     return out
 
 
@@ -184,16 +250,33 @@ def write_configs(root: Path) -> tuple[Path, Path]:
     target, draft = root / "qwen36-27b-dummy", root / "qwen36-27b-dflash-dummy"
     ids = write_tokenizer(target, VOCAB)
     draft.mkdir(parents=True, exist_ok=True)
-    vision = dict(model_type="qwen3_5", depth=1, hidden_size=64, intermediate_size=128,
-                  num_heads=2, out_hidden_size=5120, patch_size=16, spatial_merge_size=2,
-                  temporal_patch_size=2, num_position_embeddings=64, deepstack_visual_indexes=[],
-                  in_channels=3)  # fmt: skip
-    cfg = dict(architectures=["Qwen3_5ForConditionalGeneration"], model_type="qwen3_5",
-               text_config={**QWEN36_TEXT, "eos_token_id": ids["<|im_end|>"]},
-               vision_config=vision, tie_word_embeddings=False, dtype="bfloat16",
-               image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-               vision_start_token_id=ids["<|vision_start|>"],
-               vision_end_token_id=ids["<|vision_end|>"], eos_token_id=ids["<|im_end|>"])  # fmt: skip
+    vision = dict(
+        model_type="qwen3_5",
+        depth=1,
+        hidden_size=64,
+        intermediate_size=128,
+        num_heads=2,
+        out_hidden_size=5120,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        num_position_embeddings=64,
+        deepstack_visual_indexes=[],
+        in_channels=3,
+    )
+    cfg = dict(
+        architectures=["Qwen3_5ForConditionalGeneration"],
+        model_type="qwen3_5",
+        text_config={**QWEN36_TEXT, "eos_token_id": ids["<|im_end|>"]},
+        vision_config=vision,
+        tie_word_embeddings=False,
+        dtype="bfloat16",
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        eos_token_id=ids["<|im_end|>"],
+    )
     (target / "config.json").write_text(json.dumps(cfg, indent=1))
     (target / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR_CONFIG, indent=1))
     dcfg = {**DRAFT, "dflash_config": {**DRAFT["dflash_config"], "mask_token_id": ids["<|MASK|>"]}}
@@ -206,8 +289,9 @@ def _latencies(server, bs: int, tokens: int, temperature: float = 0.0) -> list[d
 
     def one(prompt):
         t0 = time.perf_counter()
-        out = harness.generate(server, prompt, max_new_tokens=tokens, temperature=temperature,
-                               ignore_eos=True)  # fmt: skip
+        out = harness.generate(
+            server, prompt, max_new_tokens=tokens, temperature=temperature, ignore_eos=True
+        )
         return {"latency": time.perf_counter() - t0, "meta": out["meta_info"]}
 
     return harness.run_all(one, prompts, bs)
@@ -253,20 +337,23 @@ def measure(server, bs: int, tokens: int) -> dict:
     the fit (one such batch once took 900 ms at bs 16)."""
     _latencies(server, bs, tokens)  # warm-up
     repeat = -(-3 // bs)
-    runs = {n: [r for _ in range(repeat) for r in _latencies(server, bs, n)]
-            for n in (1, max(2, tokens // 2), tokens)}  # fmt: skip
+    runs = {
+        n: [r for _ in range(repeat) for r in _latencies(server, bs, n)]
+        for n in (1, max(2, tokens // 2), tokens)
+    }
     points = [(_decode_rounds(r["meta"]), r["latency"]) for n in runs if n > 1 for r in runs[n]]
     per_round = slope(points)
     full = runs[tokens]
     accept = [r["meta"].get("spec_accept_length", 1.0) for r in full]
     return {
-        "bs": bs, "method": "slope",
+        "bs": bs,
+        "method": "slope",
         "round_ms": 1e3 * per_round if per_round and per_round > 0 else None,
         "requests": len(points),
         "tokens_per_s": bs * tokens / max(r["latency"] for r in full[-bs:]),
         "accept_len": statistics.mean(accept),
         "prefill_ms": 1e3 * statistics.median(r["latency"] for r in runs[1]),
-    }  # fmt: skip
+    }
 
 
 def long_prompts(server, lengths: list[int], vocab: int, tokens: int = 32) -> list[dict]:
@@ -286,23 +373,41 @@ def long_prompts(server, lengths: list[int], vocab: int, tokens: int = 32) -> li
             ids = shared + [tail.randrange(10, vocab) for _ in range(length - len(shared))]
             t0 = time.perf_counter()
             try:
-                status, out = harness.post(server.url + "/generate", {
-                    "input_ids": ids, "sampling_params": {"max_new_tokens": tokens,
-                                                          "temperature": 0, "ignore_eos": True}},
-                    timeout=180)  # fmt: skip
+                status, out = harness.post(
+                    server.url + "/generate",
+                    {
+                        "input_ids": ids,
+                        "sampling_params": {
+                            "max_new_tokens": tokens,
+                            "temperature": 0,
+                            "ignore_eos": True,
+                        },
+                    },
+                    timeout=180,
+                )
             except OSError as exc:  # a timeout or a dropped connection: a result
                 status, out = None, repr(exc)
             meta = out.get("meta_info", {}) if isinstance(out, dict) else {}
-            return {"status": status, "latency_s": round(time.perf_counter() - t0, 3),
-                    "cached_tokens": meta.get("cached_tokens"),
-                    "completion_tokens": meta.get("completion_tokens"),
-                    "error": None if status == 200 else str(out)[:300]}  # fmt: skip
+            return {
+                "status": status,
+                "latency_s": round(time.perf_counter() - t0, 3),
+                "cached_tokens": meta.get("cached_tokens"),
+                "completion_tokens": meta.get("completion_tokens"),
+                "error": None if status == 200 else str(out)[:300],
+            }
 
         for bs in (1, 4):
             results = harness.run_all(one, list(range(bs)), bs)
-            rows.append({"prompt_tokens": length, "bs": bs, "requests": results,
-                         "served": all(r["status"] == 200 and r["completion_tokens"] == tokens
-                                       for r in results)})  # fmt: skip
+            rows.append(
+                {
+                    "prompt_tokens": length,
+                    "bs": bs,
+                    "requests": results,
+                    "served": all(
+                        r["status"] == 200 and r["completion_tokens"] == tokens for r in results
+                    ),
+                }
+            )
             print(json.dumps({"long_context": rows[-1]}), flush=True)
     return rows
 
@@ -316,8 +421,9 @@ def gdn_scratch_gb(log: str) -> float | None:
     return float(m.group(1)) if m else None
 
 
-def profile_parts(server, bs: int, out_dir: Path, tokens: int = 48,
-                  temperature: float = 0.0) -> dict:  # fmt: skip
+def profile_parts(
+    server, bs: int, out_dir: Path, tokens: int = 48, temperature: float = 0.0
+) -> dict:
     """From SGLang's torch-profiler trace of `bs` requests at `temperature`: {"gpu_ms": GPU ms
     per DDTREE part per round (parse_trace), "host": round period, host ms per part, syncs
     (parse_trace_host)}."""
@@ -354,10 +460,12 @@ def load_events(path: str) -> list[dict]:
 def _round_starts(events: list[dict]) -> list[float]:
     """Start times of the scheduler's `run_batch` ranges: one per decode round."""
     return sorted(
-        e["ts"] for e in events
-        if e.get("ph") == "X" and e.get("cat") == "user_annotation"
+        e["ts"]
+        for e in events
+        if e.get("ph") == "X"
+        and e.get("cat") == "user_annotation"
         and e.get("name") == "scheduler.run_batch"
-    )  # fmt: skip
+    )
 
 
 def parse_trace_host(events: list[dict]) -> dict:
@@ -378,10 +486,12 @@ def parse_trace_host(events: list[dict]) -> dict:
     own, where = 0, {}
     for s in syncs:
         around = [
-            f for f in frames
-            if f["tid"] == s["tid"] and f["ts"] <= s["ts"] <= f["ts"] + f["dur"]
+            f
+            for f in frames
+            if f["tid"] == s["tid"]
+            and f["ts"] <= s["ts"] <= f["ts"] + f["dur"]
             and ("sglang/" in f["name"] or "sglang_ddtree/" in f["name"])
-        ]  # fmt: skip
+        ]
         inner = max(around, key=lambda f: f["ts"])["name"] if around else "(no sglang frame)"
         where[inner] = where.get(inner, 0) + 1
         if "sglang_ddtree/" in inner:
@@ -403,8 +513,11 @@ def parse_trace_host(events: list[dict]) -> dict:
 
 def _launches_by_range(ann: list[dict], launches: list[dict], rounds: int) -> dict[str, float]:
     """Launches per round inside each `ddtree.*` range (same thread; the ranges do not nest)."""
-    ranges = sorted((e["ts"], e["ts"] + e["dur"], e["tid"], e["name"]) for e in ann
-                    if e["name"].startswith("ddtree."))  # fmt: skip
+    ranges = sorted(
+        (e["ts"], e["ts"] + e["dur"], e["tid"], e["name"])
+        for e in ann
+        if e["name"].startswith("ddtree.")
+    )
     starts = [r[0] for r in ranges]
     out: dict[str, float] = {}
     for e in launches:
@@ -477,7 +590,7 @@ def parse_trace(events: list[dict]) -> dict[str, float]:
         )
         totals[r["name"]] = totals.get(r["name"], 0.0) + gpu_us
         counts[r["name"]] = counts.get(r["name"], 0) + 1
-    return {k: totals[k] / counts[k] / 1e3 for k in totals}  # fmt: skip
+    return {k: totals[k] / counts[k] / 1e3 for k in totals}
 
 
 SIMULATE = "SGLANG_DDTREE_SIMULATE"
@@ -495,31 +608,61 @@ def serving_requests(concurrency: int, per_client: int) -> int:
     return max(16, per_client * concurrency)
 
 
-def serve(server, dataset: Path, tokenizer: str, concurrency: int, tokens: int,
-          per_client: int, out: Path) -> dict:  # fmt: skip
+def serve(
+    server, dataset: Path, tokenizer: str, concurrency: int, tokens: int, per_client: int, out: Path
+) -> dict:
     """One sglang.bench_serving run at this concurrency (scripts/bench_serving.py's prompts and
     arguments): tokens/s, TPOT, TTFT and SGLang's accept length. A first wave of `concurrency`
     requests goes unmeasured: without it, each server's first run at 4 clients stalled one
     request about 6 s before its first token (a first-seen prefill shape), a third of the run."""
     prompts = serving_requests(concurrency, per_client)
-    run_bench(bench_args(server, dataset, tokenizer, concurrency, concurrency, 0.0, tokens,
-                         out / f"bench_serving_{server.name}_warmup.jsonl"))  # fmt: skip
-    argv = bench_args(server, dataset, tokenizer, prompts, concurrency, 0.0, tokens,
-                      out / f"bench_serving_{server.name}.jsonl")  # fmt: skip
+    run_bench(
+        bench_args(
+            server,
+            dataset,
+            tokenizer,
+            concurrency,
+            concurrency,
+            0.0,
+            tokens,
+            out / f"bench_serving_{server.name}_warmup.jsonl",
+        )
+    )
+    argv = bench_args(
+        server,
+        dataset,
+        tokenizer,
+        prompts,
+        concurrency,
+        0.0,
+        tokens,
+        out / f"bench_serving_{server.name}.jsonl",
+    )
     result = run_bench(argv)
-    return {"concurrency": concurrency, "requests": prompts, "tokens": tokens,
-            "output_tok_s": result["output_throughput"],
-            "median_tpot_ms": result.get("median_tpot_ms"),
-            "median_ttft_ms": result.get("median_ttft_ms"),
-            "accept_len": result.get("accept_length")}  # fmt: skip
+    return {
+        "concurrency": concurrency,
+        "requests": prompts,
+        "tokens": tokens,
+        "output_tok_s": result["output_throughput"],
+        "median_tpot_ms": result.get("median_tpot_ms"),
+        "median_ttft_ms": result.get("median_ttft_ms"),
+        "accept_len": result.get("accept_length"),
+    }
 
 
 def plot(rows: list[dict], path: Path) -> None:
     """ms per decode round against batch size, one line per variant."""
-    series = {name: [(r["bs"], r["round_ms"]) for r in rows if r["variant"] == name]
-              for name in dict.fromkeys(r["variant"] for r in rows)}  # fmt: skip
-    harness.line_plot(series, path, xlabel="batch size", ylabel="ms per decode round",
-                      title="Qwen3.6-27B-shaped target (dummy weights), one H200")  # fmt: skip
+    series = {
+        name: [(r["bs"], r["round_ms"]) for r in rows if r["variant"] == name]
+        for name in dict.fromkeys(r["variant"] for r in rows)
+    }
+    harness.line_plot(
+        series,
+        path,
+        xlabel="batch size",
+        ylabel="ms per decode round",
+        title="Qwen3.6-27B-shaped target (dummy weights), one H200",
+    )
 
 
 def main() -> int:
@@ -534,21 +677,38 @@ def main() -> int:
         "--graph-max-bs", type=int, help="--cuda-graph-max-bs-decode (default: max --batch)"
     )
     p.add_argument("--port-base", type=int, default=32000, help="variant i listens on base + i")
-    p.add_argument("--max-running", type=int, default=16, help="the most running requests a "
-                   "variant is started with (the Mamba pool sized for them)")  # fmt: skip
-    p.add_argument("--simulate", default="", help="a simulated world for every server "
-                   "(SGLANG_DDTREE_SIMULATE, sglang_ddtree/simulation.py: e.g. narrative), so "
-                   "that drafts are accepted as a real drafter's would be")  # fmt: skip
-    p.add_argument("--serving", default="", help="after each variant's rounds, "
-                   "sglang.bench_serving at these concurrencies (e.g. 1,8,16,32): "
-                   "OUT/serving_simulated_27b.jsonl")  # fmt: skip
-    p.add_argument("--serving-variants", default="", help="the variants --serving runs on "
-                   "(default: every one)")  # fmt: skip
+    p.add_argument(
+        "--max-running",
+        type=int,
+        default=16,
+        help="the most running requests a variant is started with (the Mamba pool sized for them)",
+    )
+    p.add_argument(
+        "--simulate",
+        default="",
+        help="a simulated world for every server "
+        "(SGLANG_DDTREE_SIMULATE, sglang_ddtree/simulation.py: e.g. narrative), so "
+        "that drafts are accepted as a real drafter's would be",
+    )
+    p.add_argument(
+        "--serving",
+        default="",
+        help="after each variant's rounds, "
+        "sglang.bench_serving at these concurrencies (e.g. 1,8,16,32): "
+        "OUT/serving_simulated_27b.jsonl",
+    )
+    p.add_argument(
+        "--serving-variants", default="", help="the variants --serving runs on (default: every one)"
+    )
     p.add_argument("--serving-tokens", type=int, default=256, help="new tokens per request")
     p.add_argument("--requests-per-client", type=int, default=4)
-    p.add_argument("--long-context", default="", help="after each variant's rounds, prompts of "
-                   "these token counts alone and 4 at once (e.g. 16384,32768); the context "
-                   "length becomes the largest + 1024")  # fmt: skip
+    p.add_argument(
+        "--long-context",
+        default="",
+        help="after each variant's rounds, prompts of "
+        "these token counts alone and 4 at once (e.g. 16384,32768); the context "
+        "length becomes the largest + 1024",
+    )
     args = p.parse_args()
     sizes = [b for v in args.variants.split(",") if "@" in v for b in v.split("@")[1].split("+")]
     graph_bs = args.graph_max_bs or max(int(b) for b in [*args.batch.split(","), *sizes])
@@ -584,8 +744,9 @@ def main() -> int:
         batches = [int(b) for b in (only.split("+") if only else args.batch.split(","))]
         extra = [*common, "--cuda-graph-max-bs-decode", str(graph_bs), *table[name]]
         env = {**variant_env(name), **({SIMULATE: args.simulate} if world else {})}
-        server = harness.Server(name, str(target), args.port_base + i, extra, env=env,
-                                log_dir=args.out)  # fmt: skip
+        server = harness.Server(
+            name, str(target), args.port_base + i, extra, env=env, log_dir=args.out
+        )
         print(json.dumps({"variant": name, "gpu_free_gib": round(wait_gpu_free(baseline), 1)}))
         server.start()
         try:
@@ -596,11 +757,22 @@ def main() -> int:
             max_req = min(max_req, effective_max_running(server.log_text()) or max_req)
             for bs in batches:
                 if bs > max_req:  # what does not fit is a row too
-                    emit({"variant": name, "bs": bs, "max_running": max_req,
-                          "error": f"does not fit: at most {max_req} running requests"})  # fmt: skip
+                    emit(
+                        {
+                            "variant": name,
+                            "bs": bs,
+                            "max_running": max_req,
+                            "error": f"does not fit: at most {max_req} running requests",
+                        }
+                    )
                     continue
-                row = {"variant": name, "gdn_scratch_gb": scratch, "max_running": max_req,
-                       "startup": startup, **measure(server, bs, args.tokens)}  # fmt: skip
+                row = {
+                    "variant": name,
+                    "gdn_scratch_gb": scratch,
+                    "max_running": max_req,
+                    "startup": startup,
+                    **measure(server, bs, args.tokens),
+                }
                 if name in args.profile.split(",") and bs in (1, 8):
                     row["profile"] = profile_parts(server, bs, args.work)
                 if "_auto" in name:
@@ -608,8 +780,15 @@ def main() -> int:
                 emit(row)
             serving = not args.serving_variants or name in args.serving_variants.split(",")
             for concurrency in concurrencies if serving else []:
-                row = serve(server, dataset, str(target), concurrency, args.serving_tokens,
-                            args.requests_per_client, args.out)  # fmt: skip
+                row = serve(
+                    server,
+                    dataset,
+                    str(target),
+                    concurrency,
+                    args.serving_tokens,
+                    args.requests_per_client,
+                    args.out,
+                )
                 row.update(variant=name, max_running=max_req)
                 if "_auto" in name:
                     row["widths_rounds"] = widths_rounds(server)
@@ -623,8 +802,10 @@ def main() -> int:
     ok = [r for r in rows if r.get("round_ms") is not None]
     print(f"\n{'variant':<10} {'bs':>3} {'ms/round':>9} {'tok/s':>8} {'accept':>7} {'GDN GB':>7}")
     for r in ok:
-        print(f"{r['variant']:<10} {r['bs']:>3} {r['round_ms']:>9.2f} {r['tokens_per_s']:>8.1f} "
-              f"{r['accept_len']:>7.2f} {r['gdn_scratch_gb'] or 0:>7.2f}")  # fmt: skip
+        print(
+            f"{r['variant']:<10} {r['bs']:>3} {r['round_ms']:>9.2f} {r['tokens_per_s']:>8.1f} "
+            f"{r['accept_len']:>7.2f} {r['gdn_scratch_gb'] or 0:>7.2f}"
+        )
     if ok:
         plot(ok, args.out / "bench_round.png")
     return 0

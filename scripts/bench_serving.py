@@ -49,9 +49,19 @@ import harness  # beside this script (scripts/harness.py)
 from sglang_ddtree import DEMO_PAIR_DIR
 from sglang_ddtree.training.corpus import heldout_prompts
 
-COMMON = ["--attention-backend", "flashinfer", "--dtype", "bfloat16", "--mem-fraction-static",
-          "0.08", "--max-running-requests", "32", "--cuda-graph-max-bs-decode", "32",
-          "--disable-prefill-cuda-graph"]  # fmt: skip
+COMMON = [
+    "--attention-backend",
+    "flashinfer",
+    "--dtype",
+    "bfloat16",
+    "--mem-fraction-static",
+    "0.08",
+    "--max-running-requests",
+    "32",
+    "--cuda-graph-max-bs-decode",
+    "32",
+    "--disable-prefill-cuda-graph",
+]
 TOPK = 8
 NODES = 32  # the pair's default tree: N = 2B
 
@@ -82,25 +92,64 @@ def write_dataset(path: Path, n: int) -> Path:
     output length is fixed by --sharegpt-output-len)."""
     prompts = heldout_prompts(n)
     if len(prompts) < n:
-        raise SystemExit(f"only {len(prompts)} held-out prompts for the {n} requests of a run: "
-                         "lower --requests-per-client")  # fmt: skip
-    rows = [{"conversations": [{"role": "user", "content": p},
-                               {"role": "assistant", "content": "unused reply"}]}
-            for p in prompts]  # fmt: skip
+        raise SystemExit(
+            f"only {len(prompts)} held-out prompts for the {n} requests of a run: "
+            "lower --requests-per-client"
+        )
+    rows = [
+        {
+            "conversations": [
+                {"role": "user", "content": p},
+                {"role": "assistant", "content": "unused reply"},
+            ]
+        }
+        for p in prompts
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
 
-def bench_args(server, dataset: Path, tokenizer: str, prompts: int, concurrency: int,
-               temperature: float, tokens: int, out_file: Path) -> list[str]:  # fmt: skip
+def bench_args(
+    server,
+    dataset: Path,
+    tokenizer: str,
+    prompts: int,
+    concurrency: int,
+    temperature: float,
+    tokens: int,
+    out_file: Path,
+) -> list[str]:
     return [
-        "--backend", "sglang", "--host", "127.0.0.1", "--port", str(server.port),
-        "--model", tokenizer, "--tokenizer", tokenizer, "--dataset-name", "custom",
-        "--dataset-path", str(dataset), "--num-prompts", str(prompts),
-        "--sharegpt-output-len", str(tokens), "--max-concurrency", str(concurrency),
-        "--temperature", str(temperature), "--seed", "42", "--flush-cache",
-        "--warmup-requests", str(min(concurrency, 4)), "--output-file", str(out_file),
-    ]  # fmt: skip
+        "--backend",
+        "sglang",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(server.port),
+        "--model",
+        tokenizer,
+        "--tokenizer",
+        tokenizer,
+        "--dataset-name",
+        "custom",
+        "--dataset-path",
+        str(dataset),
+        "--num-prompts",
+        str(prompts),
+        "--sharegpt-output-len",
+        str(tokens),
+        "--max-concurrency",
+        str(concurrency),
+        "--temperature",
+        str(temperature),
+        "--seed",
+        "42",
+        "--flush-cache",
+        "--warmup-requests",
+        str(min(concurrency, 4)),
+        "--output-file",
+        str(out_file),
+    ]
 
 
 def run_bench(argv: list[str]) -> dict:
@@ -141,16 +190,25 @@ def summarize(rows: list[dict]) -> list[dict]:
     for (t, c, name), runs in sorted(groups.items()):
         tps = [x["output_throughput"] for x in runs]
         base, base_tpot = med.get((t, c, "dflash")), tpot.get((t, c, "dflash"))
-        out.append({
-            "temperature": t, "concurrency": c, "server": name, "runs": len(runs),
-            "median_tok_s": med[t, c, name], "min_tok_s": min(tps), "max_tok_s": max(tps),
-            "accept_len": statistics.median(x.get("accept_length") or 1.0 for x in runs),
-            "vs_dflash": med[t, c, name] / base if base else None,
-            **_run_ratios(runs, groups.get((t, c, "dflash"), [])),
-            "ttft_ms": _median(x.get("median_ttft_ms") for x in runs), "tpot_ms": tpot[t, c, name],
-            "tpot_vs_dflash": base_tpot / tpot[t, c, name] if base_tpot and tpot[t, c, name]
-            else None,
-        })  # fmt: skip
+        out.append(
+            {
+                "temperature": t,
+                "concurrency": c,
+                "server": name,
+                "runs": len(runs),
+                "median_tok_s": med[t, c, name],
+                "min_tok_s": min(tps),
+                "max_tok_s": max(tps),
+                "accept_len": statistics.median(x.get("accept_length") or 1.0 for x in runs),
+                "vs_dflash": med[t, c, name] / base if base else None,
+                **_run_ratios(runs, groups.get((t, c, "dflash"), [])),
+                "ttft_ms": _median(x.get("median_ttft_ms") for x in runs),
+                "tpot_ms": tpot[t, c, name],
+                "tpot_vs_dflash": base_tpot / tpot[t, c, name]
+                if base_tpot and tpot[t, c, name]
+                else None,
+            }
+        )
     return out
 
 
@@ -163,16 +221,18 @@ def _run_ratios(runs: list[dict], base: list[dict]) -> dict:
     of 0 tokens/s makes the mean 0; runs DFLASH lacks or did not complete are left out."""
     numbers = [r["run"] for r in base if "run" in r]
     if len(set(numbers)) != len(numbers):
-        raise ValueError(f"DFLASH has repeated run numbers {sorted(numbers)}: rows of two "
-                         "benchmarks in one summary")  # fmt: skip
+        raise ValueError(
+            f"DFLASH has repeated run numbers {sorted(numbers)}: rows of two "
+            "benchmarks in one summary"
+        )
     dflash = {r["run"]: r["output_throughput"] for r in base if "run" in r}
-    ratios = [r["output_throughput"] / dflash[r["run"]] for r in runs
-              if dflash.get(r.get("run"), 0) > 0]  # fmt: skip
+    ratios = [
+        r["output_throughput"] / dflash[r["run"]] for r in runs if dflash.get(r.get("run"), 0) > 0
+    ]
     if not ratios:
         return {"geomean_vs_dflash": None, "run_ratio_min": None, "run_ratio_max": None}
     mean = 0.0 if min(ratios) <= 0 else math.exp(statistics.fmean(map(math.log, ratios)))
-    return {"geomean_vs_dflash": mean, "run_ratio_min": min(ratios),
-            "run_ratio_max": max(ratios)}  # fmt: skip
+    return {"geomean_vs_dflash": mean, "run_ratio_min": min(ratios), "run_ratio_max": max(ratios)}
 
 
 def _median(values) -> float | None:
@@ -213,20 +273,24 @@ def run_order(servers: list, run: int) -> list:
 
 
 def table(summary: list[dict]) -> str:
-    lines = ["| T | c | server | tok/s median (min-max) | accept | / DFLASH | geo-mean / DFLASH "
-             "(runs' range) | TTFT ms | TPOT ms | DFLASH's TPOT / this |",
-             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| T | c | server | tok/s median (min-max) | accept | / DFLASH | geo-mean / DFLASH "
+        "(runs' range) | TTFT ms | TPOT ms | DFLASH's TPOT / this |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
 
     def num(x, fmt):
         return "-" if x is None else format(x, fmt)
 
     for s in summary:
-        lines.append(f"| {s['temperature']:g} | {s['concurrency']} | {s['server']} | "
-                     f"{s['median_tok_s']:.0f} ({s['min_tok_s']:.0f}-{s['max_tok_s']:.0f}) | "
-                     f"{s['accept_len']:.2f} | {num(s['vs_dflash'], '.2f')} | "
-                     f"{_ratio_cell(s)} | "
-                     f"{num(s.get('ttft_ms'), '.1f')} | {num(s.get('tpot_ms'), '.2f')} | "
-                     f"{num(s.get('tpot_vs_dflash'), '.2f')} |")  # fmt: skip
+        lines.append(
+            f"| {s['temperature']:g} | {s['concurrency']} | {s['server']} | "
+            f"{s['median_tok_s']:.0f} ({s['min_tok_s']:.0f}-{s['max_tok_s']:.0f}) | "
+            f"{s['accept_len']:.2f} | {num(s['vs_dflash'], '.2f')} | "
+            f"{_ratio_cell(s)} | "
+            f"{num(s.get('ttft_ms'), '.1f')} | {num(s.get('tpot_ms'), '.2f')} | "
+            f"{num(s.get('tpot_vs_dflash'), '.2f')} |"
+        )
     return "\n".join(lines)
 
 
@@ -245,21 +309,35 @@ def profile(servers: list, names: list[str], out: Path, temperatures: list[float
 
     for server in (s for s in servers if s.name in names):
         for t, bs in itertools.product(temperatures, (1, 4)):
-            row = {"server": server.name, "bs": bs, "temperature": t,
-                   **bench_round.profile_parts(server, bs, out / "profiles", temperature=t)}  # fmt: skip
+            row = {
+                "server": server.name,
+                "bs": bs,
+                "temperature": t,
+                **bench_round.profile_parts(server, bs, out / "profiles", temperature=t),
+            }
             with open(out / "round_profile_pair.jsonl", "a") as f:
                 f.write(json.dumps(row) + "\n")
             host = row.get("host", {})
-            print(json.dumps({"server": server.name, "bs": bs, "temperature": t,
-                              "round_period_ms": host.get("round_period_ms"),
-                              "syncs_per_round": host.get("syncs_per_round")}), flush=True)  # fmt: skip
+            print(
+                json.dumps(
+                    {
+                        "server": server.name,
+                        "bs": bs,
+                        "temperature": t,
+                        "round_period_ms": host.get("round_period_ms"),
+                        "syncs_per_round": host.get("syncs_per_round"),
+                    }
+                ),
+                flush=True,
+            )
 
 
 FIRST_TOKEN_LENGTHS = (1, 2, 3)
 
 
-def first_token(servers: list, prompts: list[str], out: Path, n: int, send=None,
-                sampled: tuple = ()) -> list[dict]:  # fmt: skip
+def first_token(
+    servers: list, prompts: list[str], out: Path, n: int, send=None, sampled: tuple = ()
+) -> list[dict]:
     """Latency of one request at a time, by new tokens (FIRST_TOKEN_LENGTHS, greedy): at 1 the
     prefill alone, at 2 and 3 one and two decode rounds behind it, so that a server's longer
     time to first token is placed in its prefill or in its first rounds. The servers alternate
@@ -269,8 +347,11 @@ def first_token(servers: list, prompts: list[str], out: Path, n: int, send=None,
     alone, with their host sampler on: OUT/host/NAME/first_token/, a round per request."""
     if n < 1:
         return []
-    send = send or (lambda server, prompt, k: harness.generate(
-        server, prompt, max_new_tokens=k, temperature=0.0, ignore_eos=True))  # fmt: skip
+    send = send or (
+        lambda server, prompt, k: harness.generate(
+            server, prompt, max_new_tokens=k, temperature=0.0, ignore_eos=True
+        )
+    )
     rows = []
     for k in FIRST_TOKEN_LENGTHS:
         ms = {server.name: [] for server in servers}
@@ -281,9 +362,14 @@ def first_token(servers: list, prompts: list[str], out: Path, n: int, send=None,
                 if i:  # the first is the warm-up
                     ms[server.name].append(1e3 * (time.perf_counter() - tic))
         for server in servers:
-            row = {"probe": "first_token", "server": server.name, "max_new_tokens": k,
-                   "requests": n, "median_ms": statistics.median(ms[server.name]),
-                   "min_ms": min(ms[server.name])}  # fmt: skip
+            row = {
+                "probe": "first_token",
+                "server": server.name,
+                "max_new_tokens": k,
+                "requests": n,
+                "median_ms": statistics.median(ms[server.name]),
+                "min_ms": min(ms[server.name]),
+            }
             rows.append(row)
             print(json.dumps(row), flush=True)
             with open(out / "first_token_pair.jsonl", "a") as f:
@@ -293,8 +379,9 @@ def first_token(servers: list, prompts: list[str], out: Path, n: int, send=None,
             for prompt in prompts[:n]:
                 send(server, prompt, 1)
             meta.update(probe="first_token", total_output_tokens=n, accept_length=1.0)
-        print(f"{server.name}: first-token host samples in {out / 'host' / server.name}",
-              flush=True)  # fmt: skip
+        print(
+            f"{server.name}: first-token host samples in {out / 'host' / server.name}", flush=True
+        )
     return rows
 
 
@@ -316,8 +403,9 @@ def host_profile(servers: list, names: list[str], dataset: Path, args) -> None:
     for server in (s for s in servers if s.name in names):
         for t in (float(x) for x in args.temperatures.split(",")):
             for c in (int(x) for x in args.host_concurrency.split(",")):
-                sample_run(server, args.out / "host" / server.name / f"t{t:g}_c{c}", dataset,
-                           t, c, args)  # fmt: skip
+                sample_run(
+                    server, args.out / "host" / server.name / f"t{t:g}_c{c}", dataset, t, c, args
+                )
 
 
 @functools.cache
@@ -349,10 +437,12 @@ def host_reports(host: Path, names: list[str]) -> list[Path]:
     for run in sorted({d.name for n in names for d in (host / n).glob("*") if sampled(d)}):
         dirs = [host / n / run for n in names if sampled(host / n / run)]
         try:
-            text = ("## the worker's round (--focus forward_batch_generation --depth 12)\n\n"
-                    + host_profile.report(dirs, depth=12, focus="forward_batch_generation")
-                    + "\n\n## sglang_ddtree's own frames (--own)\n\n"
-                    + host_profile.report(dirs, own=own_files()))  # fmt: skip
+            text = (
+                "## the worker's round (--focus forward_batch_generation --depth 12)\n\n"
+                + host_profile.report(dirs, depth=12, focus="forward_batch_generation")
+                + "\n\n## sglang_ddtree's own frames (--own)\n\n"
+                + host_profile.report(dirs, own=own_files())
+            )
         except (SystemExit, ValueError, KeyError, ZeroDivisionError, OSError) as exc:
             text = f"not readable: {type(exc).__name__}: {exc}"
         path = host / f"report_{run}.md"
@@ -365,9 +455,20 @@ def sample_run(server, folder: Path, dataset: Path, t: float, c: int, args) -> N
     """One sampled run, as long as a measured one (prompts_for), so that decode rounds, not
     the prefills of the first wave, fill most of the samples."""
     with sampling(server, folder) as meta:
-        meta.update(run_bench(bench_args(server, dataset, args.target,
-                                         prompts_for(c, args.requests_per_client), c, t,
-                                         args.tokens, folder / "raw.jsonl")))  # fmt: skip
+        meta.update(
+            run_bench(
+                bench_args(
+                    server,
+                    dataset,
+                    args.target,
+                    prompts_for(c, args.requests_per_client),
+                    c,
+                    t,
+                    args.tokens,
+                    folder / "raw.jsonl",
+                )
+            )
+        )
     print(f"{server.name} T={t:g} c={c}: host samples in {folder}", flush=True)
 
 
@@ -405,30 +506,52 @@ def main() -> int:
     p.add_argument("--temperatures", default="0,1")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--tokens", type=int, default=128)
-    p.add_argument("--requests-per-client", type=int, default=8,
-                   help="requests per run and client (at least 16 a run)")  # fmt: skip
+    p.add_argument(
+        "--requests-per-client",
+        type=int,
+        default=8,
+        help="requests per run and client (at least 16 a run)",
+    )
     p.add_argument("--port-base", type=int, default=33000)
-    p.add_argument("--profile", default="",
-                   help="servers to profile after the runs (SGLang's torch profiler, batch 1 "
-                        "and 4 at each of --temperatures): host ms per round by function, "
-                        "syncs by frame, GPU ms per part, into OUT/round_profile_pair.jsonl")  # fmt: skip
-    p.add_argument("--hold-until", type=Path,
-                   help="start the servers, then wait for this file before measuring (the GPU "
-                        "to itself: e.g. another job's end)")  # fmt: skip
-    p.add_argument("--host-profile", default="",
-                   help="servers whose host time to sample, in one run per temperature and "
-                        "--host-concurrency after the measured runs: OUT/host/NAME/tT_cC "
-                        "(scripts/host_profile.py prints their call trees in ms per round)")  # fmt: skip
-    p.add_argument("--host-concurrency", default="1",
-                   help="the concurrencies of --host-profile's runs")  # fmt: skip
-    p.add_argument("--pin-cpus", action=argparse.BooleanOptionalAction, default=None,
-                   help="each server on its own CPUs, the load generator on the rest (default: "
-                        f"on where every set gets at least {MIN_PINNED_CPUS} CPUs)")  # fmt: skip
-    p.add_argument("--first-token", type=int, default=0,
-                   help="after the runs, this many one-at-a-time /generate requests per server "
-                        "and length (1, 2 and 3 new tokens, greedy; the servers alternate): "
-                        "the prefill alone, then one and two decode rounds behind it, as "
-                        "rows of OUT/first_token_pair.jsonl")  # fmt: skip
+    p.add_argument(
+        "--profile",
+        default="",
+        help="servers to profile after the runs (SGLang's torch profiler, batch 1 "
+        "and 4 at each of --temperatures): host ms per round by function, "
+        "syncs by frame, GPU ms per part, into OUT/round_profile_pair.jsonl",
+    )
+    p.add_argument(
+        "--hold-until",
+        type=Path,
+        help="start the servers, then wait for this file before measuring (the GPU "
+        "to itself: e.g. another job's end)",
+    )
+    p.add_argument(
+        "--host-profile",
+        default="",
+        help="servers whose host time to sample, in one run per temperature and "
+        "--host-concurrency after the measured runs: OUT/host/NAME/tT_cC "
+        "(scripts/host_profile.py prints their call trees in ms per round)",
+    )
+    p.add_argument(
+        "--host-concurrency", default="1", help="the concurrencies of --host-profile's runs"
+    )
+    p.add_argument(
+        "--pin-cpus",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="each server on its own CPUs, the load generator on the rest (default: "
+        f"on where every set gets at least {MIN_PINNED_CPUS} CPUs)",
+    )
+    p.add_argument(
+        "--first-token",
+        type=int,
+        default=0,
+        help="after the runs, this many one-at-a-time /generate requests per server "
+        "and length (1, 2 and 3 new tokens, greedy; the servers alternate): "
+        "the prefill alone, then one and two decode rounds behind it, as "
+        "rows of OUT/first_token_pair.jsonl",
+    )
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     table_ = server_table(args.draft)
@@ -451,10 +574,20 @@ def main() -> int:
         port = harness.free_port(
             max(args.port_base + 10 * i, servers[-1].port + 1 if servers else 0)
         )
-        servers.append(harness.Server(name, args.target, port, [*COMMON, *flags], env=env,
-                                      log_dir=args.out, cpus=cpus[i] if cpus else ()))  # fmt: skip
-        print(f"{name}: {servers[-1].url}" + (f", CPUs {list(cpus[i])}" if cpus else ""),
-              flush=True)  # fmt: skip
+        servers.append(
+            harness.Server(
+                name,
+                args.target,
+                port,
+                [*COMMON, *flags],
+                env=env,
+                log_dir=args.out,
+                cpus=cpus[i] if cpus else (),
+            )
+        )
+        print(
+            f"{name}: {servers[-1].url}" + (f", CPUs {list(cpus[i])}" if cpus else ""), flush=True
+        )
     if cpus:  # the load generator (bench_serving runs in this process) on the last set
         os.sched_setaffinity(0, set(cpus[-1]))
     concurrencies = [int(x) for x in args.concurrency.split(",")]
@@ -478,13 +611,29 @@ def main() -> int:
                     for server in run_order(servers, run):
                         raw = args.out / f"raw_{server.name}.jsonl"
                         n = prompts_for(c, args.requests_per_client)
-                        res = run_bench(bench_args(server, dataset, args.target, n, c, t,
-                                                   args.tokens, raw))  # fmt: skip
-                        row = {"run": run, "server": server.name, "temperature": t,
-                               "concurrency": c, **{k: res.get(k) for k in (
-                                   "output_throughput", "accept_length", "median_tpot_ms",
-                                   "mean_tpot_ms", "median_ttft_ms", "mean_ttft_ms",
-                                   "completed", "total_output_tokens", "duration")}}  # fmt: skip
+                        res = run_bench(
+                            bench_args(server, dataset, args.target, n, c, t, args.tokens, raw)
+                        )
+                        row = {
+                            "run": run,
+                            "server": server.name,
+                            "temperature": t,
+                            "concurrency": c,
+                            **{
+                                k: res.get(k)
+                                for k in (
+                                    "output_throughput",
+                                    "accept_length",
+                                    "median_tpot_ms",
+                                    "mean_tpot_ms",
+                                    "median_ttft_ms",
+                                    "mean_ttft_ms",
+                                    "completed",
+                                    "total_output_tokens",
+                                    "duration",
+                                )
+                            },
+                        }
                         if cpus:
                             row["pinned"], row["cpus"] = True, len(server.cpus)
                         rows.append(row)

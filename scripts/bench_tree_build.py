@@ -105,11 +105,15 @@ def main() -> int:
                 first, *others = trees.values()
                 for other in others:
                     assert_trees_equal(other, first)
-    print(f"\n{'shape':<5} {'builder':<7} {'bs':>3} {'N':>4} {'head ms':>8} {'build ms':>9} "
-          f"{'eager ms':>9}")  # fmt: skip
+    print(
+        f"\n{'shape':<5} {'builder':<7} {'bs':>3} {'N':>4} {'head ms':>8} {'build ms':>9} "
+        f"{'eager ms':>9}"
+    )
     for r in rows:
-        print(f"{r['shape']:<5} {r['builder']:<7} {r['bs']:>3} {r['nodes']:>4} {r['head_ms']:>8.3f} "
-              f"{r['build_ms']:>9.3f} {r['build_eager_ms']:>9.3f}")  # fmt: skip
+        print(
+            f"{r['shape']:<5} {r['builder']:<7} {r['bs']:>3} {r['nodes']:>4} {r['head_ms']:>8.3f} "
+            f"{r['build_ms']:>9.3f} {r['build_eager_ms']:>9.3f}"
+        )
     return 0
 
 

@@ -34,8 +34,12 @@ PROBE = {"text": "def fibonacci(n):", "sampling_params": {"max_new_tokens": 32, 
 
 
 def _chat(**fields) -> dict:
-    return {"model": "default", "messages": [{"role": "user", "content": "hi"}],
-            "max_tokens": 8, **fields}  # fmt: skip
+    return {
+        "model": "default",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 8,
+        **fields,
+    }
 
 
 def _generate(sampling: dict, **top) -> dict:
@@ -48,38 +52,83 @@ SCHEMA = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in 
 # fields or None where chat has no such field, /generate sampling fields, /generate top-level
 # fields). Every class goes to chat and /generate, streamed and not.
 LIMITS = [
-    ("top_logprobs past the vocabulary", {"logprobs": True, "top_logprobs": 10**6}, {},
-     {"return_logprob": True, "top_logprobs_num": 10**6}),
-    ("top_logprobs negative", {"logprobs": True, "top_logprobs": -1}, {},
-     {"return_logprob": True, "top_logprobs_num": -1}),
-    ("token_ids_logprob 100k ids", None, {},
-     {"return_logprob": True, "token_ids_logprob": [1] * 100_000}),
+    (
+        "top_logprobs past the vocabulary",
+        {"logprobs": True, "top_logprobs": 10**6},
+        {},
+        {"return_logprob": True, "top_logprobs_num": 10**6},
+    ),
+    (
+        "top_logprobs negative",
+        {"logprobs": True, "top_logprobs": -1},
+        {},
+        {"return_logprob": True, "top_logprobs_num": -1},
+    ),
+    (
+        "token_ids_logprob 100k ids",
+        None,
+        {},
+        {"return_logprob": True, "token_ids_logprob": [1] * 100_000},
+    ),
     ("logprob_start_len negative", None, {}, {"return_logprob": True, "logprob_start_len": -5}),
-    ("logprob_start_len past the prompt", None, {},
-     {"return_logprob": True, "logprob_start_len": 10**9}),
+    (
+        "logprob_start_len past the prompt",
+        None,
+        {},
+        {"return_logprob": True, "logprob_start_len": 10**9},
+    ),
     ("logit_bias NaN", {"logit_bias": {"5": NAN}}, {"logit_bias": {"5": NAN}}, {}),
     ("logit_bias 1e300", {"logit_bias": {"5": BIG}}, {"logit_bias": {"5": BIG}}, {}),
     ("logit_bias a string", {"logit_bias": {"5": "big"}}, {"logit_bias": {"5": "big"}}, {}),
-    ("logit_bias key past the vocabulary", {"logit_bias": {"999999999": 1}},
-     {"logit_bias": {"999999999": 1}}, {}),
-    ("logit_bias 2000 entries", {"logit_bias": {str(i): 1 for i in range(2000)}},
-     {"logit_bias": {str(i): 1 for i in range(2000)}}, {}),
+    (
+        "logit_bias key past the vocabulary",
+        {"logit_bias": {"999999999": 1}},
+        {"logit_bias": {"999999999": 1}},
+        {},
+    ),
+    (
+        "logit_bias 2000 entries",
+        {"logit_bias": {str(i): 1 for i in range(2000)}},
+        {"logit_bias": {str(i): 1 for i in range(2000)}},
+        {},
+    ),
     ("stop 1000 strings", {"stop": ["x"] * 1000}, {"stop": ["x"] * 1000}, {}),
     ("stop a 100k-character string", {"stop": "x" * 100_000}, {"stop": "x" * 100_000}, {}),
     ("stop_regex that does not compile", {"stop_regex": "(a"}, {"stop_regex": "(a"}, {}),
     ("stop_regex 10k bytes", {"stop_regex": "a" * 10_000}, {"stop_regex": "a" * 10_000}, {}),
-    ("stop_token_ids past the vocabulary", {"stop_token_ids": [10**9]},
-     {"stop_token_ids": [10**9]}, {}),
+    (
+        "stop_token_ids past the vocabulary",
+        {"stop_token_ids": [10**9]},
+        {"stop_token_ids": [10**9]},
+        {},
+    ),
     ("stop_token_ids negative", {"stop_token_ids": [-1]}, {"stop_token_ids": [-1]}, {}),
-    ("stop_token_ids 100k ids", {"stop_token_ids": [1] * 100_000},
-     {"stop_token_ids": [1] * 100_000}, {}),
+    (
+        "stop_token_ids 100k ids",
+        {"stop_token_ids": [1] * 100_000},
+        {"stop_token_ids": [1] * 100_000},
+        {},
+    ),
     ("n x max_tokens", {"n": 128, "max_tokens": 10**7}, {"n": 128, "max_new_tokens": 10**7}, {}),
     ("min_tokens 10**12", {"min_tokens": 10**12}, {"min_new_tokens": 10**12}, {}),
-    ("json_schema 100k characters", {"response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": SCHEMA}}}, {"json_schema": json.dumps(SCHEMA)}, {}),
+    (
+        "json_schema 100k characters",
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": SCHEMA},
+            }
+        },
+        {"json_schema": json.dumps(SCHEMA)},
+        {},
+    ),
     ("regex 100k characters", {"regex": "a" * 100_000}, {"regex": "a" * 100_000}, {}),
-    ("ebnf 100k characters", {"ebnf": "root ::= " + "'a' " * 25_000},
-     {"ebnf": "root ::= " + "'a' " * 25_000}, {}),
+    (
+        "ebnf 100k characters",
+        {"ebnf": "root ::= " + "'a' " * 25_000},
+        {"ebnf": "root ::= " + "'a' " * 25_000},
+        {},
+    ),
     ("temperature NaN", {"temperature": NAN}, {"temperature": NAN}, {}),
     ("temperature 1e300", {"temperature": BIG}, {"temperature": BIG}, {}),
     ("top_p NaN", {"top_p": NAN}, {"top_p": NAN}, {}),
@@ -87,14 +136,17 @@ LIMITS = [
     ("top_k 2**40", {"top_k": 2**40}, {"top_k": 2**40}, {}),
     ("min_p NaN", {"min_p": NAN}, {"min_p": NAN}, {}),
     ("frequency_penalty NaN", {"frequency_penalty": NAN}, {"frequency_penalty": NAN}, {}),
-    ("repetition_penalty 1e-40", {"repetition_penalty": 1e-40},
-     {"repetition_penalty": 1e-40}, {}),
+    ("repetition_penalty 1e-40", {"repetition_penalty": 1e-40}, {"repetition_penalty": 1e-40}, {}),
     ("seed 2**70", {"seed": 2**70}, {"sampling_seed": 2**70}, {}),
     ("seed a string", None, {"sampling_seed": "abc"}, {}),
     ("stream_interval a string", None, {"stream_interval": "often"}, {}),
     ("ignore_eos a string", None, {"ignore_eos": "yes"}, {}),
-    ("custom_logit_processor", {"custom_logit_processor": "{}"}, {},
-     {"custom_logit_processor": "{}"}),
+    (
+        "custom_logit_processor",
+        {"custom_logit_processor": "{}"},
+        {},
+        {"custom_logit_processor": "{}"},
+    ),
     ("stop_regex that backtracks", {"stop_regex": "(a+)+c"}, {"stop_regex": "(a+)+c"}, {}),
     ("stop_regex without bound", {"stop_regex": "a+"}, {"stop_regex": "a+"}, {}),
     ("return_hidden_states", {"return_hidden_states": True}, {}, {"return_hidden_states": True}),
@@ -103,15 +155,21 @@ LIMITS = [
     ("custom_labels not allowed", None, {}, {"custom_labels": {"x": "y"}}),
     ("return_sampling_mask", None, {}, {"return_sampling_mask": True}),
     ("sampling is_normalized", None, {"is_normalized": True, "temperature": 0}, {}),
-    ("custom_params nested", {"custom_params": {"a": {"b": {"c": 1}}}},
-     {"custom_params": {"a": {"b": {"c": 1}}}}, {}),
-]  # fmt: skip
+    (
+        "custom_params nested",
+        {"custom_params": {"a": {"b": {"c": 1}}}},
+        {"custom_params": {"a": {"b": {"c": 1}}}},
+        {},
+    ),
+]
 VERTEX = "/vertex_generate"
 
 
 def _vertex(**parameters) -> dict:
-    return {"instances": [{"text": "hi"}], "parameters": {"sampling_params": {"max_new_tokens": 8},
-                                                          **parameters}}  # fmt: skip
+    return {
+        "instances": [{"text": "hi"}],
+        "parameters": {"sampling_params": {"max_new_tokens": 8}, **parameters},
+    }
 
 
 def limit_cases() -> list[tuple[str, str, dict, bool]]:
@@ -121,8 +179,14 @@ def limit_cases() -> list[tuple[str, str, dict, bool]]:
     for name, chat, sampling, top in LIMITS:
         for stream in (False, True):
             tag = " (streamed)" if stream else ""
-            out.append((f"generate: {name}{tag}", GENERATE,
-                        {**_generate(sampling, **top), "stream": stream}, False))  # fmt: skip
+            out.append(
+                (
+                    f"generate: {name}{tag}",
+                    GENERATE,
+                    {**_generate(sampling, **top), "stream": stream},
+                    False,
+                )
+            )
             if chat is not None:
                 out.append((f"chat: {name}{tag}", CHAT, _chat(**chat, stream=stream), False))
     completion = {"model": "default", "prompt": "hi", "max_tokens": 8, "logprobs": 10**6}
@@ -151,33 +215,77 @@ def corpus(context: int, seed: int = 0) -> list[tuple[str, str, bytes, bool]]:
         ("top_p above 1", CHAT, _chat(top_p=2.0), False),
         ("n zero", CHAT, _chat(n=0), False),
         ("n in the thousands", CHAT, _chat(n=5000), False),
-        ("prompt over the context", CHAT,
-         _chat(messages=[{"role": "user", "content": long_prompt}]), False),
+        (
+            "prompt over the context",
+            CHAT,
+            _chat(messages=[{"role": "user", "content": long_prompt}]),
+            False,
+        ),
         ("generate: text a number", GENERATE, {"text": 5, "sampling_params": {}}, False),
-        ("generate: sampling_params a list", GENERATE, {"text": "hi", "sampling_params": [1]},
-         False),
-        ("generate: negative token id", GENERATE,
-         {"input_ids": [1, -7, 3], "sampling_params": {"max_new_tokens": 4}}, False),
-        ("generate: token id past the vocabulary", GENERATE,
-         {"input_ids": [1, 10**9], "sampling_params": {"max_new_tokens": 4}}, False),
-        ("generate: max_new_tokens negative", GENERATE,
-         {"text": "hi", "sampling_params": {"max_new_tokens": -1}}, False),
-        ("generate: 2000 prompts", GENERATE,
-         {"text": ["hi"] * 2000, "sampling_params": {"max_new_tokens": 1}}, False),
-        ("generate: an empty prompt in a batch", GENERATE,
-         {"input_ids": [[], [1, 2]], "sampling_params": {"max_new_tokens": 4}}, False),
-        ("an 80 MiB body", CHAT, _chat(messages=[{"role": "user", "content": "x" * (80 << 20)}]),
-         False),
+        (
+            "generate: sampling_params a list",
+            GENERATE,
+            {"text": "hi", "sampling_params": [1]},
+            False,
+        ),
+        (
+            "generate: negative token id",
+            GENERATE,
+            {"input_ids": [1, -7, 3], "sampling_params": {"max_new_tokens": 4}},
+            False,
+        ),
+        (
+            "generate: token id past the vocabulary",
+            GENERATE,
+            {"input_ids": [1, 10**9], "sampling_params": {"max_new_tokens": 4}},
+            False,
+        ),
+        (
+            "generate: max_new_tokens negative",
+            GENERATE,
+            {"text": "hi", "sampling_params": {"max_new_tokens": -1}},
+            False,
+        ),
+        (
+            "generate: 2000 prompts",
+            GENERATE,
+            {"text": ["hi"] * 2000, "sampling_params": {"max_new_tokens": 1}},
+            False,
+        ),
+        (
+            "generate: an empty prompt in a batch",
+            GENERATE,
+            {"input_ids": [[], [1, 2]], "sampling_params": {"max_new_tokens": 4}},
+            False,
+        ),
+        (
+            "an 80 MiB body",
+            CHAT,
+            _chat(messages=[{"role": "user", "content": "x" * (80 << 20)}]),
+            False,
+        ),
         # SGLang builds a Vertex request from its parameters untyped: each ended a plain server
-        ("vertex: top_logprobs_num a float", VERTEX,
-         _vertex(return_logprob=True, top_logprobs_num=2.0), False),
-        ("vertex: logprob_start_len a float", VERTEX,
-         _vertex(return_logprob=True, logprob_start_len=1.0), False),
+        (
+            "vertex: top_logprobs_num a float",
+            VERTEX,
+            _vertex(return_logprob=True, top_logprobs_num=2.0),
+            False,
+        ),
+        (
+            "vertex: logprob_start_len a float",
+            VERTEX,
+            _vertex(return_logprob=True, logprob_start_len=1.0),
+            False,
+        ),
         ("vertex: lora_id a list", VERTEX, _vertex(lora_id=[5]), False),
-        ("vertex: routed_experts_start_len a string", VERTEX,
-         _vertex(return_routed_experts=True, routed_experts_start_len="x"), False),
+        (
+            "vertex: routed_experts_start_len a string",
+            VERTEX,
+            _vertex(return_routed_experts=True, routed_experts_start_len="x"),
+            False,
+        ),
         *limit_cases(),
-    ]  # fmt: skip
+    ]
     out = [
         (n, p, b if isinstance(b, bytes) else json.dumps(b).encode(), ok) for n, p, b, ok in cases
     ]
@@ -250,20 +358,43 @@ def run(url: str, rounds: int, context: int, seed: int) -> dict:
         during = [pool.submit(greedy, url, p) for p in GOOD * rounds]
         for name, path, body, may in cases:
             status, text = post(url + path, body)
-            rows.append({"case": name, "status": status,
-                         "verdict": judge(status, text, may, is_streamed(path, body)),
-                         "message": text[:200]})  # fmt: skip
+            rows.append(
+                {
+                    "case": name,
+                    "status": status,
+                    "verdict": judge(status, text, may, is_streamed(path, body)),
+                    "message": text[:200],
+                }
+            )
         during = [f.result() for f in during]
-    alive = post(url + GENERATE, json.dumps({"text": "hi", "sampling_params": {
-        "max_new_tokens": 1}}).encode())[0] == 200  # fmt: skip
+    alive = (
+        post(
+            url + GENERATE,
+            json.dumps({"text": "hi", "sampling_params": {"max_new_tokens": 1}}).encode(),
+        )[0]
+        == 200
+    )
     probe_after = probe(url)
     bad = [r for r in rows if r["verdict"] != "ok"]
     same = all(t == before[i % len(GOOD)] for i, t in enumerate(during)) and None not in before
     probed = probe_before is not None and probe_after == probe_before
-    return {"cases": len(rows), "bad": bad, "ignored_with_200": sorted({r["case"] for r in rows
-            if r["status"] == 200 and r["verdict"] == "ok" and not r["case"].endswith(
-                "(streamed)")}), "good_text_unchanged": same, "probe_unchanged": probed,
-            "alive_after": alive, "ok": not bad and same and alive and probed}  # fmt: skip
+    return {
+        "cases": len(rows),
+        "bad": bad,
+        "ignored_with_200": sorted(
+            {
+                r["case"]
+                for r in rows
+                if r["status"] == 200
+                and r["verdict"] == "ok"
+                and not r["case"].endswith("(streamed)")
+            }
+        ),
+        "good_text_unchanged": same,
+        "probe_unchanged": probed,
+        "alive_after": alive,
+        "ok": not bad and same and alive and probed,
+    }
 
 
 def main() -> int:

@@ -113,10 +113,17 @@ class Server:
 
     def command(self) -> list[str]:
         return [
-            sys.executable, "-m", "sglang.launch_server",
-            "--model-path", self.model_path, "--host", "127.0.0.1", "--port", str(self.port),
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            self.model_path,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
             *self.args,
-        ]  # fmt: skip
+        ]
 
     def start(self, detach: bool = False) -> None:
         """Start the server; `detach` puts it in its own session so it outlives this process."""
@@ -125,10 +132,13 @@ class Server:
         log = open(self.log_path, "a")  # noqa: SIM115 - lives as long as the server
         cpus = set(self.cpus)
         self.proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **self.env},
             start_new_session=True,
             preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
-        )  # fmt: skip
+        )
         if detach:
             self.proc = None  # not ours to wait for; found again through its port
 
@@ -264,8 +274,15 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def line_plot(series: dict[str, list[tuple[float, float]]], path: Path, *, xlabel: str,
-              ylabel: str, title: str, log2_x: bool = False) -> None:  # fmt: skip
+def line_plot(
+    series: dict[str, list[tuple[float, float]]],
+    path: Path,
+    *,
+    xlabel: str,
+    ylabel: str,
+    title: str,
+    log2_x: bool = False,
+) -> None:
     """One line with markers per label (points sorted by x), saved as a PNG (the benchmarks'
     plots; matplotlib is imported only here)."""
     import matplotlib

@@ -65,10 +65,13 @@ def tree(stacks: list[tuple[list[str], int]], focus: str | None) -> dict:
     return root
 
 
-def lines_of(trees: list[dict], scales: list[float], min_ms: float, depth: int,
-             indent: int = 0) -> list[str]:  # fmt: skip
-    names = sorted({k for t in trees for k in t},
-                   key=lambda k: -max(t.get(k, [0])[0] * s for t, s in zip(trees, scales, strict=True)))  # fmt: skip
+def lines_of(
+    trees: list[dict], scales: list[float], min_ms: float, depth: int, indent: int = 0
+) -> list[str]:
+    names = sorted(
+        {k for t in trees for k in t},
+        key=lambda k: -max(t.get(k, [0])[0] * s for t, s in zip(trees, scales, strict=True)),
+    )
     out = []
     for name in names:
         ms = [t.get(name, [0])[0] * s for t, s in zip(trees, scales, strict=True)]
@@ -96,8 +99,9 @@ def own_time(stacks: list[tuple[list[str], int]], prefixes: tuple[str, ...]) -> 
     return out
 
 
-def report(dirs: list[Path], min_ms: float = 0.03, depth: int = 14, focus: str | None = None,
-           own: str = "") -> str:  # fmt: skip
+def report(
+    dirs: list[Path], min_ms: float = 0.03, depth: int = 14, focus: str | None = None, own: str = ""
+) -> str:
     """The side-by-side table of `dirs` (one per server and run), as `main` prints it."""
     trees, scales, heads, owns = [], [], [], []
     for folder in dirs:
@@ -107,14 +111,21 @@ def report(dirs: list[Path], min_ms: float = 0.03, depth: int = 14, focus: str |
         scales.append(head["seconds"] * 1000.0 / total / rounds(meta))
         trees.append(tree(stacks, focus))
         owns.append(own_time(stacks, tuple(x for x in own.split(",") if x)))
-        heads.append(f"{folder.parent.name}/{folder.name}: {rounds(meta):.0f} rounds, "
-                     f"{head['seconds'] * 1000.0 / rounds(meta):.2f} ms a round")  # fmt: skip
-    out = [*heads, "| " + " | ".join(f"{d.parent.name}/{d.name}" for d in dirs)
-           + " | frame (ms per round) |", "|" + "---|" * (len(dirs) + 1)]  # fmt: skip
+        heads.append(
+            f"{folder.parent.name}/{folder.name}: {rounds(meta):.0f} rounds, "
+            f"{head['seconds'] * 1000.0 / rounds(meta):.2f} ms a round"
+        )
+    out = [
+        *heads,
+        "| " + " | ".join(f"{d.parent.name}/{d.name}" for d in dirs) + " | frame (ms per round) |",
+        "|" + "---|" * (len(dirs) + 1),
+    ]
     if not own:
         return "\n".join([*out, *lines_of(trees, scales, min_ms, depth)])
-    keys = sorted({k for o in owns for k in o},
-                  key=lambda k: -max(o.get(k, 0) * c for o, c in zip(owns, scales, strict=True)))  # fmt: skip
+    keys = sorted(
+        {k for o in owns for k in o},
+        key=lambda k: -max(o.get(k, 0) * c for o, c in zip(owns, scales, strict=True)),
+    )
     for k in keys:
         ms = [o.get(k, 0) * c for o, c in zip(owns, scales, strict=True)]
         if max(ms) >= min_ms:
@@ -128,9 +139,12 @@ def main() -> int:
     p.add_argument("--min-ms", type=float, default=0.03)
     p.add_argument("--depth", type=int, default=14)
     p.add_argument("--focus", default=None)
-    p.add_argument("--own", default="",
-                   help="file names (e.g. worker.py,widths.py): instead of the tree, the time of "
-                        "their frames by what each ran, largest first")  # fmt: skip
+    p.add_argument(
+        "--own",
+        default="",
+        help="file names (e.g. worker.py,widths.py): instead of the tree, the time of "
+        "their frames by what each ran, largest first",
+    )
     args = p.parse_args()
     print(report(args.dirs, args.min_ms, args.depth, args.focus, args.own))
     return 0

@@ -49,8 +49,9 @@ def load(rounds: Path, acceptance: Path, temperature: float, variants=None, sitt
     clash = [w for w in set(width_of.values()) if list(width_of.values()).count(w) > 1]
     if clash:
         names = sorted(n for n, w in width_of.items() if w in clash)
-        raise SystemExit(f"several variants measure the same width: {names}; keep one of each "
-                         "with --variants")  # fmt: skip
+        raise SystemExit(
+            f"several variants measure the same width: {names}; keep one of each with --variants"
+        )
     batch = sorted({r["bs"] for r in rows})
     ms = {}
     for name, width in width_of.items():
@@ -76,8 +77,13 @@ def project(cost: CostTable, tokens: dict[int, float], batch_sizes) -> list[dict
         chain = torch.full((bs,), tokens[CHAIN])
         pick = choose_width(cost, expected, widths, chain)
         rate = tokens[pick] / cost.cost(bs, pick)
-        out.append({"bs": bs, "choice": "chain" if pick == CHAIN else f"N={pick}",
-                    "projected_vs_dflash": rate / (tokens[CHAIN] / cost.cost(bs, CHAIN))})  # fmt: skip
+        out.append(
+            {
+                "bs": bs,
+                "choice": "chain" if pick == CHAIN else f"N={pick}",
+                "projected_vs_dflash": rate / (tokens[CHAIN] / cost.cost(bs, CHAIN)),
+            }
+        )
     return out
 
 
@@ -87,8 +93,11 @@ def main(argv=None) -> int:
     p.add_argument("--acceptance", type=Path, required=True)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--sitting", type=int, help="the rounds' sitting (default: the newest)")
-    p.add_argument("--variants", help="comma-separated bench_round variants to use (one per "
-                   "width and the chain), e.g. dflash,ddtree16,ddtree32")  # fmt: skip
+    p.add_argument(
+        "--variants",
+        help="comma-separated bench_round variants to use (one per "
+        "width and the chain), e.g. dflash,ddtree16,ddtree32",
+    )
     args = p.parse_args(argv)
     keep = args.variants.split(",") if args.variants else None
     cost, tokens = load(args.rounds, args.acceptance, args.temperature, keep, args.sitting)

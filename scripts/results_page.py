@@ -81,8 +81,10 @@ def _wrap(command: str, width: int = 92) -> str:
 
 def prose(text: str, width: int = 100) -> str:
     """Paragraphs (split on blank lines) filled to `width`."""
-    return "\n\n".join(textwrap.fill(part, width, break_on_hyphens=False,
-                                       break_long_words=False) for part in text.split("\n\n"))  # fmt: skip
+    return "\n\n".join(
+        textwrap.fill(part, width, break_on_hyphens=False, break_long_words=False)
+        for part in text.split("\n\n")
+    )
 
 
 def table(header: list[str], body: list[list[str]]) -> str:
@@ -110,10 +112,12 @@ def conditions(rows: list[dict]) -> str:
     world = next((r["simulate"] for r in rows if r.get("simulate")), None)
     if world:
         means = ", ".join(f"{m:g}" for m in world["top1"])
-        accept = (f"the simulated `{world['name']}` world (docs/simulation.md: top-1 mean "
-                  f"{means} by depth, the last for every deeper one; spread "
-                  f"{world['spread']:g}, ratio {world['ratio']:g}, off-spine "
-                  f"{world['off_spine']:g}, seed {world['seed']})")  # fmt: skip
+        accept = (
+            f"the simulated `{world['name']}` world (docs/simulation.md: top-1 mean "
+            f"{means} by depth, the last for every deeper one; spread "
+            f"{world['spread']:g}, ratio {world['ratio']:g}, off-spine "
+            f"{world['off_spine']:g}, seed {world['seed']})"
+        )
     else:
         accept = "the dummy weights' (about one token a round)"
     return f"SGLang {release or '0.5.17'}; acceptance: {accept}."
@@ -126,23 +130,29 @@ def round_cost_table(rows: list[dict]) -> str:
     rows = latest(rows)
     variants = list(dict.fromkeys(r["variant"] for r in rows if "bs" in r))
     fits = {(r["variant"], r["bs"]) for r in rows if "bs" in r and "error" not in r}
-    cost = {(r["variant"], r["bs"]): r["round_ms"] for r in rows
-            if "bs" in r and (r.get("round_ms") or 0) > 0}  # fmt: skip
+    cost = {
+        (r["variant"], r["bs"]): r["round_ms"]
+        for r in rows
+        if "bs" in r and (r.get("round_ms") or 0) > 0
+    }
     batch = sorted({r["bs"] for r in rows if r.get("bs") is not None})
     trees = [v for v in variants if v.startswith("ddtree")]
     header = ["batch", *[f"{v} ms" for v in variants], *[f"{v} / dflash" for v in trees]]
     body = []
     for bs in batch:
-        cells = [_ms(cost.get((v, bs))) or ("-" if (v, bs) in fits else "does not fit")
-                 for v in variants]  # fmt: skip
+        cells = [
+            _ms(cost.get((v, bs))) or ("-" if (v, bs) in fits else "does not fit") for v in variants
+        ]
         chain = cost.get(("dflash", bs))
-        ratios = [_ms(cost[(v, bs)] / chain) if chain and cost.get((v, bs)) else ""
-                  for v in trees]  # fmt: skip
+        ratios = [_ms(cost[(v, bs)] / chain) if chain and cost.get((v, bs)) else "" for v in trees]
         body.append([str(bs), *cells, *ratios])
-    method = ("the slope of latency against rounds" if rows[0].get("method") == "slope" else
-              "the difference between the median requests of 64 and 32 new tokens over the "
-              "difference of their rounds, which under simulated acceptance moves with each "
-              "request's accepted lengths (one request per length at batch 1)")  # fmt: skip
+    method = (
+        "the slope of latency against rounds"
+        if rows[0].get("method") == "slope"
+        else "the difference between the median requests of 64 and 32 new tokens over the "
+        "difference of their rounds, which under simulated acceptance moves with each "
+        "request's accepted lengths (one request per length at batch 1)"
+    )
     head = f"{conditions(rows)} Round time: {method}."
     started = {r["variant"]: r["startup"] for r in rows if r.get("startup")}
     if started:
@@ -169,8 +179,11 @@ def serving_simulated_table(rows: list[dict]) -> str:
     trees = [v for v in variants if v.startswith("ddtree")]
     at = {(r["variant"], r["concurrency"]): r for r in rows}
     # per run only where the server counted (/server_info); a log's table lags its rounds
-    auto = [v for v in variants if "_auto" in v
-            and all("widths_rounds" in r for r in rows if r["variant"] == v)]  # fmt: skip
+    auto = [
+        v
+        for v in variants
+        if "_auto" in v and all("widths_rounds" in r for r in rows if r["variant"] == v)
+    ]
     logged = [v for v in variants if "_auto" in v and v not in auto]
     chosen, before = {}, {}
     for r in rows:  # in the order the runs were made
@@ -181,24 +194,41 @@ def serving_simulated_table(rows: list[dict]) -> str:
                 f"{w} x {n - last.get(w, 0)}" for w, n in now.items() if n > last.get(w, 0)
             )
             before[r["variant"]] = now
-    header = ["c", *[f"{v} tok/s" for v in variants], *[f"{v} / dflash" for v in trees],
-              *[f"{v} TPOT ms" for v in variants], *[f"{v} tokens/round" for v in variants],
-              *[f"{v} ms/round" for v in variants],
-              *[f"{v} widths x rounds" for v in auto]]  # fmt: skip
+    header = [
+        "c",
+        *[f"{v} tok/s" for v in variants],
+        *[f"{v} / dflash" for v in trees],
+        *[f"{v} TPOT ms" for v in variants],
+        *[f"{v} tokens/round" for v in variants],
+        *[f"{v} ms/round" for v in variants],
+        *[f"{v} widths x rounds" for v in auto],
+    ]
     body = []
     for c in sorted({r["concurrency"] for r in rows}):
         got = [at.get((v, c), {}) for v in variants]
         chain = at.get(("dflash", c), {}).get("output_tok_s")
-        ratios = [_ms(at[(v, c)]["output_tok_s"] / chain) if chain and (v, c) in at else ""
-                  for v in trees]  # fmt: skip
-        body.append([str(c), *[_ms(g.get("output_tok_s"), 0) for g in got], *ratios,
-                     *[_ms(g.get("median_tpot_ms")) for g in got],
-                     *[_ms(g.get("accept_len")) for g in got],
-                     *[_ms(g["median_tpot_ms"] * g["accept_len"], 1)
-                       if g.get("median_tpot_ms") and g.get("accept_len") else "" for g in got],
-                     *[chosen.get((v, c), "") for v in auto]])  # fmt: skip
-    running = "; ".join(f"{v} {n}" for v, n in {r["variant"]: r["max_running"]
-                                                 for r in rows}.items())  # fmt: skip
+        ratios = [
+            _ms(at[(v, c)]["output_tok_s"] / chain) if chain and (v, c) in at else "" for v in trees
+        ]
+        body.append(
+            [
+                str(c),
+                *[_ms(g.get("output_tok_s"), 0) for g in got],
+                *ratios,
+                *[_ms(g.get("median_tpot_ms")) for g in got],
+                *[_ms(g.get("accept_len")) for g in got],
+                *[
+                    _ms(g["median_tpot_ms"] * g["accept_len"], 1)
+                    if g.get("median_tpot_ms") and g.get("accept_len")
+                    else ""
+                    for g in got
+                ],
+                *[chosen.get((v, c), "") for v in auto],
+            ]
+        )
+    running = "; ".join(
+        f"{v} {n}" for v, n in {r["variant"]: r["max_running"] for r in rows}.items()
+    )
     head = f"{conditions(rows)} Running requests at most: {running}."
     for v in logged:  # the last table the server logged, over all of its runs
         last = [r for r in rows if r["variant"] == v][-1].get("widths_chosen") or "none logged"
@@ -212,12 +242,10 @@ def _serving_cells(runs: list[dict], chain: dict[int, float]) -> list[str]:
     if runs[0]["server"] == "dflash":
         chain = {}  # no ratio of DFLASH to itself
     ratios = [r["output_throughput"] / chain[r["run"]] for r in runs if r["run"] in chain]
-    ratio = (f"{geo_mean(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
-             if ratios else "")  # fmt: skip
+    ratio = f"{geo_mean(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})" if ratios else ""
     accepts = [r["accept_length"] for r in runs if r.get("accept_length") is not None]
     accept = f"{statistics.median(accepts):.2f}" if accepts else ""  # plain decoding: none
-    return [f"{statistics.median(speeds):.0f} ({min(speeds):.0f}-{max(speeds):.0f})", accept,
-            ratio]  # fmt: skip
+    return [f"{statistics.median(speeds):.0f} ({min(speeds):.0f}-{max(speeds):.0f})", accept, ratio]
 
 
 def serving_table(rows: list[dict]) -> str:
@@ -234,17 +262,33 @@ def serving_table(rows: list[dict]) -> str:
                 runs = [r for r in cell if r["server"] == server]
                 if runs:
                     cpus = runs[0].get("cpus", "")
-                    body.append([f"{temp:g}", str(c), server, str(cpus),
-                                 *_serving_cells(runs, chain)])  # fmt: skip
-    header = ["T", "c", "server", "CPUs", "tok/s median (min-max)", "accept",
-              "/ dflash geo-mean (range)"]  # fmt: skip
+                    body.append(
+                        [f"{temp:g}", str(c), server, str(cpus), *_serving_cells(runs, chain)]
+                    )
+    header = [
+        "T",
+        "c",
+        "server",
+        "CPUs",
+        "tok/s median (min-max)",
+        "accept",
+        "/ dflash geo-mean (range)",
+    ]
     return shown(rows, table(header, body))
 
 
 def first_token_table(rows: list[dict]) -> str:
     rows = latest(rows)
-    body = [[r["server"], str(r["max_new_tokens"]), str(r["requests"]), _ms(r["median_ms"], 1),
-             _ms(r["min_ms"], 1)] for r in rows]  # fmt: skip
+    body = [
+        [
+            r["server"],
+            str(r["max_new_tokens"]),
+            str(r["requests"]),
+            _ms(r["median_ms"], 1),
+            _ms(r["min_ms"], 1),
+        ]
+        for r in rows
+    ]
     return shown(rows, table(["server", "new tokens", "requests", "median ms", "min ms"], body))
 
 
@@ -255,13 +299,31 @@ def round_profile_table(rows: list[dict]) -> str:
     for r in rows:
         host = r.get("host", {})
         parts = sorted(set(r.get("gpu_ms", {})) | set(host.get("host_ms", {})))
-        split = "; ".join(f"{p.removeprefix('ddtree.')} {r['gpu_ms'].get(p, 0):.2f} / "
-                          f"{host.get('host_ms', {}).get(p, 0):.2f}" for p in parts)  # fmt: skip
-        body.append([r["server"], str(r["bs"]), _ms(host.get("round_period_ms")),
-                     _ms(host.get("syncs_per_round"), 1), _ms(host.get("own_syncs_per_round"), 1),
-                     _ms(host.get("launches_per_round"), 0), split or "-"])  # fmt: skip
-    header = ["server", "bs", "round ms", "host syncs", "of them DDTREE's", "launches",
-              "part: GPU ms / host ms"]  # fmt: skip
+        split = "; ".join(
+            f"{p.removeprefix('ddtree.')} {r['gpu_ms'].get(p, 0):.2f} / "
+            f"{host.get('host_ms', {}).get(p, 0):.2f}"
+            for p in parts
+        )
+        body.append(
+            [
+                r["server"],
+                str(r["bs"]),
+                _ms(host.get("round_period_ms")),
+                _ms(host.get("syncs_per_round"), 1),
+                _ms(host.get("own_syncs_per_round"), 1),
+                _ms(host.get("launches_per_round"), 0),
+                split or "-",
+            ]
+        )
+    header = [
+        "server",
+        "bs",
+        "round ms",
+        "host syncs",
+        "of them DDTREE's",
+        "launches",
+        "part: GPU ms / host ms",
+    ]
     return shown(rows, table(header, body))
 
 
@@ -270,8 +332,9 @@ def host_profile_reports(rows: list[dict]) -> str:
     rows = latest(rows)
     short = [r for r in rows if len(r["report"]) <= 3000]
     # a blank line between the report's header lines and its table, which markdown needs
-    parts = [f"**{r['view']}** ({r['note']})\n\n" + r["report"].replace("\n|", "\n\n|", 1)
-             for r in short]  # fmt: skip
+    parts = [
+        f"**{r['view']}** ({r['note']})\n\n" + r["report"].replace("\n|", "\n\n|", 1) for r in short
+    ]
     long = [r["view"] for r in rows if r not in short]
     if long:
         parts.append(prose("In the data file, not shown here: " + "; ".join(long) + "."))
@@ -282,14 +345,33 @@ def gdn_verify_table(rows: list[dict]) -> str:
     """One GDN layer's tree verify (ms): SGLang's, the root paths', the chunked one's, and
     SGLang's chain verify of as many tokens; the commit; the outputs' largest differences."""
     rows = latest(rows, "chunk_verify_ms")
-    body = [[str(r["bs"]), str(r["nodes"]), _ms(r["sglang_verify_ms"], 3),
-             _ms(r["ours_verify_ms"], 3), _ms(r["chunk_verify_ms"], 3),
-             _ms(r.get("sglang_chain_same_tokens_ms"), 3), _ms(r["sglang_commit_ms"], 3),
-             _ms(r["ours_commit_ms"], 3), f"{r['max_abs_diff_o']:.1e}",
-             f"{r['chunk_max_abs_diff_o']:.1e}"] for r in rows]  # fmt: skip
-    header = ["bs", "N", "SGLang tree verify", "root paths", "chunked (default)",
-              "SGLang chain, same tokens", "SGLang commit", "replay commit",
-              "root paths max diff", "chunked max diff"]  # fmt: skip
+    body = [
+        [
+            str(r["bs"]),
+            str(r["nodes"]),
+            _ms(r["sglang_verify_ms"], 3),
+            _ms(r["ours_verify_ms"], 3),
+            _ms(r["chunk_verify_ms"], 3),
+            _ms(r.get("sglang_chain_same_tokens_ms"), 3),
+            _ms(r["sglang_commit_ms"], 3),
+            _ms(r["ours_commit_ms"], 3),
+            f"{r['max_abs_diff_o']:.1e}",
+            f"{r['chunk_max_abs_diff_o']:.1e}",
+        ]
+        for r in rows
+    ]
+    header = [
+        "bs",
+        "N",
+        "SGLang tree verify",
+        "root paths",
+        "chunked (default)",
+        "SGLang chain, same tokens",
+        "SGLang commit",
+        "replay commit",
+        "root paths max diff",
+        "chunked max diff",
+    ]
     return shown(rows, table(header, body))
 
 
@@ -304,11 +386,26 @@ def gdn_conv_table(rows: list[dict]) -> str:
     for r in rows:
         ours, chain = r[CONV_DEFAULT], r["sglang_chain_conv_round_ms"]
         equal = r["conv_windows_equal"] and r["conv_parents_equal"]
-        body.append([str(r["bs"]), str(r["nodes"]), _ms(ours, 3),
-                     _ms(r["ours_conv_round_windows_ms"], 3), _ms(chain, 3), _ms(ours / chain),
-                     "yes" if equal else "NO"])  # fmt: skip
-    header = ["bs", "N", "tree conv1d (default)", "with per-node windows",
-              "SGLang chain, same tokens", "tree / chain", "equal to SGLang's"]  # fmt: skip
+        body.append(
+            [
+                str(r["bs"]),
+                str(r["nodes"]),
+                _ms(ours, 3),
+                _ms(r["ours_conv_round_windows_ms"], 3),
+                _ms(chain, 3),
+                _ms(ours / chain),
+                "yes" if equal else "NO",
+            ]
+        )
+    header = [
+        "bs",
+        "N",
+        "tree conv1d (default)",
+        "with per-node windows",
+        "SGLang chain, same tokens",
+        "tree / chain",
+        "equal to SGLang's",
+    ]
     return shown(rows, table(header, body))
 
 
@@ -323,11 +420,16 @@ def tree_build_table(rows: list[dict]) -> str:
     for shape, bs, n in sorted({(r["shape"], r["bs"], r["nodes"]) for r in rows}):
         torch_row = cell.get((shape, "torch", bs, n))
         triton_row = cell.get((shape, "triton", bs, n))
-        body.append([shape, str(bs), str(n), *[_ms(x and x["build_ms"], 3) for x in
-                     (torch_row, triton_row)], *[_ms(x and x["head_ms"], 3) for x in
-                     (torch_row, triton_row)]])  # fmt: skip
-    header = ["shape", "bs", "N", "build, torch", "build, Triton", "head, torch",
-              "head, Triton"]  # fmt: skip
+        body.append(
+            [
+                shape,
+                str(bs),
+                str(n),
+                *[_ms(x and x["build_ms"], 3) for x in (torch_row, triton_row)],
+                *[_ms(x and x["head_ms"], 3) for x in (torch_row, triton_row)],
+            ]
+        )
+    header = ["shape", "bs", "N", "build, torch", "build, Triton", "head, torch", "head, Triton"]
     return shown(rows, table(header, body))
 
 
@@ -339,17 +441,32 @@ def acceptance_table(rows: list[dict]) -> str:
     for method in dict.fromkeys(r["method"] for r in rows):
         at = {r["temperature"]: r for r in rows if r["method"] == method}
         label = f"DDTree budget {method.split()[-1]}" if method.startswith("DDTree") else method
-        body.append([label, *[f"{at[t]['mean_accept_len']:.2f} ({at[t]['rounds']})"
-                              if t in at else "" for t in temps]])  # fmt: skip
+        body.append(
+            [
+                label,
+                *[
+                    f"{at[t]['mean_accept_len']:.2f} ({at[t]['rounds']})" if t in at else ""
+                    for t in temps
+                ],
+            ]
+        )
     return shown(rows, table(["method", *[f"T={t:g}: tokens/round (rounds)" for t in temps]], body))
 
 
 def budget_sweep_table(rows: list[dict]) -> str:
     rows = [r for r in latest(rows) if "concurrency" in r]  # not the per-server profiles
-    body = [[r["server"], str(r["concurrency"]), f"{r['tokens_per_s']:.0f}",
-             _ms(r.get("tpot_ms")), _ms(r.get("accept_len")),
-             _ms(r["tpot_ms"] * r["accept_len"]) if r.get("accept_len") else "",
-             str(r.get("identical_to_plain", ""))] for r in rows]  # fmt: skip
+    body = [
+        [
+            r["server"],
+            str(r["concurrency"]),
+            f"{r['tokens_per_s']:.0f}",
+            _ms(r.get("tpot_ms")),
+            _ms(r.get("accept_len")),
+            _ms(r["tpot_ms"] * r["accept_len"]) if r.get("accept_len") else "",
+            str(r.get("identical_to_plain", "")),
+        ]
+        for r in rows
+    ]
     header = ["server", "c", "tok/s", "TPOT ms", "accept", "round ms", "same as plain"]
     note = rows[0].get("note")
     return shown(rows, table(header, body) + (f"\n\nThis sitting {note}." if note else ""))
@@ -362,19 +479,53 @@ def soak_table(rows: list[dict]) -> str:
         fuzz = r.get("fuzz") or {}
         bad = fuzz.get("bad")
         fuzz_cell = f"{len(bad)} of {fuzz.get('cases')} not a 4xx" if bad is not None else ""
-        body.append([r["server"], *[str(r.get(k, "")) for k in
-                     ("sent", "completed", "cancelled", "refused", "failed", "p50_s", "p99_s",
-                      "tokens_per_s")], fuzz_cell])  # fmt: skip
-    header = ["server", "sent", "completed", "cancelled", "refused (4xx)", "failed", "p50 s",
-              "p99 s", "tok/s", "fuzz"]  # fmt: skip
+        body.append(
+            [
+                r["server"],
+                *[
+                    str(r.get(k, ""))
+                    for k in (
+                        "sent",
+                        "completed",
+                        "cancelled",
+                        "refused",
+                        "failed",
+                        "p50_s",
+                        "p99_s",
+                        "tokens_per_s",
+                    )
+                ],
+                fuzz_cell,
+            ]
+        )
+    header = [
+        "server",
+        "sent",
+        "completed",
+        "cancelled",
+        "refused (4xx)",
+        "failed",
+        "p50 s",
+        "p99 s",
+        "tok/s",
+        "fuzz",
+    ]
     return shown(rows, table(header, body))
 
 
 def gpu_suite_table(rows: list[dict]) -> str:
     rows = latest(rows)
-    body = [[r["suite"], str(r["passed"]), str(r["failed"] + r.get("errors", 0)),
-             str(r["skipped"]), "yes" if r["complete"] else f"no ({r.get('note', '')})",
-             "; ".join(r["failures"])] for r in rows]  # fmt: skip
+    body = [
+        [
+            r["suite"],
+            str(r["passed"]),
+            str(r["failed"] + r.get("errors", 0)),
+            str(r["skipped"]),
+            "yes" if r["complete"] else f"no ({r.get('note', '')})",
+            "; ".join(r["failures"]),
+        ]
+        for r in rows
+    ]
     header = ["suite", "passed", "failed", "skipped", "complete", "failures"]
     versions = ", ".join(f"{k} {rows[0][k]}" for k in ("sglang", "torch", "transformers"))
     return shown(rows, f"On {versions}; servers: {rows[0]['servers']}.\n\n" + table(header, body))
@@ -394,15 +545,27 @@ def simulated_acceptance_table(rows: list[dict]) -> str:
         trees = {
             r["nodes"]: r["tau"] for r in rows if r["regime"] == name and r["verify"] == "tree"
         }
-        body.append([name, means, f"{chain['tau']:.2f} ({chain['chain_tau_calibrated']:.2f})",
-                     *[f"{trees[n]:.2f} ({trees[n] / chain['tau']:.2f}x)" for n in widths]])  # fmt: skip
-    header = ["regime", "top-1 means by depth", "chain (calibrated)",
-              *[f"tree N={n}" for n in widths]]  # fmt: skip
+        body.append(
+            [
+                name,
+                means,
+                f"{chain['tau']:.2f} ({chain['chain_tau_calibrated']:.2f})",
+                *[f"{trees[n]:.2f} ({trees[n] / chain['tau']:.2f}x)" for n in widths],
+            ]
+        )
+    header = [
+        "regime",
+        "top-1 means by depth",
+        "chain (calibrated)",
+        *[f"tree N={n}" for n in widths],
+    ]
     first, tree = rows[0], next(r for r in rows if r["verify"] == "tree")
     world = first["world"]
-    note = (f"Block {first['block']}, K = {tree['topk']}, spread {world['spread']}, ratio "
-            f"{world['ratio']}, off-spine {world['off_spine']}; {first['rounds']} independent "
-            "rounds per cell.")  # fmt: skip
+    note = (
+        f"Block {first['block']}, K = {tree['topk']}, spread {world['spread']}, ratio "
+        f"{world['ratio']}, off-spine {world['off_spine']}; {first['rounds']} independent "
+        "rounds per cell."
+    )
     return shown(rows, note + "\n\n" + table(header, body))
 
 
@@ -418,11 +581,23 @@ def _load(row: dict) -> str:
 
 def fresh_clone_table(rows: list[dict]) -> str:
     rows = latest(rows)
-    body = [[f"{r['machine']['cpus']} CPUs, {r['machine']['memory_gb']} GB", _load(r),
-             *[_duration(r[f"{step}_s"]) for step in ("setup", "demo", "test")],
-             r["test_summary"]] for r in rows]  # fmt: skip
-    header = ["machine", "load average (setup / demo / test)", "setup", "demo",
-              "test (ruff + pytest)", "pytest said"]  # fmt: skip
+    body = [
+        [
+            f"{r['machine']['cpus']} CPUs, {r['machine']['memory_gb']} GB",
+            _load(r),
+            *[_duration(r[f"{step}_s"]) for step in ("setup", "demo", "test")],
+            r["test_summary"],
+        ]
+        for r in rows
+    ]
+    header = [
+        "machine",
+        "load average (setup / demo / test)",
+        "setup",
+        "demo",
+        "test (ruff + pytest)",
+        "pytest said",
+    ]
     return shown(rows, table(header, body))
 
 
@@ -615,15 +790,27 @@ def render_section(section: Section, data: Path = DATA) -> str:
     if not (data / f"{section.name}.jsonl").exists():  # declared before its first rows
         return f"## {section.title}\n\n{prose(section.about)}\n\nNo rows yet."
     rows = read_rows(section.name, data)
-    return "\n\n".join([f"## {section.title}", prose(section.about), section.render(rows),
-                        f"Rows of every sitting: `docs/data/{section.name}.jsonl`."])  # fmt: skip
+    return "\n\n".join(
+        [
+            f"## {section.title}",
+            prose(section.about),
+            section.render(rows),
+            f"Rows of every sitting: `docs/data/{section.name}.jsonl`.",
+        ]
+    )
 
 
 def render_page(data: Path = DATA) -> str:
-    intro = ("# Results\n\n" + prose("Generated by `python scripts/results_page.py` from "
-             "`docs/data/`; do not edit by hand. Each section shows the newest sitting of its "
-             "data file; the earlier sittings stay in the file.") + "\n\n"
-             + "\n".join(f"- [{s.title}](#{_anchor(s.title)})" for s in SECTIONS))  # fmt: skip
+    intro = (
+        "# Results\n\n"
+        + prose(
+            "Generated by `python scripts/results_page.py` from "
+            "`docs/data/`; do not edit by hand. Each section shows the newest sitting of its "
+            "data file; the earlier sittings stay in the file."
+        )
+        + "\n\n"
+        + "\n".join(f"- [{s.title}](#{_anchor(s.title)})" for s in SECTIONS)
+    )
     return "\n\n".join([intro, *[render_section(s, data) for s in SECTIONS]]) + "\n"
 
 
@@ -647,8 +834,10 @@ def readme_block(name: str, data: Path = DATA) -> str:
         busy = max((r.get("load_mean") or {}).values(), default=0) > cpus  # more than its own
         shared = f", load average {load} during them" if load else ""
         shared += ": shared with other work" if busy else ""
-        times = (f"setup {_duration(r['setup_s'])}, the demo {_duration(r['demo_s'])}, the "
-                 f"tests {_duration(r['test_s'])}")  # fmt: skip
+        times = (
+            f"setup {_duration(r['setup_s'])}, the demo {_duration(r['demo_s'])}, the "
+            f"tests {_duration(r['test_s'])}"
+        )
         return (
             prose(
                 f"Measured on a fresh clone ({r['date']}, a {cpus}-CPU machine{shared}): "
@@ -667,16 +856,25 @@ def render_readme(text: str, data: Path = DATA) -> str:
 # ---------------------------------------------------------------- adding rows
 
 
-def add_rows(name: str, rows: list[dict], commit: str | None, command: str | None,
-             date: str | None, data: Path = DATA) -> list[dict]:  # fmt: skip
+def add_rows(
+    name: str,
+    rows: list[dict],
+    commit: str | None,
+    command: str | None,
+    date: str | None,
+    data: Path = DATA,
+) -> list[dict]:
     """Stamp a benchmark's rows as the file's next sitting and append them."""
     path = data / f"{name}.jsonl"
     old = read_rows(name, data) if path.exists() else []
     sitting = max((r["sitting"] for r in old), default=0) + 1
     stamped = []
     for row in rows:
-        out = {"date": row.get("date") or date or datetime.date.today().isoformat(),
-               "commit": row.get("commit") or commit, "sitting": sitting}  # fmt: skip
+        out = {
+            "date": row.get("date") or date or datetime.date.today().isoformat(),
+            "commit": row.get("commit") or commit,
+            "sitting": sitting,
+        }
         if not out["commit"]:
             raise SystemExit("the rows name no commit: pass --commit (the code measured)")
         if command or row.get("command"):
@@ -703,8 +901,9 @@ def main(argv: list[str] | None = None) -> int:
         argv = []
     check = argv == ["--check"]
     page, readme = render_page(), render_readme(README.read_text())
-    stale = [p for p, text in ((PAGE, page), (README, readme))
-             if not p.exists() or p.read_text() != text]  # fmt: skip
+    stale = [
+        p for p, text in ((PAGE, page), (README, readme)) if not p.exists() or p.read_text() != text
+    ]
     if check:
         for path in stale:
             print(f"{path.relative_to(ROOT)} is stale: run python scripts/results_page.py")

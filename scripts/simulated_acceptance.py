@@ -31,8 +31,9 @@ def tree_tau(world: simulation.World, nodes: int, rounds: int, seed: int) -> tup
     """Mean tokens per round of `rounds` independent rounds at tree width `nodes`, and its
     standard error."""
     cfg = DDTreeConfig(block_size=BLOCK, num_nodes=nodes, topk=TOPK)
-    head = DraftTreeHead(lm_head_weight=torch.zeros(VOCAB, 1), vocab_size=VOCAB, cfg=cfg,
-                         max_bs=BATCH, world=world)  # fmt: skip
+    head = DraftTreeHead(
+        lm_head_weight=torch.zeros(VOCAB, 1), vocab_size=VOCAB, cfg=cfg, max_bs=BATCH, world=world
+    )
     generator = torch.Generator().manual_seed(seed)
     taus = []
     for _ in range(math.ceil(rounds / BATCH)):
@@ -66,22 +67,38 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     for name, world in simulation.REGIMES.items():
-        base = {"regime": name, "world": world.as_dict(), "rounds": args.rounds, "block": BLOCK,
-                "chain_tau_calibrated": simulation.chain_tau(world, BLOCK - 1)}  # fmt: skip
+        base = {
+            "regime": name,
+            "world": world.as_dict(),
+            "rounds": args.rounds,
+            "block": BLOCK,
+            "chain_tau_calibrated": simulation.chain_tau(world, BLOCK - 1),
+        }
         tau, err = chain_tau(world, args.rounds, seed=1)
-        rows.append({**base, "verify": "chain", "nodes": BLOCK, "topk": 1, "tau": tau,
-                     "tau_stderr": err})  # fmt: skip
+        rows.append(
+            {**base, "verify": "chain", "nodes": BLOCK, "topk": 1, "tau": tau, "tau_stderr": err}
+        )
         for nodes in (int(n) for n in args.nodes.split(",")):
             tau, err = tree_tau(world, nodes, args.rounds, seed=2)
-            rows.append({**base, "verify": "tree", "nodes": nodes, "topk": TOPK, "tau": tau,
-                         "tau_stderr": err})  # fmt: skip
+            rows.append(
+                {
+                    **base,
+                    "verify": "tree",
+                    "nodes": nodes,
+                    "topk": TOPK,
+                    "tau": tau,
+                    "tau_stderr": err,
+                }
+            )
     with open(args.out / "simulated_acceptance.jsonl", "w") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
     print(f"{'regime':<10} {'verify':<6} {'N':>3} {'tau':>7}  (chain calibrated)")
     for r in rows:
-        print(f"{r['regime']:<10} {r['verify']:<6} {r['nodes']:>3} {r['tau']:>7.3f}  "
-              f"({r['chain_tau_calibrated']:.3f})")  # fmt: skip
+        print(
+            f"{r['regime']:<10} {r['verify']:<6} {r['nodes']:>3} {r['tau']:>7.3f}  "
+            f"({r['chain_tau_calibrated']:.3f})"
+        )
     return 0
 
 

@@ -34,8 +34,10 @@ import urllib.request
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-WORDS = ("def return self value list data item index result config print while import "
-         "class yield lambda None True False for in if else try except with open read").split()  # fmt: skip
+WORDS = (
+    "def return self value list data item index result config print while import "
+    "class yield lambda None True False for in if else try except with open read"
+).split()
 PROBE = {"text": "def fibonacci(n):", "sampling_params": {"max_new_tokens": 64, "temperature": 0}}
 
 
@@ -55,8 +57,11 @@ class Request:
 
 # per-request options clients send: a server that does not serve one answers 4xx,
 # which counts as refused, not failed
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
-          "required": ["name", "n"]}  # fmt: skip
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
+    "required": ["name", "n"],
+}
 OPTIONS = ("logprobs", "penalties", "json_schema", "min_p")
 
 
@@ -69,18 +74,20 @@ def request_mix(count: int, context: int, seed: int = 0) -> list[Request]:
     for _ in range(count):
         words = rng.choice([1, rng.randint(2, 64), rng.randint(64, max(64, max_words)), max_words])
         temperature = rng.choice([0.0, 0.7, 1.0])
-        out.append(Request(
-            api=rng.choice(["chat", "chat_stream", "generate"]),
-            prompt=" ".join(rng.choice(WORDS) for _ in range(words)),
-            max_tokens=rng.choice([1, rng.randint(2, 64), rng.randint(64, 512)]),
-            temperature=temperature,
-            top_p=rng.choice([1.0, 0.9]) if temperature else 1.0,
-            top_k=rng.choice([-1, 20]) if temperature else -1,
-            n=rng.choice([1, 1, 1, 2]),
-            stop=rng.choice([[], [], ["\n\n"], ["return", "yield"]]),
-            cancel_after_s=rng.uniform(0.05, 3.0) if rng.random() < 0.3 else None,
-            option=rng.choice([None] * 7 + list(OPTIONS)),
-        ))  # fmt: skip
+        out.append(
+            Request(
+                api=rng.choice(["chat", "chat_stream", "generate"]),
+                prompt=" ".join(rng.choice(WORDS) for _ in range(words)),
+                max_tokens=rng.choice([1, rng.randint(2, 64), rng.randint(64, 512)]),
+                temperature=temperature,
+                top_p=rng.choice([1.0, 0.9]) if temperature else 1.0,
+                top_k=rng.choice([-1, 20]) if temperature else -1,
+                n=rng.choice([1, 1, 1, 2]),
+                stop=rng.choice([[], [], ["\n\n"], ["return", "yield"]]),
+                cancel_after_s=rng.uniform(0.05, 3.0) if rng.random() < 0.3 else None,
+                option=rng.choice([None] * 7 + list(OPTIONS)),
+            )
+        )
     return out
 
 
@@ -93,8 +100,14 @@ def without(reqs: list[Request], option: str) -> list[Request]:
 def payload(req: Request) -> tuple[str, dict]:
     """(path, JSON body) of one request."""
     if req.api == "generate":
-        sp = {"max_new_tokens": req.max_tokens, "temperature": req.temperature,
-              "top_p": req.top_p, "top_k": req.top_k, "n": req.n, "stop": req.stop}  # fmt: skip
+        sp = {
+            "max_new_tokens": req.max_tokens,
+            "temperature": req.temperature,
+            "top_p": req.top_p,
+            "top_k": req.top_k,
+            "n": req.n,
+            "stop": req.stop,
+        }
         body = {"text": req.prompt, "sampling_params": sp}
         if req.option == "logprobs":
             body.update(return_logprob=True, top_logprobs_num=3)
@@ -105,9 +118,15 @@ def payload(req: Request) -> tuple[str, dict]:
         elif req.option == "min_p":
             sp["min_p"] = 0.05
         return "/generate", body
-    body = {"model": "default", "messages": [{"role": "user", "content": req.prompt}],
-            "max_tokens": req.max_tokens, "temperature": req.temperature, "top_p": req.top_p,
-            "n": req.n, "stream": req.api == "chat_stream"}  # fmt: skip
+    body = {
+        "model": "default",
+        "messages": [{"role": "user", "content": req.prompt}],
+        "max_tokens": req.max_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "n": req.n,
+        "stream": req.api == "chat_stream",
+    }
     if req.top_k > 0:
         body["top_k"] = req.top_k
     if req.stop:
@@ -117,8 +136,10 @@ def payload(req: Request) -> tuple[str, dict]:
     elif req.option == "penalties":
         body.update(frequency_penalty=0.5, presence_penalty=0.3)
     elif req.option == "json_schema":
-        body["response_format"] = {"type": "json_schema",
-                                   "json_schema": {"name": "item", "schema": SCHEMA}}  # fmt: skip
+        body["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": "item", "schema": SCHEMA},
+        }
     elif req.option == "min_p":
         body["min_p"] = 0.05
     return "/v1/chat/completions", body
@@ -128,8 +149,9 @@ def send(url: str, req: Request, timeout: float = 600) -> dict:
     """One request: {"outcome": completed | cancelled | refused | failed, "status", "latency_s",
     "tokens"}. A cancel closes the connection mid-request (the server must abort it)."""
     path, body = payload(req)
-    http = urllib.request.Request(url + path, data=json.dumps(body).encode(),
-                                  headers={"Content-Type": "application/json"})  # fmt: skip
+    http = urllib.request.Request(
+        url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     t0 = time.time()
     limit = req.cancel_after_s or timeout
     try:
@@ -146,17 +168,29 @@ def send(url: str, req: Request, timeout: float = 600) -> dict:
                         error = chunk["error"]
                         code = error.get("code") if isinstance(error, dict) else None
                         refused = isinstance(code, int) and 400 <= code < 500  # e.g. a 400
-                        return _row("refused" if refused else "failed", code or 200, t0, tokens,
-                                    str(error)[:300])  # fmt: skip
-                    tokens += sum(bool((c.get("delta") or {}).get("content"))
-                                  for c in chunk.get("choices", []))  # fmt: skip
+                        return _row(
+                            "refused" if refused else "failed",
+                            code or 200,
+                            t0,
+                            tokens,
+                            str(error)[:300],
+                        )
+                    tokens += sum(
+                        bool((c.get("delta") or {}).get("content"))
+                        for c in chunk.get("choices", [])
+                    )
             else:
                 out = json.loads(r.read())
                 tokens = _tokens(out)
         return _row("completed", 200, t0, tokens)
     except urllib.error.HTTPError as e:
-        return _row("refused" if 400 <= e.code < 500 else "failed", e.code, t0, 0,
-                    e.read().decode(errors="replace")[:300])  # fmt: skip
+        return _row(
+            "refused" if 400 <= e.code < 500 else "failed",
+            e.code,
+            t0,
+            0,
+            e.read().decode(errors="replace")[:300],
+        )
     except (OSError, urllib.error.URLError) as e:  # timeouts, resets, refusals
         reason = getattr(e, "reason", e)
         if req.cancel_after_s is not None and isinstance(reason, TimeoutError):
@@ -174,8 +208,13 @@ def _tokens(out) -> int:
 
 def _row(outcome, status, t0, tokens, error=None) -> dict:
     now = time.time()
-    row = {"outcome": outcome, "status": status, "latency_s": now - t0, "tokens": tokens,
-           "t_end": now}  # fmt: skip
+    row = {
+        "outcome": outcome,
+        "status": status,
+        "latency_s": now - t0,
+        "tokens": tokens,
+        "t_end": now,
+    }
     return {**row, "error": error} if error else row
 
 
@@ -186,14 +225,22 @@ def summarize(rows: list[dict], wall_s: float) -> dict:
     def pct(q):
         return round(done[min(len(done) - 1, int(q * len(done)))], 3) if done else None
 
-    counts = {k: sum(r["outcome"] == k for r in rows)
-              for k in ("completed", "cancelled", "refused", "failed")}  # fmt: skip
-    errors = sorted({str(r.get("error") or r["status"]) for r in rows if r["outcome"] in
-                     ("refused", "failed")})[:10]  # fmt: skip
-    return {**counts, "p50_s": pct(0.5), "p99_s": pct(0.99),
-            "mean_s": round(statistics.mean(done), 3) if done else None,
-            "tokens_per_s": round(sum(r["tokens"] for r in rows) / max(wall_s, 1e-9), 1),
-            "wall_s": round(wall_s, 1), "errors": errors}  # fmt: skip
+    counts = {
+        k: sum(r["outcome"] == k for r in rows)
+        for k in ("completed", "cancelled", "refused", "failed")
+    }
+    errors = sorted(
+        {str(r.get("error") or r["status"]) for r in rows if r["outcome"] in ("refused", "failed")}
+    )[:10]
+    return {
+        **counts,
+        "p50_s": pct(0.5),
+        "p99_s": pct(0.99),
+        "mean_s": round(statistics.mean(done), 3) if done else None,
+        "tokens_per_s": round(sum(r["tokens"] for r in rows) / max(wall_s, 1e-9), 1),
+        "wall_s": round(wall_s, 1),
+        "errors": errors,
+    }
 
 
 def check_local(url: str) -> str:
@@ -211,13 +258,17 @@ def health(url: str) -> dict:
     loads = _get(url + "/v1/loads")[1]
     per_rank = loads.get("loads", []) if isinstance(loads, dict) else loads
     used = sum(r.get("num_used_tokens", 0) for r in per_rank) if per_rank else None
-    return {"probe": probe.get("text") if status == 200 else None, "healthy": ok,
-            "kv_tokens_in_use": used}  # fmt: skip
+    return {
+        "probe": probe.get("text") if status == 200 else None,
+        "healthy": ok,
+        "kv_tokens_in_use": used,
+    }
 
 
 def _post(url, body):
-    req = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=600) as r:
             return r.status, json.loads(r.read())
@@ -250,8 +301,12 @@ def soak(url: str, reqs: list[Request], seconds: float, concurrency: int) -> dic
     for r in rows:
         counts = by_option.setdefault(r["option"] or "none", {})
         counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
-    return {**summarize(rows, time.time() - t0), "sent": len(rows), "by_option": by_option,
-            "completed_per_10s": completion_timeline(rows, t0)}  # fmt: skip
+    return {
+        **summarize(rows, time.time() - t0),
+        "sent": len(rows),
+        "by_option": by_option,
+        "completed_per_10s": completion_timeline(rows, t0),
+    }
 
 
 def completion_timeline(rows: list[dict], t0: float, step: float = 10.0) -> list[int]:
@@ -284,11 +339,18 @@ def checked_soak(
     after = health(url)
     problems = log_problems(log, start) if log is not None else []
     idle = (0,) if loads_required else (0, None)
-    checks = {"probe_unchanged": before["probe"] is not None and after["probe"] == before["probe"],
-              "healthy": after["healthy"], "kv_idle": after["kv_tokens_in_use"] in idle,
-              "log_clean": not problems}  # fmt: skip
-    return {**result, "checks": checks, "log_problems": problems,
-            "kv_tokens_in_use_after": after["kv_tokens_in_use"]}  # fmt: skip
+    checks = {
+        "probe_unchanged": before["probe"] is not None and after["probe"] == before["probe"],
+        "healthy": after["healthy"],
+        "kv_idle": after["kv_tokens_in_use"] in idle,
+        "log_clean": not problems,
+    }
+    return {
+        **result,
+        "checks": checks,
+        "log_problems": problems,
+        "kv_tokens_in_use_after": after["kv_tokens_in_use"],
+    }
 
 
 # --- memory over a long soak: the server's host RSS and the GPU's memory, sampled every 30 s ---
@@ -316,8 +378,9 @@ def rss_mib(pids: list[int]) -> float:
             status = Path(f"/proc/{pid}/status").read_text()
         except OSError:
             continue
-        total += sum(int(line.split()[1]) for line in status.splitlines()
-                     if line.startswith("VmRSS:"))  # fmt: skip
+        total += sum(
+            int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")
+        )
     return total / 1024
 
 
@@ -337,8 +400,13 @@ def _nvidia_smi(query: str) -> str | None:
     import subprocess
 
     try:
-        out = subprocess.run(["nvidia-smi", query, "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30, check=True)  # fmt: skip
+        out = subprocess.run(
+            ["nvidia-smi", query, "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout
@@ -367,8 +435,9 @@ class MemorySampler:
 
     def _sample(self) -> None:
         pids = group_pids(self.pgid)
-        self.samples.append((round(time.time() - self._t0, 1), round(rss_mib(pids), 1),
-                             gpu_used_mib(pids)))  # fmt: skip
+        self.samples.append(
+            (round(time.time() - self._t0, 1), round(rss_mib(pids), 1), gpu_used_mib(pids))
+        )
 
     def _run(self) -> None:
         while True:
@@ -415,9 +484,13 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--memory", action="append", default=[],
-                   help="NAME=PID: sample that server's process group (host RSS) and the GPUs' "
-                        "memory every --sample-every s, and report the slopes")  # fmt: skip
+    p.add_argument(
+        "--memory",
+        action="append",
+        default=[],
+        help="NAME=PID: sample that server's process group (host RSS) and the GPUs' "
+        "memory every --sample-every s, and report the slopes",
+    )
     p.add_argument("--sample-every", type=float, default=30.0)
     p.add_argument("--warm-up", type=float, default=300.0, help="s left out of the slopes")
     p.add_argument("--out", type=Path)
@@ -431,11 +504,14 @@ def main() -> int:
         log = logs.get(name)
         sampler = MemorySampler(groups[name], args.sample_every) if name in groups else None
         with sampler or contextlib.nullcontext():
-            report[name] = checked_soak(url, reqs, args.seconds, args.concurrency, log,
-                                        log.stat().st_size if log else 0)  # fmt: skip
+            report[name] = checked_soak(
+                url, reqs, args.seconds, args.concurrency, log, log.stat().st_size if log else 0
+            )
         if sampler is not None:
-            report[name]["memory"] = {"slopes": memory_slopes(sampler.samples, args.warm_up),
-                                      "samples": sampler.samples}  # fmt: skip
+            report[name]["memory"] = {
+                "slopes": memory_slopes(sampler.samples, args.warm_up),
+                "samples": sampler.samples,
+            }
         ok &= all(report[name]["checks"].values()) and report[name]["failed"] == 0
         print(name, json.dumps(report[name]), flush=True)
     report["mix"] = [asdict(r) for r in reqs[:3]]

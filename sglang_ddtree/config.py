@@ -145,9 +145,16 @@ def _positive_int(value: object, flag: str) -> int | None:
 
 # The switches a user sets, all of them (README, "Tune it"); tests/unit/test_plugin.py fails on a
 # ninth. Debugging aids are test tooling (tests/gpu/server_debug), not switches.
-SWITCHES = ("SGLANG_DDTREE_GDN", "SGLANG_DDTREE_WIDTH", "SGLANG_DDTREE_WIDTHS",
-            "SGLANG_DDTREE_PENALTIES", "SGLANG_DDTREE_DUMP_ROUNDS", "SGLANG_DDTREE_DUMP_EVERY",
-            "SGLANG_DDTREE_VERIFY_PLAN", simulation.SWITCH)  # fmt: skip
+SWITCHES = (
+    "SGLANG_DDTREE_GDN",
+    "SGLANG_DDTREE_WIDTH",
+    "SGLANG_DDTREE_WIDTHS",
+    "SGLANG_DDTREE_PENALTIES",
+    "SGLANG_DDTREE_DUMP_ROUNDS",
+    "SGLANG_DDTREE_DUMP_EVERY",
+    "SGLANG_DDTREE_VERIFY_PLAN",
+    simulation.SWITCH,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,8 +211,12 @@ class Options:
     simulate: World | None = None
 
     @classmethod
-    def from_env(cls, unified_memory: bool = False, deterministic: bool = False,
-                 tensor_parallel: bool = False) -> Options:  # fmt: skip
+    def from_env(
+        cls,
+        unified_memory: bool = False,
+        deterministic: bool = False,
+        tensor_parallel: bool = False,
+    ) -> Options:
         """Parse and check every switch; an error names the switch and the fix.
         unified_memory (--enable-unified-memory): SGLang's unified pool allocates the per-node
         GDN states itself, so the scratch is full. deterministic
@@ -239,8 +250,10 @@ class Options:
 
     def _check(self) -> None:
         if self.widths is not None and self.width != "auto":
-            raise ValueError("SGLANG_DDTREE_WIDTHS lists the widths SGLANG_DDTREE_WIDTH=auto "
-                             "chooses among; drop it, or set SGLANG_DDTREE_WIDTH=auto.")  # fmt: skip
+            raise ValueError(
+                "SGLANG_DDTREE_WIDTHS lists the widths SGLANG_DDTREE_WIDTH=auto "
+                "chooses among; drop it, or set SGLANG_DDTREE_WIDTH=auto."
+            )
 
     def describe(self) -> str:
         """One line of every resolved switch (the server logs it at startup)."""
@@ -260,8 +273,9 @@ def _widths(name: str) -> tuple[int, ...] | None:
         return None
     parts = [part.strip() for part in text.split(",")]
     if not all(part.isdigit() and int(part) >= 1 for part in parts):
-        raise ValueError(f"{name} must be comma-separated widths >= 1 (e.g. 16,32,64), "
-                         f"got {text!r}")  # fmt: skip
+        raise ValueError(
+            f"{name} must be comma-separated widths >= 1 (e.g. 16,32,64), got {text!r}"
+        )
     return tuple(sorted({int(part) for part in parts}))
 
 
@@ -287,8 +301,12 @@ RETIRED_SWITCHES = {
 }
 # debugging aids that were server switches: the check's SERVE and the perturbation change
 # served tokens, and the check reads back and saves on the decode thread
-DEBUG_SWITCHES = ("SGLANG_DDTREE_GDN_CHECK", "SGLANG_DDTREE_GDN_CHECK_SERVE",
-                  "SGLANG_DDTREE_GDN_CHECK_SAVE", "SGLANG_DDTREE_GDN_PERTURB")  # fmt: skip
+DEBUG_SWITCHES = (
+    "SGLANG_DDTREE_GDN_CHECK",
+    "SGLANG_DDTREE_GDN_CHECK_SERVE",
+    "SGLANG_DDTREE_GDN_CHECK_SAVE",
+    "SGLANG_DDTREE_GDN_PERTURB",
+)
 
 
 def _refuse_retired_switches() -> None:
@@ -311,8 +329,11 @@ def _width_mode(deterministic: bool, tensor_parallel: bool) -> str:
     multi-GPU run has checked the shared choice there (auto at tp > 1: rank 0 chooses and
     broadcasts each round, integration/widths.RankWidths, so that no two ranks verify different
     widths in one round and wait on each other's collectives)."""
-    return env_choice("SGLANG_DDTREE_WIDTH", ("auto", "fixed"),
-                      default="fixed" if deterministic or tensor_parallel else "auto")  # fmt: skip
+    return env_choice(
+        "SGLANG_DDTREE_WIDTH",
+        ("auto", "fixed"),
+        default="fixed" if deterministic or tensor_parallel else "auto",
+    )
 
 
 def env_choice(name: str, options: tuple[str, ...], default: str | None = None) -> str:

@@ -56,8 +56,10 @@ class World:
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name} must lie in [0, 1], got {value}")
         if min(self.top1) <= self.top1_floor:
-            raise ValueError(f"top-1 means must exceed (1 - ratio) / (2 - ratio) = "
-                             f"{self.top1_floor:.3f}, or rank 2 could outweigh rank 1")  # fmt: skip
+            raise ValueError(
+                f"top-1 means must exceed (1 - ratio) / (2 - ratio) = "
+                f"{self.top1_floor:.3f}, or rank 2 could outweigh rank 1"
+            )
 
     @property
     def top1_floor(self) -> float:
@@ -70,12 +72,20 @@ class World:
 
     def describe(self) -> str:
         means = ", ".join(f"{m:.3f}" for m in self.top1)
-        return (f"{self.name}: top-1 means {means} (the last repeats), spread {self.spread}, "
-                f"ratio {self.ratio}, off-spine {self.off_spine}, seed {self.seed}")  # fmt: skip
+        return (
+            f"{self.name}: top-1 means {means} (the last repeats), spread {self.spread}, "
+            f"ratio {self.ratio}, off-spine {self.off_spine}, seed {self.seed}"
+        )
 
     def as_dict(self) -> dict:
-        return {"name": self.name, "top1": list(self.top1), "spread": self.spread,
-                "ratio": self.ratio, "off_spine": self.off_spine, "seed": self.seed}  # fmt: skip
+        return {
+            "name": self.name,
+            "top1": list(self.top1),
+            "spread": self.spread,
+            "ratio": self.ratio,
+            "off_spine": self.off_spine,
+            "seed": self.seed,
+        }
 
     # -- the draws -----------------------------------------------------------------------------
     def keys(self, position: torch.Tensor, root: torch.Tensor) -> torch.Tensor:
@@ -87,15 +97,17 @@ class World:
         (a host copy cannot be captured), and passed to the draws as `means`."""
         return torch.tensor(self.means(depths), dtype=torch.float32, device=device)
 
-    def probabilities(self, keys: torch.Tensor, depths: int,
-                      means: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    def probabilities(
+        self, keys: torch.Tensor, depths: int, means: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """[bs, depths, RANKS] float32: rank probabilities per depth (their sum is below 1 by
         the mass past RANKS); `means` from means_on, at least `depths` long (None: made here)."""
         if means is None:
             means = self.means_on(depths, keys.device)
         means = means[:depths]
-        half = torch.minimum(self.spread * torch.minimum(means, 1.0 - means),
-                             means - self.top1_floor)  # fmt: skip
+        half = torch.minimum(
+            self.spread * torch.minimum(means, 1.0 - means), means - self.top1_floor
+        )
         depth = torch.arange(depths, device=keys.device)
         u = _uniform(keys[:, None], depth[None, :], 0x51ED)  # [bs, depths]
         p1 = means + half * (2.0 * u - 1.0)
@@ -109,17 +121,25 @@ class World:
         picks past them (a miss); distinct within a depth."""
         span = vocab - FIRST_ID
         if span < RANKS + 1:
-            raise ValueError(f"a simulated world needs a vocabulary of {FIRST_ID + RANKS + 1} "
-                             f"tokens or more, got {vocab}")  # fmt: skip
+            raise ValueError(
+                f"a simulated world needs a vocabulary of {FIRST_ID + RANKS + 1} "
+                f"tokens or more, got {vocab}"
+            )
         depth = torch.arange(depths, device=keys.device)
         base = _mix(keys[:, None] ^ _mix(depth[None, :] + 0x7A3)) % span  # [bs, depths]
         step = span // (RANKS + 1)
         rank = torch.arange(RANKS + 1, device=keys.device)
         return FIRST_ID + (base[..., None] + rank * step) % span
 
-    def draft(self, position: torch.Tensor, root: torch.Tensor, depths: int, topk: int,
-              vocab: int, means: torch.Tensor | None = None,
-              ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def draft(
+        self,
+        position: torch.Tensor,
+        root: torch.Tensor,
+        depths: int,
+        topk: int,
+        vocab: int,
+        means: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The drafter's top-K at depths 1..depths: (ids [bs, depths, K] int64, log-probs
         [bs, depths, K] float32), as topk_logprobs_from_logits returns them."""
         if not 1 <= topk <= RANKS:
@@ -128,9 +148,16 @@ class World:
         ids = self.token_ids(keys, depths, vocab)[..., :topk]
         return ids, self.probabilities(keys, depths, means)[..., :topk].log()
 
-    def target_tokens(self, position: torch.Tensor, root: torch.Tensor, tokens: torch.Tensor,
-                      depth: torch.Tensor, visibility: torch.Tensor, vocab: int,
-                      means: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    def target_tokens(
+        self,
+        position: torch.Tensor,
+        root: torch.Tensor,
+        tokens: torch.Tensor,
+        depth: torch.Tensor,
+        visibility: torch.Tensor,
+        vocab: int,
+        means: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The target's token at each node of trees [bs, N] (node 0 the root; visibility
         [bs, N, N] ancestors-or-self): drawn at the depth below the node among that depth's
         ranked tokens, match probabilities times off_spine below a node off the top-1 path."""
@@ -157,8 +184,14 @@ class World:
         node_ids = ids.gather(1, below[..., None].expand(bs, n, RANKS + 1))
         return node_ids.gather(2, rank[..., None]).squeeze(-1)
 
-    def chain(self, position: torch.Tensor, root: torch.Tensor, block: int, vocab: int,
-              means: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def chain(
+        self,
+        position: torch.Tensor,
+        root: torch.Tensor,
+        block: int,
+        vocab: int,
+        means: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The chain of a block of `block` tokens [root, drafts...]: (drafts [bs, block - 1], the
         target's token at each of the block's positions [bs, block]), the top-1 path of the
         same world the trees read."""
@@ -243,15 +276,18 @@ def parse(value: str | None) -> World | None:
         return None
     name, _, rest = value.partition(":")
     if name not in REGIMES:
-        raise ValueError(f"SGLANG_DDTREE_SIMULATE: unknown regime {name!r}; one of "
-                         f"{', '.join(REGIMES)}")  # fmt: skip
+        raise ValueError(
+            f"SGLANG_DDTREE_SIMULATE: unknown regime {name!r}; one of {', '.join(REGIMES)}"
+        )
     world = REGIMES[name]
     changes: dict = {}
     for item in filter(None, rest.split(",")):
         key, _, raw = item.partition("=")
         if key not in ("spread", "ratio", "off_spine", "seed"):
-            raise ValueError(f"SGLANG_DDTREE_SIMULATE: unknown parameter {key!r} (spread, "
-                             "ratio, off_spine, seed)")  # fmt: skip
+            raise ValueError(
+                f"SGLANG_DDTREE_SIMULATE: unknown parameter {key!r} (spread, "
+                "ratio, off_spine, seed)"
+            )
         try:
             changes[key] = int(raw) if key == "seed" else float(raw)
         except ValueError:
@@ -303,8 +339,9 @@ class SimulatedTarget:
     def verify(self, tokens, parents, depth, visibility):
         del parents
         position = torch.tensor([self.committed_len])
-        picks = self.world.target_tokens(position, tokens[:1], tokens[None], depth[None],
-                                         visibility[None], self.vocab_size)[0]  # fmt: skip
+        picks = self.world.target_tokens(
+            position, tokens[:1], tokens[None], depth[None], visibility[None], self.vocab_size
+        )[0]
         logits = torch.full((tokens.numel(), self.vocab_size), -math.inf)
         logits.scatter_(1, picks[:, None], 0.0)
         return logits, torch.zeros(tokens.numel(), 1)

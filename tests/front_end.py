@@ -61,20 +61,28 @@ class FrontEnd:
         # answer and reset after it (tests.fixtures' model context publishes its own)
         from sglang.srt.server_args import ServerArgs
 
-        self._server_args = ServerArgs(model_path=str(model_dir), device="cpu",
-                                       disable_radix_cache=True,
-                                       enable_custom_logit_processor=True)  # fmt: skip
+        self._server_args = ServerArgs(
+            model_path=str(model_dir),
+            device="cpu",
+            disable_radix_cache=True,
+            enable_custom_logit_processor=True,
+        )
         self._server_args.resolve_once()
         self._lock = threading.Lock()  # one answer at a time: the context is process-wide
         self.manager = types.SimpleNamespace(
-            server_args=types.SimpleNamespace(speculative_algorithm=algorithm,
-                                              enable_custom_logit_processor=True,
-                                              return_hidden_states_mode=None),  # fmt: skip
-            model_config=types.SimpleNamespace(vocab_size=vocab, joint_head_config=None,
-                                               pointer_head=None),  # fmt: skip
-            context_len=context, num_reserved_tokens=0, allow_auto_truncate=False,
+            server_args=types.SimpleNamespace(
+                speculative_algorithm=algorithm,
+                enable_custom_logit_processor=True,
+                return_hidden_states_mode=None,
+            ),
+            model_config=types.SimpleNamespace(
+                vocab_size=vocab, joint_head_config=None, pointer_head=None
+            ),
+            context_len=context,
+            num_reserved_tokens=0,
+            allow_auto_truncate=False,
             validate_total_tokens=True,
-        )  # fmt: skip
+        )
 
     @property
     def vocab(self) -> int:
@@ -144,9 +152,15 @@ class FrontEnd:
         """raw: a parsed body, or (the Vertex route) the request SGLang built from one."""
         from sglang_ddtree.integration import hooks
 
-        obj = raw if not isinstance(raw, dict) else {
-            "/generate": self._generate, "/v1/chat/completions": self._chat,
-            "/v1/completions": self._completion}[path](raw)  # fmt: skip
+        obj = (
+            raw
+            if not isinstance(raw, dict)
+            else {
+                "/generate": self._generate,
+                "/v1/chat/completions": self._chat,
+                "/v1/completions": self._completion,
+            }[path](raw)
+        )
 
         async def generate_request(manager, obj):  # TokenizerManager.generate_request's start
             obj.normalize_batch_and_arguments()
@@ -198,12 +212,16 @@ class FrontEnd:
             raise ValueError("Messages cannot be empty.")
         sampling = request.to_sampling_params(stop=request.stop, model_generation_config={})
         text = " ".join(str(m.content) for m in request.messages)
-        return GenerateReqInput(text=text, sampling_params=sampling,
-                                return_logprob=request.logprobs, logprob_start_len=-1,
-                                top_logprobs_num=request.top_logprobs or 0,
-                                stream=request.stream,
-                                custom_logit_processor=request.custom_logit_processor,
-                                return_hidden_states=request.return_hidden_states)  # fmt: skip
+        return GenerateReqInput(
+            text=text,
+            sampling_params=sampling,
+            return_logprob=request.logprobs,
+            logprob_start_len=-1,
+            top_logprobs_num=request.top_logprobs or 0,
+            stream=request.stream,
+            custom_logit_processor=request.custom_logit_processor,
+            return_hidden_states=request.return_hidden_states,
+        )
 
     @staticmethod
     def _completion(raw: dict):
@@ -215,13 +233,16 @@ class FrontEnd:
         sampling = OpenAIServingCompletion._build_sampling_params(None, request)
         prompt = request.prompt
         ids = isinstance(prompt, list) and prompt and isinstance(prompt[0], int)
-        return GenerateReqInput(**({"input_ids": prompt} if ids else {"text": prompt}),
-                                sampling_params=sampling,
-                                return_logprob=request.logprobs is not None,
-                                top_logprobs_num=request.logprobs or 0,
-                                logprob_start_len=-1, stream=request.stream,
-                                custom_logit_processor=request.custom_logit_processor,
-                                return_hidden_states=request.return_hidden_states)  # fmt: skip
+        return GenerateReqInput(
+            **({"input_ids": prompt} if ids else {"text": prompt}),
+            sampling_params=sampling,
+            return_logprob=request.logprobs is not None,
+            top_logprobs_num=request.logprobs or 0,
+            logprob_start_len=-1,
+            stream=request.stream,
+            custom_logit_processor=request.custom_logit_processor,
+            return_hidden_states=request.return_hidden_states,
+        )
 
 
 TOKENIZER_MANAGER = "sglang.srt.managers.tokenizer_manager"
@@ -233,9 +254,12 @@ def tokenizer_manager_method(name: str):
     its module imports them (the module itself needs uvloop, which the CPU stack leaves out)."""
     spec = importlib.util.find_spec(TOKENIZER_MANAGER)
     tree = ast.parse(open(spec.origin).read())
-    imported = {alias.asname or alias.name: (node.module, alias.name)
-                for node in tree.body if isinstance(node, ast.ImportFrom)
-                for alias in node.names}  # fmt: skip
+    imported = {
+        alias.asname or alias.name: (node.module, alias.name)
+        for node in tree.body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
     cls = next(c for c in tree.body if isinstance(c, ast.ClassDef) and c.name == "TokenizerManager")
     fn = next(f for f in cls.body if isinstance(f, ast.FunctionDef) and f.name == name)
     namespace = {"logger": logging.getLogger(TOKENIZER_MANAGER)}

@@ -36,8 +36,9 @@ def gdn_gating(A_log, a, b, dt_bias) -> tuple[torch.Tensor, torch.Tensor]:
     return -torch.exp(A_log.float()) * softplus, 1.0 / (1.0 + torch.exp(-b.float()))
 
 
-def tree_verify_reference(q, k, v, g, beta, h0, parents, *, scale: float, l2norm: bool = True,
-                          dtype=torch.float32):  # fmt: skip
+def tree_verify_reference(
+    q, k, v, g, beta, h0, parents, *, scale: float, l2norm: bool = True, dtype=torch.float32
+):
     """(o [T, HV, V], states [bs, N, HV, V, K], both in `dtype`): node t starts from its
     parent's state (node 0, the root, from h0 [bs, HV, V, K]); parents [bs, N] with
     parents[:, 0] ignored. float64 makes it the referee of the float32 kernels."""

@@ -20,21 +20,40 @@ def _applies(batch) -> bool:
     return is_ddtree(getattr(batch, "spec_algorithm", None))
 
 
-def finalize_hook(runtime, original, batch, accept_index, accept_lens, predict, logits_output, bs, *,
-                  token_to_kv_pool_allocator, num_draft_tokens):  # fmt: skip
+def finalize_hook(
+    runtime,
+    original,
+    batch,
+    accept_index,
+    accept_lens,
+    predict,
+    logits_output,
+    bs,
+    *,
+    token_to_kv_pool_allocator,
+    num_draft_tokens,
+):
     """AROUND eagle_worker_common._finalize_accept_tree_path: for a DDTREE batch, the KV moved by
     the pool from compact_path's pairs, the compacted predictions returned, and the accepted
     hidden states' [bs x S, hidden] rows left in logits_output.hidden_states (when present).
     runtime: the worker factory's runtime.Runtime (its engaged paths), bound at install."""
     if not _applies(batch):
-        return original(batch, accept_index, accept_lens, predict, logits_output, bs,
-                        token_to_kv_pool_allocator=token_to_kv_pool_allocator,
-                        num_draft_tokens=num_draft_tokens)  # fmt: skip
+        return original(
+            batch,
+            accept_index,
+            accept_lens,
+            predict,
+            logits_output,
+            bs,
+            token_to_kv_pool_allocator=token_to_kv_pool_allocator,
+            num_draft_tokens=num_draft_tokens,
+        )
     from sglang_ddtree.integration.accept_path_triton import compact_path
 
     runtime.engaged.first_use("accepted path moved to the front by integration/accept_path.py")
-    out, kv_dst, kv_src, rows = compact_path(accept_index, accept_lens, batch.out_cache_loc,
-                                             predict, int(num_draft_tokens))  # fmt: skip
+    out, kv_dst, kv_src, rows = compact_path(
+        accept_index, accept_lens, batch.out_cache_loc, predict, int(num_draft_tokens)
+    )
     token_to_kv_pool_allocator.get_kvcache().move_kv_cache(kv_dst, kv_src)
     hidden = logits_output.hidden_states
     if hidden is not None:

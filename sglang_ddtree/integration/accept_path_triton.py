@@ -9,8 +9,20 @@ import triton.language as tl
 
 
 @triton.jit
-def _finalize_kernel(accept_index, accept_lens, out_cache_loc, predict, predict_out, kv_dst,
-                     kv_src, rows, stride, S, N, BLOCK: tl.constexpr):  # fmt: skip
+def _finalize_kernel(
+    accept_index,
+    accept_lens,
+    out_cache_loc,
+    predict,
+    predict_out,
+    kv_dst,
+    kv_src,
+    rows,
+    stride,
+    S,
+    N,
+    BLOCK: tl.constexpr,
+):
     b = tl.program_id(0)
     j = tl.arange(0, BLOCK)
     n = tl.load(accept_lens + b)
@@ -31,8 +43,13 @@ def _finalize_kernel(accept_index, accept_lens, out_cache_loc, predict, predict_
     tl.store(kv_src + b * S + j, src, mask=on_path)
 
 
-def compact_path(accept_index: torch.Tensor, accept_lens: torch.Tensor,
-                 out_cache_loc: torch.Tensor, predict: torch.Tensor, num_nodes: int):  # fmt: skip
+def compact_path(
+    accept_index: torch.Tensor,
+    accept_lens: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    predict: torch.Tensor,
+    num_nodes: int,
+):
     """(predict compacted, kv_dst, kv_src, rows): predict [bs x N] with each request's path moved
     to its front (SGLang's _compact_accept_to_front); the KV slot pairs [bs x S] (slot 0 to slot
     0 past a path: the pool's padding slot, a no-op); rows [bs x S] the path's node ids (clamped
@@ -42,15 +59,28 @@ def compact_path(accept_index: torch.Tensor, accept_lens: torch.Tensor,
     bs, S = accept_index.shape
     N = num_nodes
     if predict.numel() != bs * N or out_cache_loc.numel() < bs * N:
-        raise ValueError(f"a verify of {bs} x {N} nodes got {predict.numel()} predictions and "
-                         f"{out_cache_loc.numel()} KV slots")  # fmt: skip
+        raise ValueError(
+            f"a verify of {bs} x {N} nodes got {predict.numel()} predictions and "
+            f"{out_cache_loc.numel()} KV slots"
+        )
     dev = accept_index.device
     predict_out = torch.empty_like(predict)
     kv_dst = torch.empty(bs * S, dtype=torch.int64, device=dev)
     kv_src = torch.empty_like(kv_dst)
     rows = torch.empty_like(kv_dst)
     if bs > 0:
-        _finalize_kernel[(bs,)](accept_index, accept_lens, out_cache_loc, predict, predict_out,
-                                kv_dst, kv_src, rows, accept_index.stride(0), S, N,
-                                BLOCK=triton.next_power_of_2(max(N, S)))  # fmt: skip
+        _finalize_kernel[(bs,)](
+            accept_index,
+            accept_lens,
+            out_cache_loc,
+            predict,
+            predict_out,
+            kv_dst,
+            kv_src,
+            rows,
+            accept_index.stride(0),
+            S,
+            N,
+            BLOCK=triton.next_power_of_2(max(N, S)),
+        )
     return predict_out, kv_dst, kv_src, rows

@@ -91,8 +91,9 @@ def least_free_gb(device, gpu_id: int) -> float:
     from sglang.srt.distributed import get_tp_group
     from sglang.srt.utils import get_available_gpu_memory
 
-    return get_available_gpu_memory(device, gpu_id, distributed=True,
-                                    cpu_group=get_tp_group().cpu_group)  # fmt: skip
+    return get_available_gpu_memory(
+        device, gpu_id, distributed=True, cpu_group=get_tp_group().cpu_group
+    )
 
 
 def profiler_running() -> bool:
@@ -103,15 +104,23 @@ def profiler_running() -> bool:
     return bool(torch.autograd.profiler._is_profiler_enabled)
 
 
-def pack_kv_reads(translator, plan, req_pool_indices, kv_lens, kv_indptr, kv_indices,
-                  kv_lens_sum: int, kind=None) -> None:  # fmt: skip
+def pack_kv_reads(
+    translator, plan, req_pool_indices, kv_lens, kv_indptr, kv_indices, kv_lens_sum: int, kind=None
+) -> None:
     """Each request's KV slots (req_to_token[req, :kv_len], translated for the pool it reads)
     into kv_indices from kv_indptr[b]: the FlashInfer paged layout of one request per row, by
     SGLang's KV translator, as EagleVerifyInput.generate_attn_arg_prefill reads them."""
     extra = {} if kind is None else {"kind": kind}
-    translator.pack_read_stream(plan, req_pool_indices=req_pool_indices, seq_lens=kv_lens,
-                                indptr=kv_indptr, out=kv_indices, num_token_blocks=None,
-                                kv_lens_sum=kv_lens_sum, **extra)  # fmt: skip
+    translator.pack_read_stream(
+        plan,
+        req_pool_indices=req_pool_indices,
+        seq_lens=kv_lens,
+        indptr=kv_indptr,
+        out=kv_indices,
+        num_token_blocks=None,
+        kv_lens_sum=kv_lens_sum,
+        **extra,
+    )
 
 
 # The scheduler's internal state (/server_info's internal_states): DDTREE's resolved options.
@@ -334,9 +343,11 @@ def resolved_config():
     from sglang_ddtree.config import DDTreeConfig
 
     spec = get_spec()
-    return DDTreeConfig(block_size=int(spec.speculative_dflash_block_size),
-                        num_nodes=int(spec.speculative_num_draft_tokens),
-                        topk=int(spec.speculative_eagle_topk))  # fmt: skip
+    return DDTreeConfig(
+        block_size=int(spec.speculative_dflash_block_size),
+        num_nodes=int(spec.speculative_num_draft_tokens),
+        topk=int(spec.speculative_eagle_topk),
+    )
 
 
 def max_running_requests() -> int | None:
@@ -440,9 +451,13 @@ def plan_window(worker: Any, batch: Any, seq_lens_cpu: Any, write_ids: Any, widt
     """The round's KV slot plan (SGLang's KVLocPlan): the block's slots `write_ids`
     [bs x width] past each request's committed length, translated once for every pool."""
     translator = worker.target_worker.model_runner.kv_index_translator
-    return translator.plan(req_pool_indices=batch.req_pool_indices, seq_lens=batch.seq_lens,
-                           seq_lens_cpu=seq_lens_cpu, write_virtual=write_ids,
-                           read_extent=width)  # fmt: skip
+    return translator.plan(
+        req_pool_indices=batch.req_pool_indices,
+        seq_lens=batch.seq_lens,
+        seq_lens_cpu=seq_lens_cpu,
+        write_virtual=write_ids,
+        read_extent=width,
+    )
 
 
 def bind_draft_plan(worker: Any, plan: Any, forward_batch: Any) -> None:
@@ -468,8 +483,11 @@ def non_padded_tokens(tokens: int, device: Any) -> dict:
     import torch
     from sglang.srt.model_executor.forward_batch_info import enable_num_token_non_padded
 
-    on_device = (torch.full((), tokens, dtype=torch.int32, device=device)
-                 if enable_num_token_non_padded() else None)  # fmt: skip
+    on_device = (
+        torch.full((), tokens, dtype=torch.int32, device=device)
+        if enable_num_token_non_padded()
+        else None
+    )
     return {"num_token_non_padded": on_device, "global_num_token_non_padded_cpu": tokens}
 
 
@@ -570,8 +588,10 @@ def front_end_sizes(tokenizer_manager: Any) -> tuple[int | None, int | None]:
     `model_config.vocab_size`, `context_len`; None where absent, e.g. a stand-in)."""
     vocab = getattr(getattr(tokenizer_manager, "model_config", None), "vocab_size", None)
     context = getattr(tokenizer_manager, "context_len", None)
-    return (int(vocab) if vocab is not None else None,
-            int(context) if context is not None else None)  # fmt: skip
+    return (
+        int(vocab) if vocab is not None else None,
+        int(context) if context is not None else None,
+    )
 
 
 def allowed_custom_labels(server_args: Any) -> tuple[str, ...]:

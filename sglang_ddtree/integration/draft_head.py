@@ -93,8 +93,9 @@ class DraftTreeHead:
         the first w nodes' links cut (`cuts`, what `tree(bs, w)` returns)."""
         widths = tuple(int(w) for w in widths)
         expected_tokens(self.scores[:1], widths)  # widths outside [1, N]: an error now
-        self.readings = torch.zeros((self.max_bs, 2 * len(widths)), dtype=torch.float32,
-                                    device=self.scores.device)  # fmt: skip
+        self.readings = torch.zeros(
+            (self.max_bs, 2 * len(widths)), dtype=torch.float32, device=self.scores.device
+        )
         self.reading_widths = widths
         self.cuts = {}
         for w in (w for w in widths if w < self.scores.shape[1]):
@@ -105,8 +106,12 @@ class DraftTreeHead:
     def max_bs(self) -> int:
         return self.tokens.shape[0]
 
-    def __call__(self, hidden_states: torch.Tensor, input_ids: torch.Tensor,
-                 positions: torch.Tensor | None = None) -> None:  # fmt: skip
+    def __call__(
+        self,
+        hidden_states: torch.Tensor,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+    ) -> None:
         """hidden_states [bs * B, H] draft block outputs; input_ids [bs * B], column 0 = root;
         positions [bs * B] (a simulated world's rounds are keyed by the root's)."""
         B = self.cfg.block_size
@@ -121,8 +126,9 @@ class DraftTreeHead:
         root = input_ids.view(bs, B)[:, 0]
         if self.world is not None:  # the drafter's top-K from the world (its cost paid above)
             position = positions.view(bs, B)[:, 0]
-            ids, logprobs = self.world.draft(position, root, B - 1, self.cfg.topk,
-                                             self.vocab_size, self.world_means)  # fmt: skip
+            ids, logprobs = self.world.draft(
+                position, root, B - 1, self.cfg.topk, self.vocab_size, self.world_means
+            )
         tree = self.build(root, ids, logprobs, self.cfg.budget)
         for name, value in tree._asdict().items():
             getattr(self, name)[:bs].copy_(value)
@@ -132,9 +138,15 @@ class DraftTreeHead:
             first_child[:bs].copy_(cut_links(tree.first_child, w))
             next_sibling[:bs].copy_(cut_links(tree.next_sibling, w))
         if self.world is not None:
-            picks = self.world.target_tokens(position, root, tree.tokens, tree.depth,
-                                             tree.visibility, self.vocab_size,
-                                             self.world_means)  # fmt: skip
+            picks = self.world.target_tokens(
+                position,
+                root,
+                tree.tokens,
+                tree.depth,
+                tree.visibility,
+                self.vocab_size,
+                self.world_means,
+            )
             self.simulated_picks[:bs].copy_(picks)
 
     def write_readings(self, scores: torch.Tensor) -> None:

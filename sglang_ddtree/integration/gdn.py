@@ -106,8 +106,11 @@ def configure(opts: Options, cfg: DDTreeConfig) -> GDNState:
     path = path_of(opts, cfg.block_size)
     logger.info("sglang_ddtree: GDN path: %s", describe(path))
     if path is not None and path.verify == "chunk" and not path.chunked(cfg.num_nodes):
-        logger.warning("sglang_ddtree: %d-node trees are wider than the chunked GDN verify takes: "
-                       "they use the root paths.", cfg.num_nodes)  # fmt: skip
+        logger.warning(
+            "sglang_ddtree: %d-node trees are wider than the chunked GDN verify takes: "
+            "they use the root paths.",
+            cfg.num_nodes,
+        )
     return GDNState(path)
 
 
@@ -115,8 +118,10 @@ def describe(path: GDNPath | None) -> str:
     """The startup log's words for a GDN path (tests/gpu checks them per server)."""
     if path is None:
         return "sglang (verify, commit, conv1d, per-node states)"
-    return (f"ddtree (verify: {path.verify}; commit: replay; tree conv1d: ddtree; scratch: "
-            f"{'compact' if path.compact else 'full'})")  # fmt: skip
+    return (
+        f"ddtree (verify: {path.verify}; commit: replay; tree conv1d: ddtree; scratch: "
+        f"{'compact' if path.compact else 'full'})"
+    )
 
 
 def target_verify(state: GDNState, original, dispatcher, A_log, dt_bias, q, k, v, a, b, **kwargs):
@@ -131,18 +136,29 @@ def target_verify(state: GDNState, original, dispatcher, A_log, dt_bias, q, k, v
     N = int(kwargs["cache_steps"])
     chunked = path.chunked(N)
     kernel = chunk_tree_verify if chunked else tree_verify
-    state.first_use("GDN tree verify through sglang_ddtree.gdn."
-              + ("chunk_tree.chunk_tree_verify" if chunked else "tree_verify"))  # fmt: skip
+    state.first_use(
+        "GDN tree verify through sglang_ddtree.gdn."
+        + ("chunk_tree.chunk_tree_verify" if chunked else "tree_verify")
+    )
     H, K = q.shape[-2:]
     HV, V = v.shape[-2:]
     T = v.numel() // (HV * V)
     bs = T // N
     try:
-        args = (q.reshape(T, H, K), k.reshape(T, H, K), v.reshape(T, HV, V), a.reshape(T, HV),
-                b.reshape(T, HV), A_log, dt_bias, kwargs["ssm_states"],
-                kwargs["cache_indices"][:bs], _rows(parents, N),
-                as_scratch(kwargs["intermediate_states_buffer"], 1),
-                kwargs["intermediate_state_indices"][:bs])  # fmt: skip
+        args = (
+            q.reshape(T, H, K),
+            k.reshape(T, H, K),
+            v.reshape(T, HV, V),
+            a.reshape(T, HV),
+            b.reshape(T, HV),
+            A_log,
+            dt_bias,
+            kwargs["ssm_states"],
+            kwargs["cache_indices"][:bs],
+            _rows(parents, N),
+            as_scratch(kwargs["intermediate_states_buffer"], 1),
+            kwargs["intermediate_state_indices"][:bs],
+        )
         o = kernel(*args, max_path=path.max_path)
     except ValueError as exc:  # a pool layout the kernel does not take: name the way out
         raise RuntimeError(
@@ -152,8 +168,9 @@ def target_verify(state: GDNState, original, dispatcher, A_log, dt_bias, q, k, v
     return o.reshape(v.shape)
 
 
-def conv_update(state: GDNState, original, x, conv_state, weight, bias=None, activation=None,
-                *rest, **kwargs):  # fmt: skip
+def conv_update(
+    state: GDNState, original, x, conv_state, weight, bias=None, activation=None, *rest, **kwargs
+):
     """Around gdn_backend.causal_conv1d_update (SGLang's hook registry also rebinds every other
     module's import of that function): a tree verify's conv1d through `gdn.conv_tree.conv_tree`
     (same outputs, per-node windows and retrieve_parent_token as SGLang's kernel); every other
@@ -186,8 +203,16 @@ def conv_update(state: GDNState, original, x, conv_state, weight, bias=None, act
     fill = conv_state.data_ptr() == state.first_conv_state or parents.data_ptr() != state.filled
     if fill:
         state.filled = parents.data_ptr()
-    return conv_tree(x, conv_state, weight, bias, activation, fill_parents=fill,
-                     save_inputs=path.compact, **kwargs)  # fmt: skip
+    return conv_tree(
+        x,
+        conv_state,
+        weight,
+        bias,
+        activation,
+        fill_parents=fill,
+        save_inputs=path.compact,
+        **kwargs,
+    )
 
 
 _CONV_TREE_ARGS = (
@@ -200,8 +225,16 @@ _CONV_TREE_ARGS = (
 )
 
 
-def commit(state: GDNState, original, backend, last_correct_step_indices, mamba_track_indices,
-           mamba_steps_to_track, model, req_pool_indices=None):  # fmt: skip
+def commit(
+    state: GDNState,
+    original,
+    backend,
+    last_correct_step_indices,
+    mamba_track_indices,
+    mamba_steps_to_track,
+    model,
+    req_pool_indices=None,
+):
     linear = backend.linear_attn_backend
     meta = linear.forward_metadata
     parents = getattr(meta, "retrieve_parent_token", None)
@@ -209,8 +242,14 @@ def commit(state: GDNState, original, backend, last_correct_step_indices, mamba_
     path = state.path
     if path is None or parents is None:
         _refuse_compact(caches.intermediate_ssm)
-        return original(backend, last_correct_step_indices, mamba_track_indices,
-                        mamba_steps_to_track, model, req_pool_indices)  # fmt: skip
+        return original(
+            backend,
+            last_correct_step_indices,
+            mamba_track_indices,
+            mamba_steps_to_track,
+            model,
+            req_pool_indices,
+        )
     from sglang_ddtree.gdn.tree_verify import as_scratch, commit_paths
 
     state.first_use("GDN state commit through sglang_ddtree.gdn.tree_verify.commit_paths")
@@ -238,8 +277,16 @@ def commit(state: GDNState, original, backend, last_correct_step_indices, mamba_
         from sglang_ddtree.gdn.conv_tree import commit_windows
 
         for conv, inputs in zip(caches.conv, caches.intermediate_conv_window, strict=True):
-            commit_windows(conv, inputs, state_idx, rows, links, last_correct_step_indices,
-                           mamba_track_indices, track_node)  # fmt: skip
+            commit_windows(
+                conv,
+                inputs,
+                state_idx,
+                rows,
+                links,
+                last_correct_step_indices,
+                mamba_track_indices,
+                track_node,
+            )
         return
     # conv windows: SGLang's scatter, with an empty state pool so that it skips the states
     compat.scatter_mamba_states_after_mtp_verify()(

@@ -62,8 +62,10 @@ def size_mamba_pool(opts: Options, original, configurator, total_rest_memory):
     states = math.ceil(per_request / params.mamba_cache_per_req)
     logger.info(
         "sglang_ddtree: Mamba pool sized for %d verify state(s) per request instead of %d "
-        "(compact GDN scratch)", states, spec.speculative_num_draft_tokens
-    )  # fmt: skip
+        "(compact GDN scratch)",
+        states,
+        spec.speculative_num_draft_tokens,
+    )
     # The solver reads N from this leaf only; the scoped override restores it on return, before
     # the pool (which takes N from server_args) and anything else reads it.
     with spec.override(speculative_num_draft_tokens=states):
@@ -112,10 +114,13 @@ def attach_compact_scratch(pool, spec_state_size: int, num_nodes: int) -> None:
     temporal = cache.temporal  # [layers, slots, HV, V, K]
     layers, rows = temporal.shape[0], spec_state_size + 1
     HV, V, K = temporal.shape[2:]
-    scratch = temporal.new_zeros((layers, rows, scratch_floats(num_nodes, HV, K, V)),
-                                 dtype=torch.float32)  # fmt: skip
-    windows = [conv.new_zeros((layers, rows, num_nodes, *conv_window(conv.shape[2:])))
-               for conv in cache.conv]  # fmt: skip
+    scratch = temporal.new_zeros(
+        (layers, rows, scratch_floats(num_nodes, HV, K, V)), dtype=torch.float32
+    )
+    windows = [
+        conv.new_zeros((layers, rows, num_nodes, *conv_window(conv.shape[2:])))
+        for conv in cache.conv
+    ]
     fields = {f.name: getattr(cache, f.name) for f in dataclasses.fields(cache)}
     pool.mamba_cache = MambaPool.SpeculativeState(
         **fields, intermediate_ssm=scratch, intermediate_conv_window=windows
@@ -126,9 +131,11 @@ def attach_compact_scratch(pool, spec_state_size: int, num_nodes: int) -> None:
     logger.info(
         "sglang_ddtree: compact GDN verify scratch for %d requests x %d nodes: %.3f GB "
         "(SGLang's per-node states would take %.2f GB)",
-        spec_state_size, num_nodes, added / (1 << 30),
+        spec_state_size,
+        num_nodes,
+        added / (1 << 30),
         layers * rows * num_nodes * temporal[0, 0].numel() * temporal.element_size() / (1 << 30),
-    )  # fmt: skip
+    )
 
 
 def conv_window(shape) -> tuple:

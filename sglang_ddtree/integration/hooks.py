@@ -75,15 +75,19 @@ def install_runtime_hooks(runtime: Runtime) -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     if compat.hook_registered(compat.GDN_TARGET_VERIFY, gdn.target_verify):
-        raise RuntimeError("DDTREE's runtime hooks are already installed in this process; one "
-                           "DDTREE worker factory call per scheduler process.")  # fmt: skip
+        raise RuntimeError(
+            "DDTREE's runtime hooks are already installed in this process; one "
+            "DDTREE worker factory call per scheduler process."
+        )
     for target, hook in bound_hooks(runtime).items():
         HookRegistry.register(target, hook, HookType.AROUND)
     HookRegistry.apply_hooks()
     missing = compat.unpatched_hook_targets(HOOKS)
     if missing:
-        raise RuntimeError(f"DDTREE's runtime hooks could not be applied to {missing} (SGLang's "
-                           "log above says why); DDTREE cannot serve without them.")  # fmt: skip
+        raise RuntimeError(
+            f"DDTREE's runtime hooks could not be applied to {missing} (SGLang's "
+            "log above says why); DDTREE cannot serve without them."
+        )
     logger.info("sglang_ddtree: runtime hooks installed: %s", ", ".join(HOOKS))
 
 
@@ -91,13 +95,23 @@ def bound_hooks(runtime: Runtime) -> dict[str, Callable]:
     """HOOKS, each bound to what it reads of this process: the GDN hooks to the GDN state, the
     Mamba pool's to the options, the graph stand-ins to (B, N, K), the rest to the runtime; the
     row headroom hooks read nothing of it."""
-    part = {gdn.target_verify: runtime.gdn, gdn.commit: runtime.gdn, gdn.conv_update: runtime.gdn,
-            gdn_pool.init_mamba_pool: runtime.options, gdn_pool.size_mamba_pool: runtime.options,
-            _target_graph_spec_info: runtime.cfg, _dummy_verify_input: runtime.cfg,
-            verify_plan.call_begin_forward: runtime, _internal_state: runtime,
-            penalties.eagle_sample: runtime, accept_path.finalize_hook: runtime}  # fmt: skip
-    return {target: functools.partial(hook, part[hook]) if hook in part else hook
-            for target, hook in HOOKS.items()}  # fmt: skip
+    part = {
+        gdn.target_verify: runtime.gdn,
+        gdn.commit: runtime.gdn,
+        gdn.conv_update: runtime.gdn,
+        gdn_pool.init_mamba_pool: runtime.options,
+        gdn_pool.size_mamba_pool: runtime.options,
+        _target_graph_spec_info: runtime.cfg,
+        _dummy_verify_input: runtime.cfg,
+        verify_plan.call_begin_forward: runtime,
+        _internal_state: runtime,
+        penalties.eagle_sample: runtime,
+        accept_path.finalize_hook: runtime,
+    }
+    return {
+        target: functools.partial(hook, part[hook]) if hook in part else hook
+        for target, hook in HOOKS.items()
+    }
 
 
 def _target_graph_spec_info(cfg: DDTreeConfig, original, runner, *args, **kwargs):
@@ -109,8 +123,9 @@ def _target_graph_spec_info(cfg: DDTreeConfig, original, runner, *args, **kwargs
     return make_dummy_verify_input(cfg, runner.buffers.custom_mask, runner.captured_req_width)
 
 
-def _dummy_verify_input(cfg: DDTreeConfig, original, spec_algorithm, custom_mask,
-                        num_tokens_per_req, is_draft_worker):  # fmt: skip
+def _dummy_verify_input(
+    cfg: DDTreeConfig, original, spec_algorithm, custom_mask, num_tokens_per_req, is_draft_worker
+):
     if not is_ddtree(spec_algorithm):
         return original(spec_algorithm, custom_mask, num_tokens_per_req, is_draft_worker)
     if is_draft_worker:
@@ -139,8 +154,10 @@ def _check_token_ids(tokenizer_manager, ids) -> None:
     low, high = min(ids), max(ids)
     if low < 0 or (vocab is not None and high >= vocab):
         bad = low if low < 0 else high
-        raise ValueError(f"input_ids holds token id {bad}, outside the vocabulary [0, "
-                         f"{vocab if vocab is not None else 'vocab'}).")  # fmt: skip
+        raise ValueError(
+            f"input_ids holds token id {bad}, outside the vocabulary [0, "
+            f"{vocab if vocab is not None else 'vocab'})."
+        )
 
 
 def register_request_hook() -> None:
@@ -178,8 +195,11 @@ def _guard_json_bodies(result, manager, server_args, *args, **kwargs):
         return None
     try:
         app = getattr(http, compat.HTTP_APP)
-        json_bodies.add_to(app, vertex=compat.vertex_route(app),
-                           contract=getattr(http, compat.GENERATE_CONTRACT, None))  # fmt: skip
+        json_bodies.add_to(
+            app,
+            vertex=compat.vertex_route(app),
+            contract=getattr(http, compat.GENERATE_CONTRACT, None),
+        )
     except (AttributeError, RuntimeError) as exc:  # an app already started, or none
         logger.warning("sglang_ddtree: no request-body checks on the HTTP app: %s", exc)
     return None
@@ -200,9 +220,11 @@ class RequestCheck:
         if not serves_ddtree(server_args):
             return None
         ids = args[0] if args else None
-        sizes = request_limits.Sizes(*compat.front_end_sizes(tokenizer_manager),
-                                     labels=compat.allowed_custom_labels(server_args),
-                                     regex_length=compat.stop_regex_length)  # fmt: skip
+        sizes = request_limits.Sizes(
+            *compat.front_end_sizes(tokenizer_manager),
+            labels=compat.allowed_custom_labels(server_args),
+            regex_length=compat.stop_regex_length,
+        )
         request_limits.check_request(obj, ids, sizes)
         _check_token_ids(tokenizer_manager, ids)
         sampling = getattr(obj, "sampling_params", None) or {}
@@ -220,13 +242,17 @@ def _check_sampling(sampling: dict, server_args, per_node: bool) -> None:
     samples = sampling.get("n")
     if isinstance(samples, int) and not 1 <= samples <= request_limits.MAX_SAMPLES:
         # SGLang 0.5.17 expands n into n requests with no bound (n=5000: 5,000 requests)
-        raise ValueError(f"n={samples}: between 1 and {request_limits.MAX_SAMPLES} samples per request "
-                         "(OpenAI's bound); send several requests for more.")  # fmt: skip
+        raise ValueError(
+            f"n={samples}: between 1 and {request_limits.MAX_SAMPLES} samples per request "
+            "(OpenAI's bound); send several requests for more."
+        )
     min_p = sampling.get("min_p")
     if min_p and getattr(server_args, "enable_deterministic_inference", False):
         # SGLang's deterministic sampler (pytorch backend, seeded) asserts on min_p
-        raise ValueError(f"min_p={min_p} cannot be served with --enable-deterministic-inference "
-                         "(SGLang's seeded sampler does not take it); leave it at 0.")  # fmt: skip
+        raise ValueError(
+            f"min_p={min_p} cannot be served with --enable-deterministic-inference "
+            "(SGLang's seeded sampler does not take it); leave it at 0."
+        )
     for name, neutral in LOSSY_SAMPLING_OPTIONS.items():
         value = sampling.get(name)
         if value is not None and value != neutral and not per_node:

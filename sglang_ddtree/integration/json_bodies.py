@@ -42,9 +42,14 @@ class JsonBodies:
     none) one whose `/generate` form `contract` faults (a message, or None) a 400. Each in
     SGLang's error shape; every other body reaches the app byte for byte."""
 
-    def __init__(self, app, paths: tuple[str, ...] = OPENAI_PATHS, vertex: str | None = None,
-                 contract: Callable[[dict], str | None] | None = None,
-                 limit: int = MAX_BODY_BYTES) -> None:  # fmt: skip
+    def __init__(
+        self,
+        app,
+        paths: tuple[str, ...] = OPENAI_PATHS,
+        vertex: str | None = None,
+        contract: Callable[[dict], str | None] | None = None,
+        limit: int = MAX_BODY_BYTES,
+    ) -> None:
         self.app, self.paths, self.vertex = app, paths, vertex
         self.contract, self.limit = contract, limit
 
@@ -128,16 +133,25 @@ def _path(scope) -> str:
 
 async def _refuse(send, status: int, message: str) -> None:
     kind = "BadRequestError" if status == 400 else "RequestTooLarge"
-    body = json.dumps({"object": "error", "message": message, "type": kind, "param": None,
-                       "code": status}).encode()  # fmt: skip
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode())]})  # fmt: skip
+    body = json.dumps(
+        {"object": "error", "message": message, "type": kind, "param": None, "code": status}
+    ).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
-def add_to(app, vertex: str | None = None,
-           contract: Callable[[dict], str | None] | None = None) -> bool:  # fmt: skip
+def add_to(
+    app, vertex: str | None = None, contract: Callable[[dict], str | None] | None = None
+) -> bool:
     """Put the middleware on a FastAPI / Starlette app that has not started (once), innermost:
     inside SGLang's own middlewares, so that it reads a body after their decompression and its
     refusals get their CORS headers (Starlette's add_middleware would put it outermost). Whether

@@ -22,8 +22,9 @@ BLOCK = 512  # packed bytes per program
 
 
 @triton.jit
-def _tree_pack_kernel(vis, starts, out, bs_tree, N, stride_b, stride_i, stride_j,
-                      BLOCK: tl.constexpr):  # fmt: skip
+def _tree_pack_kernel(
+    vis, starts, out, bs_tree, N, stride_b, stride_i, stride_j, BLOCK: tl.constexpr
+):
     b = tl.program_id(0)
     start = tl.load(starts + b).to(tl.int64)
     bits = tl.load(starts + b + 1).to(tl.int64) - start
@@ -37,15 +38,17 @@ def _tree_pack_kernel(vis, starts, out, bs_tree, N, stride_b, stride_i, stride_j
         node = bit_at // row
         col = bit_at - node * row - prefix  # the tree column (negative: the prefix)
         in_tree = inside & (col >= 0) & (b < bs_tree)
-        seen = tl.load(vis + b * stride_b + node * stride_i + col * stride_j, mask=in_tree,
-                       other=0).to(tl.int32)  # fmt: skip
+        seen = tl.load(
+            vis + b * stride_b + node * stride_i + col * stride_j, mask=in_tree, other=0
+        ).to(tl.int32)
         bit = tl.where(in_tree, seen & 1, inside.to(tl.int32))
         packed |= bit << k
     tl.store(out + start + byte_at, packed.to(tl.uint8), mask=byte_at * 8 < bits)
 
 
-def pack_tree_mask(visibility: torch.Tensor, starts: torch.Tensor, total_bits: int,
-                   max_request_bits: int) -> torch.Tensor:  # fmt: skip
+def pack_tree_mask(
+    visibility: torch.Tensor, starts: torch.Tensor, total_bits: int, max_request_bits: int
+) -> torch.Tensor:
     """The bytes verify_plan.pack_at_bit_offsets gives for the FULL_MASK
     tree_layout.write_full_mask writes, straight from the tree: visibility [bs_tree, N, N] bool (any strides: a truncated
     tree's is a view), starts [bs + 1] int32, bs >= bs_tree (requests past bs_tree, a CUDA
@@ -59,6 +62,5 @@ def pack_tree_mask(visibility: torch.Tensor, starts: torch.Tensor, total_bits: i
     blocks = triton.cdiv(triton.cdiv(max_request_bits, 8), BLOCK)
     if bs > 0 and blocks > 0:
         vis = visibility.view(torch.uint8)
-        _tree_pack_kernel[(bs, blocks)](vis, starts, out, bs_tree, N, *vis.stride(),
-                                        BLOCK=BLOCK)  # fmt: skip
+        _tree_pack_kernel[(bs, blocks)](vis, starts, out, bs_tree, N, *vis.stride(), BLOCK=BLOCK)
     return out

@@ -31,8 +31,12 @@ from sglang_ddtree.tree.penalties import block_stops_, min_p_filter_, penalize_t
 
 # the penalties applied per node and their neutral values (the sampling-parameter names; min_p,
 # the other option applied here, acts on the probabilities, `tree.penalties.min_p_filter_`)
-PENALTIES = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
-             "min_new_tokens": 0}  # fmt: skip
+PENALTIES = {
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_new_tokens": 0,
+}
 
 
 class PenaltyTable:
@@ -78,8 +82,9 @@ class PenaltyTable:
         if ids:
             self.stops[mine[_device(at, rows.device)], _device(ids, rows.device)] = True
 
-    def observe(self, req_pool_indices: torch.Tensor, emitted: torch.Tensor,
-                accept_lens: torch.Tensor) -> None:  # fmt: skip
+    def observe(
+        self, req_pool_indices: torch.Tensor, emitted: torch.Tensor, accept_lens: torch.Tensor
+    ) -> None:
         """A round's emitted tokens: emitted [bs, W], the first accept_lens[b] of row b."""
         bs, W = emitted.shape
         valid = torch.arange(W, device=emitted.device)[None, :] < accept_lens.reshape(-1, 1)
@@ -89,12 +94,19 @@ class PenaltyTable:
     def _add(self, rows: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor | None) -> None:
         tokens = tokens.to(torch.int64).clamp(0, self.counts.shape[1] - 1)
         ones = torch.ones(rows.shape, dtype=torch.float32, device=rows.device)
-        self.counts.index_put_((rows, tokens), ones if valid is None else valid.to(ones.dtype),
-                               accumulate=True)  # fmt: skip
+        self.counts.index_put_(
+            (rows, tokens), ones if valid is None else valid.to(ones.dtype), accumulate=True
+        )
 
-    def penalize_(self, logits: torch.Tensor, reqs, req_pool_indices: torch.Tensor,
-                  tree_tokens: torch.Tensor, visibility: torch.Tensor,
-                  depth: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    def penalize_(
+        self,
+        logits: torch.Tensor,
+        reqs,
+        req_pool_indices: torch.Tensor,
+        tree_tokens: torch.Tensor,
+        visibility: torch.Tensor,
+        depth: torch.Tensor,
+    ) -> torch.Tensor:
         """In place: [bs, N, V] logits of every node's next token with its request's penalties
         given the output so far and the node's own path (logits raw on entry; the tree's tokens
         [bs, N], visibility [bs, N, N] and depth [bs, N] as the round's verify holds them)."""
@@ -120,8 +132,9 @@ def wanted(reqs) -> bool:
     return any(getattr(r.sampling_params, k, v) != v for r in reqs for k, v in PENALTIES.items())
 
 
-def eagle_sample(runtime, original, verify_input, batch, logits_output, grammar_mask=None,
-                 *args, **kwargs):  # fmt: skip
+def eagle_sample(
+    runtime, original, verify_input, batch, logits_output, grammar_mask=None, *args, **kwargs
+):
     """AROUND SGLang's eagle_sample: for a DDTREE verify whose batch asks for penalties, every
     node's logits penalised by its own path (in place), SGLang's shared penalty vectors hidden
     from the call; for one that asks for min_p at T > 0, every node's target probs filtered as
@@ -141,14 +154,20 @@ def eagle_sample(runtime, original, verify_input, batch, logits_output, grammar_
     with contextlib.ExitStack() as stack:
         if penalise:
             bs, N = visibility.shape[:2]
-            table.penalize_(logits_output.next_token_logits.view(bs, N, -1), batch.reqs,
-                            batch.req_pool_indices, verify_input.tree_tokens, visibility,
-                            verify_input.tree_depth)  # fmt: skip
+            table.penalize_(
+                logits_output.next_token_logits.view(bs, N, -1),
+                batch.reqs,
+                batch.req_pool_indices,
+                verify_input.tree_tokens,
+                visibility,
+                verify_input.tree_depth,
+            )
             info.acc_additive_penalties = info.acc_scaling_penalties = None
             stack.callback(_restore, info, saved)
         if min_p:  # in place on SGLang's target probs, which the sampling kernel reads last
-            stack.enter_context(compat.tree_sampling_probs(partial(min_p_filter_,
-                                                                   min_ps=info.min_ps)))  # fmt: skip
+            stack.enter_context(
+                compat.tree_sampling_probs(partial(min_p_filter_, min_ps=info.min_ps))
+            )
         return original(verify_input, batch, logits_output, grammar_mask, *args, **kwargs)
 
 

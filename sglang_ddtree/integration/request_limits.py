@@ -61,8 +61,13 @@ _SGLANG_RANGED = ("top_p", "min_p", "frequency_penalty", "presence_penalty")
 # tokenizer.decode or a modulo in the scheduler's output streamer)
 _FLAGS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
 # SamplingParams fields SGLang fills itself (normalize); a client's would skip the checks here
-_INTERNAL_SAMPLING = ("is_normalized", "stop_strs", "stop_regex_strs", "stop_str_max_len",
-                      "stop_regex_max_len")  # fmt: skip
+_INTERNAL_SAMPLING = (
+    "is_normalized",
+    "stop_strs",
+    "stop_regex_strs",
+    "stop_str_max_len",
+    "stop_regex_max_len",
+)
 # request fields a DDTREE server does not serve, refused when set, and why
 UNSERVED = {
     "input_embeds": "the DFlash drafter reads token ids; send text or input_ids",
@@ -111,8 +116,13 @@ def check_batch(obj) -> None:
         samples = params.get("n") if isinstance(params, dict) else None
         if samples is not None:
             samples = _whole("n", samples)
-            _within("n", samples, 1, MAX_SAMPLES, "samples per request (OpenAI's bound; SGLang "
-                    "makes a request of each)")  # fmt: skip
+            _within(
+                "n",
+                samples,
+                1,
+                MAX_SAMPLES,
+                "samples per request (OpenAI's bound; SGLang makes a request of each)",
+            )
             most = max(most, samples)
     prompts = _prompts(obj)
     _within("the number of prompts", prompts, 1, MAX_BATCH, "in one call")
@@ -120,8 +130,13 @@ def check_batch(obj) -> None:
     ids = getattr(obj, "token_ids_logprob", None)
     for entry in ids if isinstance(ids, list) and ids and isinstance(ids[0], list) else [ids]:
         if isinstance(entry, list):
-            _within("len(token_ids_logprob)", len(entry), 0, MAX_TOKEN_IDS_LOGPROB,
-                    "ids (every prompt and output token returns one logprob per id)")  # fmt: skip
+            _within(
+                "len(token_ids_logprob)",
+                len(entry),
+                0,
+                MAX_TOKEN_IDS_LOGPROB,
+                "ids (every prompt and output token returns one logprob per id)",
+            )
 
 
 def _prompts(obj) -> int:
@@ -152,8 +167,10 @@ def check_request(obj, input_ids, sizes: Sizes) -> None:
     prompt_len = len(input_ids) if input_ids is not None else None
     in_session = getattr(obj, "session_params", None) or getattr(obj, "session_id", None)
     if prompt_len == 0 and not in_session:  # SGLang refuses it alone, not in a batch
-        raise ValueError("the prompt is empty: a request needs at least one prompt token (or a "
-                         "session whose context it continues).")  # fmt: skip
+        raise ValueError(
+            "the prompt is empty: a request needs at least one prompt token (or a "
+            "session whose context it continues)."
+        )
     _check_logprobs(obj, prompt_len, sizes.vocab)
     _check_session(obj, sizes.context)
     _check_labels(getattr(obj, "custom_labels", None), sizes.labels)
@@ -182,21 +199,36 @@ def _check_logprobs(obj, prompt_len: int | None, vocab: int | None) -> None:
     if top is not None:
         limit = MAX_TOP_LOGPROBS if vocab is None else min(MAX_TOP_LOGPROBS, vocab)
         top = _whole("top_logprobs_num (top_logprobs)", top)
-        _within("top_logprobs_num (top_logprobs)", top, 0, limit,
-                "top logprobs per token (a round returns batch x B x k of them)")  # fmt: skip
+        _within(
+            "top_logprobs_num (top_logprobs)",
+            top,
+            0,
+            limit,
+            "top logprobs per token (a round returns batch x B x k of them)",
+        )
     ids = getattr(obj, "token_ids_logprob", None)
     if ids is not None:
         if not isinstance(ids, list):
             raise ValueError(f"token_ids_logprob must be a list of token ids, got {_show(ids)}.")
-        _within("len(token_ids_logprob)", len(ids), 0, MAX_TOKEN_IDS_LOGPROB,
-                "ids (every prompt and output token returns one logprob per id)")  # fmt: skip
+        _within(
+            "len(token_ids_logprob)",
+            len(ids),
+            0,
+            MAX_TOKEN_IDS_LOGPROB,
+            "ids (every prompt and output token returns one logprob per id)",
+        )
     start = getattr(obj, "logprob_start_len", None)
     if start is not None:
         start = _whole("logprob_start_len", start)
         if start != -1:
             high = prompt_len if prompt_len is not None else max(start, 0)
-            _within("logprob_start_len", start, 0, high,
-                    "(a position in the prompt; -1: output logprobs only)")  # fmt: skip
+            _within(
+                "logprob_start_len",
+                start,
+                0,
+                high,
+                "(a position in the prompt; -1: output logprobs only)",
+            )
 
 
 # the integer fields, of the request and of its sampling parameters
@@ -229,19 +261,26 @@ def _check_session(obj, context: int | None) -> None:
     if params is None:
         return
     if not isinstance(params, dict) or not set(params) <= set(SESSION_FIELDS):
-        raise ValueError(f"session_params must be an object of {', '.join(SESSION_FIELDS)}, "
-                         f"got {_show(params)}.")  # fmt: skip
+        raise ValueError(
+            f"session_params must be an object of {', '.join(SESSION_FIELDS)}, got {_show(params)}."
+        )
     for name in ("id", "rid"):
         if params.get(name) is not None:
             _text(f"session_params.{name}", params[name], MAX_SESSION_ID_CHARS)
     if params.get("offset") is not None:
         offset = _whole("session_params.offset", params["offset"])
-        _within("session_params.offset", offset, 0, context if context is not None else INT32_MAX,
-                "tokens (a position in the session's context)")  # fmt: skip
+        _within(
+            "session_params.offset",
+            offset,
+            0,
+            context if context is not None else INT32_MAX,
+            "tokens (a position in the session's context)",
+        )
     for name in ("replace", "drop_previous_output"):
         if params.get(name) is not None and not isinstance(params[name], bool):
-            raise ValueError(f"session_params.{name} must be true or false, got "
-                             f"{_show(params[name])}.")  # fmt: skip
+            raise ValueError(
+                f"session_params.{name} must be true or false, got {_show(params[name])}."
+            )
 
 
 def _check_labels(labels, allowed: tuple[str, ...]) -> None:
@@ -257,11 +296,14 @@ def _check_labels(labels, allowed: tuple[str, ...]) -> None:
     for name, value in labels.items():
         if name not in allowed:
             listed = ", ".join(allowed) or "none: the server allows no custom labels"
-            raise ValueError(f"custom_labels {_show(name)} is not a label this server allows "
-                             f"({listed}; --tokenizer-metrics-allowed-custom-labels).")  # fmt: skip
+            raise ValueError(
+                f"custom_labels {_show(name)} is not a label this server allows "
+                f"({listed}; --tokenizer-metrics-allowed-custom-labels)."
+            )
         _scalar(f"custom_labels[{_show(name)}]", value)  # Prometheus takes its str()
-        _within(f"len(custom_labels[{_show(name)}])", len(str(value)), 0, MAX_LABEL_CHARS,
-                "characters")  # fmt: skip
+        _within(
+            f"len(custom_labels[{_show(name)}])", len(str(value)), 0, MAX_LABEL_CHARS, "characters"
+        )
 
 
 def _text(name: str, value, most: int) -> None:
@@ -328,8 +370,9 @@ def _scalar(name: str, value) -> None:
     elif isinstance(value, float):
         _number(name, value)
     else:
-        raise ValueError(f"{name} must hold JSON scalars (no deeper lists or objects), got "
-                         f"{_show(value)}.")  # fmt: skip
+        raise ValueError(
+            f"{name} must hold JSON scalars (no deeper lists or objects), got {_show(value)}."
+        )
 
 
 def _check_flags(sampling: dict) -> None:
@@ -339,8 +382,13 @@ def _check_flags(sampling: dict) -> None:
             raise ValueError(f"{name} must be true or false, got {_show(sampling[name])}.")
     interval = sampling.get("stream_interval")
     if interval is not None:
-        _within("stream_interval", _whole("stream_interval", interval), 1, INT32_MAX,
-                "tokens (the scheduler streams every that many)")  # fmt: skip
+        _within(
+            "stream_interval",
+            _whole("stream_interval", interval),
+            1,
+            INT32_MAX,
+            "tokens (the scheduler streams every that many)",
+        )
 
 
 def _check_lengths(sampling: dict, prompt_len: int | None, context: int | None) -> None:
@@ -353,8 +401,13 @@ def _check_lengths(sampling: dict, prompt_len: int | None, context: int | None) 
     least = sampling.get("min_new_tokens")
     if least is not None:
         high = most if most is not None else room if room is not None else INT32_MAX
-        _within("min_new_tokens (min_tokens)", _whole("min_new_tokens (min_tokens)", least), 0,
-                high, "(at most max_new_tokens, or the context left after the prompt)")  # fmt: skip
+        _within(
+            "min_new_tokens (min_tokens)",
+            _whole("min_new_tokens (min_tokens)", least),
+            0,
+            high,
+            "(at most max_new_tokens, or the context left after the prompt)",
+        )
     samples = sampling.get("n")
     samples = 1 if samples is None else _whole("n", samples)
     each = most if most is not None else room
@@ -375,19 +428,30 @@ def _check_logit_bias(bias, vocab: int | None) -> None:
         return
     if not isinstance(bias, dict):
         raise ValueError(f"logit_bias must be an object of token id: bias, got {_show(bias)}.")
-    _within("len(logit_bias)", len(bias), 0, MAX_LOGIT_BIAS_ENTRIES,
-            "token ids (the scheduler writes them one by one whenever it forms a batch)")  # fmt: skip
+    _within(
+        "len(logit_bias)",
+        len(bias),
+        0,
+        MAX_LOGIT_BIAS_ENTRIES,
+        "token ids (the scheduler writes them one by one whenever it forms a batch)",
+    )
     for key, value in bias.items():
         token = _token_id(f"logit_bias key {_show(key)}", key)
         if vocab is not None and not 0 <= token < vocab:
             raise ValueError(f"logit_bias key {token} is outside the vocabulary [0, {vocab}).")
         value = _number(f"logit_bias[{token}]", value)
-        _within(f"logit_bias[{token}]", value, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS,
-                "(OpenAI's range; the verify adds it after SGLang's NaN guard)")  # fmt: skip
+        _within(
+            f"logit_bias[{token}]",
+            value,
+            -MAX_LOGIT_BIAS,
+            MAX_LOGIT_BIAS,
+            "(OpenAI's range; the verify adds it after SGLang's NaN guard)",
+        )
 
 
-def _check_stops(sampling: dict, vocab: int | None,
-                 regex_length: Callable[[str], int] | None = None) -> None:  # fmt: skip
+def _check_stops(
+    sampling: dict, vocab: int | None, regex_length: Callable[[str], int] | None = None
+) -> None:
     """stop strings, stop_regex patterns and stop_token_ids: counts, lengths, ids in the
     vocabulary (each round the scheduler decodes as many of a request's last tokens as its
     longest stop holds, and runs every pattern over them)."""
@@ -403,13 +467,20 @@ def _check_stops(sampling: dict, vocab: int | None,
         return
     if not isinstance(ids, list):
         raise ValueError(f"stop_token_ids must be a list of token ids, got {_show(ids)}.")
-    _within("len(stop_token_ids)", len(ids), 0, MAX_STOP_TOKEN_IDS,
-            "ids (the min_new_tokens penalizer pads every request's list to the batch's longest)")  # fmt: skip
+    _within(
+        "len(stop_token_ids)",
+        len(ids),
+        0,
+        MAX_STOP_TOKEN_IDS,
+        "ids (the min_new_tokens penalizer pads every request's list to the batch's longest)",
+    )
     for value in ids:
         token = _token_id("stop_token_ids entry", value)
         if vocab is not None and not 0 <= token < vocab:
-            raise ValueError(f"stop_token_ids holds {token}, outside the vocabulary [0, {vocab}) "
-                             "(SGLang's min_new_tokens penalizer indexes by it).")  # fmt: skip
+            raise ValueError(
+                f"stop_token_ids holds {token}, outside the vocabulary [0, {vocab}) "
+                "(SGLang's min_new_tokens penalizer indexes by it)."
+            )
 
 
 def _check_stop_texts(name: str, texts) -> None:
@@ -420,8 +491,13 @@ def _check_stop_texts(name: str, texts) -> None:
     _within(f"len({name})", len(texts), 0, MAX_STOPS, "entries")
     for text in texts:
         size = len(text.encode()) if name == "stop_regex" else len(text)
-        _within(f"len({name} {_show(text)})", size, 0, MAX_STOP_CHARS,
-                "bytes" if name == "stop_regex" else "characters")  # fmt: skip
+        _within(
+            f"len({name} {_show(text)})",
+            size,
+            0,
+            MAX_STOP_CHARS,
+            "bytes" if name == "stop_regex" else "characters",
+        )
         if name == "stop_regex":
             _compiles(text)
 
@@ -439,8 +515,13 @@ def _check_grammar(sampling: dict) -> None:
             continue
         if not isinstance(grammar, str):
             raise ValueError(f"{name} must be a string, got {_show(grammar)}.")
-        _within(f"len({name})", len(grammar), 0, MAX_GRAMMAR_CHARS,
-                "characters (SGLang compiles it on the scheduler's grammar threads)")  # fmt: skip
+        _within(
+            f"len({name})",
+            len(grammar),
+            0,
+            MAX_GRAMMAR_CHARS,
+            "characters (SGLang compiles it on the scheduler's grammar threads)",
+        )
 
 
 def _check_regex_cost(patterns: list[str], measure: Callable[[str], int] | None) -> None:

@@ -39,8 +39,9 @@ MAX_BYTES = 1 << 30  # a dump stops at 1 GiB
 
 
 class RoundDump:
-    def __init__(self, path: str | Path, every: int = 100, max_pending: int = 8,
-                 max_bytes: int = MAX_BYTES) -> None:  # fmt: skip
+    def __init__(
+        self, path: str | Path, every: int = 100, max_pending: int = 8, max_bytes: int = MAX_BYTES
+    ) -> None:
         if every < 1:
             raise ValueError(f"SGLANG_DDTREE_DUMP_EVERY must be >= 1, got {every}")
         self.path, self.every, self.max_bytes = Path(path), every, max_bytes
@@ -110,10 +111,15 @@ class RoundDump:
         written = 0
         for b in range(tokens.shape[0]):
             n = int(lens[b])
-            line = {"round": number, "request": b, "width": int(tokens.shape[1]),
-                    "tokens": tokens[b].tolist(), "parents": parents[b].tolist(),
-                    "q": [math.exp(s) for s in scores[b].tolist()],
-                    "emitted": emitted[b, :n].tolist()}  # fmt: skip
+            line = {
+                "round": number,
+                "request": b,
+                "width": int(tokens.shape[1]),
+                "tokens": tokens[b].tolist(),
+                "parents": parents[b].tolist(),
+                "q": [math.exp(s) for s in scores[b].tolist()],
+                "emitted": emitted[b, :n].tolist(),
+            }
             written += f.write(json.dumps(line) + "\n")
         return written
 

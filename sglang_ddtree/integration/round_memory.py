@@ -44,13 +44,23 @@ class RoundMemory:
         return self.tables + self.temporaries + self.verify_mask
 
     def describe(self) -> str:
-        return (f"{self.total / GIB:.2f} GiB: penalty tables {self.tables / GIB:.2f}, per-round "
-                f"penalty temporaries {self.temporaries / GIB:.2f}, verify mask "
-                f"{self.verify_mask / GIB:.2f}")  # fmt: skip
+        return (
+            f"{self.total / GIB:.2f} GiB: penalty tables {self.tables / GIB:.2f}, per-round "
+            f"penalty temporaries {self.temporaries / GIB:.2f}, verify mask "
+            f"{self.verify_mask / GIB:.2f}"
+        )
 
 
-def at_maximum(*, max_bs: int, num_nodes: int, vocab: int, rows: int, row: int,
-               penalties: bool, unpacked_mask: bool) -> RoundMemory:  # fmt: skip
+def at_maximum(
+    *,
+    max_bs: int,
+    num_nodes: int,
+    vocab: int,
+    rows: int,
+    row: int,
+    penalties: bool,
+    unpacked_mask: bool,
+) -> RoundMemory:
     """A server's RoundMemory: `rows` request slots, `row` the req_to_token row's width (the
     longest committed length), `penalties` the per-node penalties on, `unpacked_mask` SGLang's
     plan or the torch packer (the unpacked mask allocated as well as the packed one)."""
@@ -63,8 +73,12 @@ def at_maximum(*, max_bs: int, num_nodes: int, vocab: int, rows: int, row: int,
         per_request = N * vocab * (4 + 1)  # penalize_tree_'s, the largest of the three
         at_once = min(max_bs, requests_at_once(N, vocab, 4 + 1, TEMP_BYTES))
         temporaries = gathered + at_once * per_request
-    return RoundMemory(tables=tables, temporaries=temporaries,
-                       verify_mask=bits * (2 if unpacked_mask else 1), mask_bits=bits)  # fmt: skip
+    return RoundMemory(
+        tables=tables,
+        temporaries=temporaries,
+        verify_mask=bits * (2 if unpacked_mask else 1),
+        mask_bits=bits,
+    )
 
 
 def check(memory: RoundMemory, free_gib: float | None) -> str | None:
@@ -92,6 +106,8 @@ def check(memory: RoundMemory, free_gib: float | None) -> str | None:
             "penalties or min_p then get a 400)."
         )
     if free_gib - need < LOW_FREE_GIB:
-        return (f"DDTREE: its memory at this server's maximum ({memory.describe()}) leaves "
-                f"{free_gib - need:.2f} GiB free for the CUDA graphs")  # fmt: skip
+        return (
+            f"DDTREE: its memory at this server's maximum ({memory.describe()}) leaves "
+            f"{free_gib - need:.2f} GiB free for the CUDA graphs"
+        )
     return None

@@ -39,8 +39,11 @@ class Runtime:
         """The resolved DDTREE options, GDN path, the DDTREE paths the hooks have taken so far
         (e.g. "tree conv1d through sglang_ddtree.gdn.conv_tree") and, with automatic widths, the
         decode rounds verified at each width since start-up: /server_info's values."""
-        out = {"options": dataclasses.asdict(self.options),
-               "gdn_path": gdn.describe(self.gdn.path), "engaged": self.engaged.sorted()}  # fmt: skip
+        out = {
+            "options": dataclasses.asdict(self.options),
+            "gdn_path": gdn.describe(self.gdn.path),
+            "engaged": self.engaged.sorted(),
+        }
         if self.widths is not None:
             out["widths_chosen"] = {str(w): n for w, n in sorted(self.widths.chosen.items())}
         return out

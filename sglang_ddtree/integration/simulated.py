@@ -28,16 +28,19 @@ def register_hooks(world: World) -> None:
     accept, for every server of this process (SGLang applies them as plugins load)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    HookRegistry.register(compat.DFLASH_WORKER_INIT, functools.partial(worker_init, world),
-                          HookType.AROUND)  # fmt: skip
+    HookRegistry.register(
+        compat.DFLASH_WORKER_INIT, functools.partial(worker_init, world), HookType.AROUND
+    )
     HookRegistry.register(compat.DFLASH_CHAIN_ACCEPT, ChainAccept(world), HookType.AROUND)
 
 
 def check_dummy_weights(load_format) -> None:
     if str(load_format) != "dummy":
-        raise RuntimeError(f"{SWITCH} simulates which drafts are accepted and is for benchmarks "
-                           f"with dummy weights only: add --load-format dummy (got "
-                           f"{load_format!r}), or unset {SWITCH}.")  # fmt: skip
+        raise RuntimeError(
+            f"{SWITCH} simulates which drafts are accepted and is for benchmarks "
+            f"with dummy weights only: add --load-format dummy (got "
+            f"{load_format!r}), or unset {SWITCH}."
+        )
 
 
 def worker_init(world: World, original, worker, server_args, *args, **kwargs):
@@ -55,16 +58,36 @@ class ChainAccept:
         self.world = world
         self.means: torch.Tensor | None = None  # on the worker's device, made once
 
-    def __call__(self, original, worker, *, candidates, next_token_logits, target_predict=None,
-                 prefix_lens, **kwargs):  # fmt: skip
+    def __call__(
+        self,
+        original,
+        worker,
+        *,
+        candidates,
+        next_token_logits,
+        target_predict=None,
+        prefix_lens,
+        **kwargs,
+    ):
         if target_predict is None:
             target_predict = torch.argmax(next_token_logits, dim=-1)
         block = candidates.shape[1]
         if self.means is None or self.means.device != candidates.device:
             self.means = self.world.means_on(block, candidates.device)
-        drafts, picks = self.world.chain(prefix_lens.view(-1), candidates[:, 0], block,
-                                         compat.target_vocab_size(worker), self.means)  # fmt: skip
+        drafts, picks = self.world.chain(
+            prefix_lens.view(-1),
+            candidates[:, 0],
+            block,
+            compat.target_vocab_size(worker),
+            self.means,
+        )
         candidates[:, 1:].copy_(drafts)
         picked = picks.reshape(target_predict.shape).to(target_predict.dtype)
-        return original(worker, candidates=candidates, next_token_logits=next_token_logits,
-                        target_predict=picked, prefix_lens=prefix_lens, **kwargs)  # fmt: skip
+        return original(
+            worker,
+            candidates=candidates,
+            next_token_logits=next_token_logits,
+            target_predict=picked,
+            prefix_lens=prefix_lens,
+            **kwargs,
+        )

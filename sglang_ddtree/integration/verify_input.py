@@ -48,8 +48,16 @@ class DDTreeVerifyInput(EagleVerifyInput):
     # set by the host plan (verify_plan.call_begin_forward) for the plan's one call
     staged_attn_args: StagedAttnArgs | None = None
 
-    def generate_attn_arg_prefill(self, *, req_pool_indices, paged_kernel_lens,
-                                  paged_kernel_lens_sum, translator, plan, **kwargs):  # fmt: skip
+    def generate_attn_arg_prefill(
+        self,
+        *,
+        req_pool_indices,
+        paged_kernel_lens,
+        paged_kernel_lens_sum,
+        translator,
+        plan,
+        **kwargs,
+    ):
         """SGLang's (kv_indices, kv_indptr, qo_indptr, custom_mask) for the FlashInfer plan. With
         the host plan's lengths staged, the KV indices are written from them by the round's
         KV translator (SGLang's own read, one launch); SGLang derives the offsets on the device
@@ -62,13 +70,24 @@ class DDTreeVerifyInput(EagleVerifyInput):
         short = self.tree_mask_written and self.custom_mask.numel() < size * N  # unpacked only
         if staged is None or len(staged.kv_lens) != bs or staged.total_kv > size or short:
             return super().generate_attn_arg_prefill(
-                req_pool_indices=req_pool_indices, paged_kernel_lens=paged_kernel_lens,
-                paged_kernel_lens_sum=paged_kernel_lens_sum, translator=translator, plan=plan,
-                **kwargs)  # fmt: skip
+                req_pool_indices=req_pool_indices,
+                paged_kernel_lens=paged_kernel_lens,
+                paged_kernel_lens_sum=paged_kernel_lens_sum,
+                translator=translator,
+                plan=plan,
+                **kwargs,
+            )
         kv_indices = torch.empty(size, dtype=torch.int32, device=req_pool_indices.device)
-        compat.pack_kv_reads(translator, plan, req_pool_indices, staged.kv_lens,
-                             staged.kv_indptr, kv_indices, paged_kernel_lens_sum,
-                             **kwargs)  # fmt: skip
+        compat.pack_kv_reads(
+            translator,
+            plan,
+            req_pool_indices,
+            staged.kv_lens,
+            staged.kv_indptr,
+            kv_indices,
+            paged_kernel_lens_sum,
+            **kwargs,
+        )
         return kv_indices, staged.kv_indptr, staged.qo_indptr, self.custom_mask
 
 

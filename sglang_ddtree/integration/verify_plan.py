@@ -59,13 +59,15 @@ def host_plan(seq_lens_cpu: torch.Tensor, num_nodes: int) -> HostPlan:
     bits = [N * k for k in kv]
     bs = len(kv)
     if sum(bits) >= 1 << 31:  # round_memory.check bounds this at start-up: a bug if reached
-        raise RuntimeError(f"DDTREE: a verify mask of {sum(bits)} bits overflows the plan's "
-                           "int32 offsets, past the start-up bound (round_memory.check)")  # fmt: skip
+        raise RuntimeError(
+            f"DDTREE: a verify mask of {sum(bits)} bits overflows the plan's "
+            "int32 offsets, past the start-up bound (round_memory.check)"
+        )
     return HostPlan(
         qo_indptr=torch.arange(0, (bs + 1) * N, N, dtype=torch.int32),
         lengths=torch.tensor(
             [*kv, 0, *itertools.accumulate(kv), 0, *itertools.accumulate(bits)], dtype=torch.int32
-        ),  # fmt: skip
+        ),
         last_page_len=torch.ones(bs, dtype=torch.int32),
         total_bits=sum(bits),
         packed_bytes=sum((b + 7) // 8 for b in bits),
@@ -81,8 +83,9 @@ def _split(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return lengths[:bs], lengths[bs : 2 * bs + 1], lengths[2 * bs + 1 :]
 
 
-def pack_at_bit_offsets(mask: torch.Tensor, starts: torch.Tensor, total_bits: int,
-                        packed_bytes: int) -> torch.Tensor:  # fmt: skip
+def pack_at_bit_offsets(
+    mask: torch.Tensor, starts: torch.Tensor, total_bits: int, packed_bytes: int
+) -> torch.Tensor:
     """uint8 [total_bits]: request b's bits mask[starts[b]:starts[b+1]] packed little-endian
     from byte starts[b] (the rest zero). mask: the flat unpacked bool mask (at least total_bits
     long); starts [bs + 1] int32 on mask's device; packed_bytes = sum over requests of
@@ -105,17 +108,45 @@ def pack_at_bit_offsets(mask: torch.Tensor, starts: torch.Tensor, total_bits: in
     return out
 
 
-def call_begin_forward(runtime, original, updater, wrapper_ragged, wrapper_paged, req_pool_indices,
-                       paged_kernel_lens, paged_kernel_lens_sum, seq_lens, prefix_lens,
-                       kv_start_idx, kv_indptr, qo_indptr, use_ragged, spec_info, *args,
-                       **kwargs):  # fmt: skip
+def call_begin_forward(
+    runtime,
+    original,
+    updater,
+    wrapper_ragged,
+    wrapper_paged,
+    req_pool_indices,
+    paged_kernel_lens,
+    paged_kernel_lens_sum,
+    seq_lens,
+    prefix_lens,
+    kv_start_idx,
+    kv_indptr,
+    qo_indptr,
+    use_ragged,
+    spec_info,
+    *args,
+    **kwargs,
+):
     """AROUND FlashInferIndicesUpdaterPrefill.call_begin_forward: a DDTREE verify with host
     lengths plans with host indptrs and a device-packed mask (SGLANG_DDTREE_VERIFY_PLAN=host);
     every other call as it came. runtime: the worker factory's options and engaged paths
     (runtime.Runtime), bound when the hook is installed."""
-    call = (updater, wrapper_ragged, wrapper_paged, req_pool_indices, paged_kernel_lens,
-            paged_kernel_lens_sum, seq_lens, prefix_lens, kv_start_idx, kv_indptr, qo_indptr,
-            use_ragged, spec_info, *args)  # fmt: skip
+    call = (
+        updater,
+        wrapper_ragged,
+        wrapper_paged,
+        req_pool_indices,
+        paged_kernel_lens,
+        paged_kernel_lens_sum,
+        seq_lens,
+        prefix_lens,
+        kv_start_idx,
+        kv_indptr,
+        qo_indptr,
+        use_ragged,
+        spec_info,
+        *args,
+    )
     seq_lens_cpu = kwargs.get("seq_lens_cpu")
     if runtime.options.verify_plan != "host" or not _applies(
         wrapper_paged, seq_lens, seq_lens_cpu, use_ragged, spec_info, args, kwargs
@@ -144,18 +175,28 @@ def call_begin_forward(runtime, original, updater, wrapper_ragged, wrapper_paged
 
     def begin_forward(qo, kv, kv_indices, last, *rest, custom_mask=None, **kw):
         if from_tree:  # the unpacked mask was never written: pack the tree's visibility
-            packed = mask_pack.pack_tree_mask(spec_info.tree_visibility, starts,
-                                              plan.total_bits, plan.max_request_bits)  # fmt: skip
+            packed = mask_pack.pack_tree_mask(
+                spec_info.tree_visibility, starts, plan.total_bits, plan.max_request_bits
+            )
         else:
-            packed = pack_at_bit_offsets(custom_mask.reshape(-1), starts, plan.total_bits,
-                                         plan.packed_bytes)  # fmt: skip
-        return planned(plan.qo_indptr, plan.kv_indptr, kv_indices, plan.last_page_len, *rest,
-                       packed_custom_mask=packed, **kw)  # fmt: skip
+            packed = pack_at_bit_offsets(
+                custom_mask.reshape(-1), starts, plan.total_bits, plan.packed_bytes
+            )
+        return planned(
+            plan.qo_indptr,
+            plan.kv_indptr,
+            kv_indices,
+            plan.last_page_len,
+            *rest,
+            packed_custom_mask=packed,
+            **kw,
+        )
 
     runtime.engaged.first_use("verify plan from host lengths (integration/verify_plan.py)")
     wrapper_paged.begin_forward = begin_forward
-    spec_info.staged_attn_args = verify_input.StagedAttnArgs(kv_lens, kv_indptr_dev,
-                                                             plan.qo_indptr, plan.total_kv)  # fmt: skip
+    spec_info.staged_attn_args = verify_input.StagedAttnArgs(
+        kv_lens, kv_indptr_dev, plan.qo_indptr, plan.total_kv
+    )
     try:
         return original(*call, **kwargs)
     finally:
@@ -181,8 +222,9 @@ def write_mask(spec_info) -> None:
 
     if isinstance(spec_info, DDTreeVerifyInput) and not spec_info.tree_mask_written:
         vis = spec_info.tree_visibility
-        spec_info.custom_mask = torch.empty(spec_info.tree_mask_size, dtype=torch.bool,
-                                            device=vis.device)  # fmt: skip
+        spec_info.custom_mask = torch.empty(
+            spec_info.tree_mask_size, dtype=torch.bool, device=vis.device
+        )
         tree_layout.write_full_mask(vis, spec_info.tree_seq_lens, spec_info.custom_mask)
         spec_info.tree_mask_written = True
 

@@ -40,8 +40,9 @@ class VerifyWidths:
     whose graphs cannot be captured (too little memory left, a capture that fails) is dropped
     with a warning: the server serves the others (`widths` is what is left)."""
 
-    def __init__(self, model_runner, widths: tuple[int, ...], capture: bool = True,
-                 free_gb=None) -> None:  # fmt: skip
+    def __init__(
+        self, model_runner, widths: tuple[int, ...], capture: bool = True, free_gb=None
+    ) -> None:
         """free_gb: the GB free that decides whether a width is captured (default this GPU's;
         at tp > 1 the least of every rank's, compat.least_free_gb, so that all ranks capture
         the same widths: a capture runs the target's forward and its collectives)."""
@@ -56,23 +57,34 @@ class VerifyWidths:
                 continue
             tic, free = time.perf_counter(), free_gb()
             if free < MIN_FREE_GB:
-                logger.warning("DDTREE: width %d dropped: %.1f GB free for its verify graphs "
-                               "(needs %.1f)", width, free, MIN_FREE_GB)  # fmt: skip
+                logger.warning(
+                    "DDTREE: width %d dropped: %.1f GB free for its verify graphs (needs %.1f)",
+                    width,
+                    free,
+                    MIN_FREE_GB,
+                )
                 continue
             try:
                 state = compat.build_target_verify_state(model_runner, width)
             except Exception as exc:
                 if "out of memory" not in f"{exc} {exc.__context__}".lower():
                     raise  # anything but memory may have broken the CUDA context: stop here
-                logger.warning("DDTREE: width %d dropped: its verify graphs did not fit (%s)",
-                               width, str(exc)[:300])  # fmt: skip
+                logger.warning(
+                    "DDTREE: width %d dropped: its verify graphs did not fit (%s)",
+                    width,
+                    str(exc)[:300],
+                )
                 continue
             if state is None:
                 self.states[width] = self.states[N]
                 continue
             self.states[width] = state
-            logger.info("DDTREE: target verify graphs at width %d captured in %.1f s, %.2f GB",
-                        width, time.perf_counter() - tic, free - _free_gb())  # fmt: skip
+            logger.info(
+                "DDTREE: target verify graphs at width %d captured in %.1f s, %.2f GB",
+                width,
+                time.perf_counter() - tic,
+                free - _free_gb(),
+            )
         self.widths = tuple(sorted(self.states))
         self.buckets = compat.graph_batch_sizes(self.states[N][1])
 
@@ -157,12 +169,15 @@ class RoundReadings:
     at each width (those wider than the round's read as its own) in the other half and copies
     the rows to the host."""
 
-    def __init__(self, policy: WidthPolicy, buffer: torch.Tensor, widths, slots: int = 4,
-                 event=None) -> None:  # fmt: skip
+    def __init__(
+        self, policy: WidthPolicy, buffer: torch.Tensor, widths, slots: int = 4, event=None
+    ) -> None:
         self.policy, self.buffer = policy, buffer
         if buffer.shape[1] != 2 * len(widths) or not set(policy.widths) <= set(widths):
-            raise ValueError(f"readings of widths {list(widths)} ({buffer.shape[1]} columns) "
-                             f"cannot serve the policy's {list(policy.widths)}")  # fmt: skip
+            raise ValueError(
+                f"readings of widths {list(widths)} ({buffer.shape[1]} columns) "
+                f"cannot serve the policy's {list(policy.widths)}"
+            )
         self.columns = [list(widths).index(w) for w in policy.widths]
         self.accepted_columns = [len(widths) + c for c in self.columns]
         pin = torch.cuda.is_available() and buffer.device.type == "cuda"
@@ -185,8 +200,11 @@ class RoundReadings:
                 slot.pending = False
                 mean = slot.array[: slot.bs].mean(0).tolist()  # host memory: no device work
                 predicted = [mean[c] for c in self.columns]
-                accepted = {w: mean[c] for w, c in zip(self.policy.widths, self.accepted_columns,
-                                                       strict=True) if w <= slot.width}  # fmt: skip
+                accepted = {
+                    w: mean[c]
+                    for w, c in zip(self.policy.widths, self.accepted_columns, strict=True)
+                    if w <= slot.width
+                }
                 run = accepted.pop(slot.width)
                 self.policy.observe_tokens(slot.width, predicted, run, accepted, slot.bs)
                 self.policy.observe_cost(slot.bs, slot.width, slot.start.elapsed_time(slot.end))

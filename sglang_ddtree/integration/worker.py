@@ -88,8 +88,9 @@ class _DropWidthMismatch(logging.Filter):
         return not record.getMessage().startswith("DFLASH block size mismatch")
 
 
-def tree_head(lm_head, cfg: DDTreeConfig, max_bs: int, gather=None,
-              world: World | None = None) -> DraftTreeHead:  # fmt: skip
+def tree_head(
+    lm_head, cfg: DDTreeConfig, max_bs: int, gather=None, world: World | None = None
+) -> DraftTreeHead:
     """The draft head on the target's LM head: its real rows (`compat.lm_head_rows`); given the
     TP group's `gather` (a vocabulary-parallel head, tp > 1), a VocabShard that merges the
     ranks' top-K through it, so every rank builds the same tree. Start-up
@@ -97,8 +98,14 @@ def tree_head(lm_head, cfg: DDTreeConfig, max_bs: int, gather=None,
     rest."""
     offset, rows = compat.lm_head_rows(lm_head)
     shard = VocabShard(offset=offset, gather=gather) if gather is not None else None
-    return DraftTreeHead(lm_head_weight=lm_head.weight, vocab_size=rows, cfg=cfg, max_bs=max_bs,
-                         shard=shard, world=world)  # fmt: skip
+    return DraftTreeHead(
+        lm_head_weight=lm_head.weight,
+        vocab_size=rows,
+        cfg=cfg,
+        max_bs=max_bs,
+        shard=shard,
+        world=world,
+    )
 
 
 def draft_tail(head: DraftTreeHead):
@@ -238,8 +245,9 @@ class DDTreeWorker(DFlashWorkerV2):
             if self._tp_size > 1:  # every rank captures and verifies the same widths
                 self._rank_widths = RankWidths(*compat.tp_cpu_group())
                 free_gb = self._free_gb
-            self._widths = VerifyWidths(self.target_worker.model_runner, widths, capture,
-                                        free_gb=free_gb)  # fmt: skip
+            self._widths = VerifyWidths(
+                self.target_worker.model_runner, widths, capture, free_gb=free_gb
+            )
             widths = self._widths.widths  # what was captured
             if self._rank_widths is not None:
                 widths = self._rank_widths.agree(configured, widths)
@@ -254,13 +262,18 @@ class DDTreeWorker(DFlashWorkerV2):
         policy = WidthPolicy(widths, buckets=self._widths.buckets)
         head = self._tree_head
         if head.readings is None:  # a buffer made now would never be written by the graphs
-            raise RuntimeError("DDTREE: the draft head's width readings were not asked for "
-                               "before the draft graphs (_ask_for_readings): a bug")  # fmt: skip
+            raise RuntimeError(
+                "DDTREE: the draft head's width readings were not asked for "
+                "before the draft graphs (_ask_for_readings): a bug"
+            )
         self._readings = RoundReadings(policy, head.readings, head.reading_widths)
         self.runtime.widths = policy  # /server_info's widths_chosen
         if self._tp_rank == 0:
-            logger.info("DDTREE verify width: auto among %s (graph batch sizes %s)",
-                        ", ".join(map(str, widths)), list(self._widths.buckets) or "eager")  # fmt: skip
+            logger.info(
+                "DDTREE verify width: auto among %s (graph batch sizes %s)",
+                ", ".join(map(str, widths)),
+                list(self._widths.buckets) or "eager",
+            )
 
     def _choose_width(self, bs: int) -> int:
         """This round's verify width (host only: readings of earlier rounds, no waiting; at
@@ -283,16 +296,21 @@ class DDTreeWorker(DFlashWorkerV2):
         self.speculative_num_draft_tokens = width  # /metrics: sglang:spec_num_draft_tokens
         logged = policy.rounds in _WIDTH_LOG_ROUNDS or policy.rounds % _WIDTH_LOG_EVERY == 0
         if (policy.newly_calibrated() or logged) and self._tp_rank == 0:
-            logger.info("DDTREE widths after %d rounds (ms per round by batch bucket):\n%s",
-                        policy.rounds, policy.table())  # fmt: skip
+            logger.info(
+                "DDTREE widths after %d rounds (ms per round by batch bucket):\n%s",
+                policy.rounds,
+                policy.table(),
+            )
         return width
 
-    def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None,
-                                 pp_proxy_tensors=None):  # fmt: skip
+    def forward_batch_generation(
+        self, batch, on_publish=None, grammar_barrier=None, pp_proxy_tensors=None
+    ):
         extend = batch.forward_mode.is_extend() or batch.is_extend_in_batch
         if extend or batch.forward_mode.is_idle():  # DFlashWorkerV2's prefill / idle step
-            result = super().forward_batch_generation(batch, on_publish, grammar_barrier,
-                                                      pp_proxy_tensors)  # fmt: skip
+            result = super().forward_batch_generation(
+                batch, on_publish, grammar_barrier, pp_proxy_tensors
+            )
             if self._penalties is not None and extend:
                 self._penalties.restart(batch.reqs, batch.req_pool_indices, result.next_token_ids)
             return result
@@ -329,8 +347,9 @@ class DDTreeWorker(DFlashWorkerV2):
     def _accepted_at_widths(self, result, rnd: Round) -> torch.Tensor:
         """[bs, W] the tokens the round accepted at each read width: its own, and what each
         narrower width's first nodes would have accepted (the policy's paired readings)."""
-        return accepted_at_widths(rnd.tree, self._emitted(result, rnd), result.accept_lens,
-                                  self._tree_head.reading_widths)  # fmt: skip
+        return accepted_at_widths(
+            rnd.tree, self._emitted(result, rnd), result.accept_lens, self._tree_head.reading_widths
+        )
 
     def _emitted(self, result, rnd: Round) -> torch.Tensor:
         """[bs, B] a view of the round's tokens per request: its accepted drafts, then the
@@ -347,8 +366,9 @@ class DDTreeWorker(DFlashWorkerV2):
             self._penalties.observe(batch.req_pool_indices, emitted, result.accept_lens)
         if self._round_dump is not None:  # device-to-pinned copies; a thread writes them
             tree = rnd.tree
-            self._round_dump.round(tree.tokens, tree.parents, tree.scores, emitted,
-                                   result.accept_lens)  # fmt: skip
+            self._round_dump.round(
+                tree.tokens, tree.parents, tree.scores, emitted, result.accept_lens
+            )
 
     def _note_eager_verify(self, bs: int, width: int) -> None:
         """A verify that ran without the target's CUDA graph (a host cost of a few ms on a small
@@ -357,8 +377,12 @@ class DDTreeWorker(DFlashWorkerV2):
             self._readings.policy.eager[width] += 1
         if self._graphs_on and width not in self._eager_warned and self._tp_rank == 0:
             self._eager_warned.add(width)
-            logger.warning("DDTREE: a verify at width %d, batch %d, ran without CUDA graphs "
-                           "(later ones are counted in the widths table)", width, bs)  # fmt: skip
+            logger.warning(
+                "DDTREE: a verify at width %d, batch %d, ran without CUDA graphs "
+                "(later ones are counted in the widths table)",
+                width,
+                bs,
+            )
 
     def prewarm_sampling(self):
         """SGLang's start-up sampling rehearsal: DFlashWorkerV2's rehearses its chain accept,
@@ -382,17 +406,22 @@ class DDTreeWorker(DFlashWorkerV2):
         target = self.target_worker.model_runner  # the target's pools and vocabulary
         rows, row = target.req_to_token_pool.req_to_token.shape
         memory = round_memory.at_maximum(
-            max_bs=self._tree_head.max_bs, num_nodes=self.cfg.num_nodes,
-            vocab=target.model_config.vocab_size, rows=rows, row=row,
+            max_bs=self._tree_head.max_bs,
+            num_nodes=self.cfg.num_nodes,
+            vocab=target.model_config.vocab_size,
+            rows=rows,
+            row=row,
             penalties=self.options.penalties,
             unpacked_mask=not verify_plan.packs_from_tree(self.options),
-        )  # fmt: skip
+        )
         on_gpu = torch.device(self.device).type == "cuda"
         free = get_available_gpu_memory(self.device, self.gpu_id) if on_gpu else None
         warning = round_memory.check(memory, free)
         if self._tp_rank == 0:
-            logger.info("DDTREE memory beside SGLang's pools at this server's maximum: %s",
-                        memory.describe())  # fmt: skip
+            logger.info(
+                "DDTREE memory beside SGLang's pools at this server's maximum: %s",
+                memory.describe(),
+            )
             if warning:
                 logger.warning(warning)
 
@@ -407,8 +436,13 @@ class DDTreeWorker(DFlashWorkerV2):
         vocab = target.model_config.vocab_size
         table = PenaltyTable(rows, vocab, self.device)
         if self._tp_rank == 0:  # beside SGLang's pools, which were sized without it
-            logger.info("DDTREE penalty counts: %d request slots x %d tokens, %.2f GiB (off: "
-                        "SGLANG_DDTREE_PENALTIES=0)", rows, vocab, rows * vocab * 5 / (1 << 30))  # fmt: skip
+            logger.info(
+                "DDTREE penalty counts: %d request slots x %d tokens, %.2f GiB (off: "
+                "SGLANG_DDTREE_PENALTIES=0)",
+                rows,
+                vocab,
+                rows * vocab * 5 / (1 << 30),
+            )
         self.runtime.penalties = table
         return table
 
@@ -451,8 +485,11 @@ class DDTreeWorker(DFlashWorkerV2):
             draft_out = self.draft_model_runner.forward(forward_batch)
             if not draft_out.can_run_graph:  # the graph ran the head already
                 with own_code():
-                    self._tree_head(draft_out.logits_output.hidden_states, block_ids.flatten(),
-                                    positions.flatten())  # fmt: skip
+                    self._tree_head(
+                        draft_out.logits_output.hidden_states,
+                        block_ids.flatten(),
+                        positions.flatten(),
+                    )
         rnd.positions, rnd.draft_slots = positions, compat.draft_write_ids(self, plan).view(bs, B)
 
     # -- step 3 setup: the tree as SGLang's verify input --------------------------------------
@@ -521,8 +558,10 @@ class DDTreeWorker(DFlashWorkerV2):
         if hidden is None:
             raise RuntimeError("DDTREE verify returned no target hidden states.")
         if hidden.shape[0] not in (bs * width, bs * B):
-            raise RuntimeError(f"DDTREE verify returned {hidden.shape[0]} hidden rows for {bs} "
-                               f"requests of {width} nodes")  # fmt: skip
+            raise RuntimeError(
+                f"DDTREE verify returned {hidden.shape[0]} hidden rows for {bs} "
+                f"requests of {width} nodes"
+            )
         accepted = hidden.view(bs, -1, hidden.shape[-1])[:, :B, :].reshape(bs * B, -1)
         compat.append_draft_kv(
             self,

@@ -42,24 +42,40 @@ class _OneLineParser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     # ArgumentDefaultsHelpFormatter prints "(default: ...)" only for options that have a help
     # string, so every option with a default has one.
-    p = _OneLineParser(prog="python -m sglang_ddtree.reference", description=__doc__.split("\n")[0],
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    p = _OneLineParser(
+        prog="python -m sglang_ddtree.reference",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--target", help="target checkpoint dir (Qwen3 / Qwen3.5)")
     p.add_argument("--draft", help="DFlash draft checkpoint dir")
     prompt = p.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", help=f"prompt text (--demo: {DEMO_PROMPT!r})")
-    prompt.add_argument("--prompt-file", metavar="FILE",
-                        help="the prompt from FILE, verbatim ('-': standard input)")  # fmt: skip
-    p.add_argument("--budget", type=int, default=32,
-                   help="draft tree: nodes to verify per round, the root excluded")  # fmt: skip
-    p.add_argument("--topk", type=int, default=8,
-                   help="draft tree: candidates per draft position, i.e. the most children a "
-                   "node can have (not --top-k)")  # fmt: skip
+    prompt.add_argument(
+        "--prompt-file", metavar="FILE", help="the prompt from FILE, verbatim ('-': standard input)"
+    )
+    p.add_argument(
+        "--budget",
+        type=int,
+        default=32,
+        help="draft tree: nodes to verify per round, the root excluded",
+    )
+    p.add_argument(
+        "--topk",
+        type=int,
+        default=8,
+        help="draft tree: candidates per draft position, i.e. the most children a "
+        "node can have (not --top-k)",
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
     p.add_argument("--top-p", type=float, default=1.0, help="sampling: nucleus probability")
-    p.add_argument("--top-k", type=int, default=0,
-                   help="sampling: keep the target's k most likely tokens at temperature > 0; "
-                   "0 = all (not --topk)")  # fmt: skip
+    p.add_argument(
+        "--top-k",
+        type=int,
+        default=0,
+        help="sampling: keep the target's k most likely tokens at temperature > 0; "
+        "0 = all (not --topk)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate")
     p.add_argument("--compare-chain", action="store_true", help="also run chain DFlash")
     p.add_argument(
@@ -72,16 +88,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the eos token")
     p.add_argument("--seed", type=int, default=0, help="torch's seed and the sampler's")
     p.add_argument("--device", default="cpu", help="cpu, or cuda when there is a GPU")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="the models' dtype")  # fmt: skip
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="the models' dtype",
+    )
     p.add_argument(
         "--demo",
         action="store_true",
         help="run DDTree and chain DFlash on the shipped demo pair (or a tiny seeded one)",
     )
     p.add_argument("--cache-dir", help="where --demo writes the tiny seeded pair")
-    p.add_argument("--show-tree", metavar="DIR",
-                   help="print each DDTree round's tree and draw it to DIR/round_NNN.svg")  # fmt: skip
+    p.add_argument(
+        "--show-tree",
+        metavar="DIR",
+        help="print each DDTree round's tree and draw it to DIR/round_NNN.svg",
+    )
     return p
 
 
@@ -128,9 +151,11 @@ def _summary(rows: list[tuple[str, object, float]]) -> str:
     """The side-by-side table: tokens, rounds, mean acceptance and tokens/s per method."""
     lines = [f"{'':<14} {'tokens':>6} {'rounds':>6} {'mean accept':>11} {'tokens/s':>9}"]
     for name, result, seconds in rows:
-        lines.append(f"{name:<14} {len(result.tokens):>6} {result.rounds:>6} "
-                     f"{result.mean_accept_length:>11.2f} "
-                     f"{len(result.tokens) / max(seconds, 1e-9):>9.1f}")  # fmt: skip
+        lines.append(
+            f"{name:<14} {len(result.tokens):>6} {result.rounds:>6} "
+            f"{result.mean_accept_length:>11.2f} "
+            f"{len(result.tokens) / max(seconds, 1e-9):>9.1f}"
+        )
     return "\n".join(lines)
 
 
@@ -154,8 +179,9 @@ def check_budget_fits(args: argparse.Namespace, available: int | None = None) ->
         return  # the engine's own checks name these settings
     largest, why = limit
     if args.budget > largest:
-        raise ValueError(f"--budget {args.budget} is larger than what fits: at most {largest} "
-                         f"nodes ({why})")  # fmt: skip
+        raise ValueError(
+            f"--budget {args.budget} is larger than what fits: at most {largest} nodes ({why})"
+        )
 
 
 def resolve_inputs(args: argparse.Namespace) -> None:
@@ -186,8 +212,15 @@ def tokenize_and_check(args: argparse.Namespace) -> tuple[object, list[int]]:
 
     tokenizer = AutoTokenizer.from_pretrained(str(args.target), local_files_only=True)
     prompt_ids = encode_prompt(tokenizer, args.prompt, args.chat)
-    check_pair(Path(args.target), Path(args.draft), tokenizer, len(prompt_ids),
-               args.max_new_tokens, budget=args.budget, topk=args.topk)  # fmt: skip
+    check_pair(
+        Path(args.target),
+        Path(args.draft),
+        tokenizer,
+        len(prompt_ids),
+        args.max_new_tokens,
+        budget=args.budget,
+        topk=args.topk,
+    )
     return tokenizer, prompt_ids
 
 
@@ -208,8 +241,16 @@ def run(args: argparse.Namespace) -> int:
     budget, topk = args.budget, args.topk
     shower = _TreeShower(args.show_tree, tokenizer) if args.show_tree else None
     t0 = time.perf_counter()
-    tree = generate(target, drafter, prompt_ids, args.max_new_tokens, budget=budget, topk=topk,
-                    on_round=shower, **sampling)  # fmt: skip
+    tree = generate(
+        target,
+        drafter,
+        prompt_ids,
+        args.max_new_tokens,
+        budget=budget,
+        topk=topk,
+        on_round=shower,
+        **sampling,
+    )
     drawing = shower.seconds if shower else 0.0
     rows = [("DDTree", tree, time.perf_counter() - t0 - drawing)]
     _report(f"DDTree budget={args.budget} topk={args.topk}", tokenizer, tree)
@@ -242,8 +283,12 @@ class _TreeShower:
         self.rounds += 1
         record = from_round(trace.tree, trace.accept)
         print(f"--- round {self.rounds}\n{render_text(record, self.decode)}")
-        render_picture(record, self.out_dir / f"round_{self.rounds:03d}.svg", self.decode,
-                       title=f"round {self.rounds}")  # fmt: skip
+        render_picture(
+            record,
+            self.out_dir / f"round_{self.rounds:03d}.svg",
+            self.decode,
+            title=f"round {self.rounds}",
+        )
         self.seconds += time.perf_counter() - t0
 
 

@@ -238,8 +238,9 @@ def _verify(target: TargetRunner, tree: DraftTree) -> tuple[torch.Tensor, torch.
     return target.verify(tree.tokens[0], tree.parents[0], tree.depth[0], tree.visibility[0])
 
 
-def _penalty_state(penalties: Penalties | None, prompt: torch.Tensor, vocab: int,
-                   eos: set[int]) -> PenaltyState | None:  # fmt: skip
+def _penalty_state(
+    penalties: Penalties | None, prompt: torch.Tensor, vocab: int, eos: set[int]
+) -> PenaltyState | None:
     """The request's penalty context over a vocabulary of `vocab` logits, or None when it has
     no penalty."""
     if penalties is None or penalties == Penalties():

@@ -57,8 +57,9 @@ def free_bytes(device: str) -> int:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def max_budget(target: Path, draft: Path, topk: int, device: str = "cpu",
-               available: int | None = None) -> tuple[int, str] | None:  # fmt: skip
+def max_budget(
+    target: Path, draft: Path, topk: int, device: str = "cpu", available: int | None = None
+) -> tuple[int, str] | None:
     """(the largest --budget, why): the tree's capacity at the draft's block size and topk, or
     the nodes SHARE of the free memory holds, whichever is smaller. None when topk < 1 or the
     draft's block is < 2 (the engine's own checks name those)."""
@@ -71,7 +72,9 @@ def max_budget(target: Path, draft: Path, topk: int, device: str = "cpu",
     room = SHARE * (free_bytes(device) if available is None else available)
     nodes = int((-lin + math.sqrt(lin * lin + 4 * quad * room)) / (2 * quad))  # N, root included
     if nodes - 1 < capacity:
-        return max(nodes - 1, 0), (f"a verify of N nodes takes ~{lin / 2**20:.2f} MiB x N + "
-                                   f"{quad} B x N^2 here, and {room / 2**30:.1f} GiB is half the "
-                                   "free memory")  # fmt: skip
+        return max(nodes - 1, 0), (
+            f"a verify of N nodes takes ~{lin / 2**20:.2f} MiB x N + "
+            f"{quad} B x N^2 here, and {room / 2**30:.1f} GiB is half the "
+            "free memory"
+        )
     return capacity, f"what top-k {topk} fills in the draft's {block - 1} positions"

@@ -32,24 +32,28 @@ def check_device(device: str) -> None:
     except RuntimeError:  # torch's message lists every backend it knows, over several lines
         parsed = None
     if parsed is None or parsed.type not in DEVICE_TYPES:
-        raise ValueError(f"--device {device}: the reference engine runs on cpu or cuda; "
-                         "use --device cpu")  # fmt: skip
+        raise ValueError(
+            f"--device {device}: the reference engine runs on cpu or cuda; use --device cpu"
+        )
     if parsed.type == "cpu":
         return
     if not torch.cuda.is_available():
         raise ValueError(f"--device {device}: this machine has no CUDA device; use --device cpu")
     count = torch.cuda.device_count()
     if parsed.index is not None and parsed.index >= count:
-        raise ValueError(f"--device {device}: this machine has {count} CUDA device(s), "
-                         f"cuda:0 to cuda:{count - 1}")  # fmt: skip
+        raise ValueError(
+            f"--device {device}: this machine has {count} CUDA device(s), "
+            f"cuda:0 to cuda:{count - 1}"
+        )
 
 
 def _utf8(raw: bytes, source: str) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ValueError(f"{source} is not valid UTF-8: byte 0x{raw[exc.start]:02x} at offset "
-                         f"{exc.start}") from None  # fmt: skip
+        raise ValueError(
+            f"{source} is not valid UTF-8: byte 0x{raw[exc.start]:02x} at offset {exc.start}"
+        ) from None
 
 
 def prompt_text(prompt: str | None, prompt_file: str | None) -> str | None:

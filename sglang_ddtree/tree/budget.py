@@ -49,8 +49,9 @@ def expected_tokens(scores: torch.Tensor, widths: Sequence[int]) -> torch.Tensor
     return torch.stack([total[:, w - 1] for w in widths], dim=1)
 
 
-def accepted_at_widths(tree: DraftTree, emitted: torch.Tensor, accept_lens: torch.Tensor,
-                       widths: Sequence[int]) -> torch.Tensor:  # fmt: skip
+def accepted_at_widths(
+    tree: DraftTree, emitted: torch.Tensor, accept_lens: torch.Tensor, widths: Sequence[int]
+) -> torch.Tensor:
     """[bs, len(widths)] float32: the tokens (bonus included) a verified round would have
     accepted at each width w, had it verified only the first w nodes of `tree` (w capped at the
     tree's width), from what it accepted: `emitted` [bs, >= max depth] the round's tokens (the
@@ -158,8 +159,13 @@ class CostTable:
         return max(y0 + (y1 - y0) * (bs - x0) / (x1 - x0), min(ys))
 
 
-def choose_width(cost: CostTable, expected: torch.Tensor, widths: Sequence[int],
-                 chain: torch.Tensor | None = None, ratio: float = 1.0) -> int:  # fmt: skip
+def choose_width(
+    cost: CostTable,
+    expected: torch.Tensor,
+    widths: Sequence[int],
+    chain: torch.Tensor | None = None,
+    ratio: float = 1.0,
+) -> int:
     """The width (or CHAIN) with the most expected tokens per ms for this batch: expected
     [bs, len(widths)] from `expected_tokens`, chain [bs] from `chain_expected_tokens` (None:
     the chain is not a choice), both host tensors (one round late, so no device wait), scaled by
@@ -174,8 +180,11 @@ def choose_width(cost: CostTable, expected: torch.Tensor, widths: Sequence[int],
     return max(rates)[2]
 
 
-def verify_widths(block_size: int, num_nodes: int, given: Sequence[int] | None = None,
-                  ) -> tuple[int, ...]:  # fmt: skip
+def verify_widths(
+    block_size: int,
+    num_nodes: int,
+    given: Sequence[int] | None = None,
+) -> tuple[int, ...]:
     """The verify widths a server runs, increasing, the largest N = num_nodes: `given` (each in
     [B, N]; N is added), else B, 2B, 4B, ... below N, and N. Widths start at the DFlash block B:
     a B-node DDTree holds at least the chain's expected tokens (the best B-node tree, which the
@@ -190,14 +199,17 @@ def verify_widths(block_size: int, num_nodes: int, given: Sequence[int] | None =
         return tuple(sorted(widths))
     bad = [w for w in given if not B <= w <= N]
     if bad:
-        raise ValueError(f"SGLANG_DDTREE_WIDTHS {list(given)}: every width must be in [B, N] = "
-                         f"[{B}, {N}] (--speculative-dflash-block-size, "
-                         f"--speculative-num-draft-tokens); {bad} are not.")  # fmt: skip
+        raise ValueError(
+            f"SGLANG_DDTREE_WIDTHS {list(given)}: every width must be in [B, N] = "
+            f"[{B}, {N}] (--speculative-dflash-block-size, "
+            f"--speculative-num-draft-tokens); {bad} are not."
+        )
     return tuple(sorted({*given, N}))
 
 
-def automatic_widths(width: str, block_size: int, num_nodes: int,
-                     given: Sequence[int] | None = None) -> tuple[int, ...]:  # fmt: skip
+def automatic_widths(
+    width: str, block_size: int, num_nodes: int, given: Sequence[int] | None = None
+) -> tuple[int, ...]:
     """The verify widths a server chooses among per round: `verify_widths` with
     SGLANG_DDTREE_WIDTH=auto (`width`) and several of them; () where every round runs at N."""
     widths = verify_widths(block_size, num_nodes, given)
@@ -234,14 +246,23 @@ class WidthPolicy:
       `tokens`). Between equal rates the wider width wins.
     Host floats only; the server feeds it readings one round late (integration/widths.py)."""
 
-    def __init__(self, widths: Sequence[int], buckets: Sequence[int] = (), decay: float = 0.8,
-                 explore: int = 3, refresh: int = 32, window: int = 5,
-                 tolerance: float = 0.02, horizon: float = 256.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        widths: Sequence[int],
+        buckets: Sequence[int] = (),
+        decay: float = 0.8,
+        explore: int = 3,
+        refresh: int = 32,
+        window: int = 5,
+        tolerance: float = 0.02,
+        horizon: float = 256.0,
+    ) -> None:
         if not widths or list(widths) != sorted(set(widths)):
             raise ValueError(f"widths must be increasing, got {list(widths)}")
         if min(explore, refresh, window) < 1:
-            raise ValueError(f"explore, refresh and window must be >= 1, got {explore}, "
-                             f"{refresh}, {window}")  # fmt: skip
+            raise ValueError(
+                f"explore, refresh and window must be >= 1, got {explore}, {refresh}, {window}"
+            )
         if not 0 < tolerance <= 1:
             raise ValueError(f"tolerance must be in (0, 1], got {tolerance}")
         if not 0 <= decay < 1:
@@ -352,8 +373,7 @@ class WidthPolicy:
         self.cost[key] = statistics.median(recent)
         self.samples[key] += 1
         b = key[0]  # readings come late, so a width may pass `explore`: at least, once
-        if b not in self.announced and all(self.samples[b, w] >= self.explore
-                                           for w in self.widths):  # fmt: skip
+        if b not in self.announced and all(self.samples[b, w] >= self.explore for w in self.widths):
             self.announced.add(b)
             self.calibrated.append(b)
 
@@ -362,16 +382,23 @@ class WidthPolicy:
         done, self.calibrated = self.calibrated, []
         return done
 
-    def observe_tokens(self, width: int, predicted: Sequence[float], accepted: float,
-                       narrower: dict[int, float] | None = None, requests: int = 1) -> None:  # fmt: skip
+    def observe_tokens(
+        self,
+        width: int,
+        predicted: Sequence[float],
+        accepted: float,
+        narrower: dict[int, float] | None = None,
+        requests: int = 1,
+    ) -> None:
         """One round's readings, each a mean over its `requests`: the predicted tokens at every
         width, the tokens the round accepted (bonus included) at the width it ran, and
         (`narrower`) what it would have accepted at narrower widths."""
         if len(predicted) != len(self.widths):
             raise ValueError(f"need {len(self.widths)} predictions, got {len(predicted)}")
         if any(w >= width or w not in self.widths for w in narrower or {}):
-            raise ValueError(f"narrower widths {sorted(narrower)} must be the policy's, below "
-                             f"{width}")  # fmt: skip
+            raise ValueError(
+                f"narrower widths {sorted(narrower)} must be the policy's, below {width}"
+            )
         if self.predicted is None:
             self.predicted = [float(p) for p in predicted]
         else:
@@ -387,17 +414,29 @@ class WidthPolicy:
         """The measured cost table (ms per round; '-' not measured) and the chosen widths."""
         buckets = sorted({b for b, _ in self.cost})
         head = "bs  " + " ".join(f"{w:>8}" for w in self.widths)
-        rows = [f"{b:<4}" + " ".join(f"{self.cost[b, w]:8.2f}" if (b, w) in self.cost
-                                     else f"{'-':>8}" for w in self.widths)
-                for b in buckets]  # fmt: skip
+        rows = [
+            f"{b:<4}"
+            + " ".join(
+                f"{self.cost[b, w]:8.2f}" if (b, w) in self.cost else f"{'-':>8}"
+                for w in self.widths
+            )
+            for b in buckets
+        ]
         monotone = self.all_tokens()
         tokens = " ".join(f"{w}: {monotone[w]:.2f}" for w in self.widths)
         if any(monotone[w] != self._calibrated(w) for w in self.widths):  # raised: the ratios
-            tokens += " (as calibrated: " + " ".join(
-                f"{w}: {self._calibrated(w):.2f}" for w in self.widths) + ")"  # fmt: skip
+            tokens += (
+                " (as calibrated: "
+                + " ".join(f"{w}: {self._calibrated(w):.2f}" for w in self.widths)
+                + ")"
+            )
         chosen = ", ".join(f"{w} x {n}" for w, n in sorted(self.chosen.items()))
-        lines = [head, *rows, f"tokens per request and round: {tokens}",
-                 f"widths chosen: {chosen or 'none yet'}"]  # fmt: skip
+        lines = [
+            head,
+            *rows,
+            f"tokens per request and round: {tokens}",
+            f"widths chosen: {chosen or 'none yet'}",
+        ]
         if self.eager:
             eager = ", ".join(f"{w} x {n}" for w, n in sorted(self.eager.items()))
             lines.append(f"verified without CUDA graphs: {eager}")

@@ -47,8 +47,9 @@ class PenaltyState:
     after the output so far (`step`) or after every node of a tree (`tree`). Host-driven, for
     the reference engine (the server would keep the same tensors on the device)."""
 
-    def __init__(self, penalties: Penalties, prompt: torch.Tensor, vocab: int,
-                 eos_ids: list[int]) -> None:  # fmt: skip
+    def __init__(
+        self, penalties: Penalties, prompt: torch.Tensor, vocab: int, eos_ids: list[int]
+    ) -> None:
         device = prompt.device
         self.penalties = penalties
         self.counts = torch.zeros(1, vocab, dtype=torch.float32, device=device)
@@ -57,8 +58,10 @@ class PenaltyState:
         self.eos = torch.tensor(eos_ids or [0], dtype=torch.long, device=device)
         self.block_eos = bool(eos_ids) and penalties.min_tokens > 0
         p = penalties
-        self._fpr = [torch.tensor([x], dtype=torch.float32, device=device)
-                     for x in (p.frequency, p.presence, p.repetition)]  # fmt: skip
+        self._fpr = [
+            torch.tensor([x], dtype=torch.float32, device=device)
+            for x in (p.frequency, p.presence, p.repetition)
+        ]
 
     def observe(self, tokens: list[int]) -> None:
         """Tokens just emitted (in order)."""
@@ -72,13 +75,19 @@ class PenaltyState:
         depth = torch.zeros(1, 1, dtype=torch.long, device=logits.device)
         return self._min_tokens(self._shared(logits[None]), depth)[0]
 
-    def tree(self, logits: torch.Tensor, tokens: torch.Tensor, visibility: torch.Tensor,
-             depth: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    def tree(
+        self,
+        logits: torch.Tensor,
+        tokens: torch.Tensor,
+        visibility: torch.Tensor,
+        depth: torch.Tensor,
+    ) -> torch.Tensor:
         """[N, V] logits of every node's next token (one request's tree: tokens [1, N],
         visibility [1, N, N], depth [1, N]; its root is the last emitted token), each with the
         penalties of its own path."""
-        out = penalize_tree(logits[None], tokens, visibility, self.counts, *self._fpr,
-                            seen=self.seen)  # fmt: skip
+        out = penalize_tree(
+            logits[None], tokens, visibility, self.counts, *self._fpr, seen=self.seen
+        )
         return self._min_tokens(out, depth)[0]
 
     def _shared(self, logits: torch.Tensor) -> torch.Tensor:
@@ -93,17 +102,30 @@ class PenaltyState:
         return suppress_eos_before_min_tokens(logits, depth, n, floor, self.eos)
 
 
-def penalize(x: torch.Tensor, count: torch.Tensor, seen: torch.Tensor, frequency: torch.Tensor,
-             presence: torch.Tensor, repetition: torch.Tensor) -> torch.Tensor:  # fmt: skip
+def penalize(
+    x: torch.Tensor,
+    count: torch.Tensor,
+    seen: torch.Tensor,
+    frequency: torch.Tensor,
+    presence: torch.Tensor,
+    repetition: torch.Tensor,
+) -> torch.Tensor:
     """The penalties on logits x given each token's count and seen flag (broadcasting; the
     penalty tensors broadcast against x)."""
     x = x - (frequency * count + presence * (count > 0).to(x.dtype))  # SGLang: one sum, added
     return torch.where(seen, torch.where(x < 0, x * repetition, x / repetition), x)
 
 
-def penalize_tree(logits: torch.Tensor, tokens: torch.Tensor, visibility: torch.Tensor,
-                  counts: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor,
-                  repetition: torch.Tensor, seen: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def penalize_tree(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    visibility: torch.Tensor,
+    counts: torch.Tensor,
+    frequency: torch.Tensor,
+    presence: torch.Tensor,
+    repetition: torch.Tensor,
+    seen: torch.Tensor | None = None,
+) -> torch.Tensor:
     """[bs, N, V] logits of every node's next token with the penalties its own path gives.
 
     logits [bs, N, V] raw; tokens [bs, N] the nodes' tokens (node 0 the root); visibility
@@ -129,8 +151,14 @@ def _on_paths(logits, tokens, visibility, counts, f, p, r):
     same = tokens[:, :, None] == tokens[:, None, :]  # [bs, N, N]
     m = torch.bmm(on_path.to(logits.dtype), same.to(logits.dtype))
     idx = tokens[:, None, :].expand(bs, N, N)
-    path_value = penalize(logits.gather(2, idx), counts.gather(1, tokens)[:, None, :] + m,
-                          torch.ones_like(m, dtype=torch.bool), f, p, r)  # fmt: skip
+    path_value = penalize(
+        logits.gather(2, idx),
+        counts.gather(1, tokens)[:, None, :] + m,
+        torch.ones_like(m, dtype=torch.bool),
+        f,
+        p,
+        r,
+    )
     return m, idx, path_value
 
 
@@ -140,9 +168,16 @@ def _on_paths(logits, tokens, visibility, counts, f, p, r):
 TEMP_BYTES = 256 << 20
 
 
-def penalize_tree_(logits: torch.Tensor, tokens: torch.Tensor, visibility: torch.Tensor,
-                   counts: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor,
-                   repetition: torch.Tensor, temp_bytes: int = TEMP_BYTES) -> torch.Tensor:  # fmt: skip
+def penalize_tree_(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    visibility: torch.Tensor,
+    counts: torch.Tensor,
+    frequency: torch.Tensor,
+    presence: torch.Tensor,
+    repetition: torch.Tensor,
+    temp_bytes: int = TEMP_BYTES,
+) -> torch.Tensor:
     """`penalize_tree` in place on logits (the server's float32 verify logits), the repetition
     penalty over the output tokens (counts > 0): the path tokens' raw values gathered first, the
     shared penalty as broadcast [bs, 1, V] operations, so that a round holds one float and one
@@ -154,8 +189,16 @@ def penalize_tree_(logits: torch.Tensor, tokens: torch.Tensor, visibility: torch
     if bs > step:
         for lo in range(0, bs, step):
             hi = min(lo + step, bs)
-            penalize_tree_(logits[lo:hi], tokens[lo:hi], visibility[lo:hi], counts[lo:hi],
-                           frequency[lo:hi], presence[lo:hi], repetition[lo:hi], temp_bytes)  # fmt: skip
+            penalize_tree_(
+                logits[lo:hi],
+                tokens[lo:hi],
+                visibility[lo:hi],
+                counts[lo:hi],
+                frequency[lo:hi],
+                presence[lo:hi],
+                repetition[lo:hi],
+                temp_bytes,
+            )
         return logits
     counts = counts.to(logits.dtype)
     f, p, r = (t.to(logits.dtype)[:, None, None] for t in (frequency, presence, repetition))
@@ -171,9 +214,13 @@ def penalize_tree_(logits: torch.Tensor, tokens: torch.Tensor, visibility: torch
     return logits
 
 
-def suppress_eos_before_min_tokens(logits: torch.Tensor, depth: torch.Tensor,
-                                   output_len: torch.Tensor, min_tokens: torch.Tensor,
-                                   eos_ids: torch.Tensor) -> torch.Tensor:  # fmt: skip
+def suppress_eos_before_min_tokens(
+    logits: torch.Tensor,
+    depth: torch.Tensor,
+    output_len: torch.Tensor,
+    min_tokens: torch.Tensor,
+    eos_ids: torch.Tensor,
+) -> torch.Tensor:
     """min_tokens per node: a node at depth d follows output_len + d generated tokens (the root
     at depth 0 is the last of output_len), so its next token may be an EOS only once
     output_len + d >= min_tokens. logits [bs, N, V]; depth [bs, N]; output_len, min_tokens [bs];
@@ -185,15 +232,17 @@ def suppress_eos_before_min_tokens(logits: torch.Tensor, depth: torch.Tensor,
     return out.scatter(2, eos, blocked)
 
 
-def requests_at_once(num_nodes: int, vocab: int, bytes_per_value: int,
-                     temp_bytes: int = TEMP_BYTES) -> int:  # fmt: skip
+def requests_at_once(
+    num_nodes: int, vocab: int, bytes_per_value: int, temp_bytes: int = TEMP_BYTES
+) -> int:
     """How many requests' [N, V] temporaries of `bytes_per_value` bytes a value fit in
     `temp_bytes` (at least one: a single request's are taken whatever their size)."""
     return max(1, temp_bytes // max(num_nodes * vocab * bytes_per_value, 1))
 
 
-def min_p_filter_(probs: torch.Tensor, min_ps: torch.Tensor,
-                  temp_bytes: int = TEMP_BYTES) -> torch.Tensor:  # fmt: skip
+def min_p_filter_(
+    probs: torch.Tensor, min_ps: torch.Tensor, temp_bytes: int = TEMP_BYTES
+) -> torch.Tensor:
     """SGLang's min-p in place on every node's target probs [bs, N, V]: a token below min_p x
     its node's largest probability is dropped and the rest renormalised (flashinfer's
     min_p_sampling_from_probs samples the same tokens in the same proportions); requests with
@@ -208,8 +257,9 @@ def min_p_filter_(probs: torch.Tensor, min_ps: torch.Tensor,
     return probs
 
 
-def block_stops_(logits: torch.Tensor, early: torch.Tensor, stops: torch.Tensor,
-                 temp_bytes: int = TEMP_BYTES) -> torch.Tensor:  # fmt: skip
+def block_stops_(
+    logits: torch.Tensor, early: torch.Tensor, stops: torch.Tensor, temp_bytes: int = TEMP_BYTES
+) -> torch.Tensor:
     """min_new_tokens in place: -inf on every stop token of a node that may not stop yet.
     logits [bs, N, V]; early [bs, N] bool (the node's output + depth below the floor); stops
     [bs, V] bool (each request's stop tokens). A few requests at a time: one bool

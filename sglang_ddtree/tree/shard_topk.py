@@ -40,8 +40,9 @@ def shard_topk(logits: torch.Tensor, k: int, offset: int) -> tuple[torch.Tensor,
     )
 
 
-def merge_topk(values: torch.Tensor, ids: torch.Tensor, peaks: torch.Tensor, sums: torch.Tensor,
-               k: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def merge_topk(
+    values: torch.Tensor, ids: torch.Tensor, peaks: torch.Tensor, sums: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The ranks' gathered parts (values, ids [R, ..., k'], peaks, sums [R, ...]) -> the global
     (ids [..., k] int64, log-probs [..., k] float32), largest first, ties to the lower id."""
     peak = peaks.amax(0)

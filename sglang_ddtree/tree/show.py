@@ -48,8 +48,9 @@ def accepted_path(tokens: Sequence[int], parents: Sequence[int], emitted: Sequen
     down the tree: at each depth the child carrying the next emitted token."""
     path = [0]
     for token in emitted[:-1]:
-        child = next((i for i, p in enumerate(parents) if p == path[-1] and tokens[i] == token),
-                     None)  # fmt: skip
+        child = next(
+            (i for i, p in enumerate(parents) if p == path[-1] and tokens[i] == token), None
+        )
         if child is None:
             raise ValueError(f"emitted token {token} is no child of node {path[-1]}")
         path.append(child)
@@ -130,8 +131,13 @@ def _draw_edges(ax, record: dict, pos: dict) -> None:
         if node and parent >= 0:
             hot = node in on_path
             (x0, y0), (x1, y1) = pos[parent], pos[node]
-            ax.plot([x0, x1], [y0, y1], color=ACCEPTED if hot else DRAFTED,
-                    lw=2.2 if hot else 0.8, zorder=1)  # fmt: skip
+            ax.plot(
+                [x0, x1],
+                [y0, y1],
+                color=ACCEPTED if hot else DRAFTED,
+                lw=2.2 if hot else 0.8,
+                zorder=1,
+            )
     (x0, y0), (x1, y1) = pos[record["accepted"][-1]], pos[bonus]
     ax.plot([x0, x1], [y0, y1], color=BONUS, lw=2.2, ls="--", zorder=1)
 
@@ -142,20 +148,45 @@ def _draw_nodes(ax, record: dict, pos: dict, decode: Decode) -> None:
         text = decode(record["tokens"][node])
         label = f"{text!r}" if node == 0 else f"{text!r}\n{record['q'][node]:.2f}"
         face = "#ffd8a8" if node in on_path else "#f1f3f5"
-        ax.text(*pos[node], label, ha="center", va="center", fontsize=7, zorder=2,
-                bbox=dict(boxstyle="round,pad=0.25", fc=face, ec="#495057", lw=0.6))  # fmt: skip
-    ax.text(*pos[len(record["parents"])], f"{decode(record['bonus'])!r}\nbonus", ha="center",
-            va="center", fontsize=7, zorder=2,
-            bbox=dict(boxstyle="round,pad=0.25", fc="#b2f2bb", ec=BONUS, lw=0.8))  # fmt: skip
+        ax.text(
+            *pos[node],
+            label,
+            ha="center",
+            va="center",
+            fontsize=7,
+            zorder=2,
+            bbox=dict(boxstyle="round,pad=0.25", fc=face, ec="#495057", lw=0.6),
+        )
+    ax.text(
+        *pos[len(record["parents"])],
+        f"{decode(record['bonus'])!r}\nbonus",
+        ha="center",
+        va="center",
+        fontsize=7,
+        zorder=2,
+        bbox=dict(boxstyle="round,pad=0.25", fc="#b2f2bb", ec=BONUS, lw=0.8),
+    )
 
 
 def _draw_legend(ax) -> None:
     from matplotlib.lines import Line2D
 
-    handles = [Line2D([], [], color=ACCEPTED, lw=2.2), Line2D([], [], color=DRAFTED, lw=0.8),
-               Line2D([], [], color=BONUS, lw=2.2, ls="--"), Line2D([], [], ls="none")]  # fmt: skip
-    ax.legend(handles, LEGEND, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=2,
-              fontsize=7, frameon=False, handlelength=2.5)  # fmt: skip
+    handles = [
+        Line2D([], [], color=ACCEPTED, lw=2.2),
+        Line2D([], [], color=DRAFTED, lw=0.8),
+        Line2D([], [], color=BONUS, lw=2.2, ls="--"),
+        Line2D([], [], ls="none"),
+    ]
+    ax.legend(
+        handles,
+        LEGEND,
+        loc="upper center",
+        bbox_to_anchor=(0.5, 0.0),
+        ncol=2,
+        fontsize=7,
+        frameon=False,
+        handlelength=2.5,
+    )
 
 
 def draw_round(record: dict, decode: Decode = str, title: str = ""):
@@ -216,9 +247,11 @@ def read_dump(path: str | Path) -> list[dict]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m sglang_ddtree.tree.show",
-                                description="render a server's dumped DDTree rounds",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m sglang_ddtree.tree.show",
+        description="render a server's dumped DDTree rounds",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("dump", help="JSON lines written with SGLANG_DDTREE_DUMP_ROUNDS")
     p.add_argument("--out", required=True, help="folder for the pictures")
     p.add_argument("--tokenizer", help="tokenizer folder to print tokens as text")

@@ -57,14 +57,23 @@ def main() -> int:
     # them in the server's processes from the DDTREE_GDN_* variables
     env = {**ENV, "DDTREE_GDN_VERIFY": args.verify, "DDTREE_GDN_PERTURB": str(args.perturb)}
     if args.verify == "chunk":
-        env.update({"DDTREE_GDN_CHECK": str(args.out / "check"),
-                    "DDTREE_GDN_PRECISION": args.precision,
-                    "DDTREE_GDN_CHECK_SERVE": args.serve,
-                    "DDTREE_GDN_CHECK_SAVE": str(args.save)})  # fmt: skip
-    flags = [*COMMON, *ddtree_args(args.model, draft), *(["--disable-cuda-graph"] * args.eager),
-             *(DETERMINISTIC * args.deterministic)]  # fmt: skip
-    server = harness.Server(f"{args.model}-ddtree_check", str(target), args.port, flags, env,
-                            log_dir=args.out)  # fmt: skip
+        env.update(
+            {
+                "DDTREE_GDN_CHECK": str(args.out / "check"),
+                "DDTREE_GDN_PRECISION": args.precision,
+                "DDTREE_GDN_CHECK_SERVE": args.serve,
+                "DDTREE_GDN_CHECK_SAVE": str(args.save),
+            }
+        )
+    flags = [
+        *COMMON,
+        *ddtree_args(args.model, draft),
+        *(["--disable-cuda-graph"] * args.eager),
+        *(DETERMINISTIC * args.deterministic),
+    ]
+    server = harness.Server(
+        f"{args.model}-ddtree_check", str(target), args.port, flags, env, log_dir=args.out
+    )
     server.start()
     try:
         server.wait_healthy(600)
@@ -77,8 +86,11 @@ def main() -> int:
     if len(passes) > 1:
         (first, base), *rest = passes.items()
         for c, other in rest:
-            moved = [(a["prompt"], harness.first_divergence(a["output_ids"], b["output_ids"]))
-                     for a, b in zip(base, other, strict=True) if a != b]  # fmt: skip
+            moved = [
+                (a["prompt"], harness.first_divergence(a["output_ids"], b["output_ids"]))
+                for a, b in zip(base, other, strict=True)
+                if a != b
+            ]
             print(f"concurrency {c} vs {first}: (prompt, first differing token) {moved}")
     log = server.log_text()
     found = re.findall(r"GDN check: (?:verify|round) \d+ .*differs.*", log)
@@ -102,8 +114,9 @@ def _serve(server, picked, concurrency: int) -> list[dict]:
     """The picked prompts at temperature 0, `concurrency` in flight; rows in prompt order."""
 
     def one(i: int) -> dict:
-        out = harness.generate(server, harness.PROMPTS[i], max_new_tokens=NEW_TOKENS,
-                               temperature=0, ignore_eos=True)  # fmt: skip
+        out = harness.generate(
+            server, harness.PROMPTS[i], max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True
+        )
         return {"prompt": i, "output_ids": out["output_ids"]}
 
     return harness.run_all(one, list(picked), concurrency)

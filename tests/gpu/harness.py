@@ -45,10 +45,15 @@ def beyond_tol_referee(target, prompt_ids, tokens, bf16, tol) -> list[tuple]:
     fp32 = fp32_deficits(target, prompt_ids, tokens)
     gaps = [abs(a - b) for a, b in zip(bf16, fp32, strict=True)]
     return [
-        (pos, round(bf16[pos], 3), round(fp32[pos], 3),
-         round(max(g for i, g in enumerate(gaps) if i != pos), 3))
-        for pos in range(len(tokens)) if bf16[pos] > tol
-    ]  # fmt: skip
+        (
+            pos,
+            round(bf16[pos], 3),
+            round(fp32[pos], 3),
+            round(max(g for i, g in enumerate(gaps) if i != pos), 3),
+        )
+        for pos in range(len(tokens))
+        if bf16[pos] > tol
+    ]
 
 
 def referee_accepts(row: tuple, tie_tol: float) -> bool:

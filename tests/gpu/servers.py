@@ -39,16 +39,29 @@ PAIR_NUM_NODES, PAIR_TOPK = 32, 8
 # neighbours that start at the same time (a few GiB each) cannot make that check fail, and all
 # the servers below fit on one GPU (13 of them used 32 GiB on the H200).
 COMMON = [
-    "--attention-backend", "flashinfer", "--dtype", "bfloat16", "--mem-fraction-static", "0.15",
-    "--max-total-tokens", "65536", "--max-mamba-cache-size", "256",
-    "--max-running-requests", "16", "--cuda-graph-max-bs-decode", "16", "--context-length", "2048",
+    "--attention-backend",
+    "flashinfer",
+    "--dtype",
+    "bfloat16",
+    "--mem-fraction-static",
+    "0.15",
+    "--max-total-tokens",
+    "65536",
+    "--max-mamba-cache-size",
+    "256",
+    "--max-running-requests",
+    "16",
+    "--cuda-graph-max-bs-decode",
+    "16",
+    "--context-length",
+    "2048",
     # SGLang 0.5.17 captures prefill graphs by default (about 70 s of each start-up); the decode
     # rounds the tests compare do not use them
     "--disable-prefill-cuda-graph",
     # JSON grammars without free whitespace between tokens: with it the tiny pairs' greedy
     # output can spend every token on whitespace (the grammar tests need outputs that finish)
     "--constrained-json-disable-any-whitespace",
-]  # fmt: skip
+]
 REPO = Path(__file__).resolve().parents[2]
 DEBUG_TOOLS = Path(__file__).resolve().parent / "server_debug"
 # Every server runs DDTREE's round code under the sync check (test tooling: server_debug's
@@ -78,9 +91,15 @@ def ddtree_args(model: str, draft: Path, nodes: int | None = None) -> list[str]:
     default_nodes, topk = tree_shape(model)
     nodes = nodes or default_nodes
     return [
-        "--speculative-algorithm", "DDTREE", "--speculative-draft-model-path", str(draft),
-        "--speculative-num-draft-tokens", str(nodes), "--speculative-eagle-topk", str(topk),
-    ]  # fmt: skip
+        "--speculative-algorithm",
+        "DDTREE",
+        "--speculative-draft-model-path",
+        str(draft),
+        "--speculative-num-draft-tokens",
+        str(nodes),
+        "--speculative-eagle-topk",
+        str(topk),
+    ]
 
 
 VARIANTS = {
@@ -114,15 +133,28 @@ VARIANT_ENV = {
 MODEL_VARIANTS = {
     "qwen3": ("base", "base_sync", "ddtree", "ddtree_fixed", "ddtree_sync", "dflash"),
     "qwen35": (
-        "base", "base_sync", "ddtree", "ddtree_fixed",
-        "ddtree_sync", "dflash", "ddtree_sglanggdn", "ddtree_sglangplan",
+        "base",
+        "base_sync",
+        "ddtree",
+        "ddtree_fixed",
+        "ddtree_sync",
+        "dflash",
+        "ddtree_sglanggdn",
+        "ddtree_sglangplan",
     ),
     "pair": (
-        "base", "base_sync", "ddtree", "ddtree_fixed",
-        "base_det", "ddtree_det",
-        "dflash_det", "dflash", "ddtree64", "ddtree_sglangplan",
+        "base",
+        "base_sync",
+        "ddtree",
+        "ddtree_fixed",
+        "base_det",
+        "ddtree_det",
+        "dflash_det",
+        "dflash",
+        "ddtree64",
+        "ddtree_sglangplan",
     ),
-}  # fmt: skip
+}
 # Started for scripts/bench_e2e.py --attach, not tested by tests/gpu.
 BENCH_ONLY = {("pair", "dflash"), ("pair", "ddtree64")}
 LAUNCH_GAP_S = 4.0
@@ -240,8 +272,10 @@ def write_server_table(root: Path, servers: dict[str, Server]) -> Path:
     """ROOT/servers.json: each server's model, port, flags and log folder, so that a tool can
     attach to the running set without importing the tests (scripts/bench_e2e.py --attach)."""
     path = Path(root) / "servers.json"
-    table = {n: {"model_path": s.model_path, "port": s.port, "args": s.args,
-                 "log_dir": str(s.log_dir)} for n, s in servers.items()}  # fmt: skip
+    table = {
+        n: {"model_path": s.model_path, "port": s.port, "args": s.args, "log_dir": str(s.log_dir)}
+        for n, s in servers.items()
+    }
     path.write_text(json.dumps(table, indent=1))
     return path
 
@@ -256,8 +290,11 @@ def launch(root: Path) -> None:
     log = open(root / "launcher.log", "a")  # noqa: SIM115 - the launcher's stdout
     subprocess.Popen(
         [sys.executable, "-m", "tests.gpu.servers", "launcher", str(root)],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=os.getcwd(),
-    )  # fmt: skip
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        cwd=os.getcwd(),
+    )
 
 
 def wait(root: Path, timeout: float) -> dict[str, str]:

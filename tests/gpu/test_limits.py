@@ -61,8 +61,11 @@ PROCESSOR = ["--enable-custom-logit-processor"]
 # its max_new_tokens beside the running ones, so without it 16 requests of 384 tokens never
 # outgrow 3072 slots and nothing is retracted (seen on the GPU); at 0.1 it admits on 7% and
 # retracts once they grow
-PRESSURE = {"--max-total-tokens": "3072", "--max-mamba-cache-size": "96",
-            "--schedule-conservativeness": "0.1"}  # fmt: skip
+PRESSURE = {
+    "--max-total-tokens": "3072",
+    "--max-mamba-cache-size": "96",
+    "--schedule-conservativeness": "0.1",
+}
 RETRACT_NEW, RETRACT_REQUESTS = 384, 16
 RETRACTED = "KV cache pool is full. Retract requests."  # SGLang's log line (0.5.17, 0.5.23)
 
@@ -82,12 +85,22 @@ def servers():
     out = Path(os.environ.get("OUT", tempfile.mkdtemp(prefix="ddtree-limits-"))) / "limits_logs"
     out.mkdir(parents=True, exist_ok=True)
     ddtree = ddtree_args("pair", DEMO / "draft")
-    flags = {"ddtree": [*COMMON, *ddtree, *PROCESSOR],
-             "base": [*COMMON, "--disable-overlap-schedule", *PROCESSOR],
-             "pressure": [*_flags(PRESSURE), *ddtree]}  # fmt: skip
-    started = {name: harness.Server(f"limits-{name}", str(DEMO / "target"),
-                                    harness.free_port(36000 + 100 * i), args, ENV, log_dir=out)
-               for i, (name, args) in enumerate(flags.items())}  # fmt: skip
+    flags = {
+        "ddtree": [*COMMON, *ddtree, *PROCESSOR],
+        "base": [*COMMON, "--disable-overlap-schedule", *PROCESSOR],
+        "pressure": [*_flags(PRESSURE), *ddtree],
+    }
+    started = {
+        name: harness.Server(
+            f"limits-{name}",
+            str(DEMO / "target"),
+            harness.free_port(36000 + 100 * i),
+            args,
+            ENV,
+            log_dir=out,
+        )
+        for i, (name, args) in enumerate(flags.items())
+    }
     try:
         for server in started.values():
             server.start_once_more_on_exit("Memory pool end", timeout=600)
@@ -120,8 +133,20 @@ def test_the_fuzz_gets_a_4xx_for_every_malformed_case_and_the_server_serves_on(s
     fuzz = load_script("fuzz_requests")
     server = servers["ddtree"]
     report = fuzz.run(server.url, rounds=2, context=CONTEXT, seed=0)
-    print(json.dumps({k: report[k] for k in ("cases", "ignored_with_200", "good_text_unchanged",
-                                             "probe_unchanged", "alive_after")}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                k: report[k]
+                for k in (
+                    "cases",
+                    "ignored_with_200",
+                    "good_text_unchanged",
+                    "probe_unchanged",
+                    "alive_after",
+                )
+            }
+        )
+    )
     assert report["bad"] == [], report["bad"][:10]
     assert report["alive_after"] and report["probe_unchanged"], report
     _alive(server)
@@ -130,10 +155,15 @@ def test_the_fuzz_gets_a_4xx_for_every_malformed_case_and_the_server_serves_on(s
 def _processor_request(tokens_to_ban: list[int]) -> dict:
     from sglang.srt.sampling.custom_logit_processor import DisallowedTokensLogitsProcessor
 
-    return {"text": harness.PROMPTS[0], "custom_logit_processor":
-            DisallowedTokensLogitsProcessor.to_str(), "sampling_params": {
-                "max_new_tokens": 32, "temperature": 0,
-                "custom_params": {"token_ids": tokens_to_ban}}}  # fmt: skip
+    return {
+        "text": harness.PROMPTS[0],
+        "custom_logit_processor": DisallowedTokensLogitsProcessor.to_str(),
+        "sampling_params": {
+            "max_new_tokens": 32,
+            "temperature": 0,
+            "custom_params": {"token_ids": tokens_to_ban},
+        },
+    }
 
 
 def test_a_custom_logit_processor_is_refused_by_name_and_the_plain_server_applies_it(servers):
@@ -147,9 +177,13 @@ def test_a_custom_logit_processor_is_refused_by_name_and_the_plain_server_applie
     status, out = harness.post(base.url + "/generate", _processor_request(banned))
     assert status == 200 and not set(out["output_ids"]) & set(banned), out
     body = _processor_request(banned)
-    chat = {"model": "x", "messages": [{"role": "user", "content": harness.PROMPTS[0]}],
-            "max_tokens": 8, "custom_logit_processor": body["custom_logit_processor"],
-            "custom_params": {"token_ids": banned}}  # fmt: skip
+    chat = {
+        "model": "x",
+        "messages": [{"role": "user", "content": harness.PROMPTS[0]}],
+        "max_tokens": 8,
+        "custom_logit_processor": body["custom_logit_processor"],
+        "custom_params": {"token_ids": banned},
+    }
     for path, payload in (("/generate", body), ("/v1/chat/completions", chat)):
         for stream in (False, True):
             raw = json.dumps({**payload, "stream": stream}).encode()
@@ -163,15 +197,31 @@ def _retraction_requests(base) -> list[tuple[list[int], dict]]:
     """RETRACT_REQUESTS greedy requests of RETRACT_NEW tokens (EOS ignored): the suite's prompts,
     every other one with penalties (frequency + presence, repetition), whose counts must survive a
     retraction."""
-    settings = [{}, {"frequency_penalty": 0.6, "presence_penalty": 0.4},
-                {}, {"repetition_penalty": 1.3}]  # fmt: skip
-    return [(base.tokenize(harness.PROMPTS[i]), settings[i % len(settings)])
-            for i in range(RETRACT_REQUESTS)]  # fmt: skip
+    settings = [
+        {},
+        {"frequency_penalty": 0.6, "presence_penalty": 0.4},
+        {},
+        {"repetition_penalty": 1.3},
+    ]
+    return [
+        (base.tokenize(harness.PROMPTS[i]), settings[i % len(settings)])
+        for i in range(RETRACT_REQUESTS)
+    ]
 
 
 def _greedy(server, ids: list[int], setting: dict, new: int) -> list[int]:
-    status, out = harness.post(server.url + "/generate", {"input_ids": ids, "sampling_params": {
-        "max_new_tokens": new, "temperature": 0, "ignore_eos": True, **setting}})  # fmt: skip
+    status, out = harness.post(
+        server.url + "/generate",
+        {
+            "input_ids": ids,
+            "sampling_params": {
+                "max_new_tokens": new,
+                "temperature": 0,
+                "ignore_eos": True,
+                **setting,
+            },
+        },
+    )
     assert status == 200, out
     return out["output_ids"]
 
@@ -187,8 +237,9 @@ def test_retracted_requests_keep_their_state_and_penalty_counts(servers, target)
     base, pressure = servers["base"], servers["pressure"]
     requests = _retraction_requests(base)
     start = pressure.log_path.stat().st_size
-    served = harness.run_all(lambda r: _greedy(pressure, r[0], r[1], RETRACT_NEW), requests,
-                             len(requests))  # fmt: skip
+    served = harness.run_all(
+        lambda r: _greedy(pressure, r[0], r[1], RETRACT_NEW), requests, len(requests)
+    )
     log = pressure.log_path.read_text(errors="replace")[start:]
     retractions = log.count(RETRACTED)
     print(f"retractions logged: {retractions}")
@@ -209,17 +260,21 @@ def _assert_targets_greedy(base, target, requests, served, control) -> None:
     for (ids, setting), tokens, ctrl in zip(requests, served, control, strict=True):
         if setting:
             worst = max(worst, max(_penalised_deficits(target, ids, tokens, setting, stops)))
-            plain_worst = max(plain_worst,
-                              max(_penalised_deficits(target, ids, ctrl, setting, stops)))  # fmt: skip
+            plain_worst = max(
+                plain_worst, max(_penalised_deficits(target, ids, ctrl, setting, stops))
+            )
             continue
         tol = max(TIE_TOL, max(_token_deficits(base, ids, ctrl)))
-        rows = harness.beyond_tol_referee(target, ids, tokens, _token_deficits(base, ids, tokens),
-                                          tol)  # fmt: skip
+        rows = harness.beyond_tol_referee(
+            target, ids, tokens, _token_deficits(base, ids, tokens), tol
+        )
         beyond += rows
         verdicts += [harness.referee_verdict(row, TIE_TOL, bound=2 * tol) for row in rows]
     tol = max(TIE_TOL, 2 * plain_worst)
-    print(f"penalised: worst float32 deficit {worst:.3f} (control {plain_worst:.3f}, tolerance "
-          f"{tol:.3f}); greedy beyond tolerance {beyond}, referee {verdicts}")  # fmt: skip
+    print(
+        f"penalised: worst float32 deficit {worst:.3f} (control {plain_worst:.3f}, tolerance "
+        f"{tol:.3f}); greedy beyond tolerance {beyond}, referee {verdicts}"
+    )
     assert worst <= tol
     assert None not in verdicts and verdicts.count("unresolved") <= 1, beyond
 
@@ -265,16 +320,23 @@ def test_evicted_and_rehit_prefixes_with_hybrid_state_stay_the_targets_greedy(se
     assert rehit[1] > len(prefixes[-1]) // 2, rehit[1]
     requests = [(ids, {}) for ids in prefixes] + [(last, {})]
     served = [tokens for tokens, _ in again] + [rehit[0]]
-    control = [_greedy(base, ids, {}, len(tokens))
-               for (ids, _), tokens in zip(requests, served, strict=True)]  # fmt: skip
+    control = [
+        _greedy(base, ids, {}, len(tokens))
+        for (ids, _), tokens in zip(requests, served, strict=True)
+    ]
     _assert_targets_greedy(base, target, requests, served, control)
     _alive(pressure)
 
 
 def _served(server, ids: list[int], new: int) -> tuple[list[int], int]:
     """(greedy tokens, cached prompt tokens) of one request."""
-    status, out = harness.post(server.url + "/generate", {"input_ids": ids, "sampling_params": {
-        "max_new_tokens": new, "temperature": 0, "ignore_eos": True}})  # fmt: skip
+    status, out = harness.post(
+        server.url + "/generate",
+        {
+            "input_ids": ids,
+            "sampling_params": {"max_new_tokens": new, "temperature": 0, "ignore_eos": True},
+        },
+    )
     assert status == 200, out
     return out["output_ids"], int(out["meta_info"].get("cached_tokens", 0))
 

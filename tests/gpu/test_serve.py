@@ -153,8 +153,11 @@ def _next_token_logprobs(base, input_ids: list[int], start: int, top: int = 1) -
 
 def _deficits(base, tokens_per_prompt: list[list[int]], prompts=harness.PROMPTS) -> list[float]:
     """Per generated token: how far below the target's own best log-prob it is (0 = argmax)."""
-    return [d for prompt, tokens in zip(prompts, tokens_per_prompt, strict=True)
-            for d in _token_deficits(base, base.tokenize(prompt), tokens)]  # fmt: skip
+    return [
+        d
+        for prompt, tokens in zip(prompts, tokens_per_prompt, strict=True)
+        for d in _token_deficits(base, base.tokenize(prompt), tokens)
+    ]
 
 
 def _token_deficits(base, prompt_ids: list[int], tokens: list[int]) -> list[float]:
@@ -314,8 +317,9 @@ def test_deterministic_mode_is_token_identical(servers):
         pytest.skip("the pair's servers are tested by another process (DDTREE_GPU_MODELS)")
     base = _up(servers, "pair-base_det")
     named = [("plain", base)]
-    named += [(v, _up(servers, f"pair-{v}")) for v in DET_DDTREE + DET_KNOWN
-              if f"pair-{v}" in servers]  # fmt: skip
+    named += [
+        (v, _up(servers, f"pair-{v}")) for v in DET_DDTREE + DET_KNOWN if f"pair-{v}" in servers
+    ]
     if "pair-dflash_det" in servers:
         named.append(("dflash", _up(servers, "pair-dflash_det")))
     runs = {}
@@ -342,8 +346,11 @@ def test_deterministic_mode_is_token_identical(servers):
                 deficits.append(_deficits(base, [tokens], [harness.PROMPTS[i]])[at])
         print(f"{variant}: deficit at its first divergence from plain: {deficits}")
         if runs[variant, 8] != runs[variant, 1]:
-            moved = [i for i, (a, b) in enumerate(zip(runs[variant, 8], runs[variant, 1],
-                                                       strict=True)) if a != b]  # fmt: skip
+            moved = [
+                i
+                for i, (a, b) in enumerate(zip(runs[variant, 8], runs[variant, 1], strict=True))
+                if a != b
+            ]
             found.append(f"{variant} is not batch-invariant (prompts {moved})")
         if not all(d <= TIE_TOL for d in deficits):
             found.append(f"{variant} left plain's greedy at a non-tie: {deficits}")
@@ -351,8 +358,9 @@ def test_deterministic_mode_is_token_identical(servers):
     assert not failures, failures
 
 
-@pytest.mark.parametrize("model,variant",
-                         [(m, v) for m in MODELS for v in ("ddtree_fixed", "dflash")])  # fmt: skip
+@pytest.mark.parametrize(
+    "model,variant", [(m, v) for m in MODELS for v in ("ddtree_fixed", "dflash")]
+)
 def test_chat_goes_through_the_same_decode(servers, model, variant):
     """/v1/chat/completions on DDTREE equals /generate on the chat-templated prompt (one request
     at a time from a flushed cache, so batching and prefix reuse cannot change numerics). On a
@@ -390,8 +398,9 @@ def test_acceptance_is_reported(servers, model):
 SAMPLE_POSITIONS, SAMPLES, SAMPLE_TOP_K = 3, 1500, 8
 
 
-def _samples(server, n: int, seeded: bool = True, draw: int = 0,
-             extra: dict | None = None) -> list[list[int]]:  # fmt: skip
+def _samples(
+    server, n: int, seeded: bool = True, draw: int = 0, extra: dict | None = None
+) -> list[list[int]]:
     """n samples of SAMPLE_POSITIONS tokens at T=1, top-k 8 (and the sampling options `extra`).
     `seeded`: request i carries sampling_seed=draw*n+i (SGLang then draws the verify coins from
     a hash of seed and position); otherwise the coins come from torch's RNG. Draws are
@@ -480,13 +489,15 @@ def test_sampling_with_min_p_and_penalties_matches(servers, model, case):
     each node's distribution the request's given its own path (the same confirmation rule)."""
     extra, seeded = SAMPLING_OPTIONS[case]
     base, spec = _up(servers, f"{model}-base_sync"), _up(servers, f"{model}-ddtree")
-    first = _chi2_p_values(_samples(base, SAMPLES, seeded, 0, extra),
-                           _samples(spec, SAMPLES, seeded, 0, extra))  # fmt: skip
+    first = _chi2_p_values(
+        _samples(base, SAMPLES, seeded, 0, extra), _samples(spec, SAMPLES, seeded, 0, extra)
+    )
     print(f"{model} {case}: p per position {first}")
     rejected = [pos for pos, p in enumerate(first) if p <= 1e-3]
     if rejected:
-        again = _chi2_p_values(_samples(base, SAMPLES, seeded, 1, extra),
-                               _samples(spec, SAMPLES, seeded, 1, extra))  # fmt: skip
+        again = _chi2_p_values(
+            _samples(base, SAMPLES, seeded, 1, extra), _samples(spec, SAMPLES, seeded, 1, extra)
+        )
         assert all(again[pos] > CONFIRM_ALPHA for pos in rejected), (first, again)
 
 
@@ -554,8 +565,10 @@ def test_sampled_requests_keep_a_deterministic_server_serving(servers):
         "min_p": {"temperature": 0.8, "min_p": 0.1},
     }
     for name, sampling in cases.items():
-        status, body = harness.post(server.url + "/generate", {
-            "text": harness.PROMPTS[0], "sampling_params": {"max_new_tokens": 16, **sampling}})  # fmt: skip
+        status, body = harness.post(
+            server.url + "/generate",
+            {"text": harness.PROMPTS[0], "sampling_params": {"max_new_tokens": 16, **sampling}},
+        )
         assert status == 200 or 400 <= status < 500, f"{name}: HTTP {status} {body}"
         if name == "min_p":
             assert 400 <= status < 500 and "min_p" in str(body), body
@@ -580,8 +593,10 @@ def test_bad_requests_get_4xx_and_server_stays_up(servers, model):
         assert 400 <= status < 500, f"{name}: HTTP {status} {body}"
     # a token id outside the vocabulary (SGLang does not check it: a crash without DDTREE's own
     # check)
-    status, body = harness.post(server.url + "/generate",
-                                {"input_ids": [1, 2, 10**9], "sampling_params": {"max_new_tokens": 4}})  # fmt: skip
+    status, body = harness.post(
+        server.url + "/generate",
+        {"input_ids": [1, 2, 10**9], "sampling_params": {"max_new_tokens": 4}},
+    )
     assert 400 <= status < 500, f"token id 10**9: HTTP {status} {body}"
     ok = harness.generate(server, "hello", max_new_tokens=8, temperature=0)
     assert len(ok["output_ids"]) >= 1
@@ -622,10 +637,16 @@ def _engaged(verify: str = "chunk", width: str = "auto", plan: bool = True) -> t
     in deterministic mode; tree conv1d, compact scratch), of the verify width (auto, but in
     deterministic mode) and of the verify's FlashInfer plan from host lengths with the mask
     packed from the tree (the default), and of the accepted path's kernels."""
-    line = (f"GDN path: ddtree (verify: {verify}; commit: replay; tree conv1d: ddtree; "
-            "scratch: compact)")  # fmt: skip
-    uses = [CHUNK if verify == "chunk" else PATHS, COMMIT, *([HOSTPLAN, MASKPACK] if plan else []),
-            *ACCEPT]  # fmt: skip
+    line = (
+        f"GDN path: ddtree (verify: {verify}; commit: replay; tree conv1d: ddtree; "
+        "scratch: compact)"
+    )
+    uses = [
+        CHUNK if verify == "chunk" else PATHS,
+        COMMIT,
+        *([HOSTPLAN, MASKPACK] if plan else []),
+        *ACCEPT,
+    ]
     return (line, WIDTH[width], *uses, CONV, *COMPACT)
 
 
@@ -641,7 +662,7 @@ ENGAGED = {
         HOSTPLAN,
         MASKPACK,
         *ACCEPT,
-    ),  # fmt: skip
+    ),
     "ddtree_sglangplan": _engaged(plan=False),
 }
 # what must not be in a log: the other verify kernel, hooks that are off
@@ -656,9 +677,14 @@ NOT_ENGAGED = {
 
 @pytest.mark.parametrize(  # qwen3 has no GDN layers, so no GDN hook ever runs there
     "model,variant",
-    [(m, v) for m in MODELS if m != "qwen3" for v in MODEL_VARIANTS[m]
-     if v in ENGAGED and (m, v) not in BENCH_ONLY],
-)  # fmt: skip
+    [
+        (m, v)
+        for m in MODELS
+        if m != "qwen3"
+        for v in MODEL_VARIANTS[m]
+        if v in ENGAGED and (m, v) not in BENCH_ONLY
+    ],
+)
 def test_the_variants_switches_engaged(servers, model, variant):
     import dataclasses
     from unittest import mock
@@ -715,7 +741,7 @@ GRAMMARS = {
                 },
                 "required": ["name", "count"],
             }
-        ),  # fmt: skip
+        ),
         lambda text: set(json.loads(text)) == {"name", "count"}
         and json.loads(text)["count"] in (1, 2, 3),
     ),
@@ -757,12 +783,16 @@ def test_constrained_output_is_plains_and_parses(servers, fp32_pair, model, kind
         at = harness.first_divergence(got["output_ids"], want["output_ids"])
         if at is not None:
             ids = tok(prompt)["input_ids"]
-            gap = abs(harness.fp32_deficit(target, ids, got["output_ids"], at)
-                      - harness.fp32_deficit(target, ids, want["output_ids"], at))  # fmt: skip
+            gap = abs(
+                harness.fp32_deficit(target, ids, got["output_ids"], at)
+                - harness.fp32_deficit(target, ids, want["output_ids"], at)
+            )
             parted.append((prompt, at, round(gap, 3)))
     assert all(gap <= TIE_TOL for _p, _i, gap in parted), parted
-    samples = [_constrained(server, harness.PROMPTS[i % 6], kind, temperature=1.0)["text"]
-               for i in range(8)]  # fmt: skip
+    samples = [
+        _constrained(server, harness.PROMPTS[i % 6], kind, temperature=1.0)["text"]
+        for i in range(8)
+    ]
     assert all(ok(text) for text in samples), (kind, samples)
     print(f"{model} {kind}: parted {parted}")
 
@@ -775,8 +805,9 @@ def test_a_grammar_that_rejects_the_drafts_still_makes_progress(servers, model):
     OpenAI chat route too (response_format json_schema)."""
     server = _up(servers, f"{model}-ddtree")
     _flush(server)
-    out = harness.generate(server, harness.PROMPTS[0], max_new_tokens=40, temperature=0,
-                           regex="[0-9]{40}")  # fmt: skip
+    out = harness.generate(
+        server, harness.PROMPTS[0], max_new_tokens=40, temperature=0, regex="[0-9]{40}"
+    )
     assert re.fullmatch("[0-9]{40}", out["text"]), out["text"]
     # the first token comes from the prefill, then at least one per round; the binary drafts
     # (their two tokens are never digits) are all rejected: exactly one per round
@@ -785,11 +816,19 @@ def test_a_grammar_that_rejects_the_drafts_still_makes_progress(servers, model):
         assert 1 <= rounds <= tokens - 1, out["meta_info"]
     else:
         assert rounds == tokens - 1, out["meta_info"]
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
-              "additionalProperties": False}  # fmt: skip
-    chat = harness.chat(server, harness.PROMPTS[1], max_tokens=GRAMMAR_TOKENS, temperature=0,
-                        response_format={"type": "json_schema",
-                                         "json_schema": {"name": "flag", "schema": schema}})  # fmt: skip
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    chat = harness.chat(
+        server,
+        harness.PROMPTS[1],
+        max_tokens=GRAMMAR_TOKENS,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "flag", "schema": schema}},
+    )
     assert set(json.loads(chat["choices"][0]["message"]["content"])) == {"ok"}, chat
 
 
@@ -833,8 +872,14 @@ def _penalised_deficits(target, prompt_ids, tokens, setting, stops) -> list[floa
     counts = torch.zeros(rows.shape[-1])
     out = []
     for i, token in enumerate(tokens):
-        x = penalize(rows[i], counts, counts > 0, setting.get("frequency_penalty", 0.0),
-                     setting.get("presence_penalty", 0.0), setting.get("repetition_penalty", 1.0))  # fmt: skip
+        x = penalize(
+            rows[i],
+            counts,
+            counts > 0,
+            setting.get("frequency_penalty", 0.0),
+            setting.get("presence_penalty", 0.0),
+            setting.get("repetition_penalty", 1.0),
+        )
         for token_id, bias in setting.get("logit_bias", {}).items():
             x[int(token_id)] += bias
         if i < setting.get("min_new_tokens", 0):
@@ -861,8 +906,13 @@ def test_penalties_are_exact_inside_the_tree(servers, fp32_pair, model, case):
         prompt_ids = base.tokenize(prompt)
         for name, s in (("ddtree", server), ("plain", base)):
             _flush(s)
-            status, out = harness.post(s.url + "/generate", {"text": prompt, "sampling_params": {
-                "max_new_tokens": 48, "temperature": 0, **setting}})  # fmt: skip
+            status, out = harness.post(
+                s.url + "/generate",
+                {
+                    "text": prompt,
+                    "sampling_params": {"max_new_tokens": 48, "temperature": 0, **setting},
+                },
+            )
             assert status == 200, out
             tokens = out["output_ids"]
             if case == "min_new_tokens" and len(tokens) < setting["min_new_tokens"]:
@@ -870,8 +920,10 @@ def test_penalties_are_exact_inside_the_tree(servers, fp32_pair, model, case):
             deficits = _penalised_deficits(target, prompt_ids, tokens, setting, stops)
             worst[name] = max(worst[name], max(deficits))
     tol = max(TIE_TOL, 2 * worst["plain"])  # the control's own noise, never below TIE_TOL
-    print(f"{model} {case}: worst float32 deficit ddtree {worst['ddtree']:.3f}, plain "
-          f"{worst['plain']:.3f} (tolerance {tol:.3f})")  # fmt: skip
+    print(
+        f"{model} {case}: worst float32 deficit ddtree {worst['ddtree']:.3f}, plain "
+        f"{worst['plain']:.3f} (tolerance {tol:.3f})"
+    )
     assert worst["ddtree"] <= tol, worst
 
 
@@ -888,9 +940,12 @@ def test_logprobs_are_the_plain_servers(servers, model):
     server, base = _up(servers, f"{model}-ddtree"), _up(servers, f"{model}-base")
     agreed, control, pairs = 0, 0.0, []
     for prompt in harness.PROMPTS[:6]:
-        payload = {"text": prompt, "return_logprob": True, "top_logprobs_num": 5,
-                   "sampling_params": {"max_new_tokens": 32, "temperature": 0,
-                                       "ignore_eos": True}}  # fmt: skip
+        payload = {
+            "text": prompt,
+            "return_logprob": True,
+            "top_logprobs_num": 5,
+            "sampling_params": {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True},
+        }
         outs = []
         for s in (server, base):
             _flush(s)
@@ -905,8 +960,13 @@ def test_logprobs_are_the_plain_servers(servers, model):
         prompt_ids = base.tokenize(prompt)
         forced = _next_token_logprobs(base, prompt_ids + want["output_ids"], len(prompt_ids))
         forced_lp = [x[0] for x in forced["input_token_logprobs"][1:]]
-        control = max(control, max(abs(a[0] - b) for a, b in
-                                   zip(w_meta["output_token_logprobs"], forced_lp, strict=True)))  # fmt: skip
+        control = max(
+            control,
+            max(
+                abs(a[0] - b)
+                for a, b in zip(w_meta["output_token_logprobs"], forced_lp, strict=True)
+            ),
+        )
         at = harness.first_divergence(ids, want["output_ids"])
         at = len(ids) if at is None else at
         w_top = w_meta["output_top_logprobs"]
@@ -941,10 +1001,21 @@ def test_logprobs_are_the_plain_servers(servers, model):
             meta_b = out["meta_info"]
             assert len(meta_b["output_token_logprobs"]) == len(out["output_ids"]), (i, meta_b)
             for j, token in enumerate(out["output_ids"]):
-                _assert_greedy_logprob(token, meta_b["output_token_logprobs"][j],
-                                       meta_b["output_top_logprobs"][j], (i, j))  # fmt: skip
-    chat = harness.chat(server, harness.PROMPTS[0], max_tokens=16, temperature=0, logprobs=True,
-                        top_logprobs=3, ignore_eos=True)  # fmt: skip
+                _assert_greedy_logprob(
+                    token,
+                    meta_b["output_token_logprobs"][j],
+                    meta_b["output_top_logprobs"][j],
+                    (i, j),
+                )
+    chat = harness.chat(
+        server,
+        harness.PROMPTS[0],
+        max_tokens=16,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        ignore_eos=True,
+    )
     content = chat["choices"][0]["logprobs"]["content"]
     assert len(content) == chat["usage"]["completion_tokens"] == 16, content
     # top_logprobs are keyed by token text: two tokens of one text count once; greedy: the
@@ -952,8 +1023,10 @@ def test_logprobs_are_the_plain_servers(servers, model):
     for c in content:
         assert 1 <= len(c["top_logprobs"]) <= 3, c
         assert abs(max(t["logprob"] for t in c["top_logprobs"]) - c["logprob"]) < 1e-5, c
-    print(f"{model}: logprobs on {agreed} agreeing tokens, worst gap "
-          f"{abs(worst[2] - worst[3]):.3f} (tolerance {tol:.3f})")  # fmt: skip
+    print(
+        f"{model}: logprobs on {agreed} agreeing tokens, worst gap "
+        f"{abs(worst[2] - worst[3]):.3f} (tolerance {tol:.3f})"
+    )
 
 
 def _stream(url: str, payload: dict) -> list[dict]:
@@ -961,8 +1034,11 @@ def _stream(url: str, payload: dict) -> list[dict]:
     import json
     import urllib.request
 
-    req = urllib.request.Request(url, data=json.dumps({**payload, "stream": True}).encode(),
-                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    req = urllib.request.Request(
+        url,
+        data=json.dumps({**payload, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     chunks = []
     with urllib.request.urlopen(req, timeout=600) as r:
         for raw in r:
@@ -983,9 +1059,15 @@ def test_prompt_completion_and_streamed_logprobs_are_served(servers, model):
         got = []
         for s in (server, base):
             _flush(s)
-            status, out = harness.post(s.url + "/generate", {
-                "text": prompt, "return_logprob": True, "logprob_start_len": 0,
-                "sampling_params": {"max_new_tokens": 4, "temperature": 0}})  # fmt: skip
+            status, out = harness.post(
+                s.url + "/generate",
+                {
+                    "text": prompt,
+                    "return_logprob": True,
+                    "logprob_start_len": 0,
+                    "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+                },
+            )
             assert status == 200, out
             got.append([x[0] for x in out["meta_info"]["input_token_logprobs"][1:]])
         assert len(got[0]) == len(got[1]) > 0
@@ -996,9 +1078,15 @@ def test_prompt_completion_and_streamed_logprobs_are_served(servers, model):
     asked = []
     for s in (server, base):
         _flush(s)
-        status, out = harness.post(s.url + "/generate", {
-            "text": harness.PROMPTS[0], "return_logprob": True, "token_ids_logprob": [5, 17],
-            "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}})  # fmt: skip
+        status, out = harness.post(
+            s.url + "/generate",
+            {
+                "text": harness.PROMPTS[0],
+                "return_logprob": True,
+                "token_ids_logprob": [5, 17],
+                "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True},
+            },
+        )
         assert status == 200, out
         asked.append((out["output_ids"], out["meta_info"]["output_token_ids_logprobs"]))
         prompt_tokens = out["meta_info"]["prompt_tokens"]
@@ -1012,39 +1100,73 @@ def test_prompt_completion_and_streamed_logprobs_are_served(servers, model):
     assert len(prompt_ids) == prompt_tokens, (len(prompt_ids), prompt_tokens)  # aligned
     assert agree >= 1, (ids, plain_ids)
     _flush(base)
-    status, forced = harness.post(base.url + "/generate", {
-        "input_ids": prompt_ids + plain_ids, "return_logprob": True, "token_ids_logprob": [5, 17],
-        "logprob_start_len": len(prompt_ids) - 1,
-        "sampling_params": {"max_new_tokens": 1, "temperature": 0}})  # fmt: skip
+    status, forced = harness.post(
+        base.url + "/generate",
+        {
+            "input_ids": prompt_ids + plain_ids,
+            "return_logprob": True,
+            "token_ids_logprob": [5, 17],
+            "logprob_start_len": len(prompt_ids) - 1,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+        },
+    )
     assert status == 200, forced
     # entry k + 1: the asked tokens in the distribution that chose plain's k-th token (entry 0
     # is the prompt's last position, as for input_token_logprobs)
     teacher = forced["meta_info"]["input_token_ids_logprobs"][1 : len(plain_ids) + 1]
-    control = max(abs(a[0] - b[0]) for d, f in zip(plain_per_token, teacher, strict=True)
-                  for a, b in zip(d, f, strict=True))  # fmt: skip
+    control = max(
+        abs(a[0] - b[0])
+        for d, f in zip(plain_per_token, teacher, strict=True)
+        for a, b in zip(d, f, strict=True)
+    )
     assert control <= CONTROL_MAX, (
         f"plain's decode and prefill token_ids logprobs differ by {control}"
     )
     tol = max(TIE_TOL, 2 * control)
-    gaps = [abs(a[0] - b[0]) for mine, theirs in zip(per_token[:agree], plain_per_token[:agree],
-                                                     strict=True)
-            for a, b in zip(mine, theirs, strict=True)]  # fmt: skip
-    print(f"{model} token_ids_logprob: worst gap {max(gaps, default=0):.3f} over {agree} tokens, "
-          f"plain's decode against its prefill {control:.3f}")  # fmt: skip
+    gaps = [
+        abs(a[0] - b[0])
+        for mine, theirs in zip(per_token[:agree], plain_per_token[:agree], strict=True)
+        for a, b in zip(mine, theirs, strict=True)
+    ]
+    print(
+        f"{model} token_ids_logprob: worst gap {max(gaps, default=0):.3f} over {agree} tokens, "
+        f"plain's decode against its prefill {control:.3f}"
+    )
     assert max(gaps, default=0) <= tol, (gaps, tol, per_token[:agree], plain_per_token[:agree])
-    status, out = harness.post(server.url + "/v1/completions", {
-        "model": "x", "prompt": harness.PROMPTS[1], "max_tokens": 12, "temperature": 0,
-        "logprobs": 3, "ignore_eos": True})  # fmt: skip
+    status, out = harness.post(
+        server.url + "/v1/completions",
+        {
+            "model": "x",
+            "prompt": harness.PROMPTS[1],
+            "max_tokens": 12,
+            "temperature": 0,
+            "logprobs": 3,
+            "ignore_eos": True,
+        },
+    )
     assert status == 200, out
     lp = out["choices"][0]["logprobs"]
     assert len(lp["token_logprobs"]) == out["usage"]["completion_tokens"] == 12, lp
     assert all(1 <= len(top) <= 3 for top in lp["top_logprobs"]), lp
-    chunks = _stream(server.url + "/v1/chat/completions", {
-        "model": "x", "messages": [{"role": "user", "content": harness.PROMPTS[2]}],
-        "max_tokens": 16, "temperature": 0, "logprobs": True, "top_logprobs": 2,
-        "ignore_eos": True, "stream_options": {"include_usage": True}})  # fmt: skip
-    entries = [c for ch in chunks for choice in ch.get("choices", [])
-               for c in ((choice.get("logprobs") or {}).get("content") or [])]  # fmt: skip
+    chunks = _stream(
+        server.url + "/v1/chat/completions",
+        {
+            "model": "x",
+            "messages": [{"role": "user", "content": harness.PROMPTS[2]}],
+            "max_tokens": 16,
+            "temperature": 0,
+            "logprobs": True,
+            "top_logprobs": 2,
+            "ignore_eos": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
+    entries = [
+        c
+        for ch in chunks
+        for choice in ch.get("choices", [])
+        for c in ((choice.get("logprobs") or {}).get("content") or [])
+    ]
     usage = next(ch["usage"] for ch in reversed(chunks) if ch.get("usage"))
     assert len(entries) == usage["completion_tokens"] == 16, (len(entries), usage)
     for c in entries:
@@ -1112,8 +1234,10 @@ def test_sglang_and_reference_engine_agree_round_for_round(servers, fp32_pair, m
             if out["meta_info"]["spec_verify_ct"] == ref.rounds:
                 rounds_equal += 1
             elif model != "pair":
-                pytest.fail(f"{prompt!r}: SGLang {out['meta_info']['spec_verify_ct']} rounds, "
-                            f"reference {ref.rounds} ({ref.accept_lengths})")  # fmt: skip
+                pytest.fail(
+                    f"{prompt!r}: SGLang {out['meta_info']['spec_verify_ct']} rounds, "
+                    f"reference {ref.rounds} ({ref.accept_lengths})"
+                )
             continue
         fp32 = harness.fp32_deficit(target, ids, tokens, at)
         shared = None
@@ -1123,9 +1247,11 @@ def test_sglang_and_reference_engine_agree_round_for_round(servers, fp32_pair, m
                 harness.generate(dflash, prompt, **kw)["output_ids"][: at + 1] == tokens[: at + 1]
             )
         parted.append((prompt, at, round(fp32, 3), shared))
-    print(f"{model}: identical on {same}/{len(prompts)} prompts, rounds equal on "
-          f"{rounds_equal}; parted (prompt, index, float32 deficit of SGLang's token, DFLASH "
-          f"made the same choice): {parted}")  # fmt: skip
+    print(
+        f"{model}: identical on {same}/{len(prompts)} prompts, rounds equal on "
+        f"{rounds_equal}; parted (prompt, index, float32 deficit of SGLang's token, DFLASH "
+        f"made the same choice): {parted}"
+    )
     assert all(d <= TIE_TOL or shared for _p, _i, d, shared in parted), parted
 
 
@@ -1166,13 +1292,17 @@ def test_a_prefix_hit_on_states_left_by_tree_rounds_is_the_targets_greedy(
     _flush(spec)
     prompt = base.tokenize(harness.PROMPTS[0])
     assert len(prompt) < TRACK_INTERVAL
-    first = harness.generate(spec, harness.PROMPTS[0], max_new_tokens=TRACK_INTERVAL + 64,
-                             temperature=0, ignore_eos=True)  # fmt: skip
+    first = harness.generate(
+        spec, harness.PROMPTS[0], max_new_tokens=TRACK_INTERVAL + 64, temperature=0, ignore_eos=True
+    )
     prefix = prompt + first["output_ids"]
-    status, out = harness.post(spec.url + "/generate", {
-        "input_ids": prefix,
-        "sampling_params": {"max_new_tokens": 48, "temperature": 0, "ignore_eos": True},
-    })  # fmt: skip
+    status, out = harness.post(
+        spec.url + "/generate",
+        {
+            "input_ids": prefix,
+            "sampling_params": {"max_new_tokens": 48, "temperature": 0, "ignore_eos": True},
+        },
+    )
     assert status == 200, out
     cached = out["meta_info"].get("cached_tokens", 0)
     print(f"{model}: prompt {len(prompt)}, prefix {len(prefix)}, cached {cached}")
@@ -1182,8 +1312,10 @@ def test_a_prefix_hit_on_states_left_by_tree_rounds_is_the_targets_greedy(
     _, plain_deficits = plain_greedy(model)
     tol = max(TIE_TOL, max(plain_deficits))
     print(f"{model}: max deficit {max(deficits):.3f} over {len(tokens)} tokens, tol {tol:.3f}")
-    beyond = [(0, *r) for r in harness.beyond_tol_referee(fp32_pair(model)[0], prefix, tokens,
-                                                          deficits, tol)]  # fmt: skip
+    beyond = [
+        (0, *r)
+        for r in harness.beyond_tol_referee(fp32_pair(model)[0], prefix, tokens, deficits, tol)
+    ]
     verdicts = [harness.referee_verdict(row, TIE_TOL, bound=2 * tol) for row in beyond]
     assert None not in verdicts, beyond
     assert verdicts.count("unresolved") <= 1, beyond
@@ -1201,17 +1333,28 @@ def test_prompts_at_the_context_limit_are_the_targets_greedy(servers, fp32_pair,
 
     def greedy(server):
         def one(ids):
-            status, out = harness.post(server.url + "/generate", {
-                "input_ids": ids, "sampling_params": {"max_new_tokens": LONG_NEW,
-                                                      "temperature": 0, "ignore_eos": True}})  # fmt: skip
+            status, out = harness.post(
+                server.url + "/generate",
+                {
+                    "input_ids": ids,
+                    "sampling_params": {
+                        "max_new_tokens": LONG_NEW,
+                        "temperature": 0,
+                        "ignore_eos": True,
+                    },
+                },
+            )
             assert status == 200, out
             return out["output_ids"]
 
         return harness.run_all(one, prompts, len(prompts))
 
     def deficits(tokens_per_prompt):
-        return [d for ids, tokens in zip(prompts, tokens_per_prompt, strict=True)
-                for d in _token_deficits(base, ids, tokens)]  # fmt: skip
+        return [
+            d
+            for ids, tokens in zip(prompts, tokens_per_prompt, strict=True)
+            for d in _token_deficits(base, ids, tokens)
+        ]
 
     plain, spec = greedy(base), greedy(spec_server)
     assert all(len(t) == LONG_NEW for t in spec)
@@ -1226,9 +1369,11 @@ def test_prompts_at_the_context_limit_are_the_targets_greedy(servers, fp32_pair,
     beyond = _beyond_tol_refereed(base, fp32_pair(model)[0], spec, found, tol, prompts)
     verdicts = [harness.referee_verdict(row, TIE_TOL, bound=2 * tol) for row in beyond]
     same = sum(a == b for a, b in zip(spec, plain, strict=True))
-    print(f"{model} long prompts ({len(prompts[0])} tokens): identical to plain {same}/"
-          f"{len(spec)}; max deficit {max(found):.3f}, plain's {control:.3f}; "
-          f"beyond tol {beyond}, referee {verdicts}")  # fmt: skip
+    print(
+        f"{model} long prompts ({len(prompts[0])} tokens): identical to plain {same}/"
+        f"{len(spec)}; max deficit {max(found):.3f}, plain's {control:.3f}; "
+        f"beyond tol {beyond}, referee {verdicts}"
+    )
     assert None not in verdicts and verdicts.count("unresolved") <= 1, beyond
 
 
@@ -1242,9 +1387,14 @@ def test_a_configuration_that_does_not_fit_is_refused_before_any_graph(tmp_path)
     args = list(COMMON)
     args[args.index("--max-mamba-cache-size") + 1] = "1000000"
     args[args.index("--mem-fraction-static") + 1] = "0.05"
-    server = harness.Server("pair-oversized", str(DEMO / "target"), harness.free_port(34500),
-                            [*args, *ddtree_args("pair", DEMO / "draft")], ENV,
-                            log_dir=tmp_path)  # fmt: skip
+    server = harness.Server(
+        "pair-oversized",
+        str(DEMO / "target"),
+        harness.free_port(34500),
+        [*args, *ddtree_args("pair", DEMO / "draft")],
+        ENV,
+        log_dir=tmp_path,
+    )
     server.start()
     try:
         server.proc.wait(timeout=600)
@@ -1253,8 +1403,9 @@ def test_a_configuration_that_does_not_fit_is_refused_before_any_graph(tmp_path)
     import re
 
     log = server.log_text()
-    refusal = next((line for line in log.splitlines() if "DDTREE: not enough GPU memory" in line),
-                   None)  # fmt: skip
+    refusal = next(
+        (line for line in log.splitlines() if "DDTREE: not enough GPU memory" in line), None
+    )
     assert refusal is not None, log[-3000:]
     for flag in ("--max-mamba-cache-size", "--mem-fraction-static", "--max-running-requests"):
         assert flag in refusal, refusal
@@ -1277,11 +1428,14 @@ def test_the_openai_sdk_gets_logprobs_penalties_and_json_schemas(servers, model)
     test_penalties_are_exact_inside_the_tree's and the chi-square's."""
     openai = pytest.importorskip("openai")
     server, base = _up(servers, f"{model}-ddtree"), _up(servers, f"{model}-base")
-    clients = [openai.OpenAI(base_url=s.url + "/v1", api_key="none", timeout=600, max_retries=0)
-               for s in (server, base)]  # fmt: skip
+    clients = [
+        openai.OpenAI(base_url=s.url + "/v1", api_key="none", timeout=600, max_retries=0)
+        for s in (server, base)
+    ]
     msg = [{"role": "user", "content": harness.PROMPTS[0]}]
-    greedy = dict(model="default", messages=msg, temperature=0, max_tokens=24,
-                  extra_body={"ignore_eos": True})  # fmt: skip
+    greedy = dict(
+        model="default", messages=msg, temperature=0, max_tokens=24, extra_body={"ignore_eos": True}
+    )
     entries = []
     for s, client in zip((server, base), clients, strict=True):
         _flush(s)
@@ -1301,20 +1455,31 @@ def test_the_openai_sdk_gets_logprobs_penalties_and_json_schemas(servers, model)
     client = clients[0]
     out = client.chat.completions.create(**greedy, frequency_penalty=0.5, presence_penalty=0.3)
     assert out.usage.completion_tokens == 24 and out.choices[0].message.content, out
-    out = client.chat.completions.create(model="default", messages=msg, temperature=0.8,
-                                         seed=7, max_tokens=16,
-                                         extra_body={"min_p": 0.05, "repetition_penalty": 1.2})  # fmt: skip
+    out = client.chat.completions.create(
+        model="default",
+        messages=msg,
+        temperature=0.8,
+        seed=7,
+        max_tokens=16,
+        extra_body={"min_p": 0.05, "repetition_penalty": 1.2},
+    )
     assert out.usage.completion_tokens >= 1, out
     schema, fits = GRAMMARS["json_schema"]
     out = client.chat.completions.create(
-        model="default", messages=msg, temperature=0, max_tokens=GRAMMAR_TOKENS,
-        response_format={"type": "json_schema",
-                         "json_schema": {"name": "item", "schema": json.loads(schema)}},
-    )  # fmt: skip
+        model="default",
+        messages=msg,
+        temperature=0,
+        max_tokens=GRAMMAR_TOKENS,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "item", "schema": json.loads(schema)},
+        },
+    )
     assert fits(out.choices[0].message.content), out.choices[0].message.content
     streamed, tokens = 0, 0
-    for chunk in client.chat.completions.create(**greedy, logprobs=True, top_logprobs=2,
-                                                stream=True):  # fmt: skip
+    for chunk in client.chat.completions.create(
+        **greedy, logprobs=True, top_logprobs=2, stream=True
+    ):
         if chunk.choices and chunk.choices[0].logprobs is not None:
             streamed += len(chunk.choices[0].logprobs.content or [])
         if chunk.usage is not None:
@@ -1349,11 +1514,19 @@ def test_an_image_request_is_the_targets_greedy_up_to_a_near_tie(servers, model)
     tol = max(TIE_TOL, 2 * CONTROL_MAX)
     agreed = []
     for i, prompt in enumerate(harness.PROMPTS[:4]):
-        content = [{"type": "image_url", "image_url": {"url": _image_data_url(i)}},
-                   {"type": "text", "text": prompt}]  # fmt: skip
-        body = {"model": "x", "messages": [{"role": "user", "content": content}],
-                "max_tokens": 32, "temperature": 0, "ignore_eos": True, "logprobs": True,
-                "top_logprobs": 5}  # fmt: skip
+        content = [
+            {"type": "image_url", "image_url": {"url": _image_data_url(i)}},
+            {"type": "text", "text": prompt},
+        ]
+        body = {
+            "model": "x",
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": 32,
+            "temperature": 0,
+            "ignore_eos": True,
+            "logprobs": True,
+            "top_logprobs": 5,
+        }
         answers = []
         for s in (server, base):
             _flush(s)
@@ -1362,8 +1535,14 @@ def test_an_image_request_is_the_targets_greedy_up_to_a_near_tie(servers, model)
             assert out["usage"]["completion_tokens"] == 32, (s.name, out["usage"])
             answers.append(out["choices"][0]["logprobs"]["content"])
         ours, plain = answers
-        k = next((j for j, (a, b) in enumerate(zip(ours, plain, strict=True))
-                  if a["token"] != b["token"]), len(ours))  # fmt: skip
+        k = next(
+            (
+                j
+                for j, (a, b) in enumerate(zip(ours, plain, strict=True))
+                if a["token"] != b["token"]
+            ),
+            len(ours),
+        )
         agreed.append(k)
         if k < len(ours):  # a divergence must be a near-tie of the target's own
             alternatives = {t["token"]: t["logprob"] for t in plain[k]["top_logprobs"]}

@@ -39,8 +39,7 @@ def selected(request):
         pytest.skip("the soak runs only when asked for: -m soak")
 
 
-def test_a_mixed_soak_and_fuzzed_bad_requests_leave_ddtree_and_dflash_serving(selected,
-                                                                              tmp_path):  # fmt: skip
+def test_a_mixed_soak_and_fuzzed_bad_requests_leave_ddtree_and_dflash_serving(selected, tmp_path):
     """The soak on DDTREE and DFLASH (default options each), then the fuzz on each of them and on
     a deterministic DDTREE server, where the good requests' greedy text must not change (on the
     others bf16 near-ties may flip with the batch, so their text is reported). DDTREE must answer
@@ -50,15 +49,25 @@ def test_a_mixed_soak_and_fuzzed_bad_requests_leave_ddtree_and_dflash_serving(se
 
     soak, fuzz = load_script("soak"), load_script("fuzz_requests")
     ddtree = ddtree_args("pair", DEMO / "draft")
-    flags = {"ddtree": ddtree, "dflash": dflash_args(DEMO / "draft"),
-             "ddtree_det": [*ddtree, *DETERMINISTIC]}  # fmt: skip
+    flags = {
+        "ddtree": ddtree,
+        "dflash": dflash_args(DEMO / "draft"),
+        "ddtree_det": [*ddtree, *DETERMINISTIC],
+    }
     out = Path(os.environ.get("OUT", str(tmp_path)))
     logs = out / "soak_logs"  # beside the report, so that they come back with it
     logs.mkdir(parents=True, exist_ok=True)
-    servers = {name: harness.Server(f"soak-{name}", str(DEMO / "target"),
-                                    harness.free_port(35000 + 100 * i), [*COMMON, *extra], ENV,
-                                    log_dir=logs)
-               for i, (name, extra) in enumerate(flags.items())}  # fmt: skip
+    servers = {
+        name: harness.Server(
+            f"soak-{name}",
+            str(DEMO / "target"),
+            harness.free_port(35000 + 100 * i),
+            [*COMMON, *extra],
+            ENV,
+            log_dir=logs,
+        )
+        for i, (name, extra) in enumerate(flags.items())
+    }
     reqs = soak.request_mix(REQUESTS, CONTEXT, seed=0)
     # SGLang 0.5.17's DFLASH does not serve logprobs: it refuses them with a 400, except in a
     # streamed chat, where it fails with a 500 ("Internal server error:
@@ -77,15 +86,23 @@ def test_a_mixed_soak_and_fuzzed_bad_requests_leave_ddtree_and_dflash_serving(se
         # measured would pay the compiles for the others
         warm = soak.request_mix(64, CONTEXT, seed=1)
         report["warm_up"] = {
-            n: soak.soak(s.url, soak.without(warm, "logprobs") if n in mixes else warm, 120,
-                         CONCURRENCY)["completed"]
+            n: soak.soak(
+                s.url, soak.without(warm, "logprobs") if n in mixes else warm, 120, CONCURRENCY
+            )["completed"]
             for n, s in servers.items()
-        }  # fmt: skip
+        }
         for name, server in servers.items():
             url, row = server.url, {}
             if name != "ddtree_det":
-                row = soak.checked_soak(url, mixes.get(name, reqs), SOAK_S, CONCURRENCY,
-                                        server.log_path, starts[name], loads_required=True)  # fmt: skip
+                row = soak.checked_soak(
+                    url,
+                    mixes.get(name, reqs),
+                    SOAK_S,
+                    CONCURRENCY,
+                    server.log_path,
+                    starts[name],
+                    loads_required=True,
+                )
             else:  # its warm-up's window
                 row["warm_up_log_problems"] = soak.log_problems(server.log_path, starts[name])
             start = server.log_path.stat().st_size
@@ -93,8 +110,23 @@ def test_a_mixed_soak_and_fuzzed_bad_requests_leave_ddtree_and_dflash_serving(se
             row["fuzz_log_problems"] = soak.log_problems(server.log_path, start)
             report[name] = row
             print(name, json.dumps({k: v for k, v in row.items() if k != "fuzz"}))
-            print(name, "fuzz", json.dumps({k: row["fuzz"][k] for k in ("cases", "bad",
-                  "ignored_with_200", "good_text_unchanged", "alive_after", "ok")}))  # fmt: skip
+            print(
+                name,
+                "fuzz",
+                json.dumps(
+                    {
+                        k: row["fuzz"][k]
+                        for k in (
+                            "cases",
+                            "bad",
+                            "ignored_with_200",
+                            "good_text_unchanged",
+                            "alive_after",
+                            "ok",
+                        )
+                    }
+                ),
+            )
     finally:
         for server in servers.values():
             server.stop()
@@ -107,8 +139,10 @@ def test_a_mixed_soak_and_fuzzed_bad_requests_leave_ddtree_and_dflash_serving(se
             checks = r["checks"]
             assert r["failed"] == 0, (name, r["errors"])
             assert r["completed"] >= 100 and r["cancelled"] > 0, (name, r)
-            assert checks["probe_unchanged"] and checks["healthy"] and checks["kv_idle"], (name,
-                                                                                          checks)  # fmt: skip
+            assert checks["probe_unchanged"] and checks["healthy"] and checks["kv_idle"], (
+                name,
+                checks,
+            )
             assert r["log_problems"] == [], (name, r["log_problems"])
         assert r.get("warm_up_log_problems", []) == [], (name, r["warm_up_log_problems"])
         if name.startswith("ddtree"):  # DFLASH's fuzz is SGLang's own, reported above
@@ -139,21 +173,38 @@ def test_a_long_soak_holds_host_rss_and_gpu_memory_flat(selected, tmp_path):
     out = Path(os.environ.get("OUT", str(tmp_path)))
     logs = out / "long_soak_logs"
     logs.mkdir(parents=True, exist_ok=True)
-    server = harness.Server("long-soak-ddtree", str(DEMO / "target"), harness.free_port(35500),
-                            [*COMMON, *ddtree_args("pair", DEMO / "draft")], ENV, log_dir=logs)  # fmt: skip
+    server = harness.Server(
+        "long-soak-ddtree",
+        str(DEMO / "target"),
+        harness.free_port(35500),
+        [*COMMON, *ddtree_args("pair", DEMO / "draft")],
+        ENV,
+        log_dir=logs,
+    )
     report = {}
     try:
         server.start_once_more_on_exit("Memory pool end", timeout=600)
         server.wait_healthy(timeout=600)
-        report["warm_up"] = soak.soak(server.url, soak.request_mix(64, CONTEXT, seed=1), 120,
-                                      CONCURRENCY)["completed"]  # fmt: skip
+        report["warm_up"] = soak.soak(
+            server.url, soak.request_mix(64, CONTEXT, seed=1), 120, CONCURRENCY
+        )["completed"]
         start = server.log_path.stat().st_size
         reqs = soak.request_mix(40_000, CONTEXT, seed=2)  # more than 20 minutes' worth
         with soak.MemorySampler(os.getpgid(server.proc.pid), LONG_SAMPLE_S) as sampler:
-            row = soak.checked_soak(server.url, reqs, LONG_MINUTES * 60, CONCURRENCY,
-                                    server.log_path, start, loads_required=True)  # fmt: skip
-        report.update(soak=row, slopes=soak.memory_slopes(sampler.samples, LONG_WARM_UP_S),
-                      samples=sampler.samples)  # fmt: skip
+            row = soak.checked_soak(
+                server.url,
+                reqs,
+                LONG_MINUTES * 60,
+                CONCURRENCY,
+                server.log_path,
+                start,
+                loads_required=True,
+            )
+        report.update(
+            soak=row,
+            slopes=soak.memory_slopes(sampler.samples, LONG_WARM_UP_S),
+            samples=sampler.samples,
+        )
     finally:
         server.stop()
         (out / "long_soak.json").write_text(json.dumps(report, indent=1))

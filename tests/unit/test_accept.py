@@ -193,8 +193,9 @@ def test_sampling_respects_support():
         out = sample_target_tokens(logits, temperature, top_p, top_k, g)
         for b in range(bs):
             for n in range(N):
-                row = plain_filtered(logits[b, n].tolist(), temperature[b].item(),
-                                     top_p[b].item(), int(top_k[b]))  # fmt: skip
+                row = plain_filtered(
+                    logits[b, n].tolist(), temperature[b].item(), top_p[b].item(), int(top_k[b])
+                )
                 assert row[out[b, n]] > 0
 
 
@@ -209,9 +210,12 @@ def test_sampling_distribution(t, top_p, top_k):
     logits = row.expand(trials // 4, 4, V)
     bs = logits.shape[0]
     out = sample_target_tokens(
-        logits, _fill(bs, t, torch.float32), _fill(bs, top_p, torch.float32),
-        _fill(bs, top_k, torch.int64), g,
-    )  # fmt: skip
+        logits,
+        _fill(bs, t, torch.float32),
+        _fill(bs, top_p, torch.float32),
+        _fill(bs, top_k, torch.int64),
+        g,
+    )
     counts = np.bincount(out.flatten().numpy(), minlength=V)
     assert chi_square_pvalue(counts, probs) > 1e-3  # alpha = 1e-3, fixed seed
 
@@ -342,8 +346,13 @@ def test_markov_setup_has_deep_acceptance():
     ids, lps = topk_logprobs_from_logits(draft_logits.expand(2000, L, V), K)
     tree = build_tree(torch.full((2000,), START), ids, lps, BUDGET)
     g = torch.Generator().manual_seed(0)
-    targets = sample_target_tokens(table[tree.tokens], torch.ones(2000), torch.ones(2000),
-                                   torch.zeros(2000, dtype=torch.int64), g)  # fmt: skip
+    targets = sample_target_tokens(
+        table[tree.tokens],
+        torch.ones(2000),
+        torch.ones(2000),
+        torch.zeros(2000, dtype=torch.int64),
+        g,
+    )
     accepted = accept_walk(tree, targets, L).num_accepted
     assert (accepted >= 1).float().mean() > 0.3 and (accepted >= 2).any()
 
@@ -383,8 +392,11 @@ def test_walk_and_sampling_cuda_sync_free():
     ref = accept_walk_reference(tree, targets, 15)
     cuda_tree, cuda_targets = DraftTree(*(t.cuda() for t in tree)), targets.cuda()
     logits = torch.randn(8, 129, 1000, device="cuda")
-    knobs = (torch.rand(8, device="cuda"), torch.rand(8, device="cuda"),
-             torch.randint(0, 50, (8,), device="cuda"))  # fmt: skip
+    knobs = (
+        torch.rand(8, device="cuda"),
+        torch.rand(8, device="cuda"),
+        torch.randint(0, 50, (8,), device="cuda"),
+    )
     with no_host_sync():
         result = accept_walk(cuda_tree, cuda_targets, 15)
         sampled = sample_target_tokens(logits, *knobs)

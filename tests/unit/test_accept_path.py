@@ -41,8 +41,14 @@ def _round(bs: int, N: int, S: int, seed: int, device="cpu"):
     predict = torch.randint(0, 1000, (bs * N,), generator=gen, dtype=torch.int32)
     hidden = torch.randn(bs * N, 6, generator=gen, dtype=torch.float32)
     put = {"device": device}
-    return (accept_index.to(**put), accept_lens.to(**put), seq_lens.to(**put),
-            slots.to(**put), predict.to(**put), hidden.to(**put))  # fmt: skip
+    return (
+        accept_index.to(**put),
+        accept_lens.to(**put),
+        seq_lens.to(**put),
+        slots.to(**put),
+        predict.to(**put),
+        hidden.to(**put),
+    )
 
 
 def _batch(seq_lens, slots, bs, N, track: bool, ddtree=True):
@@ -124,8 +130,21 @@ def test_other_batches_get_sglangs_function(monkeypatch):
 
     seq = torch.tensor([3, 4])
     eagle = _batch(seq, torch.arange(1, 9), 2, 4, track=False, ddtree=False)
-    assert finalize_hook(_runtime(), lambda *a, **kw: "sglang", eagle, None, None, None, None, 2,
-                         token_to_kv_pool_allocator=None, num_draft_tokens=4) == "sglang"  # fmt: skip
+    assert (
+        finalize_hook(
+            _runtime(),
+            lambda *a, **kw: "sglang",
+            eagle,
+            None,
+            None,
+            None,
+            None,
+            2,
+            token_to_kv_pool_allocator=None,
+            num_draft_tokens=4,
+        )
+        == "sglang"
+    )
 
 
 def test_the_hook_target_has_the_parameters_the_hook_assumes():
@@ -135,8 +154,16 @@ def test_the_hook_target_has_the_parameters_the_hook_assumes():
     from sglang_ddtree.integration import accept_path, compat, hooks
 
     finalize = list(inspect.signature(common._finalize_accept_tree_path).parameters)
-    assert finalize == ["batch", "accept_index", "accept_lens", "predict", "logits_output", "bs",
-                        "token_to_kv_pool_allocator", "num_draft_tokens"]  # fmt: skip
+    assert finalize == [
+        "batch",
+        "accept_index",
+        "accept_lens",
+        "predict",
+        "logits_output",
+        "bs",
+        "token_to_kv_pool_allocator",
+        "num_draft_tokens",
+    ]
     assert hooks.HOOKS[compat.FINALIZE_TREE_PATH] is accept_path.finalize_hook
     # run_eagle_verify calls it by its module-level name (the hook replaces that)
     assert "_finalize_accept_tree_path(" in inspect.getsource(common.run_eagle_verify)

@@ -21,8 +21,10 @@ LONG_FUNCTIONS = {
 
 
 def _modules() -> list[tuple[str, ast.Module]]:
-    return [(str(p.relative_to(PACKAGE)), ast.parse(p.read_text())) for p in
-            sorted(PACKAGE.rglob("*.py"))]  # fmt: skip
+    return [
+        (str(p.relative_to(PACKAGE)), ast.parse(p.read_text()))
+        for p in sorted(PACKAGE.rglob("*.py"))
+    ]
 
 
 def _imports(tree: ast.Module) -> set[str]:
@@ -69,8 +71,23 @@ def test_no_module_rebinds_a_global():
     assert rebound == set(REBOUND_GLOBALS), rebound
 
 
-MUTATORS = {"append", "add", "update", "extend", "insert", "pop", "popitem", "clear", "remove",
-            "discard", "setdefault", "__setitem__", "__delitem__", "sort", "reverse"}  # fmt: skip
+MUTATORS = {
+    "append",
+    "add",
+    "update",
+    "extend",
+    "insert",
+    "pop",
+    "popitem",
+    "clear",
+    "remove",
+    "discard",
+    "setdefault",
+    "__setitem__",
+    "__delitem__",
+    "sort",
+    "reverse",
+}
 MUTABLE_CALLS = {"list", "dict", "set", "defaultdict", "deque", "OrderedDict", "Counter"}
 
 
@@ -117,8 +134,15 @@ def _scope(body: list[ast.stmt]) -> list[ast.AST]:
 def _bound_here(func: ast.AST, nodes: list[ast.AST]) -> set[str]:
     """The names a function binds itself (its parameters and assignment targets)."""
     args = func.args
-    names = {a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs,
-                             *filter(None, (args.vararg, args.kwarg))]}  # fmt: skip
+    names = {
+        a.arg
+        for a in [
+            *args.posonlyargs,
+            *args.args,
+            *args.kwonlyargs,
+            *filter(None, (args.vararg, args.kwarg)),
+        ]
+    }
     for n in nodes:
         if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
             names.add(n.id)
@@ -135,8 +159,11 @@ def _changed_in(nodes: list[ast.AST]) -> set[str]:
         elif isinstance(n, ast.AugAssign):
             target = n.target.value if isinstance(n.target, ast.Subscript) else n.target
             found.add(_holder(target))
-        elif (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
-              and n.func.attr in MUTATORS):  # fmt: skip
+        elif (
+            isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Attribute)
+            and n.func.attr in MUTATORS
+        ):
             found.add(_holder(n.func.value))
     return found - {None}
 
@@ -157,8 +184,12 @@ def module_level_mutable_holders(sources: dict[str, str]) -> list[tuple[str, str
     source text) changes in place."""
     trees = {name: ast.parse(text) for name, text in sources.items()}
     changed = set().union(*(_mutated(tree) for tree in trees.values()))
-    return sorted((name, held) for name, tree in trees.items()
-                  for held in _module_holders(tree) if held in changed)  # fmt: skip
+    return sorted(
+        (name, held)
+        for name, tree in trees.items()
+        for held in _module_holders(tree)
+        if held in changed
+    )
 
 
 def test_no_module_keeps_mutable_state():
@@ -172,14 +203,16 @@ def test_the_mutable_state_check_sees_the_holders_it_names():
     """The check above on the shapes that used to hide state: a one-element list written by
     index, a list rebuilt by slice, a set filled by a method, a dict changed from another
     module; constant tables and a function's own containers pass."""
-    held = module_level_mutable_holders({
-        "a.py": "_table: list = [None]\ndef activate(t):\n    _table[0] = t\n",
-        "b.py": "_memo = [None, None]\ndef f(o):\n    _memo[:] = [o, 1]\n",
-        "c.py": "_used: set[str] = set()\ndef use(w):\n    _used.add(w)\n",
-        "d.py": "CACHE = {}\n",
-        "e.py": "import d\ndef put(k):\n    d.CACHE[k] = 1\n",
-        "f.py": "HOOKS = {'x': 1}\nNAMES = ('a',)\ndef g():\n    HOOKS = {}\n    HOOKS['y'] = 2\n",
-    })  # fmt: skip
+    held = module_level_mutable_holders(
+        {
+            "a.py": "_table: list = [None]\ndef activate(t):\n    _table[0] = t\n",
+            "b.py": "_memo = [None, None]\ndef f(o):\n    _memo[:] = [o, 1]\n",
+            "c.py": "_used: set[str] = set()\ndef use(w):\n    _used.add(w)\n",
+            "d.py": "CACHE = {}\n",
+            "e.py": "import d\ndef put(k):\n    d.CACHE[k] = 1\n",
+            "f.py": "HOOKS = {'x': 1}\nNAMES = ('a',)\ndef g():\n    HOOKS = {}\n    HOOKS['y'] = 2\n",
+        }
+    )
     assert held == [("a.py", "_table"), ("b.py", "_memo"), ("c.py", "_used"), ("d.py", "CACHE")]
 
 
@@ -223,8 +256,12 @@ def test_no_two_modules_import_each_other():
 
 
 def test_no_product_code_imports_test_code():
-    offenders = [(name, m) for name, tree in _modules() for m in _imports(tree)
-                 if m == "tests" or m.startswith("tests.")]  # fmt: skip
+    offenders = [
+        (name, m)
+        for name, tree in _modules()
+        for m in _imports(tree)
+        if m == "tests" or m.startswith("tests.")
+    ]
     assert offenders == []
     assert not (PACKAGE / "testing").exists()  # test helpers live in tests/
 
@@ -262,8 +299,11 @@ def test_sglang_private_names_are_used_only_in_compat():
                 used = [node.attr]
             elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sglang"):
                 used = [alias.name for alias in node.names]
-            found += [(name, node.lineno, u) for u in used
-                      if u.startswith("_") and not u.startswith("__") and u not in own]  # fmt: skip
+            found += [
+                (name, node.lineno, u)
+                for u in used
+                if u.startswith("_") and not u.startswith("__") and u not in own
+            ]
     assert found == []
 
 
@@ -282,9 +322,12 @@ def _sglang_source(module: str) -> ast.Module | None:
 
 def _imported_names(tree: ast.Module) -> dict[str, str]:
     """name -> the sglang module it is imported from (`from sglang.x import Name`)."""
-    return {alias.asname or alias.name: node.module for node in ast.walk(tree)
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sglang")
-            for alias in node.names}  # fmt: skip
+    return {
+        alias.asname or alias.name: node.module
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sglang")
+        for alias in node.names
+    }
 
 
 def _self_private_assignments(cls: ast.ClassDef) -> set[str]:
@@ -295,9 +338,13 @@ def _self_private_assignments(cls: ast.ClassDef) -> set[str]:
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             for t in targets:
                 for sub in ast.walk(t):
-                    if (isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name)
-                            and sub.value.id == "self" and sub.attr.startswith("_")
-                            and not sub.attr.startswith("__")):  # fmt: skip
+                    if (
+                        isinstance(sub, ast.Attribute)
+                        and isinstance(sub.value, ast.Name)
+                        and sub.value.id == "self"
+                        and sub.attr.startswith("_")
+                        and not sub.attr.startswith("__")
+                    ):
                         names.add(sub.attr)
     return names
 
@@ -338,8 +385,10 @@ def test_no_class_assigns_sglangs_inherited_private_attributes_outside_compat():
                 if isinstance(base, ast.Name) and base.id in imported:
                     inherited |= _sglang_private_attributes(imported[base.id], base.id)
                     checked += 1
-            found += [(name, cls.name, attr)
-                      for attr in sorted(_self_private_assignments(cls) & inherited)]  # fmt: skip
+            found += [
+                (name, cls.name, attr)
+                for attr in sorted(_self_private_assignments(cls) & inherited)
+            ]
     assert checked >= 3  # DDTreeWorker, DDTreeVerifyInput, DDTreeSpec
     assert found == []
 
@@ -370,8 +419,9 @@ def test_files_and_functions_stay_short():
 def test_scripts_and_tests_name_no_workplace_transfer_tooling():
     """They work on any GPU host: no path into a workplace's shared tooling, its bundle folder or
     its per-call transfer limits."""
-    patterns = re.compile("|".join([r"\.\./" + "shared", r"\." + "gpu/", "MiB " + "per call",
-                                    r"\b(16|64) " + "MiB"]))  # fmt: skip
+    patterns = re.compile(
+        "|".join([r"\.\./" + "shared", r"\." + "gpu/", "MiB " + "per call", r"\b(16|64) " + "MiB"])
+    )
     found = []
     for folder in ("scripts", "tests"):
         for path in sorted((REPO / folder).rglob("*")):
@@ -392,7 +442,11 @@ def test_scripts_share_one_harness_and_import_no_tests():
         name = path.relative_to(REPO)
         found += [f"{name} imports {m}" for m in _imports(tree) if m.split(".")[0] == "tests"]
         for node in ast.walk(tree):
-            if (isinstance(node, ast.Attribute) and node.attr == "path"
-                    and isinstance(node.value, ast.Name) and node.value.id == "sys"):  # fmt: skip
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr == "path"
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "sys"
+            ):
                 found.append(f"{name}:{node.lineno} uses sys.path")
     assert found == []

@@ -118,8 +118,11 @@ def test_bench_round_measures_the_round_as_the_slope_over_counted_rounds(monkeyp
         out = []
         for _ in range(bs):
             rounds = 0 if tokens == 1 else max(1, round(tokens / rng.uniform(2.0, 6.0)))
-            meta = {"completion_tokens": tokens, "spec_verify_ct": rounds,
-                    "spec_accept_length": tokens / max(rounds, 1)}  # fmt: skip
+            meta = {
+                "completion_tokens": tokens,
+                "spec_verify_ct": rounds,
+                "spec_accept_length": tokens / max(rounds, 1),
+            }
             latency = 0.9 if tokens == 1 else 0.150 + 0.022 * rounds + rng.uniform(0, 2e-4)
             out.append({"latency": latency, "meta": meta})
         return out
@@ -143,8 +146,12 @@ def test_bench_round_serving_warms_each_concurrency_before_measuring(tmp_path, m
 
     def run_bench(argv):
         calls.append(argv)
-        return {"output_throughput": 100.0 * len(calls), "median_tpot_ms": 5.0,
-                "median_ttft_ms": 90.0, "accept_length": 3.5}  # fmt: skip
+        return {
+            "output_throughput": 100.0 * len(calls),
+            "median_tpot_ms": 5.0,
+            "median_ttft_ms": 90.0,
+            "accept_length": 3.5,
+        }
 
     monkeypatch.setattr(bench, "run_bench", run_bench)
     server = type("S", (), {"name": "ddtree32_auto", "port": 32001})()
@@ -197,11 +204,15 @@ def test_bench_e2e_attaches_to_the_suites_servers_through_its_table(tmp_path, mo
 def test_the_benchmarks_plot_through_the_shared_helper(tmp_path):
     """bench_round's and bench_e2e's plots (scripts/harness.line_plot) write their PNGs."""
     pytest.importorskip("matplotlib")
-    rows = [{"variant": v, "bs": bs, "round_ms": ms} for v, bs, ms in
-            (("dflash", 8, 30.0), ("dflash", 1, 20.0), ("ddtree32", 1, 21.0))]  # fmt: skip
+    rows = [
+        {"variant": v, "bs": bs, "round_ms": ms}
+        for v, bs, ms in (("dflash", 8, 30.0), ("dflash", 1, 20.0), ("ddtree32", 1, 21.0))
+    ]
     _script("bench_round").plot(rows, tmp_path / "round.png")
-    rows = [{"server": s, "concurrency": c, "tokens_per_s": t, "accept_len": a} for s, c, t, a in
-            (("dflash", 1, 100.0, 2.0), ("dflash", 4, 300.0, 2.1))]  # fmt: skip
+    rows = [
+        {"server": s, "concurrency": c, "tokens_per_s": t, "accept_len": a}
+        for s, c, t, a in (("dflash", 1, 100.0, 2.0), ("dflash", 4, 300.0, 2.1))
+    ]
     _script("bench_e2e").plot(rows, tmp_path / "e2e.png")
     assert all((tmp_path / f).stat().st_size > 1000 for f in ("round.png", "e2e.png"))
 
@@ -325,7 +336,9 @@ def test_greedy_referee_allows_what_bf16_strays_by_elsewhere_and_nothing_more():
     tokens = list(generate_plain(target, torch.tensor(prompt), 6).tokens)
     bf16 = [0.0, 0.0, 0.4, 0.0, 0.3, 0.0]  # teacher forcing strays from float32 at 2 and 4
     assert harness.beyond_tol_referee(target, prompt, tokens, bf16, 0.25) == [
-        (2, 0.4, 0.0, 0.3), (4, 0.3, 0.0, 0.4)]  # fmt: skip
+        (2, 0.4, 0.0, 0.3),
+        (4, 0.3, 0.0, 0.4),
+    ]
     wrong = [*tokens[:5], (tokens[5] + 1) % 8192]
     fp32 = harness.fp32_deficits(target, prompt, wrong)[5]
     bf16 = [0.0] * 5 + [fp32]  # both precisions call it off-argmax, and agree elsewhere
@@ -385,15 +398,22 @@ def test_host_trace_parser_counts_rounds_parts_and_own_syncs():
     assert host["host_ms"] == {"ddtree.draft": 3.0}
     assert host["syncs_per_round"] == 2 / 3
     assert host["own_syncs_per_round"] == 1 / 3
-    assert host["syncs_by_frame"] == {"sglang/srt/y.py(2): g": 1 / 3,
-                                      "sglang_ddtree/x.py(9): h": 1 / 3}  # fmt: skip
+    assert host["syncs_by_frame"] == {
+        "sglang/srt/y.py(2): g": 1 / 3,
+        "sglang_ddtree/x.py(9): h": 1 / 3,
+    }
     # host time per round by function, inclusive, sglang's and ours only
     funcs = bench.host_functions([*events, _span("python_function", "torch/z.py(3): t", 4, 9)])
-    assert funcs == [("sglang_ddtree/x.py(1): f", 0.0017), ("sglang_ddtree/x.py(9): h", 0.001),
-                     ("sglang/srt/y.py(2): g", 0.0007)]  # fmt: skip
+    assert funcs == [
+        ("sglang_ddtree/x.py(1): f", 0.0017),
+        ("sglang_ddtree/x.py(9): h", 0.001),
+        ("sglang/srt/y.py(2): g", 0.0007),
+    ]
     # beyond the first n, only ours are kept
     assert [f for f, _ in bench.host_functions(events, n=1)] == [
-        "sglang_ddtree/x.py(1): f", "sglang_ddtree/x.py(9): h"]  # fmt: skip
+        "sglang_ddtree/x.py(1): f",
+        "sglang_ddtree/x.py(9): h",
+    ]
 
 
 def test_project_budget_leaves_out_automatic_servers_and_names_clashes(tmp_path):
@@ -409,8 +429,12 @@ def test_project_budget_leaves_out_automatic_servers_and_names_clashes(tmp_path)
     path.write_text(path.read_text() + json.dumps({**row, "variant": "ddtree32_sglangplan"}) + "\n")
     with pytest.raises(SystemExit, match="ddtree32.*ddtree32_sglangplan.*--variants"):
         bench.load(path, ROOT / "docs" / "data" / "acceptance.jsonl", 0.0)
-    cost, _ = bench.load(path, ROOT / "docs" / "data" / "acceptance.jsonl", 0.0,
-                         ["dflash", "ddtree32_sglangplan", "ddtree64"])  # fmt: skip
+    cost, _ = bench.load(
+        path,
+        ROOT / "docs" / "data" / "acceptance.jsonl",
+        0.0,
+        ["dflash", "ddtree32_sglangplan", "ddtree64"],
+    )
     assert sorted(cost.ms) == sorted([bench.CHAIN, 32, 64])
 
 
@@ -433,8 +457,11 @@ def test_project_budget_multiplies_the_measured_rows(capsys):
     data = Path(__file__).resolve().parents[2] / "docs" / "data"
     rounds = data / "round_cost_27b.jsonl"
     # the sitting that measured fixed widths 32 and 64 beside DFLASH at bs 1, 8 and 16
-    sitting = next(json.loads(x)["sitting"] for x in rounds.read_text().splitlines()
-                   if '"ddtree64_compact_conv_chunk"' in x)  # fmt: skip
+    sitting = next(
+        json.loads(x)["sitting"]
+        for x in rounds.read_text().splitlines()
+        if '"ddtree64_compact_conv_chunk"' in x
+    )
     cost, tokens = bench.load(rounds, data / "acceptance.jsonl", 0.0, sitting=sitting)
     assert cost.batch_sizes == (1, 8, 16)
     rows = bench.project(cost, tokens, cost.batch_sizes)
@@ -452,7 +479,11 @@ def test_bench_gdn_tree_parses_its_sweeps_before_any_gpu_work():
     (splitting it there would cost a GPU call)."""
     bench = _script("bench_gdn_tree")
     assert bench.parse_chunk_tiles("32x4xtf32,64x8xtf32x3,16x4xieee,64x4xsplit") == [
-        (32, 4, "tf32"), (64, 8, "tf32x3"), (16, 4, "ieee"), (64, 4, "split")]  # fmt: skip
+        (32, 4, "tf32"),
+        (64, 8, "tf32x3"),
+        (16, 4, "ieee"),
+        (64, 4, "split"),
+    ]
     assert bench.parse_tiles("16x1,32x2") == [(16, 1), (32, 2)]
     off = dict(window_tile=False, ancestor_table=False, save_inputs=False)
     assert bench.conv_tilings("t4n256w4,t8n128w4tile,t4n256w4anc,t16n256w4nosave,t2n512w8in") == {
@@ -497,14 +528,27 @@ def test_bench_serving_servers_dataset_and_summary(tmp_path):
     assert argv[argv.index("--dataset-name") + 1] == "custom"
     assert argv[argv.index("--max-concurrency") + 1] == "4"
     runs = [
-        {"run": i // 2 + 1, "server": s, "temperature": 0.0, "concurrency": 1,
-         "output_throughput": v,
-         "accept_length": 2.0, "median_tpot_ms": tpot, "median_ttft_ms": ttft}
-        for i, (s, v, tpot, ttft) in enumerate([  # run i // 2 + 1: DFLASH's, then DDTREE's
-            ("dflash", 100.0, 3.0, 40.0), ("ddtree", 130.0, 2.0, 50.0),
-            ("dflash", 110.0, 3.3, 30.0), ("ddtree", 150.0, 2.2, 60.0),
-            ("dflash", 90.0, 3.6, 35.0), ("ddtree", 120.0, 2.4, None)])  # a row without TTFT
-    ]  # fmt: skip
+        {
+            "run": i // 2 + 1,
+            "server": s,
+            "temperature": 0.0,
+            "concurrency": 1,
+            "output_throughput": v,
+            "accept_length": 2.0,
+            "median_tpot_ms": tpot,
+            "median_ttft_ms": ttft,
+        }
+        for i, (s, v, tpot, ttft) in enumerate(
+            [  # run i // 2 + 1: DFLASH's, then DDTREE's
+                ("dflash", 100.0, 3.0, 40.0),
+                ("ddtree", 130.0, 2.0, 50.0),
+                ("dflash", 110.0, 3.3, 30.0),
+                ("ddtree", 150.0, 2.2, 60.0),
+                ("dflash", 90.0, 3.6, 35.0),
+                ("ddtree", 120.0, 2.4, None),
+            ]
+        )  # a row without TTFT
+    ]
     summary = {s["server"]: s for s in bench.summarize(runs)}
     assert summary["ddtree"]["median_tok_s"] == 130.0
     assert (summary["ddtree"]["min_tok_s"], summary["ddtree"]["max_tok_s"]) == (120.0, 150.0)
@@ -574,12 +618,23 @@ def test_bench_serving_first_token_probe_alternates_servers_by_length(tmp_path, 
         clock[0] += {"ddtree": 0.004, "dflash": 0.003}[server.name] * k
 
     clock = [0.0]  # the requests' times; the sampler's waits pass at once
-    monkeypatch.setattr(bench, "time", SimpleNamespace(
-        perf_counter=lambda: clock[0], monotonic=bench.time.monotonic, sleep=lambda s: None))  # fmt: skip
+    monkeypatch.setattr(
+        bench,
+        "time",
+        SimpleNamespace(
+            perf_counter=lambda: clock[0], monotonic=bench.time.monotonic, sleep=lambda s: None
+        ),
+    )
     rows = bench.first_token(servers, ["a", "b", "c"], tmp_path, 2, send=send)
     assert [s[2] for s in sent] == [1] * 6 + [2] * 6 + [3] * 6
-    assert [s[:2] for s in sent[:6]] == [("ddtree", "a"), ("dflash", "a"), ("ddtree", "a"),
-                                         ("dflash", "a"), ("ddtree", "b"), ("dflash", "b")]  # fmt: skip
+    assert [s[:2] for s in sent[:6]] == [
+        ("ddtree", "a"),
+        ("dflash", "a"),
+        ("ddtree", "a"),
+        ("dflash", "a"),
+        ("ddtree", "b"),
+        ("dflash", "b"),
+    ]
     got = {(r["server"], r["max_new_tokens"]): r["median_ms"] for r in rows}
     assert got[("ddtree", 3)] == pytest.approx(12.0) and got[("dflash", 1)] == pytest.approx(3.0)
     assert all(r["requests"] == 2 and r["probe"] == "first_token" for r in rows)
@@ -598,8 +653,7 @@ def test_bench_serving_first_token_probe_alternates_servers_by_length(tmp_path, 
         if (sampler / "on").exists():  # the sampler writes its file once "on" is gone
             (sampler / "4242.txt").write_text("{}\n")
 
-    bench.first_token(servers, ["a", "b", "c"], tmp_path, 2, send=send_sampled,
-                      sampled=("ddtree",))  # fmt: skip
+    bench.first_token(servers, ["a", "b", "c"], tmp_path, 2, send=send_sampled, sampled=("ddtree",))
     assert sent[-2:] == [("ddtree", "a", 1), ("ddtree", "b", 1)]
     folder = tmp_path / "host" / "ddtree" / "first_token"
     assert (folder / "4242.txt").exists() and not (sampler / "on").exists()
@@ -611,12 +665,20 @@ def test_bench_serving_pins_cpus_by_default_where_each_set_gets_two():
     """The servers' sets first, of one size and none with CPU 0; the load generator's last (the
     lowest CPUs and the remainder); servers rotated run by run."""
     bench = _script("bench_serving")
-    assert bench.pinned_cpus(list(range(16)), 3, None) == [(4, 5, 6, 7), (8, 9, 10, 11),
-                                                          (12, 13, 14, 15), (0, 1, 2, 3)]  # fmt: skip
+    assert bench.pinned_cpus(list(range(16)), 3, None) == [
+        (4, 5, 6, 7),
+        (8, 9, 10, 11),
+        (12, 13, 14, 15),
+        (0, 1, 2, 3),
+    ]
     five = bench.pinned_cpus(list(range(16)), 5, None)  # five servers
     assert five == [(6, 7), (8, 9), (10, 11), (12, 13), (14, 15), (0, 1, 2, 3, 4, 5)]
     assert [bench.run_order(list("abc"), run) for run in (1, 2, 3, 4)] == [
-        list("abc"), list("bca"), list("cab"), list("abc")]  # fmt: skip
+        list("abc"),
+        list("bca"),
+        list("cab"),
+        list("abc"),
+    ]
     assert bench.pinned_cpus(list(range(7)), 3, None) == []  # under two CPUs a set: not pinned
     assert bench.pinned_cpus(list(range(16)), 3, False) == []
     assert len(bench.pinned_cpus(list(range(4)), 3, True)) == 4  # asked for: one CPU a set
@@ -658,9 +720,11 @@ def test_a_server_that_exits_during_start_up_is_started_once_more(tmp_path, monk
 
     harness = _script("harness")
     flag = tmp_path / "started_once"
-    program = (f"import pathlib, sys, time; f = pathlib.Path({str(flag)!r})\n"
-               "if not f.exists():\n    f.touch(); sys.exit(1)\n"
-               "print('Memory pool ' + 'end', flush=True); time.sleep(30)")  # fmt: skip
+    program = (
+        f"import pathlib, sys, time; f = pathlib.Path({str(flag)!r})\n"
+        "if not f.exists():\n    f.touch(); sys.exit(1)\n"
+        "print('Memory pool ' + 'end', flush=True); time.sleep(30)"
+    )
     server = harness.Server("fake", "m", 1, [], log_dir=tmp_path)
     monkeypatch.setattr(server, "command", lambda: [sys.executable, "-c", program])
     try:
@@ -697,8 +761,11 @@ def test_the_host_sampler_sees_the_scheduler_loop_and_the_report_scales_it(tmp_p
     )
     samples = tmp_path / "samples"
     samples.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "scripts" / "host_sampler"),
-           "HOST_SAMPLER_DIR": str(samples)}  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT / "scripts" / "host_sampler"),
+        "HOST_SAMPLER_DIR": str(samples),
+    }
     proc = subprocess.Popen([sys.executable, str(fake), "4"], env=env)
     time.sleep(0.7)
     assert not list(samples.glob("*.txt"))  # dormant
@@ -708,26 +775,47 @@ def test_the_host_sampler_sees_the_scheduler_loop_and_the_report_scales_it(tmp_p
     proc.wait(timeout=30)
     files = list(samples.glob("*.txt"))
     assert len(files) == 1
-    (samples / "meta.json").write_text(json.dumps({"total_output_tokens": 200,
-                                                   "accept_length": 2.0}))  # fmt: skip
+    (samples / "meta.json").write_text(
+        json.dumps({"total_output_tokens": 200, "accept_length": 2.0})
+    )
     report = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "host_profile.py"), str(samples),
-         "--focus", "event_loop_normal"],
-        capture_output=True, text=True, check=True,
-    ).stdout  # fmt: skip
-    rows = {line.split("|")[2].strip(" ."): float(line.split("|")[1])
-            for line in report.splitlines() if line.startswith("| ") and ":" in line}  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "host_profile.py"),
+            str(samples),
+            "--focus",
+            "event_loop_normal",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    rows = {
+        line.split("|")[2].strip(" ."): float(line.split("|")[1])
+        for line in report.splitlines()
+        if line.startswith("| ") and ":" in line
+    }
     loop, busy = rows["scheduler.py:event_loop_normal"], rows["scheduler.py:busy"]
     head = json.loads(files[0].read_text().splitlines()[0])
     assert loop == pytest.approx(head["seconds"] * 1000 / 100, rel=0.1)  # 100 rounds
     assert 0.6 < busy / loop < 0.9
     own = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "host_profile.py"), str(samples),
-         "--own", "scheduler.py"],
-        capture_output=True, text=True, check=True,
-    ).stdout  # fmt: skip
-    mine = {line.split("|")[2].strip(): float(line.split("|")[1])
-            for line in own.splitlines() if " -> " in line}  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "host_profile.py"),
+            str(samples),
+            "--own",
+            "scheduler.py",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    mine = {
+        line.split("|")[2].strip(): float(line.split("|")[1])
+        for line in own.splitlines()
+        if " -> " in line
+    }
     assert mine["scheduler.py:busy -> <self>"] == pytest.approx(busy, rel=0.02)
 
 
@@ -737,8 +825,11 @@ def test_servers_pinned_to_cpu_sets_run_on_them(tmp_path, monkeypatch):
     (the load generator takes what is left over), and a Server given a set starts its process
     on those CPUs only."""
     harness = _script("harness")
-    assert harness.cpu_sets(list(range(16)), 3) == [(0, 1, 2, 3, 4, 5), (6, 7, 8, 9, 10),
-                                                    (11, 12, 13, 14, 15)]  # fmt: skip
+    assert harness.cpu_sets(list(range(16)), 3) == [
+        (0, 1, 2, 3, 4, 5),
+        (6, 7, 8, 9, 10),
+        (11, 12, 13, 14, 15),
+    ]
     # six sets of 16 CPUs: the first 6, the others 2 each (not 2, 2, 3, 3, 3 and 3)
     sets = harness.cpu_sets(list(range(16)), 6)
     assert [len(s) for s in sets] == [6, 2, 2, 2, 2, 2]
@@ -765,17 +856,26 @@ def test_bench_serving_writes_host_reports_side_by_side(tmp_path):
     bench = _script("bench_serving")
     loop = "MainThread;scheduler.py:event_loop_overlap;worker.py:forward_batch_generation"
     idle = "MainThread;scheduler.py:event_loop_overlap;scheduler.py:recv_requests"
-    stacks = {"ddtree": {f"{loop};worker.py:_draft": 60, f"{loop};widths.py:finish": 20,
-                         f"{loop};dflash.py:prepare": 10, idle: 10},
-              "dflash": {"MainThread;scheduler.py:event_loop_overlap;"
-                         "dflash_worker_v2.py:forward_batch_generation": 50}}  # fmt: skip
+    stacks = {
+        "ddtree": {
+            f"{loop};worker.py:_draft": 60,
+            f"{loop};widths.py:finish": 20,
+            f"{loop};dflash.py:prepare": 10,
+            idle: 10,
+        },
+        "dflash": {
+            "MainThread;scheduler.py:event_loop_overlap;"
+            "dflash_worker_v2.py:forward_batch_generation": 50
+        },
+    }
     for name, rows in stacks.items():
         run = tmp_path / name / "t0_c1"
         run.mkdir(parents=True)
         lines = [json.dumps({"seconds": 1.0})] + [f"{k} {n}" for k, n in rows.items()]
         (run / "123.txt").write_text("\n".join(lines) + "\n")
-        (run / "meta.json").write_text(json.dumps({"total_output_tokens": 200,
-                                                   "accept_length": 2.0}))  # fmt: skip
+        (run / "meta.json").write_text(
+            json.dumps({"total_output_tokens": 200, "accept_length": 2.0})
+        )
     (tmp_path / "ddtree" / "first_token").mkdir()  # a run whose samples did not arrive
     (tmp_path / "ddtree" / "first_token" / "meta.json").write_text("{}")
     broken = tmp_path / "ddtree" / "t1_c1"  # samples without the scheduler's loop
@@ -787,9 +887,11 @@ def test_bench_serving_writes_host_reports_side_by_side(tmp_path):
     assert "not readable: SystemExit" in written[1].read_text()  # and the others are written
     text = written[0].read_text()
     assert "| ddtree/t0_c1 | dflash/t0_c1 | frame (ms per round) |" in text
-    rows = {line.split("|")[3].strip(" ."): [float(line.split("|")[i]) for i in (1, 2)]
-            for line in text.split("## sglang_ddtree")[0].splitlines()
-            if line.startswith("| ") and ":" in line}  # fmt: skip
+    rows = {
+        line.split("|")[3].strip(" ."): [float(line.split("|")[i]) for i in (1, 2)]
+        for line in text.split("## sglang_ddtree")[0].splitlines()
+        if line.startswith("| ") and ":" in line
+    }
     # 1 s over 100 rounds: 10 ms a round, 6 of them in _draft; the tree starts at the worker
     assert rows["worker.py:_draft"] == pytest.approx([6.0, 0.0])
     assert rows["worker.py:forward_batch_generation"] == pytest.approx([9.0, 0.0])

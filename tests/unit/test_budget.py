@@ -87,8 +87,15 @@ def _expected(bs: int, per_width: list[float]) -> torch.Tensor:
 
 def test_the_policy_picks_the_chain_when_the_cost_table_says_the_chain_wins():
     widths = [16, 32, 64]
-    cost = CostTable(**TABLE, ms={CHAIN: (23.0, 34.0, 46.0), 16: (23.5, 39.0, 60.0),
-                                  32: (24.0, 51.0, 90.0), 64: (31.0, 69.0, 128.0)})  # fmt: skip
+    cost = CostTable(
+        **TABLE,
+        ms={
+            CHAIN: (23.0, 34.0, 46.0),
+            16: (23.5, 39.0, 60.0),
+            32: (24.0, 51.0, 90.0),
+            64: (31.0, 69.0, 128.0),
+        },
+    )
     acc = [2.2, 2.4, 2.5]  # a weak drafter: the tree adds little over the chain's 2.1
     chain = torch.full((16,), 2.1)
     assert choose_width(cost, _expected(16, acc), widths, chain[:16]) == CHAIN

@@ -162,8 +162,12 @@ def test_module_entry_point_exit_status(pair):
     args = ["--target", target, "--draft", draft, "--prompt", "x", "--budget", "0"]
     proc = subprocess.run(
         [sys.executable, "-m", "sglang_ddtree.reference", *map(str, args)],
-        capture_output=True, text=True, env=env, cwd=REPO, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stderr
     error_lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert error_lines == ["error: budget must be >= 1 draft nodes, got 0"], proc.stderr
@@ -174,11 +178,14 @@ def test_module_entry_point_exit_status(pair):
 def test_a_missing_or_non_model_directory_is_named_before_any_load(pair, tmp_path, capsys, flag):
     target, draft = pair
     paths = {"--target": target, "--draft": draft}
-    for bad, message in ((tmp_path / "nope", "does not exist"),
-                         (tmp_path, "is not a model checkpoint (no config.json in it)")):  # fmt: skip
+    for bad, message in (
+        (tmp_path / "nope", "does not exist"),
+        (tmp_path, "is not a model checkpoint (no config.json in it)"),
+    ):
         args = {**paths, flag: bad}
-        code, out, err = _run(capsys, "--target", args["--target"], "--draft", args["--draft"],
-                              "--prompt", "x")  # fmt: skip
+        code, out, err = _run(
+            capsys, "--target", args["--target"], "--draft", args["--draft"], "--prompt", "x"
+        )
         assert code == 2 and out == ""
         assert err == f"error: {flag} {bad} {message}\n", err
 
@@ -186,8 +193,9 @@ def test_a_missing_or_non_model_directory_is_named_before_any_load(pair, tmp_pat
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_device_cuda_without_a_gpu_is_one_line(pair, capsys):
     target, draft = pair
-    code, out, err = _run(capsys, "--target", target, "--draft", draft, "--prompt", "x",
-                          "--device", "cuda")  # fmt: skip
+    code, out, err = _run(
+        capsys, "--target", target, "--draft", draft, "--prompt", "x", "--device", "cuda"
+    )
     assert code == 2 and out == ""
     assert err == "error: --device cuda: this machine has no CUDA device; use --device cpu\n"
 
@@ -227,8 +235,17 @@ def _prompt_line(out: str) -> str:
 
 def test_the_prompt_comes_from_a_file_or_stdin_verbatim(pair, tmp_path, capsys, monkeypatch):
     target, draft = pair
-    common = ["--target", target, "--draft", draft, "--no-chat", "--max-new-tokens", "2",
-              "--budget", "4"]  # fmt: skip
+    common = [
+        "--target",
+        target,
+        "--draft",
+        draft,
+        "--no-chat",
+        "--max-new-tokens",
+        "2",
+        "--budget",
+        "4",
+    ]
     text = "def f(x):\n    return x  # ünïcode\n"
     (tmp_path / "prompt.txt").write_bytes(text.encode("utf-8"))
     code, out, err = _run(capsys, *common, "--prompt-file", tmp_path / "prompt.txt")
@@ -240,8 +257,7 @@ def test_the_prompt_comes_from_a_file_or_stdin_verbatim(pair, tmp_path, capsys, 
     assert _prompt_line(out).startswith("prompt: 'x = 1\\n' (")
 
 
-def test_a_prompt_file_that_is_missing_or_not_utf8_is_one_line(pair, tmp_path, capsys,
-                                                                 monkeypatch):  # fmt: skip
+def test_a_prompt_file_that_is_missing_or_not_utf8_is_one_line(pair, tmp_path, capsys, monkeypatch):
     target, draft = pair
     monkeypatch.setattr(cli, "load_pair", _no_model_load)
     common = ["--target", target, "--draft", draft]
@@ -251,8 +267,10 @@ def test_a_prompt_file_that_is_missing_or_not_utf8_is_one_line(pair, tmp_path, c
     (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
     code, out, err = _run(capsys, *common, "--prompt-file", tmp_path / "latin1.txt")
     assert (code, out) == (2, "")
-    assert err == (f"error: --prompt-file {tmp_path / 'latin1.txt'} is not valid UTF-8: "
-                   "byte 0xe9 at offset 3\n")  # fmt: skip
+    assert err == (
+        f"error: --prompt-file {tmp_path / 'latin1.txt'} is not valid UTF-8: "
+        "byte 0xe9 at offset 3\n"
+    )
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"ok \xff")))
     code, out, err = _run(capsys, *common, "--prompt-file", "-")
     assert err == "error: --prompt-file - is not valid UTF-8: byte 0xff at offset 3\n"
@@ -261,8 +279,9 @@ def test_a_prompt_file_that_is_missing_or_not_utf8_is_one_line(pair, tmp_path, c
 def test_prompt_and_prompt_file_together_are_refused(pair, capsys):
     target, draft = pair
     with pytest.raises(SystemExit) as stop:
-        main(["--target", str(target), "--draft", str(draft), "--prompt", "x",
-              "--prompt-file", "-"])  # fmt: skip
+        main(
+            ["--target", str(target), "--draft", str(draft), "--prompt", "x", "--prompt-file", "-"]
+        )
     assert stop.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "not allowed with argument --prompt" in err, err
@@ -283,14 +302,25 @@ def test_module_entry_point_with_bad_bytes_and_a_bad_device_is_one_line(pair):
     each end with status 2 and one line, no traceback."""
     target, draft = pair
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    base = [sys.executable, "-m", "sglang_ddtree.reference", "--target", str(target),
-            "--draft", str(draft)]  # fmt: skip
+    base = [
+        sys.executable,
+        "-m",
+        "sglang_ddtree.reference",
+        "--target",
+        str(target),
+        "--draft",
+        str(draft),
+    ]
     cases = [
-        (["--prompt", b"def f\xff(x):"],
-         "error: --prompt is not valid UTF-8: byte 0xff at offset 5"),
-        (["--prompt", "x", "--device", "tpu"],
-         "error: --device tpu: the reference engine runs on cpu or cuda; use --device cpu"),
-    ]  # fmt: skip
+        (
+            ["--prompt", b"def f\xff(x):"],
+            "error: --prompt is not valid UTF-8: byte 0xff at offset 5",
+        ),
+        (
+            ["--prompt", "x", "--device", "tpu"],
+            "error: --device tpu: the reference engine runs on cpu or cuda; use --device cpu",
+        ),
+    ]
     for extra, line in cases:
         proc = subprocess.run([*base, *extra], capture_output=True, env=env, cwd=REPO, timeout=300)
         stderr = proc.stderr.decode("utf-8", "replace")
@@ -306,15 +336,19 @@ def test_a_cuda_index_beyond_the_machines_devices_is_named(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     check_device("cuda:1")
     check_device("cuda")
-    with pytest.raises(ValueError, match=r"^--device cuda:2: this machine has 2 CUDA device\(s\), "
-                       r"cuda:0 to cuda:1$"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"^--device cuda:2: this machine has 2 CUDA device\(s\), "
+        r"cuda:0 to cuda:1$",
+    ):
         check_device("cuda:2")
     with pytest.raises(ValueError, match="runs on cpu or cuda"):
         check_device("cuda:x")
 
 
-def test_show_tree_prints_and_draws_every_round_outside_the_timing(pair, tmp_path, capsys,
-                                                                     monkeypatch):  # fmt: skip
+def test_show_tree_prints_and_draws_every_round_outside_the_timing(
+    pair, tmp_path, capsys, monkeypatch
+):
     """--show-tree: an outline per round on stdout and round_NNN.svg per round; the drawing
     runs inside the DDTree loop, and its time is left out of the summary's tokens/s."""
     import time as clock
@@ -330,9 +364,24 @@ def test_show_tree_prints_and_draws_every_round_outside_the_timing(pair, tmp_pat
 
     monkeypatch.setattr(show, "render_picture", slow_render)
     target, draft = pair
-    code, out, err = _run(capsys, "--target", target, "--draft", draft, "--prompt", "x = 1",
-                          "--no-chat", "--max-new-tokens", "6", "--budget", "6", "--topk", "2",
-                          "--show-tree", tmp_path / "trees")  # fmt: skip
+    code, out, err = _run(
+        capsys,
+        "--target",
+        target,
+        "--draft",
+        draft,
+        "--prompt",
+        "x = 1",
+        "--no-chat",
+        "--max-new-tokens",
+        "6",
+        "--budget",
+        "6",
+        "--topk",
+        "2",
+        "--show-tree",
+        tmp_path / "trees",
+    )
     assert code == 0, err
     rounds = sum(line.startswith("--- round ") for line in out.splitlines())
     assert rounds >= 1 and [p.name for p in drawn][:1] == ["round_001.svg"]

@@ -39,8 +39,17 @@ def trees(bs: int, N: int, seed: int) -> torch.Tensor:
     return parents
 
 
-def run_both(parents, dim, dtype, pad_last=False, device="cpu", seed=0, rows_reversed=False,
-             ours_width=None, **ours):  # fmt: skip
+def run_both(
+    parents,
+    dim,
+    dtype,
+    pad_last=False,
+    device="cpu",
+    seed=0,
+    rows_reversed=False,
+    ours_width=None,
+    **ours,
+):
     """Ours (with the keyword arguments `ours`) and SGLang's on the same inputs:
     {name: (o, windows, parents), "setup": (x, the conv state before, slots, rows)}.
     rows_reversed: the intermediate rows in the reverse of the batch order (they need not
@@ -71,9 +80,19 @@ def run_both(parents, dim, dtype, pad_last=False, device="cpu", seed=0, rows_rev
         width = KW - 1 if name == "sglang" or ours_width is None else ours_width
         windows = torch.zeros((bs + 1, N, dim, width), dtype=dtype, device=device)
         par = torch.full((bs, N), 99, dtype=torch.int64, device=device)
-        o = fn(x, state, weight, bias, "silu", conv_state_indices=idx,
-               intermediate_conv_window=windows, intermediate_state_indices=inter_idx,
-               retrieve_next_token=nxt, retrieve_next_sibling=sib, retrieve_parent_token=par)  # fmt: skip
+        o = fn(
+            x,
+            state,
+            weight,
+            bias,
+            "silu",
+            conv_state_indices=idx,
+            intermediate_conv_window=windows,
+            intermediate_state_indices=inter_idx,
+            retrieve_next_token=nxt,
+            retrieve_next_sibling=sib,
+            retrieve_parent_token=par,
+        )
         out[name] = (o, windows, par)
     return out
 
@@ -92,8 +111,13 @@ def test_conv_tree_equals_sglangs_tree_conv(tiling):
     bfloat16, the serving dtype). Both ways of storing the windows."""
     pytest.importorskip("sglang.kernels.ops.mamba.causal_conv1d_triton")
     parents = trees(3, 13, seed=1)
-    out = run_both(parents, dim=40, dtype=torch.float32, pad_last=True,  # 40: a masked block
-                   **TILINGS[tiling])  # fmt: skip
+    out = run_both(
+        parents,
+        dim=40,
+        dtype=torch.float32,
+        pad_last=True,  # 40: a masked block
+        **TILINGS[tiling],
+    )
     (o, win, par), (o_s, win_s, par_s) = out["ours"], out["sglang"]
     live = slice(0, 2)  # request 2 is padding: SGLang writes nothing for it (ours: its parents)
     assert torch.equal(par[live], par_s[live])
@@ -131,18 +155,40 @@ def test_an_ancestor_table_from_an_earlier_layer_serves_the_later_layers():
     table = torch.zeros((bs, N, 3), dtype=torch.int32)
     tree_parents(nxt, sib, par, table)
     windows = torch.zeros((bs + 1, N, 40, 3))
-    o = conv_tree(x, state0.clone(), *out["weights"], "silu", conv_state_indices=idx,
-                  intermediate_conv_window=windows, intermediate_state_indices=inter_idx,
-                  retrieve_next_token=nxt, retrieve_next_sibling=sib, retrieve_parent_token=par,
-                  fill_parents=False, ancestors=table)  # fmt: skip
+    o = conv_tree(
+        x,
+        state0.clone(),
+        *out["weights"],
+        "silu",
+        conv_state_indices=idx,
+        intermediate_conv_window=windows,
+        intermediate_state_indices=inter_idx,
+        retrieve_next_token=nxt,
+        retrieve_next_sibling=sib,
+        retrieve_parent_token=par,
+        fill_parents=False,
+        ancestors=table,
+    )
     o_s, win_s, _ = out["sglang"]
     assert torch.equal(o[:2], o_s[:2]) and torch.equal(windows[:2], win_s[:2])
-    call = partial(conv_tree, x, state0.clone(), *out["weights"], "silu", conv_state_indices=idx,
-                   intermediate_conv_window=windows, intermediate_state_indices=inter_idx,
-                   retrieve_next_token=nxt, retrieve_next_sibling=sib, retrieve_parent_token=par)  # fmt: skip
-    for bad in (dict(ancestors=table), dict(ancestors=table[:, :-1], fill_parents=False),
-                dict(ancestors=table.transpose(1, 2).contiguous().transpose(1, 2),
-                     fill_parents=False)):  # fmt: skip
+    call = partial(
+        conv_tree,
+        x,
+        state0.clone(),
+        *out["weights"],
+        "silu",
+        conv_state_indices=idx,
+        intermediate_conv_window=windows,
+        intermediate_state_indices=inter_idx,
+        retrieve_next_token=nxt,
+        retrieve_next_sibling=sib,
+        retrieve_parent_token=par,
+    )
+    for bad in (
+        dict(ancestors=table),
+        dict(ancestors=table[:, :-1], fill_parents=False),
+        dict(ancestors=table.transpose(1, 2).contiguous().transpose(1, 2), fill_parents=False),
+    ):
         with pytest.raises(ValueError, match="earlier tree_parents"):
             call(**bad)
 
@@ -150,8 +196,16 @@ def test_an_ancestor_table_from_an_earlier_layer_serves_the_later_layers():
 def inputs_case(bs, N, dim, seed, pad_last=False):
     """SGLang's tree conv (windows) and ours with save_inputs into the compact pool's
     [.., N, dim, 1] buffer, rows out of batch order: (results, x, conv state, slots, rows)."""
-    out = run_both(trees(bs, N, seed), dim, torch.float32, pad_last, seed=seed,
-                   rows_reversed=True, ours_width=1, save_inputs=True)  # fmt: skip
+    out = run_both(
+        trees(bs, N, seed),
+        dim,
+        torch.float32,
+        pad_last,
+        seed=seed,
+        rows_reversed=True,
+        ours_width=1,
+        save_inputs=True,
+    )
     return out, *out.pop("setup")
 
 
@@ -203,13 +257,15 @@ def test_the_window_commit_from_inputs_equals_sglangs_committed_windows():
     for layer, x in enumerate((x1, x2)):
         for b in range(2):
             slot = int(idx[b])
-            want = conv_window_reference(x[b].transpose(0, 1), before[layer, slot], parents[b],
-                                    int(nodes[b]))  # fmt: skip
+            want = conv_window_reference(
+                x[b].transpose(0, 1), before[layer, slot], parents[b], int(nodes[b])
+            )
             assert torch.equal(states[layer, slot], want), (layer, b)
             if layer == 0:  # SGLang's own per-node window of that node
                 assert torch.equal(states[0, slot], windows_s[int(inter_idx[b]), int(nodes[b])])
-        track_want = conv_window_reference(x[0].transpose(0, 1), before[layer, int(idx[0])],
-                                      parents[0], int(track_node[0]))  # fmt: skip
+        track_want = conv_window_reference(
+            x[0].transpose(0, 1), before[layer, int(idx[0])], parents[0], int(track_node[0])
+        )
         assert torch.equal(states[layer, free], track_want)
     touched = {int(idx[0]), int(idx[1]), free}
     for s in range(states.shape[1]):
@@ -223,8 +279,11 @@ def test_the_window_commit_from_inputs_equals_sglangs_committed_windows():
 def test_conv_tree_equals_sglangs_tree_conv_on_gpu_in_bf16_at_qwen36_width(tiling):
     pytest.importorskip("sglang.kernels.ops.mamba.causal_conv1d_triton")
     parents = trees(4, 64, seed=2)
-    kw = {"default": {}, "window_tile": {"window_tile": True, "block_n": 128},
-          "ancestor_table": {"ancestor_table": True}}[tiling]  # fmt: skip
+    kw = {
+        "default": {},
+        "window_tile": {"window_tile": True, "block_n": 128},
+        "ancestor_table": {"ancestor_table": True},
+    }[tiling]
     out = run_both(parents, dim=10240, dtype=torch.bfloat16, device="cuda", **kw)
     (o, win, par), (o_s, win_s, par_s) = out["ours"], out["sglang"]
     assert torch.equal(par, par_s) and torch.equal(win, win_s)
@@ -262,9 +321,19 @@ def test_inputs_once_and_the_window_commit_equal_sglangs_scatter_on_gpu_in_bf16(
         buf = torch.zeros((1, bs + 1, N, dim, KW - 1), dtype=torch.bfloat16, device=dev)
         par = torch.zeros((bs, N), dtype=torch.int64, device=dev)
         fn = causal_conv1d_update if kind == "sglang" else partial(conv_tree, save_inputs=True)
-        fn(x, state[0].clone(), weight, bias, "silu", conv_state_indices=idx,
-           intermediate_conv_window=buf[0], intermediate_state_indices=rows,
-           retrieve_next_token=nxt, retrieve_next_sibling=sib, retrieve_parent_token=par)  # fmt: skip
+        fn(
+            x,
+            state[0].clone(),
+            weight,
+            bias,
+            "silu",
+            conv_state_indices=idx,
+            intermediate_conv_window=buf[0],
+            intermediate_state_indices=rows,
+            retrieve_next_token=nxt,
+            retrieve_next_sibling=sib,
+            retrieve_parent_token=par,
+        )
         if kind == "sglang":
             fused_conv_window_scatter_with_mask(state, buf, idx, nodes)
             fused_conv_window_scatter_with_mask(state, buf, track_idx, track_node)
@@ -355,35 +424,50 @@ def test_the_hook_fills_the_parents_in_the_first_layer_only(monkeypatch):
     hooks = gdn.GDNState(gdn.GDNPath(16, compact=False))  # the process's, once
     filled = []
     plain = conv_module.tree_parents
-    monkeypatch.setattr(conv_module, "tree_parents",
-                        lambda *a, **k: filled.append(1) or plain(*a, **k))  # fmt: skip
+    monkeypatch.setattr(
+        conv_module, "tree_parents", lambda *a, **k: filled.append(1) or plain(*a, **k)
+    )
     gen = torch.Generator().manual_seed(6)
     parents = trees(2, 11, seed=6)
     bs, N = parents.shape
     dim, KW = 16, 4
     nxt, sib = eagle_links(parents)
     par = torch.full((bs, N), 99, dtype=torch.int64)  # SGLang's one buffer for every layer
-    layers = [(torch.randn(bs, N, dim, generator=gen).transpose(1, 2),
-               torch.randn(bs + 1, dim, KW - 1, generator=gen),
-               torch.randn(dim, KW, generator=gen), torch.randn(dim, generator=gen))
-              for _ in range(2)]  # fmt: skip
+    layers = [
+        (
+            torch.randn(bs, N, dim, generator=gen).transpose(1, 2),
+            torch.randn(bs + 1, dim, KW - 1, generator=gen),
+            torch.randn(dim, KW, generator=gen),
+            torch.randn(dim, generator=gen),
+        )
+        for _ in range(2)
+    ]
     idx = torch.arange(bs, dtype=torch.int32)
     for _ in range(2):  # two rounds: the first layer refills every round
         for x, state, weight, bias in layers:
             got, want = [], []
-            for fn, out in ((lambda *a, **k: gdn.conv_update(hooks, mod.causal_conv1d_update, *a,
-                                                             **k),
-                             got), (mod.causal_conv1d_update, want)):  # fmt: skip
+            for fn, out in (
+                (lambda *a, **k: gdn.conv_update(hooks, mod.causal_conv1d_update, *a, **k), got),
+                (mod.causal_conv1d_update, want),
+            ):
                 windows = torch.zeros((bs + 1, N, dim, KW - 1))
                 own = torch.full((bs, N), 99, dtype=torch.int64)
                 buf = par if out is got else own
                 # the pool's per-layer conv state (fixed: the hook knows layers by it); SGLang's
                 # kernel rolls it, so SGLang gets a copy
-                o = fn(x, state if out is got else state.clone(), weight, bias, "silu",
-                       conv_state_indices=idx,
-                       intermediate_conv_window=windows, intermediate_state_indices=idx,
-                       retrieve_next_token=nxt, retrieve_next_sibling=sib,
-                       retrieve_parent_token=buf)  # fmt: skip
+                o = fn(
+                    x,
+                    state if out is got else state.clone(),
+                    weight,
+                    bias,
+                    "silu",
+                    conv_state_indices=idx,
+                    intermediate_conv_window=windows,
+                    intermediate_state_indices=idx,
+                    retrieve_next_token=nxt,
+                    retrieve_next_sibling=sib,
+                    retrieve_parent_token=buf,
+                )
                 out += [o, windows]
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
         par_after = par.clone()
@@ -392,11 +476,21 @@ def test_the_hook_fills_the_parents_in_the_first_layer_only(monkeypatch):
     # a layer handed a parent buffer the first layer did not fill fills it itself
     x, state, weight, bias = layers[1]
     other = torch.full((bs, N), 99, dtype=torch.int64)
-    gdn.conv_update(hooks, mod.causal_conv1d_update, x, state, weight, bias, "silu",
-                    conv_state_indices=idx, intermediate_conv_window=torch.zeros(
-                        (bs + 1, N, dim, KW - 1)), intermediate_state_indices=idx,
-                    retrieve_next_token=nxt, retrieve_next_sibling=sib,
-                    retrieve_parent_token=other)  # fmt: skip
+    gdn.conv_update(
+        hooks,
+        mod.causal_conv1d_update,
+        x,
+        state,
+        weight,
+        bias,
+        "silu",
+        conv_state_indices=idx,
+        intermediate_conv_window=torch.zeros((bs + 1, N, dim, KW - 1)),
+        intermediate_state_indices=idx,
+        retrieve_next_token=nxt,
+        retrieve_next_sibling=sib,
+        retrieve_parent_token=other,
+    )
     assert filled == [1, 1, 1] and torch.equal(other, par_after)
 
 
@@ -407,8 +501,15 @@ def test_bench_conv_checks_agree_on_the_cpu():
 
     pytest.importorskip("sglang.kernels.ops.mamba.causal_conv1d_triton")
     bench = load_script("bench_gdn_tree")
-    row = bench.run_conv(2, 12, bench.trees(2, 12, seed=5), 1, dim=24, device="cpu",
-                         tilings=["t8n16w4tile", "t16n32w4nosave"])  # fmt: skip
+    row = bench.run_conv(
+        2,
+        12,
+        bench.trees(2, 12, seed=5),
+        1,
+        dim=24,
+        device="cpu",
+        tilings=["t8n16w4tile", "t16n32w4nosave"],
+    )
     assert row["conv_max_abs_diff_o"] == 0.0, row
     assert row["conv_t8n16w4tile_equal"] and "conv_t16n32w4nosave_equal" not in row, row
     assert row["conv_windows_equal"] and row["conv_parents_equal"], row

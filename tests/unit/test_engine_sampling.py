@@ -48,8 +48,9 @@ def model(tmp_path_factory):
 
 
 @torch.no_grad()
-def exact_distribution(model, prompt: list[int], num_tokens: int,
-                       penalties: Penalties | None = None) -> dict[tuple[int, ...], float]:  # fmt: skip
+def exact_distribution(
+    model, prompt: list[int], num_tokens: int, penalties: Penalties | None = None
+) -> dict[tuple[int, ...], float]:
     """Plain definition: top-k of logits / T, renormalised, chained over num_tokens steps;
     with `penalties`, each step's logits first penalised by the output tokens before it."""
     dist = {(): 1.0}
@@ -58,8 +59,12 @@ def exact_distribution(model, prompt: list[int], num_tokens: int,
         ids = torch.tensor([prompt + list(p) for p in prefixes])  # [P, T + len]
         logits = model(input_ids=ids, use_cache=False).logits[:, -1].double()
         if penalties is not None:
-            logits = torch.stack([_penalised(row, prompt, list(p), penalties)
-                                  for row, p in zip(logits, prefixes, strict=True)])  # fmt: skip
+            logits = torch.stack(
+                [
+                    _penalised(row, prompt, list(p), penalties)
+                    for row, p in zip(logits, prefixes, strict=True)
+                ]
+            )
         logits = logits / TEMPERATURE
         values, tokens = logits.topk(TOP_K, dim=-1)  # [P, k]
         probs = values.softmax(dim=-1)  # [P, k]
@@ -101,8 +106,9 @@ def chi_square_pvalue(counts: Counter, dist: dict[tuple[int, ...], float]) -> fl
     return float(chisquare(observed, [e * scale for e in expected]).pvalue)
 
 
-def sample_ddtree(model, num_samples: int,
-                  penalties: Penalties | None = None) -> tuple[Counter, Counter]:  # fmt: skip
+def sample_ddtree(
+    model, num_samples: int, penalties: Penalties | None = None
+) -> tuple[Counter, Counter]:
     """-> (counts of the first NUM_TOKENS tokens, counts of round-1 accepted depth / side)."""
     target = HFTargetRunner(model, [1])
     oracle = OracleDrafter(model, block_size=4, noise=0.3, lookahead=0)
@@ -110,10 +116,18 @@ def sample_ddtree(model, num_samples: int,
     for seed in range(num_samples):
         traces: list[RoundTrace] = []
         result = generate(
-            target, oracle, PROMPT, NUM_TOKENS, budget=6, topk=3,
-            temperature=TEMPERATURE, top_k=TOP_K, seed=seed, on_round=traces.append,
+            target,
+            oracle,
+            PROMPT,
+            NUM_TOKENS,
+            budget=6,
+            topk=3,
+            temperature=TEMPERATURE,
+            top_k=TOP_K,
+            seed=seed,
+            on_round=traces.append,
             penalties=penalties,
-        )  # fmt: skip
+        )
         counts[tuple(result.tokens)] += 1
         first = traces[0]
         accepted = int(first.accept.num_accepted[0])

@@ -130,11 +130,17 @@ def test_a_front_end_without_ddtrees_limits_fails_the_fuzz(fuzz, url, front_ends
     report = fuzz.run(url, rounds=1, context=2048, seed=0)
     bad = {r["case"] for r in report["bad"]}
     assert not report["ok"]
-    for case in ("generate: logit_bias 1e300", "chat: logit_bias NaN (streamed)",
-                 "generate: stop_token_ids past the vocabulary", "generate: top_k 1e300",
-                 "chat: top_logprobs past the vocabulary", "vertex: top_logprobs_num a float",
-                 "generate: session_params id a list", "chat: stop_regex that backtracks",
-                 "generate: 2000 prompts"):  # fmt: skip
+    for case in (
+        "generate: logit_bias 1e300",
+        "chat: logit_bias NaN (streamed)",
+        "generate: stop_token_ids past the vocabulary",
+        "generate: top_k 1e300",
+        "chat: top_logprobs past the vocabulary",
+        "vertex: top_logprobs_num a float",
+        "generate: session_params id a list",
+        "chat: stop_regex that backtracks",
+        "generate: 2000 prompts",
+    ):
         assert case in bad, (case, sorted(bad)[:20])
 
 

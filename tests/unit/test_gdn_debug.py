@@ -17,8 +17,15 @@ from tests.gpu.server_debug import ddtree_sync_check as sync_check
 from tests.gpu.server_debug.ddtree_gdn_debug import Checker, Settings
 
 
-@pytest.mark.parametrize("name", ["SGLANG_DDTREE_GDN_CHECK", "SGLANG_DDTREE_GDN_CHECK_SERVE",
-                                  "SGLANG_DDTREE_GDN_CHECK_SAVE", "SGLANG_DDTREE_GDN_PERTURB"])  # fmt: skip
+@pytest.mark.parametrize(
+    "name",
+    [
+        "SGLANG_DDTREE_GDN_CHECK",
+        "SGLANG_DDTREE_GDN_CHECK_SERVE",
+        "SGLANG_DDTREE_GDN_CHECK_SAVE",
+        "SGLANG_DDTREE_GDN_PERTURB",
+    ],
+)
 def test_a_server_refuses_the_old_debug_switches(monkeypatch, name):
     from sglang_ddtree import config
 
@@ -33,8 +40,14 @@ def test_a_server_refuses_the_old_debug_switches(monkeypatch, name):
 def _args(scratch=None):
     """A verify's kernel arguments: 7 inputs, the states, slots, parents, scratch, its rows."""
     scratch = torch.zeros(2, 8) if scratch is None else scratch
-    return (*[torch.zeros(1)] * 7, torch.zeros(3, 2, 3, 5), torch.tensor([1], dtype=torch.int32),
-            torch.zeros(1, 4, dtype=torch.int64), scratch, torch.zeros(1, dtype=torch.int32))  # fmt: skip
+    return (
+        *[torch.zeros(1)] * 7,
+        torch.zeros(3, 2, 3, 5),
+        torch.tensor([1], dtype=torch.int32),
+        torch.zeros(1, 4, dtype=torch.int64),
+        scratch,
+        torch.zeros(1, dtype=torch.int32),
+    )
 
 
 def test_the_check_saves_the_inputs_of_a_verify_that_differs(tmp_path, caplog):
@@ -112,8 +125,12 @@ def test_a_save_that_fails_is_logged_once_and_the_check_goes_on(tmp_path, caplog
 
 
 def test_settings_are_read_and_checked():
-    env = {"DDTREE_GDN_CHECK": "/x", "DDTREE_GDN_CHECK_SERVE": "paths",
-           "DDTREE_GDN_CHECK_SAVE": "3", "DDTREE_GDN_PERTURB": "0.004"}  # fmt: skip
+    env = {
+        "DDTREE_GDN_CHECK": "/x",
+        "DDTREE_GDN_CHECK_SERVE": "paths",
+        "DDTREE_GDN_CHECK_SAVE": "3",
+        "DDTREE_GDN_PERTURB": "0.004",
+    }
     assert Settings.from_env(env) == Settings("/x", "paths", 3, 0.004)
     assert (
         not Settings.from_env({}).active and Settings.from_env({"DDTREE_GDN_PERTURB": "0.1"}).active
@@ -134,12 +151,19 @@ def test_install_serves_the_root_paths_and_the_precision_asked_for(monkeypatch):
     from sglang_ddtree.gdn import chunk_tree, tree_verify
     from sglang_ddtree.integration import gdn
 
-    for module, name in ((chunk_tree, "chunk_tree_verify"), (tree_verify, "tree_verify"),
-                         (tree_verify, "commit_paths"), (gdn.GDNPath, "chunked")):  # fmt: skip
+    for module, name in (
+        (chunk_tree, "chunk_tree_verify"),
+        (tree_verify, "tree_verify"),
+        (tree_verify, "commit_paths"),
+        (gdn.GDNPath, "chunked"),
+    ):
         monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
     seen = []
-    monkeypatch.setattr(chunk_tree, "chunk_tree_verify",
-                        lambda *a, max_path, **kw: seen.append(kw) or torch.ones(4, 2, 3))  # fmt: skip
+    monkeypatch.setattr(
+        chunk_tree,
+        "chunk_tree_verify",
+        lambda *a, max_path, **kw: seen.append(kw) or torch.ones(4, 2, 3),
+    )
     assert gdn.GDNPath(16).chunked(32)
     debug.install(Settings(verify="paths", precision="ieee"))
     assert not gdn.GDNPath(16).chunked(32)
@@ -153,14 +177,21 @@ def test_install_wraps_the_kernels_ddtrees_hooks_import_at_each_call(monkeypatch
     root-path kernel and reads the round before each commit."""
     from sglang_ddtree.gdn import chunk_tree, tree_verify
 
-    for module, name in ((chunk_tree, "chunk_tree_verify"), (tree_verify, "tree_verify"),
-                         (tree_verify, "commit_paths")):  # fmt: skip
+    for module, name in (
+        (chunk_tree, "chunk_tree_verify"),
+        (tree_verify, "tree_verify"),
+        (tree_verify, "commit_paths"),
+    ):
         monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
     calls = []
-    monkeypatch.setattr(chunk_tree, "chunk_tree_verify",
-                        lambda *a, max_path, **kw: calls.append("chunk") or torch.ones(4, 2, 3))  # fmt: skip
-    monkeypatch.setattr(tree_verify, "tree_verify",
-                        lambda *a, **kw: calls.append("paths") or torch.ones(4, 2, 3))  # fmt: skip
+    monkeypatch.setattr(
+        chunk_tree,
+        "chunk_tree_verify",
+        lambda *a, max_path, **kw: calls.append("chunk") or torch.ones(4, 2, 3),
+    )
+    monkeypatch.setattr(
+        tree_verify, "tree_verify", lambda *a, **kw: calls.append("paths") or torch.ones(4, 2, 3)
+    )
     monkeypatch.setattr(tree_verify, "commit_paths", lambda *a, **kw: calls.append("commit"))
     checker = debug.install(Settings(check=str(tmp_path), perturb=0.01))
     from sglang_ddtree.gdn.chunk_tree import chunk_tree_verify

@@ -28,8 +28,15 @@ def cache_params(tp: int = 1):
         Mamba2StateShape,
     )
 
-    shape = Mamba2StateShape.create(tp_world_size=tp, intermediate_size=HV * V, n_groups=2,
-                                    num_heads=HV, head_dim=V, state_size=K, conv_kernel=4)  # fmt: skip
+    shape = Mamba2StateShape.create(
+        tp_world_size=tp,
+        intermediate_size=HV * V,
+        n_groups=2,
+        num_heads=HV,
+        head_dim=V,
+        state_size=K,
+        conv_kernel=4,
+    )
     dtype = Mamba2StateDType(conv=torch.bfloat16, temporal=torch.float32)
     return Mamba2CacheParams(shape=shape, layers=LAYERS, dtype=dtype)
 
@@ -45,14 +52,23 @@ def hybrid_pool(num_nodes, requests=3, slots=9, opts=COMPACT):
 
     class Pool(HybridReqToTokenPool):
         def _init_mamba_pool(self, *args, **kwargs):
-            return gdn_pool.init_mamba_pool(opts, HybridReqToTokenPool._init_mamba_pool, self,
-                                            *args, **kwargs)  # fmt: skip
+            return gdn_pool.init_mamba_pool(
+                opts, HybridReqToTokenPool._init_mamba_pool, self, *args, **kwargs
+            )
 
-    return Pool(size=requests, mamba_size=slots, mamba_spec_state_size=requests,
-                max_context_len=64, device="cpu", enable_memory_saver=False,
-                cache_params=cache_params(), mamba_layer_ids=LAYERS,
-                enable_mamba_extra_buffer=False, speculative_num_draft_tokens=num_nodes,
-                speculative_eagle_topk=4)  # fmt: skip
+    return Pool(
+        size=requests,
+        mamba_size=slots,
+        mamba_spec_state_size=requests,
+        max_context_len=64,
+        device="cpu",
+        enable_memory_saver=False,
+        cache_params=cache_params(),
+        mamba_layer_ids=LAYERS,
+        enable_mamba_extra_buffer=False,
+        speculative_num_draft_tokens=num_nodes,
+        speculative_eagle_topk=4,
+    )
 
 
 def test_compact_pool_holds_the_scratch_and_the_per_node_conv_buffer():
@@ -95,33 +111,40 @@ def test_the_pool_hook_passes_sglangs_pool_through_unless_compact(monkeypatch):
     def original(req_pool, *, mamba_spec_state_size, speculative_num_draft_tokens=None):
         calls.append(speculative_num_draft_tokens)
 
-    gdn_pool.init_mamba_pool(FULL, original, None, mamba_spec_state_size=3,
-                             speculative_num_draft_tokens=6)  # fmt: skip
+    gdn_pool.init_mamba_pool(
+        FULL, original, None, mamba_spec_state_size=3, speculative_num_draft_tokens=6
+    )
     gdn_pool.init_mamba_pool(COMPACT, original, None, mamba_spec_state_size=3)  # no verify
     assert calls == [6, None]
     pool = hybrid_pool(None)  # a pool without speculative buffers stays one
     assert pool.mamba_pool.mamba_cache.__class__.__name__ == "State"
 
 
-def solve(hook: bool, total_gib: float, num_nodes=64, running=16, mamba_slots=None,
-          opts=COMPACT):  # fmt: skip
+def solve(hook: bool, total_gib: float, num_nodes=64, running=16, mamba_slots=None, opts=COMPACT):
     """SGLang's `_handle_max_mamba_cache` (through the hook or not) for cache_params() with the
     radix cache on: (the memory it leaves in GiB, max_mamba_cache_size, the solver's
     speculative_num_draft_tokens after it returns)."""
     from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
     from sglang.srt.runtime_context import get_context, get_schedule, get_spec
 
-    with get_context().override_server_args(speculative_algorithm="DFLASH",
-                                            speculative_num_draft_tokens=num_nodes,
-                                            max_running_requests=running,
-                                            max_mamba_cache_size=mamba_slots):  # fmt: skip
-        cfg = SimpleNamespace(mambaish_config=SimpleNamespace(mamba2_cache_params=cache_params()),
-                              server_args=get_context().server_args,
-                              pp_size=1, attn_dp_size=1, fused_entry_bytes=lambda kind: None,
-                              extra_mamba_cache_bytes_per_req=0,
-                              spec_algorithm=SimpleNamespace(is_none=lambda: False),
-                              hybrid_gdn_config=object(), hybrid_kda_config=None,
-                              model_config=None)  # fmt: skip
+    with get_context().override_server_args(
+        speculative_algorithm="DFLASH",
+        speculative_num_draft_tokens=num_nodes,
+        max_running_requests=running,
+        max_mamba_cache_size=mamba_slots,
+    ):
+        cfg = SimpleNamespace(
+            mambaish_config=SimpleNamespace(mamba2_cache_params=cache_params()),
+            server_args=get_context().server_args,
+            pp_size=1,
+            attn_dp_size=1,
+            fused_entry_bytes=lambda kind: None,
+            extra_mamba_cache_bytes_per_req=0,
+            spec_algorithm=SimpleNamespace(is_none=lambda: False),
+            hybrid_gdn_config=object(),
+            hybrid_kda_config=None,
+            model_config=None,
+        )
         cfg._calculate_mamba_ratio = lambda: KVCacheConfigurator._calculate_mamba_ratio(cfg)
         solver = KVCacheConfigurator._handle_max_mamba_cache
         if hook:
@@ -148,8 +171,9 @@ def test_the_solver_reserves_the_compact_scratch_and_gives_the_rest_to_requests(
     assert slots >= 4 * slots_full and slots // ratio >= running > slots_full // ratio
     # what the compact pool then allocates fits what the solver reserved
     requests = min(running, slots // ratio)
-    needed = ((slots + 1) * params.mamba_cache_per_req
-              + (requests + 1) * gdn_pool.compact_bytes_per_request(params, N))  # fmt: skip
+    needed = (slots + 1) * params.mamba_cache_per_req + (
+        requests + 1
+    ) * gdn_pool.compact_bytes_per_request(params, N)
     assert needed <= (total - rest) * (1 << 30) <= 1.1 * needed + params.mamba_cache_per_req * 8
 
 
@@ -163,8 +187,12 @@ def test_a_configuration_that_leaves_no_kv_cache_is_refused_with_the_numbers():
     with pytest.raises(RuntimeError, match="DDTREE: not enough GPU memory") as err:
         solve(True, total, mamba_slots=too_many)
     message = str(err.value)
-    for flag in ("--max-mamba-cache-size", "--max-running-requests",
-                 "--speculative-num-draft-tokens", "--mem-fraction-static"):  # fmt: skip
+    for flag in (
+        "--max-mamba-cache-size",
+        "--max-running-requests",
+        "--speculative-num-draft-tokens",
+        "--mem-fraction-static",
+    ):
         assert flag in message, message
     assert f"{too_many} Mamba state slots" in message and "N = 64" in message
     rest, slots, _, _ = solve(True, total, mamba_slots=8)
@@ -200,8 +228,11 @@ def test_gdn_path_follows_the_servers_flags_and_the_one_switch(monkeypatch):
     assert config.Options.from_env(unified_memory=True).gdn_scratch == "full"
     # --enable-deterministic-inference: the root paths (batch invariance)
     flags = SimpleNamespace(enable_deterministic_inference=True, enable_unified_memory=False)
-    assert gdn.compat.option_modes(flags) == {"unified_memory": False, "deterministic": True,
-                                              "tensor_parallel": False}  # fmt: skip
+    assert gdn.compat.option_modes(flags) == {
+        "unified_memory": False,
+        "deterministic": True,
+        "tensor_parallel": False,
+    }
     det = config.Options.from_env(**gdn.compat.option_modes(flags))
     assert det.gdn_verify == "paths" and gdn.path_of(det, 16) == gdn.GDNPath(16, verify="paths")
     monkeypatch.setenv("SGLANG_DDTREE_GDN", "sglang")
@@ -233,15 +264,31 @@ def test_sglangs_own_verify_and_commit_refuse_a_compact_scratch(monkeypatch):
         raise AssertionError("SGLang's own path was called on a compact scratch")
 
     with pytest.raises(RuntimeError, match="compact scratch.*SGLANG_DDTREE_GDN=sglang"):
-        gdn.target_verify(state, never, None, None, None, None, None, None, None, None,
-                          intermediate_states_buffer=scratch, retrieve_parent_token=None)  # fmt: skip
+        gdn.target_verify(
+            state,
+            never,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            intermediate_states_buffer=scratch,
+            retrieve_parent_token=None,
+        )
     caches = SimpleNamespace(intermediate_ssm=scratch[None])
-    backend = SimpleNamespace(linear_attn_backend=SimpleNamespace(
-        forward_metadata=SimpleNamespace(retrieve_parent_token=None),
-        req_to_token_pool=SimpleNamespace(get_speculative_mamba2_params_all_layers=lambda: caches)))  # fmt: skip
+    backend = SimpleNamespace(
+        linear_attn_backend=SimpleNamespace(
+            forward_metadata=SimpleNamespace(retrieve_parent_token=None),
+            req_to_token_pool=SimpleNamespace(
+                get_speculative_mamba2_params_all_layers=lambda: caches
+            ),
+        )
+    )
     with pytest.raises(RuntimeError, match="compact scratch.*SGLANG_DDTREE_GDN=sglang"):
-        gdn.commit(state, never, backend, torch.zeros(1, dtype=torch.int64), None, None,
-                   model=None)  # fmt: skip
+        gdn.commit(state, never, backend, torch.zeros(1, dtype=torch.int64), None, None, model=None)
 
 
 def test_pool_hook_targets_have_the_parameters_the_hooks_use():
@@ -322,8 +369,9 @@ def test_server_info_reports_the_resolved_options(monkeypatch):
         "tree conv1d through sglang_ddtree.gdn.conv_tree",
     ]
     dflash = SimpleNamespace(spec_algorithm=SimpleNamespace(name="DFLASH"))
-    assert hooks._internal_state(runtime, original, dflash,
-                                 None).internal_state == {"startup_time": 1.0}  # fmt: skip
+    assert hooks._internal_state(runtime, original, dflash, None).internal_state == {
+        "startup_time": 1.0
+    }
 
 
 def test_configure_says_when_the_chunked_verify_cannot_apply(monkeypatch, caplog):

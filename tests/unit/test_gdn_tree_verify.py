@@ -36,8 +36,10 @@ test_cpu_kernel_tests_under_triton_interpreter = interpreter_process_test(__file
 def random_parents(bs: int, N: int, gen: torch.Generator) -> torch.Tensor:
     """[bs, N] parents in an arbitrary parent < child order (node 0 = root; its entry is junk,
     as in SGLang's retrieve_parent_token)."""
-    rows = [[7] + [int(torch.randint(0, t, (1,), generator=gen)) for t in range(1, N)]
-            for _ in range(bs)]  # fmt: skip
+    rows = [
+        [7] + [int(torch.randint(0, t, (1,), generator=gen)) for t in range(1, N)]
+        for _ in range(bs)
+    ]
     return torch.tensor(rows, dtype=torch.int64)
 
 
@@ -51,8 +53,21 @@ class Case:
     """One layer's verify inputs for bs trees of N nodes, a state pool with the requests in
     shuffled slots, and the plain-torch outputs and per-node states."""
 
-    def __init__(self, parents, H, HV, K, V, gen, dtype=torch.float32, pool_dtype=torch.float32,
-                 pad_last=False, device="cpu", ref_dtype=torch.float32, k_std=1.0):  # fmt: skip
+    def __init__(
+        self,
+        parents,
+        H,
+        HV,
+        K,
+        V,
+        gen,
+        dtype=torch.float32,
+        pool_dtype=torch.float32,
+        pad_last=False,
+        device="cpu",
+        ref_dtype=torch.float32,
+        k_std=1.0,
+    ):
         bs, N = parents.shape
         T = bs * N
 
@@ -73,19 +88,39 @@ class Case:
             slots[-1] = -1  # a CUDA-graph padding request
         self.slots = slots.to(torch.int32).to(device)
         self.scratch_slots = torch.randperm(bs + 1, generator=gen)[:bs].to(torch.int32).to(device)
-        self.scratch = torch.full((bs + 1, scratch_floats(N, HV, K, V) + 5), float("nan"),
-                                  device=device)  # fmt: skip
+        self.scratch = torch.full(
+            (bs + 1, scratch_floats(N, HV, K, V) + 5), float("nan"), device=device
+        )
         g, beta = gdn_gating(self.A_log, self.a, self.b, self.dt_bias)
-        h0 = torch.stack([self.pool[s].float() if s >= 0 else torch.zeros_like(self.pool[0],
-                          dtype=torch.float32) for s in slots.tolist()])  # fmt: skip
+        h0 = torch.stack(
+            [
+                self.pool[s].float()
+                if s >= 0
+                else torch.zeros_like(self.pool[0], dtype=torch.float32)
+                for s in slots.tolist()
+            ]
+        )
         cpu = [x.cpu() for x in (self.q, self.k, self.v, g, beta, h0)]
-        self.o_ref, self.states = tree_verify_reference(*cpu, parents.cpu(), scale=K**-0.5,
-                                                        dtype=ref_dtype)  # fmt: skip
+        self.o_ref, self.states = tree_verify_reference(
+            *cpu, parents.cpu(), scale=K**-0.5, dtype=ref_dtype
+        )
 
     def verify(self, max_path, kernel=tree_verify):
-        return kernel(self.q, self.k, self.v, self.a, self.b, self.A_log, self.dt_bias,
-                      self.pool, self.slots, self.parents, self.scratch, self.scratch_slots,
-                      max_path=max_path)  # fmt: skip
+        return kernel(
+            self.q,
+            self.k,
+            self.v,
+            self.a,
+            self.b,
+            self.A_log,
+            self.dt_bias,
+            self.pool,
+            self.slots,
+            self.parents,
+            self.scratch,
+            self.scratch_slots,
+            max_path=max_path,
+        )
 
 
 # --- plain torch, no interpreter needed --------------------------------------------------------
@@ -223,13 +258,23 @@ def test_commit_replays_the_accepted_path_into_every_layer_and_the_track_slot(ke
     track_node = torch.tensor([mid[len(mid) // 2], -1, int(last[2])])
     free = [s for s in range(bs + 3) if s not in layers[0].slots.tolist()]
     track_idx = torch.tensor([free[0], free[1], free[2]], dtype=torch.int32)
-    commit_paths(pool, layers[0].slots, scratch, layers[0].scratch_slots, parents, last,
-                 max_path=N, track_idx=track_idx, track_node=track_node)  # fmt: skip
+    commit_paths(
+        pool,
+        layers[0].slots,
+        scratch,
+        layers[0].scratch_slots,
+        parents,
+        last,
+        max_path=N,
+        track_idx=track_idx,
+        track_node=track_node,
+    )
     for li in range(2):
         g, beta = gdn_gating(layers[li].A_log, layers[li].a, layers[li].b, layers[li].dt_bias)
         h0 = before[li][layers[0].slots.long()]
-        _, states = tree_verify_reference(layers[li].q, layers[li].k, layers[li].v, g, beta,
-                                          h0, parents, scale=K**-0.5)  # fmt: skip
+        _, states = tree_verify_reference(
+            layers[li].q, layers[li].k, layers[li].v, g, beta, h0, parents, scale=K**-0.5
+        )
         for b in range(bs):
             slot = int(layers[0].slots[b])
             if last[b] < 0:
@@ -263,9 +308,11 @@ def test_tree_verify_and_commit_equal_sglangs_own_verify_and_commit():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA")
-@pytest.mark.parametrize("kernel,N", [(tree_verify, 32), (chunk_tree_verify, 32),
-                                      (chunk_tree_verify, 64)], ids=["root_paths", "chunk32",
-                                                                     "chunk64"])  # fmt: skip
+@pytest.mark.parametrize(
+    "kernel,N",
+    [(tree_verify, 32), (chunk_tree_verify, 32), (chunk_tree_verify, 64)],
+    ids=["root_paths", "chunk32", "chunk64"],
+)
 def test_tree_verify_and_commit_on_gpu_at_qwen36_head_sizes(kernel, N):
     """bf16 inputs, tf32 products in the chunked form: o within bf16 tolerance of the float32
     recurrence; the commit (the exact recurrence from the scratch) within 1e-4."""
@@ -277,8 +324,9 @@ def test_tree_verify_and_commit_on_gpu_at_qwen36_head_sizes(kernel, N):
     torch.testing.assert_close(o.float().cpu(), case.o_ref, rtol=2e-2, atol=2e-2)
     last = torch.tensor([N - 1, N // 2], device="cuda")
     pool = case.pool[None]
-    commit_paths(pool, case.slots, case.scratch[None], case.scratch_slots, case.parents, last,
-                 max_path=block)  # fmt: skip
+    commit_paths(
+        pool, case.slots, case.scratch[None], case.scratch_slots, case.parents, last, max_path=block
+    )
     for b in range(bs):
         got = pool[0, int(case.slots[b])].cpu()
         torch.testing.assert_close(got, case.states[b, int(last[b])], rtol=1e-4, atol=1e-4)
@@ -298,9 +346,22 @@ def test_chunk_tree_verify_precision_on_gpu(N):
     scale = float(case.o_ref.abs().max())
     errors = {}
     for precision in ("split", "tf32", "ieee"):
-        o = chunk_tree_verify(case.q, case.k, case.v, case.a, case.b, case.A_log, case.dt_bias,
-                              case.pool, case.slots, case.parents, case.scratch,
-                              case.scratch_slots, max_path=16, precision=precision)  # fmt: skip
+        o = chunk_tree_verify(
+            case.q,
+            case.k,
+            case.v,
+            case.a,
+            case.b,
+            case.A_log,
+            case.dt_bias,
+            case.pool,
+            case.slots,
+            case.parents,
+            case.scratch,
+            case.scratch_slots,
+            max_path=16,
+            precision=precision,
+        )
         errors[precision] = float((o.double().cpu() - case.o_ref).abs().max()) / scale
     errors["root_paths"] = (
         float((case.verify(max_path=16).double().cpu() - case.o_ref).abs().max()) / scale
@@ -319,8 +380,9 @@ def test_chunk_and_root_paths_agree_in_bf16_at_the_binary_pairs_shapes():
     gen = torch.Generator().manual_seed(37)
     t = torch.arange(31)
     parents = ((t - 1) // 2).clamp(min=0).expand(2, 31).clone()
-    case = Case(parents, 1, 2, 128, 128, gen, dtype=torch.bfloat16, device="cuda",
-                ref_dtype=torch.float64)  # fmt: skip
+    case = Case(
+        parents, 1, 2, 128, 128, gen, dtype=torch.bfloat16, device="cuda", ref_dtype=torch.float64
+    )
     o_paths = case.verify(max_path=16).float().cpu()
     o_chunk = case.verify(max_path=16, kernel=chunk_tree_verify).float().cpu()
     step = 2**-8 * float(case.o_ref.abs().max())
@@ -337,8 +399,11 @@ def test_chunk_and_root_paths_agree_in_bf16_at_the_binary_pairs_shapes():
 def test_tree_verify_is_batch_invariant_on_gpu(kernel):
     """A request's outputs and scratch words are bit-identical alone (bs 1) and as request 3 of
     a batch of 8 (SGLang's deterministic mode asks this of every kernel in the round)."""
-    fn = {"root_paths": tree_verify, "chunk": chunk_tree_verify,
-          "chunk_tf32": partial(chunk_tree_verify, precision="tf32")}[kernel]  # fmt: skip
+    fn = {
+        "root_paths": tree_verify,
+        "chunk": chunk_tree_verify,
+        "chunk_tf32": partial(chunk_tree_verify, precision="tf32"),
+    }[kernel]
     gen = torch.Generator().manual_seed(31)
     bs, N, r = 8, 32, 3
     parents = builder_parents(bs, N, 16, gen)
@@ -346,15 +411,28 @@ def test_tree_verify_is_batch_invariant_on_gpu(kernel):
 
     def run(rows, slots, scratch_slots, par):
         scratch = torch.zeros_like(case.scratch)
-        o = fn(case.q[rows], case.k[rows], case.v[rows], case.a[rows], case.b[rows],
-               case.A_log, case.dt_bias, case.pool, slots, par, scratch, scratch_slots,
-               max_path=16)  # fmt: skip
+        o = fn(
+            case.q[rows],
+            case.k[rows],
+            case.v[rows],
+            case.a[rows],
+            case.b[rows],
+            case.A_log,
+            case.dt_bias,
+            case.pool,
+            slots,
+            par,
+            scratch,
+            scratch_slots,
+            max_path=16,
+        )
         return o, scratch
 
     o_all, scratch_all = run(slice(None), case.slots, case.scratch_slots, case.parents)
     rows = slice(r * N, (r + 1) * N)
-    o_one, scratch_one = run(rows, case.slots[r : r + 1], case.scratch_slots[r : r + 1],
-                             case.parents[r : r + 1])  # fmt: skip
+    o_one, scratch_one = run(
+        rows, case.slots[r : r + 1], case.scratch_slots[r : r + 1], case.parents[r : r + 1]
+    )
     assert torch.equal(o_one, o_all[rows])
     row = int(case.scratch_slots[r])
     assert torch.equal(scratch_one[row], scratch_all[row])
@@ -416,16 +494,19 @@ def test_hooks_commit_the_state_sglangs_own_tree_verify_and_commit_would(
     temporal = case.pool[None].clone()  # [L, S, HV, V, K]
     inter = torch.zeros((L, bs + 1, N, HV, V, K))  # SGLang: one row per request + padding
     kwargs = dict(
-        ssm_states=temporal[0], cache_indices=case.slots,
+        ssm_states=temporal[0],
+        cache_indices=case.slots,
         query_start_loc=torch.arange(0, T + 1, N, dtype=torch.int32),
         intermediate_states_buffer=inter[0],
-        intermediate_state_indices=torch.arange(bs, dtype=torch.int32), cache_steps=N,
+        intermediate_state_indices=torch.arange(bs, dtype=torch.int32),
+        cache_steps=N,
         retrieve_parent_token=parents,
-    )  # fmt: skip
+    )
     args = (case.A_log, case.dt_bias, case.q[None], case.k[None], case.v[None], case.a, case.b)
     kernel = TritonGDNKernel()
-    o_sglang = gdn.target_verify(gdn.GDNState(None), type(kernel).target_verify, kernel, *args,
-                                 **kwargs)  # fmt: skip
+    o_sglang = gdn.target_verify(
+        gdn.GDNState(None), type(kernel).target_verify, kernel, *args, **kwargs
+    )
     last = torch.tensor([N - 1, 3])
     expected = inter[0, torch.arange(bs), last].clone()  # what SGLang's commit copies
     track_node = torch.tensor([-1, root_path(parents, 1, 3)[1]])
@@ -442,23 +523,33 @@ def test_hooks_commit_the_state_sglangs_own_tree_verify_and_commit_would(
     # inputs [N, 3] (conv_tree's save_inputs) and the commit builds the windows from them
     conv0 = torch.randn(L, S, 3, 2, generator=gen)
     windows = torch.randn(L, bs + 1, N, 3, 2, generator=gen)
-    caches = MambaPool.SpeculativeState(conv=[conv0.clone()], temporal=temporal,
-                                        intermediate_ssm=scratch,
-                                        intermediate_conv_window=[windows])  # fmt: skip
+    caches = MambaPool.SpeculativeState(
+        conv=[conv0.clone()],
+        temporal=temporal,
+        intermediate_ssm=scratch,
+        intermediate_conv_window=[windows],
+    )
     o_ours = gdn.target_verify(state, None, None, *args, **kwargs)
     assert o_ours.shape == o_sglang.shape and o_ours.dtype == o_sglang.dtype
     assert (o_ours.float() - o_sglang.float()).abs().max() <= 2**-8
     scattered = []
-    monkeypatch.setattr(compat, "scatter_mamba_states_after_mtp_verify",
-                        lambda: lambda *a: scattered.append(a))  # fmt: skip
+    monkeypatch.setattr(
+        compat, "scatter_mamba_states_after_mtp_verify", lambda: lambda *a: scattered.append(a)
+    )
     meta = SimpleNamespace(retrieve_parent_token=parents, mamba_cache_indices=case.slots)
     # the scheduler names track slots virtually (a unified pool): the commit translates them, as
     # SGLang's own commit does (here virtual = physical + 100); the state slots come physical
-    pool = SimpleNamespace(get_speculative_mamba2_params_all_layers=lambda: caches,
-                           translate_mamba_indices=lambda i: torch.where(i >= 0, i - 100, i))  # fmt: skip
-    backend = SimpleNamespace(linear_attn_backend=SimpleNamespace(
-        forward_metadata=meta, req_to_token_pool=pool,
-        verify_intermediate_state_indices=torch.arange(bs + 1, dtype=torch.int32)))  # fmt: skip
+    pool = SimpleNamespace(
+        get_speculative_mamba2_params_all_layers=lambda: caches,
+        translate_mamba_indices=lambda i: torch.where(i >= 0, i - 100, i),
+    )
+    backend = SimpleNamespace(
+        linear_attn_backend=SimpleNamespace(
+            forward_metadata=meta,
+            req_to_token_pool=pool,
+            verify_intermediate_state_indices=torch.arange(bs + 1, dtype=torch.int32),
+        )
+    )
     free = next(s for s in range(S) if s not in case.slots.tolist())
     track_idx = torch.tensor([-1, free + 100], dtype=torch.int32)
     gdn.commit(state, None, backend, last, track_idx, track_node, model=None)
@@ -473,8 +564,9 @@ def test_hooks_commit_the_state_sglangs_own_tree_verify_and_commit_would(
     if compact:  # the windows from the stored inputs (conv_tree.commit_windows), no scatter
         assert not scattered
         inter_rows = backend.linear_attn_backend.verify_intermediate_state_indices
-        for b, (slot, node) in enumerate([*zip(case.slots.tolist(), last.tolist(), strict=True),
-                                          (free, int(track_node[1]))]):  # fmt: skip
+        for b, (slot, node) in enumerate(
+            [*zip(case.slots.tolist(), last.tolist(), strict=True), (free, int(track_node[1]))]
+        ):
             b = min(b, bs - 1)  # the track slot is request 1's
             inputs = windows[0, int(inter_rows[b])].reshape(-1)[: N * 3].view(N, 3)
             history = conv0[0, int(case.slots[b])]
@@ -502,14 +594,19 @@ def test_gdn_switch_and_an_unsupported_pool_name_the_fix(monkeypatch):
     # a pool whose K is not contiguous (a transposed layout): a clear error, not wrong numbers
     bs, N, H, HV, K, V = 1, 4, 1, 2, 8, 8
     pool = torch.zeros(2, HV, K, V).transpose(-1, -2)
-    kwargs = dict(ssm_states=pool, cache_indices=torch.zeros(1, dtype=torch.int32),
-                  query_start_loc=None, cache_steps=N,
-                  retrieve_parent_token=torch.tensor([[0, 0, 1, 1]]),
-                  intermediate_states_buffer=torch.zeros(2, N, HV, V, K),
-                  intermediate_state_indices=torch.zeros(1, dtype=torch.int32))  # fmt: skip
+    kwargs = dict(
+        ssm_states=pool,
+        cache_indices=torch.zeros(1, dtype=torch.int32),
+        query_start_loc=None,
+        cache_steps=N,
+        retrieve_parent_token=torch.tensor([[0, 0, 1, 1]]),
+        intermediate_states_buffer=torch.zeros(2, N, HV, V, K),
+        intermediate_state_indices=torch.zeros(1, dtype=torch.int32),
+    )
     q = torch.zeros(1, bs * N, H, K)
     v = torch.zeros(1, bs * N, HV, V)
     ab = torch.zeros(bs * N, HV)
     with pytest.raises(RuntimeError, match="SGLANG_DDTREE_GDN=sglang"):
-        gdn.target_verify(state, None, None, torch.zeros(HV), torch.zeros(HV), q, q, v, ab, ab,
-                          **kwargs)  # fmt: skip
+        gdn.target_verify(
+            state, None, None, torch.zeros(HV), torch.zeros(HV), q, q, v, ab, ab, **kwargs
+        )

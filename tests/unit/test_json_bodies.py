@@ -35,8 +35,9 @@ def _app() -> Starlette:
 
 @pytest.mark.parametrize("body", [b"[1, 2, 3]", b"  \n 5", b'"text"', b"null", b"true"])
 def test_a_body_that_is_not_an_object_gets_a_400(body):
-    r = TestClient(_app()).post("/v1/chat/completions", content=body,
-                                headers={"content-type": "application/json"})  # fmt: skip
+    r = TestClient(_app()).post(
+        "/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+    )
     assert r.status_code == 400
     assert r.json()["code"] == 400 and "must be a JSON object" in r.json()["message"]
 
@@ -141,8 +142,13 @@ def test_the_hook_targets_sglangs_tokenizer_manager():
     if spec is None:
         pytest.skip("sglang is not installed")
     tree = ast.parse(open(spec.origin).read())
-    init = next(f for c in tree.body if isinstance(c, ast.ClassDef) and c.name == cls
-                for f in c.body if isinstance(f, ast.FunctionDef) and f.name == method)  # fmt: skip
+    init = next(
+        f
+        for c in tree.body
+        if isinstance(c, ast.ClassDef) and c.name == cls
+        for f in c.body
+        if isinstance(f, ast.FunctionDef) and f.name == method
+    )
     assert [a.arg for a in init.args.args][:3] == ["self", "server_args", "port_args"]
     http = importlib.util.find_spec(compat.HTTP_SERVER_MODULE)
     assert f"\n{compat.HTTP_APP} = FastAPI(" in open(http.origin).read()
@@ -179,12 +185,18 @@ def _vertex_app():
     return TestClient(app)
 
 
-@pytest.mark.parametrize("parameters,words", [
-    ({"return_logprob": True, "top_logprobs_num": 2.0}, "floating point `2.0`"),
-    ({"return_logprob": True, "logprob_start_len": 1.0}, "floating point `1.0`"),
-    ({"return_routed_experts": True, "routed_experts_start_len": "x"}, 'string "x"'),
-    ({"sampling_params": {"is_normalized": True, "temperature": 0}}, "unknown field `is_normalized`"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "parameters,words",
+    [
+        ({"return_logprob": True, "top_logprobs_num": 2.0}, "floating point `2.0`"),
+        ({"return_logprob": True, "logprob_start_len": 1.0}, "floating point `1.0`"),
+        ({"return_routed_experts": True, "routed_experts_start_len": "x"}, 'string "x"'),
+        (
+            {"sampling_params": {"is_normalized": True, "temperature": 0}},
+            "unknown field `is_normalized`",
+        ),
+    ],
+)
 def test_a_vertex_body_gets_sglangs_generate_contract(parameters, words):
     """SGLang builds the Vertex request from `parameters` untyped: each of these reached the
     scheduler and raised there (a float k in torch.topk, a string compared with an int, ...)."""
@@ -200,14 +212,23 @@ def test_a_vertex_body_gets_sglangs_generate_contract(parameters, words):
 def test_a_good_vertex_body_and_one_sglang_answers_itself_reach_the_app():
     pytest.importorskip("sglang")
     client = _vertex_app()
-    for body in ({"instances": [{"text": "hi"}, {"text": "yo"}], "parameters": {"top_logprobs_num": 2,
-                  "return_logprob": True, "sampling_params": {"max_new_tokens": 8}}},
-                 {"instances": "not a list"}, {"instances": []}):  # fmt: skip
+    for body in (
+        {
+            "instances": [{"text": "hi"}, {"text": "yo"}],
+            "parameters": {
+                "top_logprobs_num": 2,
+                "return_logprob": True,
+                "sampling_params": {"max_new_tokens": 8},
+            },
+        },
+        {"instances": "not a list"},
+        {"instances": []},
+    ):
         r = client.post("/vertex_generate", json=body)
         assert r.status_code == 200 and json.loads(r.json()["got"]) == body
-    assert json_bodies.vertex_as_generate(b'{"instances": [{"input_ids": [1]}, {"input_ids": [2]}],'
-                                          b' "parameters": {"stream": true}}') == {
-        "input_ids": [[1], [2]], "stream": True}  # fmt: skip
+    assert json_bodies.vertex_as_generate(
+        b'{"instances": [{"input_ids": [1]}, {"input_ids": [2]}], "parameters": {"stream": true}}'
+    ) == {"input_ids": [[1], [2]], "stream": True}
 
 
 def test_the_body_bound_is_the_readmes():

@@ -35,19 +35,26 @@ def _written(vis: torch.Tensor, seq: torch.Tensor) -> torch.Tensor:
 @interpreter_only
 @pytest.mark.parametrize(
     "seq,N,padded",
-    [([5, 1, 17], 5, 0), ([1], 4, 0), ([8, 8], 16, 0), ([3, 30, 2, 7], 7, 0),
-     ([37, 5, 120], 16, 0), ([3, 1021], 4, 0), ([9, 2, 31, 1, 1], 8, 2)],
-)  # fmt: skip
+    [
+        ([5, 1, 17], 5, 0),
+        ([1], 4, 0),
+        ([8, 8], 16, 0),
+        ([3, 30, 2, 7], 7, 0),
+        ([37, 5, 120], 16, 0),
+        ([3, 1021], 4, 0),
+        ([9, 2, 31, 1, 1], 8, 2),
+    ],
+)
 def test_the_tree_packer_gives_the_bytes_of_the_written_mask(seq, N, padded):
     from sglang_ddtree.integration import mask_pack
 
     seq = torch.tensor(seq)
     vis = _tree(len(seq) - padded, N, seed=N)
     plan = verify_plan.host_plan(seq, N)
-    want = verify_plan.pack_at_bit_offsets(_written(vis, seq), plan.mask_starts, plan.total_bits,
-                                           plan.packed_bytes)  # fmt: skip
-    got = mask_pack.pack_tree_mask(vis, plan.mask_starts, plan.total_bits,
-                                   plan.max_request_bits)  # fmt: skip
+    want = verify_plan.pack_at_bit_offsets(
+        _written(vis, seq), plan.mask_starts, plan.total_bits, plan.packed_bytes
+    )
+    got = mask_pack.pack_tree_mask(vis, plan.mask_starts, plan.total_bits, plan.max_request_bits)
     assert torch.equal(got, want)
 
 
@@ -59,8 +66,9 @@ def test_the_tree_packer_reads_a_truncated_trees_view():
     vis = wide[:, :N, :N]  # tree.budget.truncate's visibility: a strided view
     assert not vis.is_contiguous()
     plan = verify_plan.host_plan(seq, N)
-    want = verify_plan.pack_at_bit_offsets(_written(vis.contiguous(), seq), plan.mask_starts,
-                                           plan.total_bits, plan.packed_bytes)  # fmt: skip
+    want = verify_plan.pack_at_bit_offsets(
+        _written(vis.contiguous(), seq), plan.mask_starts, plan.total_bits, plan.packed_bytes
+    )
     got = mask_pack.pack_tree_mask(vis, plan.mask_starts, plan.total_bits, plan.max_request_bits)
     assert torch.equal(got, want)
 
@@ -70,9 +78,22 @@ class _Wrapper:
         self.kw = kw
 
 
-def _sglang_call(updater, wrapper_ragged, wrapper_paged, req_pool_indices, paged_kernel_lens,
-                 paged_kernel_lens_sum, seq_lens, prefix_lens, kv_start_idx, kv_indptr,
-                 qo_indptr, use_ragged, spec_info, **kwargs):  # fmt: skip
+def _sglang_call(
+    updater,
+    wrapper_ragged,
+    wrapper_paged,
+    req_pool_indices,
+    paged_kernel_lens,
+    paged_kernel_lens_sum,
+    seq_lens,
+    prefix_lens,
+    kv_start_idx,
+    kv_indptr,
+    qo_indptr,
+    use_ragged,
+    spec_info,
+    **kwargs,
+):
     """SGLang's call_begin_forward, reduced to what reaches the wrapper: the unpacked mask."""
     wrapper_paged.begin_forward("qo", "kv", "kv_indices", "last", custom_mask=spec_info.custom_mask)
     return spec_info.custom_mask.clone()  # what SGLang's plan would have read
@@ -85,9 +106,17 @@ def _unwritten_verify(seq: torch.Tensor, N: int):
     bs = len(seq)
     vis = _tree(bs, N, seed=7)
     links = torch.full((bs, N), -1, dtype=torch.int64)
-    info = make_verify_input(DDTreeConfig(block_size=4, num_nodes=N, topk=2),
-                             torch.zeros(bs, N, dtype=torch.int64), torch.zeros(bs, N, dtype=torch.int64),
-                             links, links, vis, seq, int(seq.sum()), write_mask=False)  # fmt: skip
+    info = make_verify_input(
+        DDTreeConfig(block_size=4, num_nodes=N, topk=2),
+        torch.zeros(bs, N, dtype=torch.int64),
+        torch.zeros(bs, N, dtype=torch.int64),
+        links,
+        links,
+        vis,
+        seq,
+        int(seq.sum()),
+        write_mask=False,
+    )
     return info, vis
 
 
@@ -103,8 +132,24 @@ def _plan_call(runtime, info, seq, seq_lens_cpu):
     from sglang_ddtree.integration.verify_plan import call_begin_forward
 
     wrapper = _Wrapper()
-    out = call_begin_forward(runtime, _sglang_call, "updater", None, wrapper, None, seq, int(seq.sum()),
-                             seq, None, None, None, None, False, info, seq_lens_cpu=seq_lens_cpu)  # fmt: skip
+    out = call_begin_forward(
+        runtime,
+        _sglang_call,
+        "updater",
+        None,
+        wrapper,
+        None,
+        seq,
+        int(seq.sum()),
+        seq,
+        None,
+        None,
+        None,
+        None,
+        False,
+        info,
+        seq_lens_cpu=seq_lens_cpu,
+    )
     return out, wrapper.kw
 
 
@@ -116,8 +161,9 @@ def test_the_plan_packs_an_unwritten_mask_from_the_tree(monkeypatch):
     assert not info.tree_mask_written and verify_plan.packs_from_tree(runtime.options)
     _, kw = _plan_call(runtime, info, seq, seq.clone())
     plan = verify_plan.host_plan(seq, N)
-    want = verify_plan.pack_at_bit_offsets(_written(vis, seq), plan.mask_starts, plan.total_bits,
-                                           plan.packed_bytes)  # fmt: skip
+    want = verify_plan.pack_at_bit_offsets(
+        _written(vis, seq), plan.mask_starts, plan.total_bits, plan.packed_bytes
+    )
     assert "custom_mask" not in kw and torch.equal(kw["packed_custom_mask"], want)
     assert not info.tree_mask_written  # never needed
     assert info.custom_mask.numel() == 0  # the packed mask is the round's one mask-sized buffer
@@ -146,10 +192,12 @@ def test_the_tree_packer_gives_the_bytes_of_the_written_mask_on_the_gpu():
         seq = torch.tensor(seq)
         vis = _tree(len(seq) - 1, N, seed=N)  # the last request a graph's padding
         plan = verify_plan.host_plan(seq, N)
-        want = verify_plan.pack_at_bit_offsets(_written(vis, seq), plan.mask_starts,
-                                               plan.total_bits, plan.packed_bytes)  # fmt: skip
-        got = mask_pack.pack_tree_mask(vis.cuda(), plan.mask_starts.cuda(), plan.total_bits,
-                                       plan.max_request_bits)  # fmt: skip
+        want = verify_plan.pack_at_bit_offsets(
+            _written(vis, seq), plan.mask_starts, plan.total_bits, plan.packed_bytes
+        )
+        got = mask_pack.pack_tree_mask(
+            vis.cuda(), plan.mask_starts.cuda(), plan.total_bits, plan.max_request_bits
+        )
         assert torch.equal(got.cpu(), want), (seq, N)
 
 
@@ -158,12 +206,23 @@ def _attn_arg_kwargs(pools, seq, req_to_token) -> dict:
     round's KV plan over a static pool (its translator reads req_to_token as it is)."""
     from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
 
-    translator = KVIndexTranslator(req_to_token=req_to_token, token_to_kv_pool_allocator=None,
-                                   token_to_kv_pool=None, page_size=1, device="cpu")  # fmt: skip
-    plan = translator.plan(req_pool_indices=pools, seq_lens=seq, seq_lens_cpu=seq,
-                           write_virtual=None)  # fmt: skip
-    return dict(req_pool_indices=pools, paged_kernel_lens=seq,
-                paged_kernel_lens_sum=int(seq.sum()), translator=translator, plan=plan)  # fmt: skip
+    translator = KVIndexTranslator(
+        req_to_token=req_to_token,
+        token_to_kv_pool_allocator=None,
+        token_to_kv_pool=None,
+        page_size=1,
+        device="cpu",
+    )
+    plan = translator.plan(
+        req_pool_indices=pools, seq_lens=seq, seq_lens_cpu=seq, write_virtual=None
+    )
+    return dict(
+        req_pool_indices=pools,
+        paged_kernel_lens=seq,
+        paged_kernel_lens_sum=int(seq.sum()),
+        translator=translator,
+        plan=plan,
+    )
 
 
 @interpreter_only
@@ -206,13 +265,45 @@ def test_the_plan_stages_its_lengths_for_its_own_call_only(monkeypatch):
 
     from sglang_ddtree.integration.verify_plan import call_begin_forward
 
-    call_begin_forward(runtime, sglang, "updater", None, _Wrapper(), None, seq, int(seq.sum()), seq, None,
-                       None, None, None, False, info, seq_lens_cpu=seq.clone())  # fmt: skip
+    call_begin_forward(
+        runtime,
+        sglang,
+        "updater",
+        None,
+        _Wrapper(),
+        None,
+        seq,
+        int(seq.sum()),
+        seq,
+        None,
+        None,
+        None,
+        None,
+        False,
+        info,
+        seq_lens_cpu=seq.clone(),
+    )
     kv_lens, kv_indptr, qo, total = seen[0]
     assert kv_lens.tolist() == (seq + N).tolist() and kv_indptr.tolist() == [0, 10, 16, 31]
     assert total == 31
     assert torch.equal(qo, verify_plan.host_plan(seq, N).qo_indptr)
     assert info.staged_attn_args is None  # cleared after the call
-    call_begin_forward(runtime, sglang, "updater", None, _Wrapper(), None, seq, int(seq.sum()), seq, None,
-                       None, None, None, False, info, seq_lens_cpu=None)  # fmt: skip
+    call_begin_forward(
+        runtime,
+        sglang,
+        "updater",
+        None,
+        _Wrapper(),
+        None,
+        seq,
+        int(seq.sum()),
+        seq,
+        None,
+        None,
+        None,
+        None,
+        False,
+        info,
+        seq_lens_cpu=None,
+    )
     assert seen[1] is None  # SGLang's plan: nothing staged

@@ -49,8 +49,9 @@ def test_every_node_gets_the_penalties_of_its_own_path(repeats):
     f, p = torch.tensor([0.5, 0.0, 1.2]), torch.tensor([0.3, 0.7, 0.0])
     r = torch.tensor([1.3, 1.0, 0.8])
     got = penalize_tree(logits, tree.tokens, tree.visibility, counts, f, p, r, seen=seen)
-    torch.testing.assert_close(got, _per_node(logits, tree, counts, seen, f, p, r), rtol=0,
-                               atol=1e-6)  # fmt: skip
+    torch.testing.assert_close(
+        got, _per_node(logits, tree, counts, seen, f, p, r), rtol=0, atol=1e-6
+    )
     # the root's row sees the shared counts only: SGLang's own penalty for the chain's first step
     shared = penalize(logits[:, 0], counts.float(), seen, f[:, None], p[:, None], r[:, None])
     torch.testing.assert_close(got[:, 0], shared, rtol=0, atol=1e-6)
@@ -61,8 +62,9 @@ def test_no_penalty_leaves_the_logits_alone():
     tree = _trees(2, 12, 50, gen)
     logits = torch.randn(2, 12, 50, generator=gen)
     counts = torch.randint(0, 4, (2, 50), generator=gen)
-    off = penalize_tree(logits, tree.tokens, tree.visibility, counts, torch.zeros(2),
-                        torch.zeros(2), torch.ones(2))  # fmt: skip
+    off = penalize_tree(
+        logits, tree.tokens, tree.visibility, counts, torch.zeros(2), torch.zeros(2), torch.ones(2)
+    )
     assert torch.equal(off, logits)
 
 
@@ -70,8 +72,9 @@ def test_eos_is_blocked_per_node_until_min_tokens():
     """A node at depth d follows output_len + d tokens: EOS is blocked below min_tokens."""
     logits = torch.zeros(2, 4, 10)
     depth = torch.tensor([[0, 1, 2, 3], [0, 1, 1, 2]])
-    out = suppress_eos_before_min_tokens(logits, depth, torch.tensor([5, 1]), torch.tensor([7, 1]),
-                                         torch.tensor([9, 2]))  # fmt: skip
+    out = suppress_eos_before_min_tokens(
+        logits, depth, torch.tensor([5, 1]), torch.tensor([7, 1]), torch.tensor([9, 2])
+    )
     blocked = torch.isinf(out[..., 9])
     assert blocked.tolist() == [[True, True, False, False], [False, False, False, False]]
     assert torch.equal(torch.isinf(out[..., 2]), blocked) and not torch.isinf(out[..., :2]).any()
@@ -90,20 +93,36 @@ def test_one_position_is_penalised_as_sglangs_own_penalizers_do():
     gen = torch.Generator().manual_seed(5)
     V, eos = 23, 3
     params = [(0.4, 0.3, 1.3, 0), (-0.2, 0.5, 0.8, 9), (0.0, 0.0, 1.0, 0)]
-    reqs = [SimpleNamespace(sampling_params=SimpleNamespace(
-        frequency_penalty=f, presence_penalty=p, repetition_penalty=r, min_new_tokens=m,
-        stop_token_ids=None), eos_token_ids=None,
-        tokenizer=SimpleNamespace(additional_stop_token_ids=None, eos_token_id=eos))
-        for f, p, r, m in params]  # fmt: skip
+    reqs = [
+        SimpleNamespace(
+            sampling_params=SimpleNamespace(
+                frequency_penalty=f,
+                presence_penalty=p,
+                repetition_penalty=r,
+                min_new_tokens=m,
+                stop_token_ids=None,
+            ),
+            eos_token_ids=None,
+            tokenizer=SimpleNamespace(additional_stop_token_ids=None, eos_token_id=eos),
+        )
+        for f, p, r, m in params
+    ]
 
     class Batch:  # the orchestrator keeps a weak reference to its batch
         device = "cpu"
 
     batch = Batch()
     batch.reqs = reqs
-    orch = penaltylib.BatchedPenalizerOrchestrator(V, batch, {
-        penaltylib.BatchedFrequencyPenalizer, penaltylib.BatchedMinNewTokensPenalizer,
-        penaltylib.BatchedPresencePenalizer, penaltylib.BatchedRepetitionPenalizer})  # fmt: skip
+    orch = penaltylib.BatchedPenalizerOrchestrator(
+        V,
+        batch,
+        {
+            penaltylib.BatchedFrequencyPenalizer,
+            penaltylib.BatchedMinNewTokensPenalizer,
+            penaltylib.BatchedPresencePenalizer,
+            penaltylib.BatchedRepetitionPenalizer,
+        },
+    )
     outputs = torch.randint(0, V, (5, len(reqs)), generator=gen)
     outputs[1] = outputs[0]  # some tokens twice
     counts = torch.zeros(len(reqs), V)
@@ -119,8 +138,12 @@ def test_one_position_is_penalised_as_sglangs_own_penalizers_do():
     f, p, r = (torch.tensor([x[i] for x in params]) for i in range(3))
     ours = penalize(logits, counts, counts > 0, f[:, None], p[:, None], r[:, None])
     ours = suppress_eos_before_min_tokens(
-        ours[:, None], torch.zeros(len(reqs), 1, dtype=torch.long), torch.full((3,), 5),
-        torch.tensor([x[3] for x in params]), torch.tensor([eos]))[:, 0]  # fmt: skip
+        ours[:, None],
+        torch.zeros(len(reqs), 1, dtype=torch.long),
+        torch.full((3,), 5),
+        torch.tensor([x[3] for x in params]),
+        torch.tensor([eos]),
+    )[:, 0]
     torch.testing.assert_close(ours, sglang, rtol=1e-6, atol=1e-6)
 
 
@@ -143,8 +166,9 @@ def test_the_in_place_tree_penalties_are_penalize_tree(monkeypatch):
     # a temporary budget below the batch: a request or two at a time, the same bits
     per_request = N * V * 5
     for budget in (1, per_request, 2 * per_request + 1):
-        chunked = penalize_tree_(logits.clone(), tree.tokens, tree.visibility, counts, f, p, r,
-                                 temp_bytes=budget)  # fmt: skip
+        chunked = penalize_tree_(
+            logits.clone(), tree.tokens, tree.visibility, counts, f, p, r, temp_bytes=budget
+        )
         assert torch.equal(chunked, got), budget
     from sglang_ddtree.tree import penalties as module
 
@@ -155,6 +179,7 @@ def test_the_in_place_tree_penalties_are_penalize_tree(monkeypatch):
         return penalize_tree_(x, *args, **kwargs)
 
     monkeypatch.setattr(module, "penalize_tree_", counted)  # the chunks' own calls
-    penalize_tree_(logits.clone(), tree.tokens, tree.visibility, counts, f, p, r,
-                   temp_bytes=2 * per_request)  # fmt: skip
+    penalize_tree_(
+        logits.clone(), tree.tokens, tree.visibility, counts, f, p, r, temp_bytes=2 * per_request
+    )
     assert sizes == [2, 1]

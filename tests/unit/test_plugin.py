@@ -184,11 +184,13 @@ def test_explicit_flags_are_kept(draft_dir):
         (dict(speculative_num_draft_tokens=4096), "exceeds"),
         (dict(speculative_dflash_block_size=8), "block_size 16"),
         (dict(speculative_num_draft_tokens="many"), "must be an integer"),
-        (dict(enable_two_batch_overlap=True), "DDTREE does not support "
-         "--enable-two-batch-overlap (SGLang splits a verify batch"),
+        (
+            dict(enable_two_batch_overlap=True),
+            "DDTREE does not support --enable-two-batch-overlap (SGLang splits a verify batch",
+        ),
         (dict(enable_pdmux=True), "--enable-pdmux; set SGLANG_DDTREE_WIDTH=fixed"),
     ],
-)  # fmt: skip
+)
 def test_unsupported_flags_name_the_flag_and_fix(draft_dir, overrides, words):
     with pytest.raises(DDTreeConfigError) as err:
         spec.validate_server_args(_server_args(draft_dir, **overrides))
@@ -276,11 +278,12 @@ def test_front_end_rejects_what_ddtree_cannot_serve_exactly(request_kwargs, word
 
 
 def test_up_to_128_samples_per_request_pass_and_token_ids_outside_the_vocabulary_do_not():
-    assert hooks.RequestCheck()(_tokenizer_manager("DDTREE"),
-                                     _request(max_new_tokens=8, n=128), [1]) is None  # fmt: skip
+    assert (
+        hooks.RequestCheck()(_tokenizer_manager("DDTREE"), _request(max_new_tokens=8, n=128), [1])
+        is None
+    )
     with pytest.raises(ValueError, match="token id -7, outside"):  # embedding row -7: a crash
-        hooks.RequestCheck()(_tokenizer_manager("DDTREE"), _request(max_new_tokens=8),
-                                  [1, -7, 3])  # fmt: skip
+        hooks.RequestCheck()(_tokenizer_manager("DDTREE"), _request(max_new_tokens=8), [1, -7, 3])
     manager = _tokenizer_manager("DDTREE")
     manager.model_config = types.SimpleNamespace(vocab_size=100)
     with pytest.raises(ValueError, match=r"token id 100, outside the vocabulary \[0, 100\)"):
@@ -293,8 +296,9 @@ def test_logprobs_and_penalties_are_served_by_default(monkeypatch):
     """Logprob requests always pass the front end; penalty requests too unless
     SGLANG_DDTREE_PENALTIES=0 (its default is 1 since its GPU tests passed)."""
     monkeypatch.delenv("SGLANG_DDTREE_PENALTIES", raising=False)
-    asked = _request(logprob=True, max_new_tokens=8, frequency_penalty=0.5, min_new_tokens=2,
-                     min_p=0.1)  # fmt: skip
+    asked = _request(
+        logprob=True, max_new_tokens=8, frequency_penalty=0.5, min_new_tokens=2, min_p=0.1
+    )
     assert hooks.RequestCheck()(_tokenizer_manager("DDTREE"), asked, [1]) is None
 
 
@@ -305,8 +309,9 @@ def test_logprobs_are_served_with_penalties_switched_off(monkeypatch):
     asked = _request(logprob=True, max_new_tokens=8)
     assert hooks.RequestCheck()(_tokenizer_manager("DDTREE"), asked, [1]) is None
     with pytest.raises(ValueError, match="min_p=0.1"):
-        hooks.RequestCheck()(_tokenizer_manager("DDTREE"),
-                             _request(logprob=True, max_new_tokens=8, min_p=0.1), [1])  # fmt: skip
+        hooks.RequestCheck()(
+            _tokenizer_manager("DDTREE"), _request(logprob=True, max_new_tokens=8, min_p=0.1), [1]
+        )
 
 
 def test_the_package_parses_the_eight_switches_and_refuses_the_retired(monkeypatch):
@@ -333,16 +338,28 @@ def test_the_package_parses_the_eight_switches_and_refuses_the_retired(monkeypat
     parsed = {name for name in read if name.startswith("SGLANG_DDTREE_")} - retired
     assert len(config.SWITCHES) == 8 and parsed == set(config.SWITCHES)
     source = pathlib.Path(config.__file__).parent
-    named = {m for f in source.rglob("*.py") for m in re.findall(r"SGLANG_DDTREE_[A-Z_]*[A-Z]",
-                                                                  f.read_text())}  # fmt: skip
+    named = {
+        m
+        for f in source.rglob("*.py")
+        for m in re.findall(r"SGLANG_DDTREE_[A-Z_]*[A-Z]", f.read_text())
+    }
     assert named <= set(config.SWITCHES) | retired, named - set(config.SWITCHES) - retired
 
 
-@pytest.mark.parametrize("name", ["SGLANG_DDTREE_TREE_BUILDER", "SGLANG_DDTREE_SYNC_CHECK",
-                                  "SGLANG_DDTREE_GDN_VERIFY", "SGLANG_DDTREE_GDN_PRECISION",
-                                  "SGLANG_DDTREE_CONV", "SGLANG_DDTREE_GDN_SCRATCH",
-                                  "SGLANG_DDTREE_LOGPROBS", "SGLANG_DDTREE_MASK_PACK",
-                                  "SGLANG_DDTREE_ACCEPT_PATH"])  # fmt: skip
+@pytest.mark.parametrize(
+    "name",
+    [
+        "SGLANG_DDTREE_TREE_BUILDER",
+        "SGLANG_DDTREE_SYNC_CHECK",
+        "SGLANG_DDTREE_GDN_VERIFY",
+        "SGLANG_DDTREE_GDN_PRECISION",
+        "SGLANG_DDTREE_CONV",
+        "SGLANG_DDTREE_GDN_SCRATCH",
+        "SGLANG_DDTREE_LOGPROBS",
+        "SGLANG_DDTREE_MASK_PACK",
+        "SGLANG_DDTREE_ACCEPT_PATH",
+    ],
+)
 def test_a_retired_switch_is_refused_by_name(monkeypatch, name):
     """A server does not start with a retired switch set, whatever its value (silently ignoring
     it would mislead); the message names it and what replaced it."""
@@ -358,21 +375,32 @@ def test_penalties_are_refused_when_switched_off(monkeypatch):
     min_new_tokens and min_p through (integration/penalties.py applies them per node); the other
     refusals stay; without it each refusal names the switch."""
     monkeypatch.setenv("SGLANG_DDTREE_PENALTIES", "1")
-    asked = _request(max_new_tokens=8, frequency_penalty=0.5, presence_penalty=0.2,
-                     repetition_penalty=1.3, min_new_tokens=4, min_p=0.1)  # fmt: skip
+    asked = _request(
+        max_new_tokens=8,
+        frequency_penalty=0.5,
+        presence_penalty=0.2,
+        repetition_penalty=1.3,
+        min_new_tokens=4,
+        min_p=0.1,
+    )
     assert hooks.RequestCheck()(_tokenizer_manager("DDTREE"), asked, [1]) is None
     with pytest.raises(ValueError, match="at least 1"):
-        hooks.RequestCheck()(_tokenizer_manager("DDTREE"),
-                                  _request(max_new_tokens=0, min_p=0.1), [1])  # fmt: skip
-    deterministic = types.SimpleNamespace(server_args=types.SimpleNamespace(
-        speculative_algorithm="DDTREE", enable_deterministic_inference=True))  # fmt: skip
+        hooks.RequestCheck()(
+            _tokenizer_manager("DDTREE"), _request(max_new_tokens=0, min_p=0.1), [1]
+        )
+    deterministic = types.SimpleNamespace(
+        server_args=types.SimpleNamespace(
+            speculative_algorithm="DDTREE", enable_deterministic_inference=True
+        )
+    )
     with pytest.raises(ValueError, match="min_p=0.1 cannot be served with --enable-determ"):
         hooks.RequestCheck()(deterministic, _request(max_new_tokens=8, min_p=0.1), [1])
     monkeypatch.setenv("SGLANG_DDTREE_PENALTIES", "0")
     for name in ("frequency_penalty", "min_p"):
         with pytest.raises(ValueError, match=f"{name}=.*SGLANG_DDTREE_PENALTIES=1"):
-            hooks.RequestCheck()(_tokenizer_manager("DDTREE"),
-                                      _request(max_new_tokens=8, **{name: 0.1}), [1])  # fmt: skip
+            hooks.RequestCheck()(
+                _tokenizer_manager("DDTREE"), _request(max_new_tokens=8, **{name: 0.1}), [1]
+            )
 
 
 def test_front_end_accepts_plain_requests_and_other_algorithms():
@@ -404,8 +432,7 @@ def test_dummy_inputs_have_the_right_width_and_fields(registered, monkeypatch):
     assert target.retrieve_next_token is None  # GDN reads the attribute: it must exist
     assert target.max_tree_depth == 16 and target.topk == 4
     sentinel = object()
-    other = hooks._dummy_verify_input(cfg, lambda *a: sentinel, SpeculativeAlgorithm.EAGLE, 0, 0,
-                                      0)  # fmt: skip
+    other = hooks._dummy_verify_input(cfg, lambda *a: sentinel, SpeculativeAlgorithm.EAGLE, 0, 0, 0)
     assert other is sentinel
     # the hook takes SGLang's create_dummy_verify_input's parameters
     from sglang.srt.speculative import spec_info as spec_info_mod
@@ -457,8 +484,13 @@ def test_the_runtime_hooks_are_installed_once_per_process(monkeypatch):
 
     runtime = Runtime.create(Options(), spec.DDTreeConfig(block_size=16, num_nodes=32, topk=8))
     earlier = functools.partial(gdn.target_verify, runtime.gdn)
-    monkeypatch.setattr(HookRegistry, "_hooks", collections.defaultdict(
-        list, {compat.GDN_TARGET_VERIFY: [(HookType.AROUND, earlier, None)]}))  # fmt: skip
+    monkeypatch.setattr(
+        HookRegistry,
+        "_hooks",
+        collections.defaultdict(
+            list, {compat.GDN_TARGET_VERIFY: [(HookType.AROUND, earlier, None)]}
+        ),
+    )
     assert compat.hook_registered(compat.GDN_TARGET_VERIFY, gdn.target_verify)
     with pytest.raises(RuntimeError, match="already installed in this process"):
         hooks.install_runtime_hooks(runtime)
@@ -500,9 +532,15 @@ def test_verify_input_carries_the_tree_in_eagle_layout():
     tree = build_tree(torch.tensor([7, 8]), ids, lps, cfg.budget)
     seq_lens = torch.tensor([5, 11])
     v = make_verify_input(
-        cfg, tree.tokens, tree.depth, tree.first_child, tree.next_sibling, tree.visibility,
-        seq_lens, seq_lens_sum=40,  # an over-estimate is allowed
-    )  # fmt: skip
+        cfg,
+        tree.tokens,
+        tree.depth,
+        tree.first_child,
+        tree.next_sibling,
+        tree.visibility,
+        seq_lens,
+        seq_lens_sum=40,  # an over-estimate is allowed
+    )
     assert v.spec_input_type == SpecInputType.EAGLE_VERIFY and v.is_verify_input()
     assert v.draft_token_num == v.num_tokens_per_req == 9 and v.max_tree_depth == 5
     assert torch.equal(v.draft_token, tree.tokens.reshape(-1))
@@ -548,12 +586,20 @@ def test_the_prefill_is_dflashs_and_serves_logprobs(monkeypatch):
     w.selector = w.lilicorr = None
     w._warned_sampling_fallback = True
     batch = types.SimpleNamespace(
-        return_logprob=True, sampling_info=None, is_extend_in_batch=True,
+        return_logprob=True,
+        sampling_info=None,
+        is_extend_in_batch=True,
         forward_mode=types.SimpleNamespace(is_extend=lambda: True, is_idle=lambda: False),
-        reqs=[], extend_lens=[1], prefix_lens=[0],
-    )  # fmt: skip
-    monkeypatch.setattr(worker_mod.DFlashWorkerV2, "_wait_for_fused_hicache_load",
-                        lambda self, b: None, raising=False)  # fmt: skip
+        reqs=[],
+        extend_lens=[1],
+        prefix_lens=[0],
+    )
+    monkeypatch.setattr(
+        worker_mod.DFlashWorkerV2,
+        "_wait_for_fused_hicache_load",
+        lambda self, b: None,
+        raising=False,
+    )
     with pytest.raises(Reached) as reached:
         w.forward_batch_generation(batch)
     assert reached.value.args[0] is True  # the target forward saw return_logprob
@@ -581,8 +627,9 @@ def test_the_request_hooks_are_registered(monkeypatch):
     registered = []
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    monkeypatch.setattr(HookRegistry, "register",
-                        lambda target, fn, kind: registered.append((target, fn)))  # fmt: skip
+    monkeypatch.setattr(
+        HookRegistry, "register", lambda target, fn, kind: registered.append((target, fn))
+    )
     hooks.register_request_hook()
     (validator, check), call, guard = registered
     assert validator == compat.TOKENIZER_REQUEST_VALIDATOR
@@ -647,9 +694,11 @@ def _row_context(monkeypatch, algorithm, nodes: int, page_size: int = 1) -> None
     import sglang.srt.mem_cache.allocation_sizing as sizing
     import sglang.srt.runtime_context as rc
 
-    spec_bag = types.SimpleNamespace(speculative_algorithm=algorithm,
-                                     speculative_num_draft_tokens=nodes,
-                                     max_speculative_num_draft_tokens=nodes)  # fmt: skip
+    spec_bag = types.SimpleNamespace(
+        speculative_algorithm=algorithm,
+        speculative_num_draft_tokens=nodes,
+        max_speculative_num_draft_tokens=nodes,
+    )
     monkeypatch.setattr(rc, "get_spec", lambda: spec_bag)
     monkeypatch.setattr(sizing, "get_spec", lambda: spec_bag)
     monkeypatch.setattr(sizing, "get_alloc_page_size", lambda: page_size)

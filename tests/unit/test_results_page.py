@@ -40,8 +40,9 @@ def test_no_session_or_issue_numbers_in_the_data():
 
 def test_add_stamps_rows_as_the_next_sitting(tmp_path):
     new = [{"bs": 1, "round_ms": 20.0}, {"bs": 8, "round_ms": 30.0}]
-    first = page.add_rows("x", new, "abc1234", "python scripts/bench_round.py --out OUT",
-                          "2026-12-05", data=tmp_path)  # fmt: skip
+    first = page.add_rows(
+        "x", new, "abc1234", "python scripts/bench_round.py --out OUT", "2026-12-05", data=tmp_path
+    )
     dated = {"bs": 1, "round_ms": 21.0, "date": "2026-12-06", "commit": "def5678"}
     second = page.add_rows("x", [dated], None, None, None, data=tmp_path)
     rows = page.read_rows("x", tmp_path)
@@ -58,16 +59,29 @@ def test_add_stamps_rows_as_the_next_sitting(tmp_path):
 
 
 def _run(server: str, run: int, tok_s: float, **extra) -> dict:
-    return {"sitting": 1, "date": "2026-12-05", "temperature": 0.0, "concurrency": 1,
-            "server": server, "run": run, "output_throughput": tok_s, "accept_length": 2.0,
-            **extra}  # fmt: skip
+    return {
+        "sitting": 1,
+        "date": "2026-12-05",
+        "temperature": 0.0,
+        "concurrency": 1,
+        "server": server,
+        "run": run,
+        "output_throughput": tok_s,
+        "accept_length": 2.0,
+        **extra,
+    }
 
 
 def test_the_serving_ratio_is_the_geometric_mean_of_run_by_run_ratios():
     """Each run's tok/s over DFLASH's in the same run: a slow run common to both cancels."""
-    rows = [_run("dflash", 1, 100.0), _run("dflash", 2, 50.0), _run("ddtree", 1, 120.0),
-            _run("ddtree", 2, 40.0), _run("none", 1, 300.0, accept_length=None),
-            _run("none", 2, 100.0, accept_length=None)]  # fmt: skip
+    rows = [
+        _run("dflash", 1, 100.0),
+        _run("dflash", 2, 50.0),
+        _run("ddtree", 1, 120.0),
+        _run("ddtree", 2, 40.0),
+        _run("none", 1, 300.0, accept_length=None),
+        _run("none", 2, 100.0, accept_length=None),
+    ]
     text = page.serving_table(rows)
     line = next(x for x in text.splitlines() if "| ddtree |" in x)
     assert f"| {math.sqrt(1.2 * 0.8):.2f} (0.80-1.20) |" in line
@@ -93,8 +107,17 @@ def test_a_declared_section_without_rows_says_so(tmp_path):
 
 
 def test_the_readme_blocks_are_replaced_and_the_rest_kept(tmp_path):
-    rows = [{"date": "2026-12-05", "commit": "abc1234", "sitting": 1, "variant": v, "bs": 1,
-             "round_ms": ms} for v, ms in (("dflash", 20.0), ("ddtree32_auto", 18.0))]  # fmt: skip
+    rows = [
+        {
+            "date": "2026-12-05",
+            "commit": "abc1234",
+            "sitting": 1,
+            "variant": v,
+            "bs": 1,
+            "round_ms": ms,
+        }
+        for v, ms in (("dflash", 20.0), ("ddtree32_auto", 18.0))
+    ]
     (tmp_path / "round_cost_27b.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     text = "intro\n<!-- results:round_cost_27b -->\nold table\n<!-- /results -->\nafter\n"
     out = page.render_readme(text, data=tmp_path)
@@ -117,41 +140,78 @@ def test_a_long_command_is_wrapped_into_the_same_shell_words():
 
 
 def test_the_fresh_clone_sentence_gives_the_times_and_the_load(tmp_path):
-    row = {"date": "2026-12-05", "commit": "abc1234", "sitting": 1,
-           "machine": {"cpus": 2, "memory_gb": 24}, "load_mean": {"setup": 0.5, "demo": 1.0,
-           "test": 3.2}, "setup_s": 117.4, "demo_s": 11.6, "test_s": 420.0}  # fmt: skip
+    row = {
+        "date": "2026-12-05",
+        "commit": "abc1234",
+        "sitting": 1,
+        "machine": {"cpus": 2, "memory_gb": 24},
+        "load_mean": {"setup": 0.5, "demo": 1.0, "test": 3.2},
+        "setup_s": 117.4,
+        "demo_s": 11.6,
+        "test_s": 420.0,
+    }
     (tmp_path / "fresh_clone.jsonl").write_text(json.dumps(row) + "\n")
     text = " ".join(page.readme_block("fresh_clone", tmp_path).split())
-    assert text == ("Measured on a fresh clone (2026-12-05, a 2-CPU machine, load average "
-                    "0.5 / 1 / 3.2 during them: shared with other work): setup 117 s, the demo "
-                    "12 s, the tests 7.0 min (`scripts/time_fresh_clone.sh`).")  # fmt: skip
+    assert text == (
+        "Measured on a fresh clone (2026-12-05, a 2-CPU machine, load average "
+        "0.5 / 1 / 3.2 during them: shared with other work): setup 117 s, the demo "
+        "12 s, the tests 7.0 min (`scripts/time_fresh_clone.sh`)."
+    )
     # a load within the machine's CPUs is the steps' own work: not called shared
     row["load_mean"] = {"setup": 0.6, "demo": 1.0, "test": 1.0}
     (tmp_path / "fresh_clone.jsonl").write_text(json.dumps(row) + "\n")
     text = " ".join(page.readme_block("fresh_clone", tmp_path).split())
-    assert text.startswith("Measured on a fresh clone (2026-12-05, a 2-CPU machine, load average "
-                           "0.6 / 1 / 1 during them): setup 117 s")  # fmt: skip
+    assert text.startswith(
+        "Measured on a fresh clone (2026-12-05, a 2-CPU machine, load average "
+        "0.6 / 1 / 1 during them): setup 117 s"
+    )
 
 
 def test_the_simulated_serving_table_gives_ratios_round_times_and_widths_per_run():
-    world = {"name": "narrative", "top1": [0.7315], "spread": 0.5, "ratio": 0.5,
-             "off_spine": 0.3, "seed": 0}  # fmt: skip
-    base = {"date": "2026-12-05", "commit": "abc1234", "sitting": 1, "sglang": "0.5.23",
-            "simulate": world, "command": "python scripts/bench_round.py --out OUT"}  # fmt: skip
+    world = {
+        "name": "narrative",
+        "top1": [0.7315],
+        "spread": 0.5,
+        "ratio": 0.5,
+        "off_spine": 0.3,
+        "seed": 0,
+    }
+    base = {
+        "date": "2026-12-05",
+        "commit": "abc1234",
+        "sitting": 1,
+        "sglang": "0.5.23",
+        "simulate": world,
+        "command": "python scripts/bench_round.py --out OUT",
+    }
 
     def row(variant, c, tok_s, tpot, accept, running, **extra):
-        return {**base, "variant": variant, "concurrency": c, "output_tok_s": tok_s,
-                "median_tpot_ms": tpot, "accept_len": accept, "max_running": running, **extra}  # fmt: skip
+        return {
+            **base,
+            "variant": variant,
+            "concurrency": c,
+            "output_tok_s": tok_s,
+            "median_tpot_ms": tpot,
+            "accept_len": accept,
+            "max_running": running,
+            **extra,
+        }
 
-    rows = [row("dflash", 1, 100.0, 6.0, 3.5, 16), row("dflash", 8, 500.0, 10.0, 3.6, 16),
-            row("ddtree32_auto", 1, 120.0, 5.0, 4.0, 32, widths_rounds={"16": 5, "32": 40}),
-            row("ddtree32_auto", 8, 600.0, 9.0, 4.0, 32, widths_rounds={"16": 65, "32": 50})]  # fmt: skip
+    rows = [
+        row("dflash", 1, 100.0, 6.0, 3.5, 16),
+        row("dflash", 8, 500.0, 10.0, 3.6, 16),
+        row("ddtree32_auto", 1, 120.0, 5.0, 4.0, 32, widths_rounds={"16": 5, "32": 40}),
+        row("ddtree32_auto", 8, 600.0, 9.0, 4.0, 32, widths_rounds={"16": 65, "32": 50}),
+    ]
     text = page.serving_simulated_table(rows)
     words = " ".join(text.split())  # the prose is wrapped
     assert "SGLang 0.5.23" in words and "`narrative` world" in words and "off-spine 0.3" in words
     assert "Running requests at most: dflash 16; ddtree32_auto 32." in words
-    body = [line.split(" | ") for line in text.splitlines() if line.startswith("| 1 ")
-            or line.startswith("| 8 ")]  # fmt: skip
+    body = [
+        line.split(" | ")
+        for line in text.splitlines()
+        if line.startswith("| 1 ") or line.startswith("| 8 ")
+    ]
     assert body[0][3] == "1.20" and body[1][3] == "1.20"  # tok/s over DFLASH's, same c
     assert body[0][8:10] == ["21.0", "20.0"]  # ms per round = TPOT x tokens per round
     assert body[0][10].rstrip(" |") == "16 x 5, 32 x 40"
@@ -169,13 +229,25 @@ def test_the_round_cost_table_names_the_method_startup_and_what_did_not_fit():
     base = {"date": "2026-12-05", "commit": "abc1234", "sitting": 1, "sglang": "0.5.23"}
     start = {"healthy_s": 226.6, "target_verify": 40.17, "draft_decode": 38.53}
     rows = [
-        {**base, "variant": "dflash", "bs": 1, "round_ms": 20.0, "method": "slope",
-         "startup": start},
+        {
+            **base,
+            "variant": "dflash",
+            "bs": 1,
+            "round_ms": 20.0,
+            "method": "slope",
+            "startup": start,
+        },
         {**base, "variant": "dflash", "bs": 32, "error": "does not fit: at most 16"},
-        {**base, "variant": "ddtree32_auto", "bs": 1, "round_ms": 19.0, "method": "slope",
-         "startup": {"healthy_s": 71.9, "target_verify": 12.08, "draft_decode": 2.98}},
+        {
+            **base,
+            "variant": "ddtree32_auto",
+            "bs": 1,
+            "round_ms": 19.0,
+            "method": "slope",
+            "startup": {"healthy_s": 71.9, "target_verify": 12.08, "draft_decode": 2.98},
+        },
         {**base, "variant": "ddtree32_auto", "bs": 32, "round_ms": -3.0, "method": "slope"},
-    ]  # fmt: skip
+    ]
     text = page.round_cost_table(rows)
     words = " ".join(text.split())
     assert "dummy weights' (about one token a round)" in words

@@ -13,8 +13,15 @@ from sglang_ddtree.tree.penalties import TEMP_BYTES, requests_at_once
 
 
 def _memory(**overrides):
-    args = dict(max_bs=16, num_nodes=32, vocab=248320, rows=20, row=262144 + 68,
-                penalties=True, unpacked_mask=False)  # fmt: skip
+    args = dict(
+        max_bs=16,
+        num_nodes=32,
+        vocab=248320,
+        rows=20,
+        row=262144 + 68,
+        penalties=True,
+        unpacked_mask=False,
+    )
     return at_maximum(**{**args, **overrides})
 
 
@@ -78,8 +85,10 @@ def test_the_accounting_holds_the_temporaries_a_round_makes():
     logits = torch.randn(bs, N, V)
     early = torch.ones(bs, N, dtype=torch.bool)
     stops = torch.rand(bs, V) < 0.5
-    for fn, args in ((min_p_filter_, (probs, torch.full((bs,), 0.1))),
-                     (block_stops_, (logits, early, stops))):  # fmt: skip
+    for fn, args in (
+        (min_p_filter_, (probs, torch.full((bs,), 0.1))),
+        (block_stops_, (logits, early, stops)),
+    ):
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             fn(*args, temp_bytes=2 * per_request)
         largest = max(e.self_cpu_memory_usage for e in prof.events())  # one op's allocation

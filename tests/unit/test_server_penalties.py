@@ -22,11 +22,17 @@ V = 29
 def _req(output=(), f=0.0, p=0.0, r=1.0, min_new=0, stops=None, eos=2, model_eos=None):
     """A request's fields the penalties read; model_eos: the model's own EOS ids
     (Req.eos_token_ids, which SGLang's min_new_tokens penalizer blocks too)."""
-    params = SimpleNamespace(frequency_penalty=f, presence_penalty=p, repetition_penalty=r,
-                             min_new_tokens=min_new, stop_token_ids=stops)  # fmt: skip
+    params = SimpleNamespace(
+        frequency_penalty=f,
+        presence_penalty=p,
+        repetition_penalty=r,
+        min_new_tokens=min_new,
+        stop_token_ids=stops,
+    )
     tok = SimpleNamespace(eos_token_id=eos, additional_stop_token_ids=None)
-    return SimpleNamespace(output_ids=list(output), sampling_params=params, tokenizer=tok,
-                           eos_token_ids=model_eos)  # fmt: skip
+    return SimpleNamespace(
+        output_ids=list(output), sampling_params=params, tokenizer=tok, eos_token_ids=model_eos
+    )
 
 
 def test_the_table_counts_each_requests_output_tokens():
@@ -63,8 +69,9 @@ def test_a_neutral_requests_row_changes_no_logit():
         table = PenaltyTable(rows=2, vocab=V, device="cpu")
         table.counts[1, 4] = 2.0  # the penalised request's output so far
         table.counts[0].fill_(stale)  # the neutral one's row, never observed
-        outs.append(table.penalize_(raw.clone(), reqs, slots, tree.tokens, tree.visibility,
-                                    tree.depth))  # fmt: skip
+        outs.append(
+            table.penalize_(raw.clone(), reqs, slots, tree.tokens, tree.visibility, tree.depth)
+        )
     assert torch.equal(outs[0], outs[1])
     assert torch.equal(outs[1][1], raw[1])
     assert not torch.equal(outs[1][0], raw[0])
@@ -86,11 +93,15 @@ def _per_node(raw, tree, counts, req):
             if tree["visibility"][i, j]:
                 c[tree["tokens"][j]] += 1
         sp = req.sampling_params
-        x = penalize(raw[i], c, c > 0, sp.frequency_penalty, sp.presence_penalty,
-                     sp.repetition_penalty)  # fmt: skip
+        x = penalize(
+            raw[i], c, c > 0, sp.frequency_penalty, sp.presence_penalty, sp.repetition_penalty
+        )
         if c.sum() < sp.min_new_tokens:  # no stop token yet (its EOS and stop_token_ids)
-            for s in {req.tokenizer.eos_token_id, *(sp.stop_token_ids or ()),
-                      *(req.eos_token_ids or ())}:  # fmt: skip
+            for s in {
+                req.tokenizer.eos_token_id,
+                *(sp.stop_token_ids or ()),
+                *(req.eos_token_ids or ()),
+            }:
                 x[s] = float("-inf")
         out[i] = x
     return out
@@ -101,27 +112,37 @@ def test_the_hook_penalises_every_node_by_its_own_path_and_hides_sglangs_vectors
     tree = _tree(bs, N, seed=4)
     table = PenaltyTable(rows=5, vocab=V, device="cpu")
     slots = torch.tensor([4, 1, 2])
-    reqs = [_req(output=[3, 3, 7], f=0.5, p=0.3, r=1.4),
-            _req(output=[1], min_new=5, stops=[6], model_eos={5, 11}),
-            _req()]  # fmt: skip
+    reqs = [
+        _req(output=[3, 3, 7], f=0.5, p=0.3, r=1.4),
+        _req(output=[1], min_new=5, stops=[6], model_eos={5, 11}),
+        _req(),
+    ]
     table.restart(reqs, slots, torch.tensor([8, 9, 10]))
     gen = torch.Generator().manual_seed(1)
     raw = torch.randn(bs * N, V, generator=gen) * 2
     logits_output = SimpleNamespace(next_token_logits=raw.clone())
     info = SimpleNamespace(acc_additive_penalties="sglang's", acc_scaling_penalties="sglang's")
     batch = SimpleNamespace(reqs=reqs, req_pool_indices=slots, sampling_info=info)
-    verify = SimpleNamespace(tree_tokens=tree.tokens, tree_visibility=tree.visibility,
-                             tree_depth=tree.depth)  # fmt: skip
+    verify = SimpleNamespace(
+        tree_tokens=tree.tokens, tree_visibility=tree.visibility, tree_depth=tree.depth
+    )
     seen = []
 
     def original(verify_input, batch_, output, grammar_mask=None):
-        seen.append((output.next_token_logits.clone(), info.acc_additive_penalties,
-                     info.acc_scaling_penalties, grammar_mask))  # fmt: skip
+        seen.append(
+            (
+                output.next_token_logits.clone(),
+                info.acc_additive_penalties,
+                info.acc_scaling_penalties,
+                grammar_mask,
+            )
+        )
         return "sampled"
 
     runtime = SimpleNamespace(penalties=table)  # the worker's table, as the hook is bound to it
-    assert penalties.eagle_sample(runtime, original, verify, batch, logits_output,
-                                  "mask") == "sampled"  # fmt: skip
+    assert (
+        penalties.eagle_sample(runtime, original, verify, batch, logits_output, "mask") == "sampled"
+    )
     got, add, scale, mask = seen[0]
     assert add is None and scale is None and mask == "mask"  # SGLang's shared vectors hidden
     assert info.acc_additive_penalties == "sglang's" == info.acc_scaling_penalties  # restored
@@ -205,8 +226,12 @@ def test_min_p_rides_on_sglangs_tree_sampling_for_the_call_only(monkeypatch):
         getattr(module, compat.TREE_SAMPLER)(predicts=None, target_probs=probs)
         return ("sampled", uno, mark)  # SGLang's shape of it: the module global at call time
 
-    info = SimpleNamespace(need_min_p_sampling=True, min_ps=torch.tensor([0.5]),
-                           acc_additive_penalties=None, acc_scaling_penalties=None)  # fmt: skip
+    info = SimpleNamespace(
+        need_min_p_sampling=True,
+        min_ps=torch.tensor([0.5]),
+        acc_additive_penalties=None,
+        acc_scaling_penalties=None,
+    )
     batch = SimpleNamespace(reqs=[_req()], req_pool_indices=torch.tensor([0]), sampling_info=info)
     verify = SimpleNamespace(tree_visibility=torch.ones(1, 1, 1, dtype=torch.bool))
     runtime = SimpleNamespace(penalties=PenaltyTable(rows=1, vocab=4, device="cpu"))
@@ -283,16 +308,22 @@ def test_memory_that_does_not_fit_at_the_maximum_stops_the_start_up_with_the_num
     from sglang_ddtree.config import DDTreeConfig
     from sglang_ddtree.integration import worker as worker_mod
 
-    runner = SimpleNamespace(req_to_token_pool=SimpleNamespace(req_to_token=torch.zeros(0, 0)),
-                             model_config=SimpleNamespace(vocab_size=248320))  # fmt: skip
+    runner = SimpleNamespace(
+        req_to_token_pool=SimpleNamespace(req_to_token=torch.zeros(0, 0)),
+        model_config=SimpleNamespace(vocab_size=248320),
+    )
     runner.req_to_token_pool.req_to_token = SimpleNamespace(shape=(1000, 4096 + 68))
-    worker = _bare_worker(worker_mod.DDTreeWorker, runner, device="cuda:0",
-                          options=config.Options(penalties=True))  # fmt: skip
+    worker = _bare_worker(
+        worker_mod.DDTreeWorker, runner, device="cuda:0", options=config.Options(penalties=True)
+    )
     worker.cfg, worker._tree_head = DDTreeConfig(16, 32, 8), SimpleNamespace(max_bs=16)
     monkeypatch.setattr(worker_mod, "get_available_gpu_memory", lambda device, gpu: 0.5)
-    with pytest.raises(RuntimeError, match=r"needs 1\.40 GiB: penalty tables 1\.16, per-round "
-                       r"penalty temporaries 0\.24, verify mask 0\.00, and 0\.50 GiB are free"
-                       r".*--max-running-requests.*SGLANG_DDTREE_PENALTIES=0"):  # fmt: skip
+    with pytest.raises(
+        RuntimeError,
+        match=r"needs 1\.40 GiB: penalty tables 1\.16, per-round "
+        r"penalty temporaries 0\.24, verify mask 0\.00, and 0\.50 GiB are free"
+        r".*--max-running-requests.*SGLANG_DDTREE_PENALTIES=0",
+    ):
         worker._check_round_memory()
     monkeypatch.setattr(worker_mod, "get_available_gpu_memory", lambda device, gpu: 40.0)
     worker._check_round_memory()  # fits

@@ -36,8 +36,15 @@ def engine_round(tmp_path_factory):
     target, drafter, tok = load_pair(DEMO_PAIR_DIR / "target", DEMO_PAIR_DIR / "draft")
     rounds = []
     ids = tok("def fibonacci(n):", add_special_tokens=False)["input_ids"]
-    generate(target, drafter, ids, 12, budget=15, topk=4,
-             on_round=lambda r: rounds.append(from_round(r.tree, r.accept)))  # fmt: skip
+    generate(
+        target,
+        drafter,
+        ids,
+        12,
+        budget=15,
+        topk=4,
+        on_round=lambda r: rounds.append(from_round(r.tree, r.accept)),
+    )
     return rounds[1], tok
 
 
@@ -69,8 +76,14 @@ def test_layout_puts_nodes_by_depth_and_parents_between_their_children():
 
 def _record(parents: list[int], accepted: list[int]) -> dict:
     n = len(parents)
-    return {"tokens": list(range(100, 100 + n)), "parents": parents, "q": [1.0] + [0.5] * (n - 1),
-            "accepted": accepted, "bonus": 7, "width": n}  # fmt: skip
+    return {
+        "tokens": list(range(100, 100 + n)),
+        "parents": parents,
+        "q": [1.0] + [0.5] * (n - 1),
+        "accepted": accepted,
+        "bonus": 7,
+        "width": n,
+    }
 
 
 @pytest.mark.parametrize(

@@ -111,8 +111,14 @@ def test_ddtrees_rounds_are_the_reference_engines_on_the_same_world(name):
     the accept walk, round by round, against the reference engine over SimulatedDrafter and
     SimulatedTarget: the same tokens and the same accepted lengths."""
     world = sim.REGIMES[name]
-    reference = generate(sim.SimulatedTarget(world, V), sim.SimulatedDrafter(world, B, V), PROMPT,
-                         120, budget=N - 1, topk=K)  # fmt: skip
+    reference = generate(
+        sim.SimulatedTarget(world, V),
+        sim.SimulatedDrafter(world, B, V),
+        PROMPT,
+        120,
+        budget=N - 1,
+        topk=K,
+    )
     head = _head(world, 1)
     tokens, lengths = [sim.FIRST_ID], []
     position, root = len(PROMPT), sim.FIRST_ID
@@ -135,15 +141,19 @@ def test_dflashs_chain_accept_reads_the_world_as_the_reference_chain(name):
     from sglang_ddtree.integration import simulated
 
     world = sim.REGIMES[name]
-    reference = generate_chain(sim.SimulatedTarget(world, V), sim.SimulatedDrafter(world, B, V),
-                               PROMPT, 120)  # fmt: skip
+    reference = generate_chain(
+        sim.SimulatedTarget(world, V), sim.SimulatedDrafter(world, B, V), PROMPT, 120
+    )
     worker = SimpleNamespace(
-        target_worker=SimpleNamespace(model_runner=SimpleNamespace(
-            model_config=SimpleNamespace(vocab_size=V))))  # fmt: skip
+        target_worker=SimpleNamespace(
+            model_runner=SimpleNamespace(model_config=SimpleNamespace(vocab_size=V))
+        )
+    )
     seen = {}
 
-    def accept_block(worker_, *, candidates, next_token_logits, target_predict, prefix_lens,
-                     **kwargs):  # fmt: skip
+    def accept_block(
+        worker_, *, candidates, next_token_logits, target_predict, prefix_lens, **kwargs
+    ):
         seen.update(candidates=candidates.clone(), target=target_predict.clone(), kwargs=kwargs)
         return "accepted"
 
@@ -154,9 +164,15 @@ def test_dflashs_chain_accept_reads_the_world_as_the_reference_chain(name):
         candidates = torch.full((1, B), 7)  # the dummy drafter's
         candidates[0, 0] = root
         logits = torch.randn(B, V)
-        got = hook(accept_block, worker, candidates=candidates,
-                                     next_token_logits=logits, prefix_lens=torch.tensor([position]),
-                                     sampling_info=None, bs=1)  # fmt: skip
+        got = hook(
+            accept_block,
+            worker,
+            candidates=candidates,
+            next_token_logits=logits,
+            prefix_lens=torch.tensor([position]),
+            sampling_info=None,
+            bs=1,
+        )
         assert got == "accepted" and seen["kwargs"] == {"sampling_info": None, "bs": 1}
         drafts, target = seen["candidates"][0, 1:], seen["target"].view(-1)
         assert seen["target"].shape == (B,)  # the argmax's shape, [bs * B]
@@ -178,8 +194,13 @@ def test_a_simulated_world_needs_dummy_weights():
             simulated.check_dummy_weights(load_format)
     calls = []
     with pytest.raises(RuntimeError, match="SGLANG_DDTREE_SIMULATE"):
-        simulated.worker_init(sim.REGIMES["code"], lambda *a, **k: calls.append(a), object(),
-                              SimpleNamespace(load_format="auto"), 0)  # fmt: skip
+        simulated.worker_init(
+            sim.REGIMES["code"],
+            lambda *a, **k: calls.append(a),
+            object(),
+            SimpleNamespace(load_format="auto"),
+            0,
+        )
     assert calls == []  # refused before the worker is built
 
 
@@ -187,8 +208,12 @@ def test_the_switch_names_a_regime_and_its_overrides(monkeypatch):
     assert sim.parse(None) is None and sim.parse("") is None
     world = sim.parse("code:off_spine=0.5,seed=3")
     assert world.top1 == sim.REGIMES["code"].top1 and (world.off_spine, world.seed) == (0.5, 3)
-    for bad, message in (("fast", "unknown regime"), ("code:depth=3", "unknown parameter"),
-                         ("code:ratio=x", "not a number"), ("code:spread=2", "spread")):  # fmt: skip
+    for bad, message in (
+        ("fast", "unknown regime"),
+        ("code:depth=3", "unknown parameter"),
+        ("code:ratio=x", "not a number"),
+        ("code:spread=2", "spread"),
+    ):
         with pytest.raises(ValueError, match=message):
             sim.parse(bad)
     monkeypatch.setenv(sim.SWITCH, "narrative")
@@ -267,8 +292,9 @@ def test_the_heads_world_replays_in_a_cuda_graph():
         pytest.skip("needs a GPU")
     dev, bs = torch.device("cuda"), 4
     world = sim.REGIMES["narrative"]
-    head = DraftTreeHead(lm_head_weight=torch.randn(V, 8, device=dev), vocab_size=V, cfg=CFG,
-                         max_bs=bs, world=world)  # fmt: skip
+    head = DraftTreeHead(
+        lm_head_weight=torch.randn(V, 8, device=dev), vocab_size=V, cfg=CFG, max_bs=bs, world=world
+    )
     hidden = torch.zeros(bs * B, 8, device=dev)
     position, root = _keys(bs)
     ids, positions = _block(root).to(dev), _positions(position).to(dev)
@@ -298,6 +324,9 @@ def test_the_docs_state_each_regimes_parameters():
     for name, world in sim.REGIMES.items():
         row = next(line for line in text.splitlines() if line.startswith(f"| `{name}` |"))
         assert f"{world.top1[0]:.3f}" in row and f"{sim.chain_tau(world, B - 1):.2f}" in row
-    for value in (f"spread {sim.REGIMES['code'].spread}", f"ratio {sim.REGIMES['code'].ratio}",
-                  f"off-spine {sim.REGIMES['code'].off_spine}"):  # fmt: skip
+    for value in (
+        f"spread {sim.REGIMES['code'].spread}",
+        f"ratio {sim.REGIMES['code'].ratio}",
+        f"off-spine {sim.REGIMES['code'].off_spine}",
+    ):
         assert value in text

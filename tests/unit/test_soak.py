@@ -128,8 +128,13 @@ def test_each_outcome_and_the_summary(soak, url):
         soak.send(url, R("generate", "a", 5, 0.0, n=2)),
         soak.send(url, R("generate", "a", 200, 0.0, cancel_after_s=0.2)),
     ]
-    assert [r["outcome"] for r in rows] == ["completed", "completed", "completed", "refused",
-                                            "cancelled"]  # fmt: skip
+    assert [r["outcome"] for r in rows] == [
+        "completed",
+        "completed",
+        "completed",
+        "refused",
+        "cancelled",
+    ]
     assert [r["tokens"] for r in rows[:3]] == [3, 5, 4]  # the stream: 4 content chunks
     assert rows[4]["latency_s"] < 0.9  # the cancel did not wait for the response
     summary = soak.summarize(rows, wall_s=2.0)
@@ -176,11 +181,16 @@ def test_a_checked_soak_reports_its_checks_and_reads_the_log_window(soak, url, t
     log.write_text("Traceback (before the soak)\n")
     start = log.stat().st_size
     R = soak.Request
-    row = soak.checked_soak(url, [R("generate", "a", 5, 0.0)], 10, 2, log, start,
-                            loads_required=True)  # fmt: skip
+    row = soak.checked_soak(
+        url, [R("generate", "a", 5, 0.0)], 10, 2, log, start, loads_required=True
+    )
     assert row["completed"] == 1 and row["log_problems"] == []
-    assert row["checks"] == {"probe_unchanged": True, "healthy": True, "kv_idle": True,
-                             "log_clean": True}  # fmt: skip
+    assert row["checks"] == {
+        "probe_unchanged": True,
+        "healthy": True,
+        "kv_idle": True,
+        "log_clean": True,
+    }
     log.write_text(log.read_text() + "a memory leak\n")
     assert soak.checked_soak(url, [], 10, 2, log, start)["log_problems"] == ["leak"]
 
@@ -207,9 +217,17 @@ def test_the_sampler_reads_a_process_groups_rss(soak):
     import sys
     import time
 
-    child = subprocess.Popen([sys.executable, "-c", "import sys, time; x = bytearray(200 << 20); "
-                              "x[::4096] = b'1' * len(x[::4096]); print('ready', flush=True); "
-                              "time.sleep(60)"], stdout=subprocess.PIPE, start_new_session=True)  # fmt: skip
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; x = bytearray(200 << 20); "
+            "x[::4096] = b'1' * len(x[::4096]); print('ready', flush=True); "
+            "time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         assert child.stdout.readline().strip() == b"ready"
         pids = soak.group_pids(os.getpgid(child.pid))

@@ -49,13 +49,19 @@ def head_shard(case: Case, rank: int, tp: int) -> dict:
     bs, N = case.parents.shape
     K, V = case.q.shape[2], case.v.shape[2]
     return dict(
-        q=case.q[:, kh].contiguous(), k=case.k[:, kh].contiguous(), v=case.v[:, vh].contiguous(),
-        a=case.a[:, vh].contiguous(), b=case.b[:, vh].contiguous(),
-        A_log=case.A_log[vh].contiguous(), dt_bias=case.dt_bias[vh].contiguous(),
-        state=case.pool[:, vh].contiguous(), state_idx=case.slots, parents=case.parents,
+        q=case.q[:, kh].contiguous(),
+        k=case.k[:, kh].contiguous(),
+        v=case.v[:, vh].contiguous(),
+        a=case.a[:, vh].contiguous(),
+        b=case.b[:, vh].contiguous(),
+        A_log=case.A_log[vh].contiguous(),
+        dt_bias=case.dt_bias[vh].contiguous(),
+        state=case.pool[:, vh].contiguous(),
+        state_idx=case.slots,
+        parents=case.parents,
         scratch=torch.zeros((bs + 1, scratch_floats(N, HV, K, V))),
         scratch_idx=case.scratch_slots,
-    )  # fmt: skip
+    )
 
 
 @interpreter_only
@@ -75,8 +81,17 @@ def test_each_ranks_verify_and_commit_are_its_slice_of_the_whole(kernel, tp):
     track_idx, track_node = torch.tensor([free[0], -1], dtype=torch.int32), torch.tensor([0, -1])
 
     def commit(state, scratch, scratch_idx):
-        commit_paths(state[None], case.slots, scratch[None], scratch_idx, parents, last,
-                     max_path=N, track_idx=track_idx, track_node=track_node)  # fmt: skip
+        commit_paths(
+            state[None],
+            case.slots,
+            scratch[None],
+            scratch_idx,
+            parents,
+            last,
+            max_path=N,
+            track_idx=track_idx,
+            track_node=track_node,
+        )
 
     pool = case.pool.clone()
     commit(pool, case.scratch, case.scratch_slots)
@@ -112,10 +127,20 @@ def test_each_ranks_tree_conv_and_window_commit_are_its_channels_of_the_whole(tp
     def run(x, state, weight, bias):
         inputs = torch.zeros((bs + 1, N, x.shape[1], KW - 1))
         par = torch.zeros((bs, N), dtype=torch.int64)
-        o = conv_tree(x, state, weight, bias, "silu", conv_state_indices=idx,
-                      intermediate_conv_window=inputs, intermediate_state_indices=rows,
-                      retrieve_next_token=nxt, retrieve_next_sibling=sib,
-                      retrieve_parent_token=par, save_inputs=True)  # fmt: skip
+        o = conv_tree(
+            x,
+            state,
+            weight,
+            bias,
+            "silu",
+            conv_state_indices=idx,
+            intermediate_conv_window=inputs,
+            intermediate_state_indices=rows,
+            retrieve_next_token=nxt,
+            retrieve_next_sibling=sib,
+            retrieve_parent_token=par,
+            save_inputs=True,
+        )
         states = state[None].contiguous()
         commit_windows(states, inputs[None], idx, rows, par, nodes)
         return o, states[0]
@@ -124,11 +149,16 @@ def test_each_ranks_tree_conv_and_window_commit_are_its_channels_of_the_whole(tp
     assert not torch.equal(state_all, state0)
     starts = torch.tensor((0, *blocks)).cumsum(0).tolist()
     for rank in range(tp):
-        mine = torch.cat([torch.arange(s + rank * n // tp, s + (rank + 1) * n // tp)
-                          for s, n in zip(starts, blocks, strict=False)])  # fmt: skip
+        mine = torch.cat(
+            [
+                torch.arange(s + rank * n // tp, s + (rank + 1) * n // tp)
+                for s, n in zip(starts, blocks, strict=False)
+            ]
+        )
         x = tokens[:, :, mine].contiguous().transpose(1, 2)  # the rank's own tensor
-        o, state = run(x, state0[:, mine].contiguous(), weight[mine].contiguous(),
-                       bias[mine].contiguous())  # fmt: skip
+        o, state = run(
+            x, state0[:, mine].contiguous(), weight[mine].contiguous(), bias[mine].contiguous()
+        )
         assert torch.equal(o, o_all[:, mine]), rank
         assert torch.equal(state, state_all[:, mine]), rank
 

@@ -102,12 +102,17 @@ def test_ranks_of_a_vocabulary_sharded_lm_head_build_the_single_rank_tree():
     whole = DraftTreeHead(lm_head_weight=weight, vocab_size=V, cfg=cfg, max_bs=bs)
     whole(hidden, input_ids)
     bounds = [0, 7, 25, 40]
-    slices = [torch.cat([weight[a:b], torch.randn(2, H)]) for a, b in zip(bounds, bounds[1:])]  # noqa: B905
+    slices = [
+        torch.cat([weight[a:b], torch.randn(2, H)])
+        for a, b in zip(bounds, bounds[1:], strict=False)
+    ]
     block = hidden.view(bs, cfg.block_size, H)[:, 1:]
     from sglang_ddtree.tree.shard_topk import shard_topk
 
-    parts = [shard_topk(block @ w[: b - a].T, cfg.topk, a)
-             for w, a, b in zip(slices, bounds, bounds[1:])]  # noqa: B905  # fmt: skip
+    parts = [
+        shard_topk(block @ w[: b - a].T, cfg.topk, a)
+        for w, a, b in zip(slices, bounds, bounds[1:], strict=False)
+    ]
 
     def gather_for(rank):
         calls = []
@@ -122,8 +127,13 @@ def test_ranks_of_a_vocabulary_sharded_lm_head_build_the_single_rank_tree():
 
     trees = []
     for rank, (w, a, b) in enumerate(zip(slices, bounds, bounds[1:])):  # noqa: B905
-        head = DraftTreeHead(lm_head_weight=w, vocab_size=b - a, cfg=cfg, max_bs=bs,
-                             shard=VocabShard(offset=a, gather=gather_for(rank)))  # fmt: skip
+        head = DraftTreeHead(
+            lm_head_weight=w,
+            vocab_size=b - a,
+            cfg=cfg,
+            max_bs=bs,
+            shard=VocabShard(offset=a, gather=gather_for(rank)),
+        )
         head(hidden, input_ids)
         trees.append(head.tree(bs))
     single = whole.tree(bs)
@@ -184,8 +194,10 @@ def test_the_worker_gives_each_rank_of_a_sharded_lm_head_its_rows_and_the_same_t
 
         return gather
 
-    heads = [tree_head(lm_head(weight[a:b], a, b), cfg, bs, gather_for(rank))
-             for rank, (a, b) in enumerate(bounds)]  # fmt: skip
+    heads = [
+        tree_head(lm_head(weight[a:b], a, b), cfg, bs, gather_for(rank))
+        for rank, (a, b) in enumerate(bounds)
+    ]
     assert [(h.shard.offset, h.vocab_size) for h in heads] == [(0, 17), (17, 13)]
     trees = []
     for h in heads:

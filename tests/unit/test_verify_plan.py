@@ -87,16 +87,39 @@ class _Wrapper:
         self.calls.append((qo, kv, kv_indices, last, rest, kw))
 
 
-def _sglang_like(updater, wrapper_ragged, wrapper_paged, req_pool_indices, paged_kernel_lens,
-                 paged_kernel_lens_sum, seq_lens, prefix_lens, kv_start_idx, kv_indptr,
-                 qo_indptr, use_ragged, spec_info, **kwargs):  # fmt: skip
+def _sglang_like(
+    updater,
+    wrapper_ragged,
+    wrapper_paged,
+    req_pool_indices,
+    paged_kernel_lens,
+    paged_kernel_lens_sum,
+    seq_lens,
+    prefix_lens,
+    kv_start_idx,
+    kv_indptr,
+    qo_indptr,
+    use_ragged,
+    spec_info,
+    **kwargs,
+):
     """What SGLang's call_begin_forward does with a tree verify: device indptrs, unpacked mask."""
     N = spec_info.draft_token_num
     qo = torch.arange(0, (len(seq_lens) + 1) * N, N, dtype=torch.int32)
     kv = torch.cat([torch.zeros(1, dtype=torch.int32), torch.cumsum(seq_lens + N, 0).int()])
-    wrapper_paged.begin_forward(qo, kv, "kv_indices", torch.ones(len(seq_lens), dtype=torch.int32),
-                                4, 2, 64, 1, q_data_type="bf16", custom_mask=spec_info.custom_mask,
-                                non_blocking=True)  # fmt: skip
+    wrapper_paged.begin_forward(
+        qo,
+        kv,
+        "kv_indices",
+        torch.ones(len(seq_lens), dtype=torch.int32),
+        4,
+        2,
+        64,
+        1,
+        q_data_type="bf16",
+        custom_mask=spec_info.custom_mask,
+        non_blocking=True,
+    )
     return "planned"
 
 
@@ -125,8 +148,21 @@ def test_the_hook_plans_a_ddtree_verify_from_the_host(verify_plan_on):
     seq, N = torch.tensor([6, 2]), 3
     mask = _tree_mask(seq, N, gen)
     info, wrapper = _spec_info(mask, N), _Wrapper()
-    args = ("updater", None, wrapper, None, seq, int(seq.sum()), seq, None, None, None, None,
-            False, info)  # fmt: skip
+    args = (
+        "updater",
+        None,
+        wrapper,
+        None,
+        seq,
+        int(seq.sum()),
+        seq,
+        None,
+        None,
+        None,
+        None,
+        False,
+        info,
+    )
     planned = call_begin_forward(verify_plan_on, _sglang_like, *args, seq_lens_cpu=seq.clone())
     assert planned == "planned"
     qo, kv, kv_indices, last, rest, kw = wrapper.calls[-1]
@@ -156,11 +192,24 @@ def test_the_hook_target_has_the_parameters_the_hook_assumes():
     module = pytest.importorskip("sglang.srt.layers.attention.flashinfer_backend")
     from sglang_ddtree.integration import compat, hooks, verify_plan
 
-    params = list(inspect.signature(module.FlashInferIndicesUpdaterPrefill.call_begin_forward)
-                  .parameters)  # fmt: skip
-    assert params[:13] == ["self", "wrapper_ragged", "wrapper_paged", "req_pool_indices",
-                           "paged_kernel_lens", "paged_kernel_lens_sum", "seq_lens", "prefix_lens",
-                           "kv_start_idx", "kv_indptr", "qo_indptr", "use_ragged", "spec_info"]  # fmt: skip
+    params = list(
+        inspect.signature(module.FlashInferIndicesUpdaterPrefill.call_begin_forward).parameters
+    )
+    assert params[:13] == [
+        "self",
+        "wrapper_ragged",
+        "wrapper_paged",
+        "req_pool_indices",
+        "paged_kernel_lens",
+        "paged_kernel_lens_sum",
+        "seq_lens",
+        "prefix_lens",
+        "kv_start_idx",
+        "kv_indptr",
+        "qo_indptr",
+        "use_ragged",
+        "spec_info",
+    ]
     assert {"seq_lens_cpu", "multi_item_params", "window_left"} <= set(params)
     assert compat.FLASHINFER_PREFILL_PLAN.endswith(
         "FlashInferIndicesUpdaterPrefill.call_begin_forward"
@@ -192,11 +241,30 @@ def test_flashinfer_attends_the_same_with_the_host_plan_and_the_packed_mask():
             packed = pack_at_bit_offsets(
                 mask, plan.mask_starts.cuda(), plan.total_bits, plan.packed_bytes
             )
-            w.plan(plan.qo_indptr, plan.kv_indptr, indices, plan.last_page_len, Hq, Hk, D, 1,
-                   packed_custom_mask=packed, q_data_type=torch.bfloat16)  # fmt: skip
+            w.plan(
+                plan.qo_indptr,
+                plan.kv_indptr,
+                indices,
+                plan.last_page_len,
+                Hq,
+                Hk,
+                D,
+                1,
+                packed_custom_mask=packed,
+                q_data_type=torch.bfloat16,
+            )
         else:
-            w.plan(plan.qo_indptr.cuda(), plan.kv_indptr.cuda(), indices,
-                   plan.last_page_len.cuda(), Hq, Hk, D, 1, custom_mask=mask[: plan.total_bits],
-                   q_data_type=torch.bfloat16)  # fmt: skip
+            w.plan(
+                plan.qo_indptr.cuda(),
+                plan.kv_indptr.cuda(),
+                indices,
+                plan.last_page_len.cuda(),
+                Hq,
+                Hk,
+                D,
+                1,
+                custom_mask=mask[: plan.total_bits],
+                q_data_type=torch.bfloat16,
+            )
         outs.append(w.run(q, (k, v)))
     assert torch.equal(outs[0], outs[1])

@@ -131,8 +131,12 @@ def test_the_automatic_width_is_within_half_a_percent_of_the_best_fixed_one_at_2
     4,000 rounds per bucket, calibration included: the policy's tokens per ms against the best
     fixed width's. Refreshing every 32 rounds whatever the shortfall cost 0.9 / 1.7 / 4.3 /
     5.0% at batch 1 / 8 / 16 / 32."""
-    table = {1: {16: 21.91, 32: 22.43}, 8: {16: 26.59, 32: 35.09},
-             16: {16: 38.00, 32: 61.82}, 32: {16: 67.15, 32: 114.66}}  # fmt: skip
+    table = {
+        1: {16: 21.91, 32: 22.43},
+        8: {16: 26.59, 32: 35.09},
+        16: {16: 38.00, 32: 61.82},
+        32: {16: 67.15, 32: 114.66},
+    }
     tokens = {16: 3.80, 32: 4.32}
     graph_buckets = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, 32)
     for bs, ms in table.items():
@@ -353,8 +357,7 @@ def _rank_widths_process(rank: int, port: int, out: str) -> None:
 
     from sglang_ddtree.integration.widths import RankWidths
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2)  # fmt: skip
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         ranks = RankWidths(None, 0, rank == 0)
         # rank 1 captured no 32 (a capture that failed there); rank 0 captured all
@@ -381,8 +384,9 @@ def test_every_rank_runs_rank_0s_width_among_the_widths_all_captured(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = str(tmp_path / "ranks")
-    ranks = mp.start_processes(_rank_widths_process, args=(port, out), nprocs=2, join=False,
-                               start_method="spawn")  # fmt: skip
+    ranks = mp.start_processes(
+        _rank_widths_process, args=(port, out), nprocs=2, join=False, start_method="spawn"
+    )
     deadline = time.monotonic() + 120
     while not ranks.join(timeout=2):
         if time.monotonic() > deadline:
@@ -431,8 +435,11 @@ def test_the_worker_at_tensor_parallel_takes_rank_0s_width(monkeypatch, kept):
         worker_mod, w = _worker(N=64)
         w._tp_size = 2
         w.runtime = SimpleNamespace(options=config.Options.from_env())  # the factory's
-        monkeypatch.setattr(worker_mod, "RoundReadings",
-                            lambda policy, buffer, widths: RoundReadingsOnCpu(policy, buffer, widths))  # fmt: skip
+        monkeypatch.setattr(
+            worker_mod,
+            "RoundReadings",
+            lambda policy, buffer, widths: RoundReadingsOnCpu(policy, buffer, widths),
+        )
         monkeypatch.setattr(worker_mod, "RankWidths", Sent)
         monkeypatch.setattr(worker_mod, "VerifyWidths", verify_widths)
         monkeypatch.setattr(compat, "tp_cpu_group", lambda s=is_source: (None, 0, s))
@@ -460,10 +467,12 @@ def test_the_worker_at_tensor_parallel_takes_rank_0s_width(monkeypatch, kept):
         ({"SGLANG_DDTREE_WIDTH": "adaptive"}, "SGLANG_DDTREE_WIDTH must be 'auto' or 'fixed'"),
         ({"SGLANG_DDTREE_WIDTHS": "16,x"}, "SGLANG_DDTREE_WIDTHS must be comma-separated"),
         ({"SGLANG_DDTREE_WIDTHS": "0"}, "SGLANG_DDTREE_WIDTHS must be comma-separated"),
-        ({"SGLANG_DDTREE_WIDTH": "fixed", "SGLANG_DDTREE_WIDTHS": "16"},
-         "set SGLANG_DDTREE_WIDTH=auto"),
+        (
+            {"SGLANG_DDTREE_WIDTH": "fixed", "SGLANG_DDTREE_WIDTHS": "16"},
+            "set SGLANG_DDTREE_WIDTH=auto",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_width_switches_name_the_switch_and_the_fix(monkeypatch, env, message):
     for name, value in env.items():
         monkeypatch.setenv(name, value)
@@ -524,8 +533,9 @@ def _worker(N: int = 32, B: int = 16):
     w.cfg = DDTreeConfig(block_size=B, num_nodes=N, topk=8)
     w._tp_rank = 0
     w._tree_head = _Head(max_bs=4, num_nodes=N)
-    w._target_worker = SimpleNamespace(model_runner=SimpleNamespace(
-        attn_backend="backend N", decode_cuda_graph_runner=None))  # fmt: skip
+    w._target_worker = SimpleNamespace(
+        model_runner=SimpleNamespace(attn_backend="backend N", decode_cuda_graph_runner=None)
+    )
     w.device = "cpu"
     w._widths = w._readings = w._rank_widths = None
     w._tp_size = 1
@@ -559,8 +569,11 @@ def test_the_worker_chooses_among_the_widths_without_graphs(monkeypatch):
     worker_mod, w = _worker(N=64)
     w.runtime = Runtime.create(config.Options.from_env(), w.cfg)  # the factory's
     assert "widths_chosen" not in w.runtime.report()
-    monkeypatch.setattr(worker_mod, "RoundReadings",
-                        lambda policy, buffer, widths: RoundReadingsOnCpu(policy, buffer, widths))  # fmt: skip
+    monkeypatch.setattr(
+        worker_mod,
+        "RoundReadings",
+        lambda policy, buffer, widths: RoundReadingsOnCpu(policy, buffer, widths),
+    )
     with pytest.raises(RuntimeError, match="not asked for before the draft graphs"):
         w._init_widths(capture=False)  # readings made after the capture would stay zeros
     w._ask_for_readings()
@@ -586,8 +599,7 @@ def test_each_bucket_gets_its_own_refreshes():
     for i in range(400):
         bs = 1 if i % 2 else 8
         width = policy.choose(bs)
-        calibrated = all(policy.samples[policy.bucket(bs), w] >= policy.explore
-                         for w in (16, 32))  # fmt: skip
+        calibrated = all(policy.samples[policy.bucket(bs), w] >= policy.explore for w in (16, 32))
         if calibrated and width == 16:  # 32 costs less: 16 runs only when refreshed
             refreshed[bs] += 1
         policy.observe_cost(bs, width, {16: 30.0, 32: 10.0}[width])
@@ -630,8 +642,11 @@ def test_a_verify_without_cuda_graphs_is_warned_once_per_width_and_counted(monke
 
     worker_mod, w = _worker()
     w.runtime = SimpleNamespace(options=config.Options.from_env())  # the factory's
-    monkeypatch.setattr(worker_mod, "RoundReadings",
-                        lambda policy, buffer, widths: RoundReadingsOnCpu(policy, buffer, widths))  # fmt: skip
+    monkeypatch.setattr(
+        worker_mod,
+        "RoundReadings",
+        lambda policy, buffer, widths: RoundReadingsOnCpu(policy, buffer, widths),
+    )
     w._ask_for_readings()
     w._init_widths(capture=False)
     w._graphs_on, w._eager_warned = True, set()
@@ -639,10 +654,12 @@ def test_a_verify_without_cuda_graphs_is_warned_once_per_width_and_counted(monke
         for bs, width in [(3, 16), (2, 16), (1, 32)]:
             w._note_eager_verify(bs, width)
     warned = [r.getMessage() for r in caplog.records if "without CUDA graphs" in r.getMessage()]
-    assert warned == ["DDTREE: a verify at width 16, batch 3, ran without CUDA graphs (later "
-                      "ones are counted in the widths table)",
-                      "DDTREE: a verify at width 32, batch 1, ran without CUDA graphs (later "
-                      "ones are counted in the widths table)"]  # fmt: skip
+    assert warned == [
+        "DDTREE: a verify at width 16, batch 3, ran without CUDA graphs (later "
+        "ones are counted in the widths table)",
+        "DDTREE: a verify at width 32, batch 1, ran without CUDA graphs (later "
+        "ones are counted in the widths table)",
+    ]
     assert w._readings.policy.eager == {16: 2, 32: 1}
     w._graphs_on = False  # no graphs at all: counted, not warned
     caplog.clear()
@@ -658,14 +675,23 @@ def test_the_draft_graphs_are_captured_after_the_readings_are_asked_for(monkeypa
 
     worker_mod, w = _worker()
     w.runtime = SimpleNamespace(options=config.Options.from_env())  # the factory's
-    monkeypatch.setattr(worker_mod, "RoundReadings",
-                        lambda policy, buffer, widths: RoundReadingsOnCpu(policy, buffer, widths))  # fmt: skip
+    monkeypatch.setattr(
+        worker_mod,
+        "RoundReadings",
+        lambda policy, buffer, widths: RoundReadingsOnCpu(policy, buffer, widths),
+    )
     disabled = SimpleNamespace(decode=SimpleNamespace(backend=worker_mod.Backend.DISABLED))
-    monkeypatch.setattr(worker_mod, "get_exec",
-                        lambda: SimpleNamespace(graph=SimpleNamespace(cuda_graph_config=disabled)))  # fmt: skip
+    monkeypatch.setattr(
+        worker_mod,
+        "get_exec",
+        lambda: SimpleNamespace(graph=SimpleNamespace(cuda_graph_config=disabled)),
+    )
     at_capture = []
-    monkeypatch.setattr(worker_mod.compat, "init_draft_cuda_graphs",
-                        lambda worker, capture: at_capture.append(worker._tree_head.readings))  # fmt: skip
+    monkeypatch.setattr(
+        worker_mod.compat,
+        "init_draft_cuda_graphs",
+        lambda worker, capture: at_capture.append(worker._tree_head.readings),
+    )
     w.init_cuda_graphs()
     assert at_capture and at_capture[0] is not None
     assert w._readings.buffer is at_capture[0]
@@ -678,10 +704,12 @@ def test_the_least_free_memory_is_sglangs_read_over_the_tp_cpu_group(monkeypatch
     from sglang_ddtree.integration import compat
 
     calls = []
-    monkeypatch.setattr("sglang.srt.utils.get_available_gpu_memory",
-                        lambda *a, **k: calls.append((a, k)) or 7.5)  # fmt: skip
-    monkeypatch.setattr("sglang.srt.distributed.get_tp_group",
-                        lambda: SimpleNamespace(cpu_group="gloo group"))  # fmt: skip
+    monkeypatch.setattr(
+        "sglang.srt.utils.get_available_gpu_memory", lambda *a, **k: calls.append((a, k)) or 7.5
+    )
+    monkeypatch.setattr(
+        "sglang.srt.distributed.get_tp_group", lambda: SimpleNamespace(cpu_group="gloo group")
+    )
     assert compat.least_free_gb("cuda", 1) == 7.5
     assert calls == [(("cuda", 1), {"distributed": True, "cpu_group": "gloo group"})]
 
@@ -713,8 +741,13 @@ def _world_rounds(rounds: int, num_nodes: int = 32, widths=(16, 32), seed: int =
 
     B, vocab = 16, 4096
     cfg = DDTreeConfig(block_size=B, num_nodes=num_nodes, topk=8)
-    head = DraftTreeHead(lm_head_weight=torch.zeros(vocab, 1), vocab_size=vocab, cfg=cfg,
-                         max_bs=rounds, world=simulation.REGIMES["narrative"])  # fmt: skip
+    head = DraftTreeHead(
+        lm_head_weight=torch.zeros(vocab, 1),
+        vocab_size=vocab,
+        cfg=cfg,
+        max_bs=rounds,
+        world=simulation.REGIMES["narrative"],
+    )
     head.read_widths(widths)
     g = torch.Generator().manual_seed(seed)
     position = torch.randint(0, 1 << 30, (rounds,), generator=g)
@@ -733,8 +766,10 @@ def test_a_round_at_one_width_gives_what_each_narrower_width_would_have_accepted
 
     head, _, picks = _world_rounds(600, num_nodes=32)
     widths = (16, 24, 32)
-    walked = {w: accept_walk(truncate(head.tree(600), w), picks[:, :w], 15).num_accepted + 1
-              for w in (8, *widths)}  # fmt: skip
+    walked = {
+        w: accept_walk(truncate(head.tree(600), w), picks[:, :w], 15).num_accepted + 1
+        for w in (8, *widths)
+    }
     assert (walked[32] > walked[16]).any() and (walked[16] > 1).any()  # the widths differ
     for run in (32, 16):
         tree = (
@@ -765,11 +800,13 @@ def test_the_worker_reads_the_accepted_tokens_at_each_width_from_the_rounds_resu
     w._tree_head = head
     accept = accept_walk(head.tree(5), picks, 15)
     emitted = torch.cat([accept.emitted.clamp(min=0), torch.zeros(5, 4, dtype=torch.int64)], 1)
-    result = SimpleNamespace(next_token_ids=emitted.int().flatten(),
-                             accept_lens=(accept.num_accepted + 1).int())  # fmt: skip
+    result = SimpleNamespace(
+        next_token_ids=emitted.int().flatten(), accept_lens=(accept.num_accepted + 1).int()
+    )
     rnd = worker_mod.Round(bs=5, width=32, draft_input=None, tree=head.tree(5, 32))
-    want = [accept_walk(truncate(head.tree(5), v), picks[:, :v], 15).num_accepted + 1
-            for v in (16, 32)]  # fmt: skip
+    want = [
+        accept_walk(truncate(head.tree(5), v), picks[:, :v], 15).num_accepted + 1 for v in (16, 32)
+    ]
     assert torch.equal(w._accepted_at_widths(result, rnd), torch.stack(want, 1).float())
 
 
@@ -788,8 +825,13 @@ def test_a_width_the_policy_is_not_choosing_keeps_an_unbiased_reading_at_batch_1
 
     rounds = 4000
     head, predicted, picks = _world_rounds(rounds, num_nodes=32)
-    accepted = torch.stack([accept_walk(truncate(head.tree(rounds), w), picks[:, :w], 15)
-                            .num_accepted + 1 for w in (16, 32)], 1).float()  # fmt: skip
+    accepted = torch.stack(
+        [
+            accept_walk(truncate(head.tree(rounds), w), picks[:, :w], 15).num_accepted + 1
+            for w in (16, 32)
+        ],
+        1,
+    ).float()
     truth = accepted.mean(0).tolist()
     ms = {16: 21.91, 32: 22.43}
     for seed in range(3):
@@ -800,8 +842,9 @@ def test_a_width_the_policy_is_not_choosing_keeps_an_unbiased_reading_at_batch_1
             policy.observe_cost(1, width, ms[width] * (1 + 0.02 * rng.gauss(0, 1)))
             got = accepted[i].tolist()
             narrower = {16: got[0]} if width == 32 else {}
-            policy.observe_tokens(width, predicted[i].tolist(), got[(16, 32).index(width)],
-                                  narrower)  # fmt: skip
+            policy.observe_tokens(
+                width, predicted[i].tolist(), got[(16, 32).index(width)], narrower
+            )
         # its ratio of accepted to predicted tokens, against the world's (the predictions
         # themselves are the current rounds' average, alike for both widths)
         want = truth[0] / float(predicted[:, 0].mean())

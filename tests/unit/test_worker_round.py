@@ -43,8 +43,9 @@ def _round_worker(monkeypatch, calls):
     w._widths = w._readings = w._rank_widths = w._penalties = None
     w._graphs_on, w._eager_warned = True, set()
     w._target_worker = SimpleNamespace(model_runner=None)
-    w.model_runner = SimpleNamespace(req_to_token_pool="req_to_token_pool",
-                                     token_to_kv_pool_allocator="allocator")  # fmt: skip
+    w.model_runner = SimpleNamespace(
+        req_to_token_pool="req_to_token_pool", token_to_kv_pool_allocator="allocator"
+    )
     bs = 2
     logprobs, ids = topk_logprobs_from_logits(
         torch.randn(bs, B - 1, 32, generator=torch.Generator().manual_seed(0)), K
@@ -68,17 +69,29 @@ def _round_worker(monkeypatch, calls):
 
     w._draft = draft
 
-    def verify_input(cfg, tokens, depth, first_child, next_sibling, visibility, seq_lens,
-                     seq_lens_sum, write_mask):  # fmt: skip
+    def verify_input(
+        cfg,
+        tokens,
+        depth,
+        first_child,
+        next_sibling,
+        visibility,
+        seq_lens,
+        seq_lens_sum,
+        write_mask,
+    ):
         calls.append(("verify_input", tokens, seq_lens_sum, write_mask))
         return "verify input"
 
     hidden = torch.randn(bs * N, H)
     result = SimpleNamespace(
-        can_run_cuda_graph=True, next_token_ids=torch.arange(bs * N), new_seq_lens="new lens",
-        accept_lens=torch.tensor([2, 3]), logits_output=SimpleNamespace(hidden_states=hidden),
+        can_run_cuda_graph=True,
+        next_token_ids=torch.arange(bs * N),
+        new_seq_lens="new lens",
+        accept_lens=torch.tensor([2, 3]),
+        logits_output=SimpleNamespace(hidden_states=hidden),
         next_draft_input=SimpleNamespace(bonus_tokens=torch.tensor([7, 8])),
-    )  # fmt: skip
+    )
 
     def verify(batch, **kwargs):
         calls.append(("verify", batch.spec_info, kwargs["num_draft_tokens"], kwargs["topk"]))
@@ -90,10 +103,13 @@ def _round_worker(monkeypatch, calls):
     monkeypatch.setattr(compat, "append_draft_kv", lambda worker, **kw: calls.append(("kv", kw)))
     draft_input = DFlashDraftInputV2.__new__(DFlashDraftInputV2)
     draft_input.nxt_kv_lens_sum = 77
-    batch = SimpleNamespace(spec_info=draft_input, seq_lens=_SeqLens([10, 11]), reqs=[],
-                            forward_mode=SimpleNamespace(is_extend=lambda: False,
-                                                         is_idle=lambda: False),
-                            is_extend_in_batch=False)  # fmt: skip
+    batch = SimpleNamespace(
+        spec_info=draft_input,
+        seq_lens=_SeqLens([10, 11]),
+        reqs=[],
+        forward_mode=SimpleNamespace(is_extend=lambda: False, is_idle=lambda: False),
+        is_extend_in_batch=False,
+    )
     return w, batch, draft_input, tree, hidden, result
 
 
@@ -141,8 +157,9 @@ def test_a_measured_round_hands_the_readings_what_each_width_accepted(monkeypatc
     calls = []
     w, batch, *_ = _round_worker(monkeypatch, calls)
     finished = []
-    w._readings = SimpleNamespace(current="slot" if measured else None,
-                                  finish=lambda accepted: finished.append(accepted))  # fmt: skip
+    w._readings = SimpleNamespace(
+        current="slot" if measured else None, finish=lambda accepted: finished.append(accepted)
+    )
     w._choose_width = lambda bs: N
     w._accepted_at_widths = lambda result, rnd: calls.append(("accepted", rnd.width)) or "read"
     w.forward_batch_generation(batch)

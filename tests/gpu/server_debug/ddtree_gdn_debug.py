@@ -61,27 +61,36 @@ class Settings:
     def from_env(cls, environ) -> Settings:
         from sglang_ddtree.gdn.chunk_tree import PRECISIONS
 
-        out = cls(check=environ.get("DDTREE_GDN_CHECK") or None,
-                  serve=environ.get("DDTREE_GDN_CHECK_SERVE", "chunk"),
-                  save=int(environ.get("DDTREE_GDN_CHECK_SAVE", "0")),
-                  perturb=float(environ.get("DDTREE_GDN_PERTURB", "0")),
-                  verify=environ.get("DDTREE_GDN_VERIFY", "chunk"),
-                  precision=environ.get("DDTREE_GDN_PRECISION", "split"))  # fmt: skip
+        out = cls(
+            check=environ.get("DDTREE_GDN_CHECK") or None,
+            serve=environ.get("DDTREE_GDN_CHECK_SERVE", "chunk"),
+            save=int(environ.get("DDTREE_GDN_CHECK_SAVE", "0")),
+            perturb=float(environ.get("DDTREE_GDN_PERTURB", "0")),
+            verify=environ.get("DDTREE_GDN_VERIFY", "chunk"),
+            precision=environ.get("DDTREE_GDN_PRECISION", "split"),
+        )
         if out.serve not in ("chunk", "paths") or out.save < 0 or not 0 <= out.perturb < 1:
-            raise ValueError(f"DDTREE_GDN_CHECK_SERVE chunk | paths, _SAVE >= 0, "
-                             f"DDTREE_GDN_PERTURB in [0, 1); got {out}")  # fmt: skip
+            raise ValueError(
+                f"DDTREE_GDN_CHECK_SERVE chunk | paths, _SAVE >= 0, "
+                f"DDTREE_GDN_PERTURB in [0, 1); got {out}"
+            )
         if out.verify not in ("chunk", "paths") or out.precision not in PRECISIONS:
-            raise ValueError(f"DDTREE_GDN_VERIFY chunk | paths, DDTREE_GDN_PRECISION one of "
-                             f"{PRECISIONS}; got {out}")  # fmt: skip
+            raise ValueError(
+                f"DDTREE_GDN_VERIFY chunk | paths, DDTREE_GDN_PRECISION one of "
+                f"{PRECISIONS}; got {out}"
+            )
         if (out.serve != "chunk" or out.save) and not out.check:
-            raise ValueError("DDTREE_GDN_CHECK_SERVE / _SAVE belong to the GDN check; set "
-                             "DDTREE_GDN_CHECK=DIR too.")  # fmt: skip
+            raise ValueError(
+                "DDTREE_GDN_CHECK_SERVE / _SAVE belong to the GDN check; set "
+                "DDTREE_GDN_CHECK=DIR too."
+            )
         return out
 
     @property
     def active(self) -> bool:
-        return bool(self.check or self.perturb or self.verify != "chunk"
-                    or self.precision != "split")  # fmt: skip
+        return bool(
+            self.check or self.perturb or self.verify != "chunk" or self.precision != "split"
+        )
 
 
 def row_error(o: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
@@ -119,8 +128,9 @@ class Checker:
         returns the outputs to serve (`o`, or the root paths' with serve "paths")."""
         *inputs, state, slots, parents, scratch, scratch_idx = args
         ref_scratch = scratch.clone()
-        ref = self.root_paths(*inputs, state, slots, parents, ref_scratch, scratch_idx,
-                              max_path=max_path)  # fmt: skip
+        ref = self.root_paths(
+            *inputs, state, slots, parents, ref_scratch, scratch_idx, max_path=max_path
+        )
         served = ref if self.settings.serve == "paths" else o
         rel = row_error(o, ref)
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
@@ -131,8 +141,13 @@ class Checker:
             return served
         if not self.worst:
             self.worst.append(torch.zeros((), device=rel.device))
-        self._eager(o, ref, rel, (inputs, state, slots, parents, max_path),
-                    (scratch, ref_scratch, scratch_idx.long()))  # fmt: skip
+        self._eager(
+            o,
+            ref,
+            rel,
+            (inputs, state, slots, parents, max_path),
+            (scratch, ref_scratch, scratch_idx.long()),
+        )
         return served
 
     def _eager(self, o, ref, rel, call, scratches) -> None:
@@ -141,8 +156,12 @@ class Checker:
         worst = float(rel.max())
         if worst > self.so_far:
             self.so_far = worst
-            logger.info("sglang_ddtree: GDN check: verify %d: worst difference so far %.3g of "
-                        "the row's max |o|", counts["calls"], worst)  # fmt: skip
+            logger.info(
+                "sglang_ddtree: GDN check: verify %d: worst difference so far %.3g of "
+                "the row's max |o|",
+                counts["calls"],
+                worst,
+            )
         differs = worst > TOL
         counts["differed"] += differs
         # the first `save` calls, all of them; beyond, the first KEEP that differ
@@ -151,8 +170,11 @@ class Checker:
         if differs:
             _report(rel, worst, call[3], where, counts["calls"])
         if counts["calls"] % 1000 == 0:
-            logger.info("sglang_ddtree: GDN check: %d verifies checked, %d differed",
-                        counts["calls"], counts["differed"])  # fmt: skip
+            logger.info(
+                "sglang_ddtree: GDN check: %d verifies checked, %d differed",
+                counts["calls"],
+                counts["differed"],
+            )
 
     def after_round(self) -> None:
         """Read back (and reset) the worst fraction of this round's graph-captured verifies."""
@@ -163,12 +185,18 @@ class Checker:
         self.counts["rounds"] += 1
         if worst > TOL:
             self.counts["rounds_differed"] += 1
-            logger.warning("sglang_ddtree: GDN check: round %d (CUDA graph): a chunked verify "
-                           "differs from the root paths by %.3g of the row's max |o|",
-                           self.counts["rounds"], worst)  # fmt: skip
+            logger.warning(
+                "sglang_ddtree: GDN check: round %d (CUDA graph): a chunked verify "
+                "differs from the root paths by %.3g of the row's max |o|",
+                self.counts["rounds"],
+                worst,
+            )
         if self.counts["rounds"] % 1000 == 0:
-            logger.info("sglang_ddtree: GDN check: %d rounds checked, %d differed",
-                        self.counts["rounds"], self.counts["rounds_differed"])  # fmt: skip
+            logger.info(
+                "sglang_ddtree: GDN check: %d rounds checked, %d differed",
+                self.counts["rounds"],
+                self.counts["rounds_differed"],
+            )
 
     def _save(self, o, ref, call, scratches) -> str | None:
         """Save one call's inputs, slot states, both outputs and both scratch rows; the file, or
@@ -178,18 +206,29 @@ class Checker:
         inputs, state, slots, parents, max_path = call
         mine, theirs, rows = scratches
         where = os.path.join(self.settings.check, f"verify_{os.getpid()}_{self.counts['calls']}.pt")
-        record = {"inputs": [x.cpu() if torch.is_tensor(x) else x for x in inputs],
-                  "states": state[slots.long().clamp(min=0)].cpu(), "slots": slots.cpu(),
-                  "parents": parents.cpu(), "max_path": max_path, "chunk": o.cpu(),
-                  "paths": ref.cpu(), "call": self.counts["calls"],
-                  "scratch_chunk": mine[rows].cpu(), "scratch_paths": theirs[rows].cpu()}  # fmt: skip
+        record = {
+            "inputs": [x.cpu() if torch.is_tensor(x) else x for x in inputs],
+            "states": state[slots.long().clamp(min=0)].cpu(),
+            "slots": slots.cpu(),
+            "parents": parents.cpu(),
+            "max_path": max_path,
+            "chunk": o.cpu(),
+            "paths": ref.cpu(),
+            "call": self.counts["calls"],
+            "scratch_chunk": mine[rows].cpu(),
+            "scratch_paths": theirs[rows].cpu(),
+        }
         try:
             os.makedirs(self.settings.check, exist_ok=True)
             torch.save(record, where)
         except OSError as exc:
             self.saving = False
-            logger.warning("sglang_ddtree: GDN check: saving to %s failed (%s); the check goes "
-                           "on without saving", self.settings.check, exc)  # fmt: skip
+            logger.warning(
+                "sglang_ddtree: GDN check: saving to %s failed (%s); the check goes "
+                "on without saving",
+                self.settings.check,
+                exc,
+            )
             return None
         return where
 
@@ -198,10 +237,16 @@ def _report(rel, worst, parents, where: str | None, call: int) -> None:
     """Log a verify that differs: its worst node and head, and where its inputs went."""
     token, head = divmod(int(rel.argmax()), rel.shape[1])
     N = parents.shape[1]
-    logger.warning("sglang_ddtree: GDN check: verify %d differs from the root paths by %.3g of "
-                   "the row's max |o| at node %d (request %d), value head %d%s",
-                   call, worst, token % N, token // N, head,
-                   f"; inputs in {where}" if where else "")  # fmt: skip
+    logger.warning(
+        "sglang_ddtree: GDN check: verify %d differs from the root paths by %.3g of "
+        "the row's max |o| at node %d (request %d), value head %d%s",
+        call,
+        worst,
+        token % N,
+        token // N,
+        head,
+        f"; inputs in {where}" if where else "",
+    )
 
 
 def install(settings: Settings):
