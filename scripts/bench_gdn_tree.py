@@ -425,7 +425,7 @@ def run_conv(
             row[f"conv_{tiling}_ms"] = _timed(gpu_ms, fn, iters)
         row["sglang_conv_ms"] = gpu_ms(sglang, iters, graph=True)
         row["ours_conv_ms"] = gpu_ms(ours, iters, graph=True)
-        # as served: the parents kernel in the first GDN layer only (integration/gdn.py), so a
+        # as served: the parents kernel in the first GDN layer only (state/gdn.py), so a
         # round of L layers costs ours_conv_ms + (L - 1) x ours_conv_noparents_ms
         from sglang_ddtree.gdn.conv_tree import tree_parents
 

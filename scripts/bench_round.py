@@ -115,7 +115,7 @@ MAMBA_SLOTS_PER_REQ = 6  # >= SGLang's mamba slots per running request (3, +2 wi
 # halve the scratch, which is what lets N = 64 run 8 requests.
 # `_sglanggdn`: DDTREE with SGLang's own GDN tree verify, conv1d and commit (per-node states)
 # instead of sglang_ddtree.gdn's (and its compact scratch, which lets 16 requests run at any N).
-# `_sglangplan`: SGLang's FlashInfer plan for the verify instead of integration/verify_plan.py's
+# `_sglangplan`: SGLang's FlashInfer plan for the verify instead of round/verify_plan.py's
 # (the measurement that decides which of the two stays).
 VARIANT_ENV = {
     "_bf16ssm": {"SGLANG_MAMBA_SSM_DTYPE": "bfloat16"},
@@ -143,7 +143,7 @@ def variant_env(name: str) -> dict[str, str]:
 
 
 def width_table(log: str) -> dict | None:
-    """The last cost table an automatic-width server logged (integration/worker.py): {"widths",
+    """The last cost table an automatic-width server logged (round/worker.py): {"widths",
     "ms": {bucket: [ms or None per width]}, "chosen": "w x rounds, ..."}; None: none logged."""
     if "DDTREE widths after " not in log:
         return None
@@ -414,7 +414,7 @@ def long_prompts(server, lengths: list[int], vocab: int, tokens: int = 32) -> li
 
 def gdn_scratch_gb(log: str) -> float | None:
     """The GDN verify scratch the Mamba pool allocated: SGLang's per-node states, or (the
-    `_compact` variants) integration/gdn_pool.py's scratch and conv windows."""
+    `_compact` variants) state/gdn_pool.py's scratch and conv windows."""
     m = re.search(r"intermediate_ssm_state_cache size: ([0-9.]+)GB", log) or re.search(
         r"compact GDN verify scratch for \d+ requests x \d+ nodes: ([0-9.]+) GB", log
     )

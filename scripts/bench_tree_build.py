@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from sglang_ddtree.config import DDTreeConfig
-from sglang_ddtree.integration.draft_head import DraftTreeHead, tree_builder
+from sglang_ddtree.round.draft_head import DraftTreeHead, tree_builder
 from sglang_ddtree.tree import topk_logprobs_from_logits
 from sglang_ddtree.tree.testing import assert_trees_equal
 

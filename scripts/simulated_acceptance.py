@@ -21,7 +21,7 @@ import torch
 
 from sglang_ddtree import simulation
 from sglang_ddtree.config import DDTreeConfig
-from sglang_ddtree.integration.draft_head import DraftTreeHead
+from sglang_ddtree.round.draft_head import DraftTreeHead
 from sglang_ddtree.tree import accept_walk
 
 BLOCK, TOPK, VOCAB, BATCH = 16, 8, 4096, 2000

@@ -166,7 +166,7 @@ class Options:
                                               commit, conv1d and per-node states)
     width         SGLANG_DDTREE_WIDTH         auto | fixed: auto verifies each round the width
                                               (of `widths`) with the most expected tokens per
-                                              ms at the running batch (integration/widths.py);
+                                              ms at the running batch (round/widths.py);
                                               fixed: always --speculative-num-draft-tokens;
                                               fixed under --enable-deterministic-inference
                                               and, unless asked for auto, at --tp-size > 1
@@ -176,13 +176,13 @@ class Options:
     penalties     SGLANG_DDTREE_PENALTIES     1 | 0: 1 serves frequency / presence /
                                               repetition penalties, min_new_tokens and min_p,
                                               each node by its own path
-                                              (integration/penalties.py; exact on the GPU);
+                                              (round/penalties.py; exact on the GPU);
                                               0 refuses them with 400 (the memory way out)
     dump_rounds   SGLANG_DDTREE_DUMP_ROUNDS   a JSON-lines file for sampled rounds; None: off
     dump_every    SGLANG_DDTREE_DUMP_EVERY    every how many rounds (100)
     verify_plan   SGLANG_DDTREE_VERIFY_PLAN   host | sglang: host plans FlashInfer's tree verify
                                               from host lengths with no read-back and packs
-                                              the mask from the tree (integration/verify_plan.py,
+                                              the mask from the tree (round/verify_plan.py,
                                               mask_pack.py); sglang: SGLang's plan, from the
                                               mask written unpacked. Kept until a GPU
                                               measurement on SGLang 0.5.23 of the two plans
@@ -193,7 +193,7 @@ class Options:
     From the server's flags, not switches:
     gdn_verify    chunk (the chunked verify; trees over 64 nodes take the root paths), or
                   paths (root paths, batch-invariant) under --enable-deterministic-inference
-    gdn_scratch   compact (integration/gdn_pool.py), or full where SGLang allocates the per-node
+    gdn_scratch   compact (state/gdn_pool.py), or full where SGLang allocates the per-node
                   states itself: --enable-unified-memory, SGLANG_DDTREE_GDN=sglang
     Switches that were retired are refused at start-up, naming what replaced them
     (RETIRED_SWITCHES, DEBUG_SWITCHES).
@@ -297,7 +297,7 @@ RETIRED_SWITCHES = {
     "per-node states (--enable-unified-memory, SGLANG_DDTREE_GDN=sglang)",
     "SGLANG_DDTREE_LOGPROBS": "logprobs are always served",
     "SGLANG_DDTREE_MASK_PACK": "the verify mask's packing follows SGLANG_DDTREE_VERIFY_PLAN",
-    "SGLANG_DDTREE_ACCEPT_PATH": "integration/accept_path.py always moves the accepted path",
+    "SGLANG_DDTREE_ACCEPT_PATH": "round/accept_path.py always moves the accepted path",
 }
 # debugging aids that were server switches: the check's SERVE and the perturbation change
 # served tokens, and the check reads back and saves on the decode thread
@@ -327,7 +327,7 @@ def _refuse_retired_switches() -> None:
 def _width_mode(deterministic: bool, tensor_parallel: bool) -> str:
     """SGLANG_DDTREE_WIDTH: fixed by default under deterministic inference, and at tp > 1 until a
     multi-GPU run has checked the shared choice there (auto at tp > 1: rank 0 chooses and
-    broadcasts each round, integration/widths.RankWidths, so that no two ranks verify different
+    broadcasts each round, round/widths.RankWidths, so that no two ranks verify different
     widths in one round and wait on each other's collectives)."""
     return env_choice(
         "SGLANG_DDTREE_WIDTH",

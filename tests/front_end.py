@@ -89,7 +89,7 @@ class FrontEnd:
         return self.manager.model_config.vocab_size
 
     def answer(self, path: str, body: bytes | dict) -> Answer:
-        from sglang_ddtree.integration import json_bodies
+        from sglang_ddtree.front_door import json_bodies
 
         if isinstance(body, bytes | str) and len(body) > json_bodies.MAX_BODY_BYTES:
             return Answer(413, "the request body is over DDTREE's limit")  # its middleware's
@@ -118,7 +118,7 @@ class FrontEnd:
         builds against SGLang's /generate contract; SGLang then builds the request untyped."""
         from sglang.srt.entrypoints.api_contract import generate_contract_error
 
-        from sglang_ddtree.integration import json_bodies
+        from sglang_ddtree.front_door import json_bodies
 
         generate = json_bodies.vertex_as_generate(json.dumps(raw).encode())
         if generate is None:
@@ -150,7 +150,7 @@ class FrontEnd:
 
     def _run(self, path: str, raw) -> None:
         """raw: a parsed body, or (the Vertex route) the request SGLang built from one."""
-        from sglang_ddtree.integration import hooks
+        from sglang_ddtree.plugin import hooks
 
         obj = (
             raw
@@ -178,7 +178,7 @@ class FrontEnd:
     def _one(self, item) -> None:
         from sglang.srt.sampling.sampling_params import SamplingParams
 
-        from sglang_ddtree.integration import hooks
+        from sglang_ddtree.plugin import hooks
 
         ids = item.input_ids
         if ids is None:

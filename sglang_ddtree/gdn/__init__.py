@@ -6,6 +6,6 @@
   for) and the commit by replay (every path);
 - `conv_tree.py`: the tree's causal conv1d with every node in parallel.
 
-Wired into SGLang by `sglang_ddtree.integration.gdn`; docs/design.md, and docs/results.md for
+Wired into SGLang by `sglang_ddtree.state.gdn`; docs/design.md, and docs/results.md for
 their timings.
 """

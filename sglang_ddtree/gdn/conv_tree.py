@@ -1,5 +1,5 @@
 """The Gated DeltaNet layers' causal conv1d over a token tree, every node in parallel (DDTREE's
-tree verify runs it through integration/gdn.py's conv hook).
+tree verify runs it through state/gdn.py's conv hook).
 
 SGLang 0.5.17's tree path of `causal_conv1d_update` (`_causal_conv1d_update_kernel` with
 retrieve_next_token / retrieve_next_sibling) runs one program per (request, 256 channels) that

@@ -22,7 +22,7 @@ softplus(a + dt_bias) (threshold 20) and beta = sigmoid(b) in float32, h *= exp(
 Layouts follow SGLang: q, k [T, H, K]; v [T, HV, V]; a, b [T, HV]; states [.., HV, V, K] with K
 contiguous; T = bs * N tokens, request-major; parents [bs, N] local node indices (parents[:, 0]
 is ignored). `gdn/reference.py` holds the plain-torch definitions the kernels are tested against
-(tests/unit/test_gdn_tree_verify.py). The SGLang wiring is `integration/gdn.py`.
+(tests/unit/test_gdn_tree_verify.py). The SGLang wiring is `state/gdn.py`.
 """
 
 from __future__ import annotations

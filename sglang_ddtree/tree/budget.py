@@ -1,5 +1,5 @@
 """Budget by load: how many of a tree's nodes to verify, from the verify's measured cost and the
-drafter's own expected acceptance (the policy; integration/widths.py runs it in the server).
+drafter's own expected acceptance (the policy; round/widths.py runs it in the server).
 
 The builders emit nodes in non-increasing q(u) (the drafter's probability of the root->u path),
 so the first n nodes of an N-node DDTree are the best n-node tree, prefix-closed, and under the
@@ -244,7 +244,7 @@ class WidthPolicy:
     - Both are made monotone in the width before they are compared, as the true ones are: a
       wider tree costs at least and accepts at least what a narrower one does (`costs`,
       `tokens`). Between equal rates the wider width wins.
-    Host floats only; the server feeds it readings one round late (integration/widths.py)."""
+    Host floats only; the server feeds it readings one round late (round/widths.py)."""
 
     def __init__(
         self,

@@ -1,5 +1,5 @@
 """Sampling penalties per tree node, exactly (the reference engine, and the server through
-integration/penalties.py with SGLANG_DDTREE_PENALTIES=1).
+round/penalties.py with SGLANG_DDTREE_PENALTIES=1).
 
 A node's distribution must be the request's distribution given the path to that node. The
 frequency, presence and repetition penalties depend on which tokens the context holds, and in a

@@ -10,7 +10,7 @@ A round record (a dict, one JSON line in a dump) holds what a round looked like:
     width    int       N, the nodes verified that round
 
 The reference engine's rounds (`from_round`) and the server's dumped rounds
-(integration/round_dump.py, which stores the emitted tokens instead of the path:
+(round/round_dump.py, which stores the emitted tokens instead of the path:
 `accepted_path` recovers it) render the same way. Pictures use matplotlib, imported only when a
 picture is drawn: a maintained library that writes SVG and PNG from pip wheels alone (graphviz
 would need its `dot` program installed beside it).
@@ -235,7 +235,7 @@ def token_decoder(tokenizer) -> Decode:
 
 
 def read_dump(path: str | Path) -> list[dict]:
-    """A server dump's rounds (integration/round_dump.py) as round records."""
+    """A server dump's rounds (round/round_dump.py) as round records."""
     records = []
     for line in Path(path).read_text().splitlines():
         if line.strip():

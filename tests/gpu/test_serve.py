@@ -620,15 +620,15 @@ def test_pools_return_to_idle_and_no_host_sync(servers, model, variant):
 
 # What each hybrid DDTREE server must have logged, so that a switch that silently did not
 # engage (a hook that missed its target) cannot pass as tested: its GDN path (the startup line
-# of integration/gdn.describe) and the first use of each of its hooks.
+# of state/gdn.describe) and the first use of each of its hooks.
 COMMIT = "first GDN state commit through sglang_ddtree.gdn.tree_verify.commit_paths"
 PATHS = "first GDN tree verify through sglang_ddtree.gdn.tree_verify"
 CHUNK = "first GDN tree verify through sglang_ddtree.gdn.chunk_tree.chunk_tree_verify"
 CONV = "first tree conv1d through sglang_ddtree.gdn.conv_tree"
 COMPACT = ("Mamba pool sized for", "compact GDN verify scratch for")  # solver and pool hooks
 HOSTPLAN = "first verify plan from host lengths"
-MASKPACK = "first verify mask packed by integration/mask_pack.py"
-ACCEPT = ("first accepted path moved to the front by integration/accept_path.py",)
+MASKPACK = "first verify mask packed by tree/mask_pack.py"
+ACCEPT = ("first accepted path moved to the front by round/accept_path.py",)
 WIDTH = {"auto": "DDTREE verify width: auto among", "fixed": "DDTREE verify width: fixed at"}
 
 

@@ -1,4 +1,4 @@
-"""integration/accept_path.py: the accepted path's move to the block front, one Triton launch,
+"""round/accept_path.py: the accepted path's move to the block front, one Triton launch,
 value for value SGLang's own function (eagle_worker_common._finalize_accept_tree_path), which
 runs here beside it: on the CPU both under Triton's interpreter, on the GPU on the device.
 
@@ -87,7 +87,7 @@ class _Pool:
 
 def _check_finalize(bs, N, S, seed, device):
     module = pytest.importorskip("sglang.srt.speculative.eagle_worker_common")
-    from sglang_ddtree.integration.accept_path import finalize_hook
+    from sglang_ddtree.round.accept_path import finalize_hook
 
     accept_index, accept_lens, seq_lens, slots, predict, hidden = _round(bs, N, S, seed, device)
     outputs, pools = [], []
@@ -112,7 +112,7 @@ def _check_finalize(bs, N, S, seed, device):
 def _runtime():
     """The worker factory's runtime (its engaged paths) that the hook is bound to."""
     from sglang_ddtree.config import DDTreeConfig, Options
-    from sglang_ddtree.integration.runtime import Runtime
+    from sglang_ddtree.round.runtime import Runtime
 
     return Runtime.create(Options(), DDTreeConfig(block_size=4, num_nodes=8, topk=2))
 
@@ -126,7 +126,7 @@ def test_the_path_moves_to_the_front_as_sglangs(bs, N, S, seed):
 def test_other_batches_get_sglangs_function(monkeypatch):
     """A batch of another algorithm keeps SGLang's code (a DDTREE batch always takes the
     kernel; the old SGLANG_DDTREE_ACCEPT_PATH switch is refused, test_plugin.py)."""
-    from sglang_ddtree.integration.accept_path import finalize_hook
+    from sglang_ddtree.round.accept_path import finalize_hook
 
     seq = torch.tensor([3, 4])
     eagle = _batch(seq, torch.arange(1, 9), 2, 4, track=False, ddtree=False)
@@ -151,7 +151,9 @@ def test_the_hook_target_has_the_parameters_the_hook_assumes():
     import inspect
 
     common = pytest.importorskip("sglang.srt.speculative.eagle_worker_common")
-    from sglang_ddtree.integration import accept_path, compat, hooks
+    from sglang_ddtree.adapter import compat
+    from sglang_ddtree.plugin import hooks
+    from sglang_ddtree.round import accept_path
 
     finalize = list(inspect.signature(common._finalize_accept_tree_path).parameters)
     assert finalize == [
@@ -173,7 +175,7 @@ def test_sglang_commits_the_tree_steps_and_tracks_itself():
     """SGLang's commit-step indices (fused, one Triton launch on the GPU) and its Mamba tracking
     set-up (an asynchronous copy, freed rows marked -1) are what a DDTREE round uses: no hook of
     DDTREE's stands in front of them."""
-    from sglang_ddtree.integration import hooks
+    from sglang_ddtree.plugin import hooks
 
     targets = " ".join(hooks.HOOKS)
     assert "_verify_commit_step_indices" not in targets

@@ -37,11 +37,16 @@ def _imports(tree: ast.Module) -> set[str]:
     return names
 
 
-def test_only_integration_and_the_plugin_import_sglang():
+# The rooms that adapt SGLang's objects to DDTree's; tree/, gdn/, reference/ and the rest are
+# plain torch (and Triton) and import none of SGLang.
+SGLANG_ROOMS = ("adapter/", "front_door/", "plugin/", "round/", "state/")
+
+
+def test_only_the_serving_rooms_import_sglang():
     offenders = [
         (name, sorted(m for m in _imports(tree) if m == "sglang" or m.startswith("sglang.")))
         for name, tree in _modules()
-        if not (name.startswith("integration/") or name == "plugin.py")
+        if not name.startswith(SGLANG_ROOMS)
     ]
     assert [o for o in offenders if o[1]] == []
 
@@ -56,7 +61,7 @@ def test_the_package_reads_the_environment_only_in_config():
 
 
 # Module state that a `global` statement rebinds, with why it is not on an object: none. The
-# options are parsed once per process and handed to who reads them (integration/runtime.py).
+# options are parsed once per process and handed to who reads them (round/runtime.py).
 REBOUND_GLOBALS: dict[tuple[str, str], str] = {}
 
 
@@ -287,11 +292,11 @@ def _own_private_names() -> set[str]:
 
 def test_sglang_private_names_are_used_only_in_compat():
     """An SGLang upgrade that renames a private attribute or function changes compat.py alone:
-    nowhere else does the integration touch a `_name` that the package does not define."""
+    nowhere else does the package touch a `_name` that the package does not define."""
     own = _own_private_names() | {"_asdict", "_fields", "_replace", "_make"}  # namedtuple API
     found = []
     for name, tree in _modules():
-        if name == "integration/compat.py":
+        if name == "adapter/compat.py":
             continue
         for node in ast.walk(tree):
             used = []
@@ -376,7 +381,7 @@ def test_no_class_assigns_sglangs_inherited_private_attributes_outside_compat():
         pytest.skip("needs SGLang's source installed")
     found, checked = [], 0
     for name, tree in _modules():
-        if name == "integration/compat.py":
+        if name == "adapter/compat.py":
             continue
         imported = _imported_names(tree)
         for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):

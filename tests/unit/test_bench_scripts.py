@@ -223,7 +223,7 @@ def _span(cat: str, name: str, ts: int, dur: int, tid: int = 1) -> dict:
 
 
 def test_bench_round_reads_the_gdn_scratch_from_either_pools_log(caplog):
-    """SGLang's pool logs its per-node state buffer; the compact pool (integration/gdn_pool.py)
+    """SGLang's pool logs its per-node state buffer; the compact pool (state/gdn_pool.py)
     its own line, read here from the pool the hook really builds on the CPU."""
     pytest.importorskip("sglang.srt.mem_cache.memory_pool")
     import logging
@@ -234,7 +234,7 @@ def test_bench_round_reads_the_gdn_scratch_from_either_pools_log(caplog):
     sglang_line = "intermediate_ssm_state_cache size: 45.00GB intermediate_conv_window_cache size"
     assert bench.gdn_scratch_gb(sglang_line) == 45.0
     assert bench.gdn_scratch_gb("Mamba Cache is allocated. conv_state size: 1.00GB") is None
-    from sglang_ddtree.integration import gdn_pool
+    from sglang_ddtree.state import gdn_pool
 
     caplog.set_level(logging.INFO, logger=gdn_pool.__name__)
     pool = hybrid_pool(64, requests=40, slots=120)  # the default options: the compact scratch

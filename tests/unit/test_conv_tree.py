@@ -344,7 +344,9 @@ def test_inputs_once_and_the_window_commit_equal_sglangs_scatter_on_gpu_in_bf16(
 
 
 def test_conv_hook_target_exists_and_the_hook_passes_everything_else_through(monkeypatch):
-    from sglang_ddtree.integration import compat, gdn, hooks
+    from sglang_ddtree.adapter import compat
+    from sglang_ddtree.plugin import hooks
+    from sglang_ddtree.state import gdn
 
     module = pytest.importorskip("sglang.srt.layers.attention.linear.gdn_backend")
     assert callable(module.causal_conv1d_update)
@@ -379,7 +381,7 @@ def test_the_conv_hook_stores_inputs_once_on_the_compact_pool_only(monkeypatch):
     """On DDTREE's compact pool the hook asks conv_tree for the nodes' inputs (the commit builds
     the windows from them, conv_tree.commit_windows); on SGLang's pool for SGLang's windows."""
     import sglang_ddtree.gdn.conv_tree as conv_module
-    from sglang_ddtree.integration import gdn
+    from sglang_ddtree.state import gdn
 
     seen = []
     monkeypatch.setattr(conv_module, "conv_tree", lambda *a, **k: seen.append(k["save_inputs"]))
@@ -395,7 +397,7 @@ def test_the_conv_hook_stores_inputs_once_on_the_compact_pool_only(monkeypatch):
 def test_conv_hook_runs_conv_tree_when_enabled(monkeypatch, caplog):
     mod = pytest.importorskip("sglang.kernels.ops.mamba.causal_conv1d_triton")
     import sglang_ddtree.gdn.conv_tree as conv_module
-    from sglang_ddtree.integration import gdn
+    from sglang_ddtree.state import gdn
 
     state = gdn.GDNState(gdn.GDNPath(16, compact=False))
     caplog.set_level("INFO", logger=gdn.__name__)
@@ -419,7 +421,7 @@ def test_the_hook_fills_the_parents_in_the_first_layer_only(monkeypatch):
     would change its windows), and both equal SGLang's kernel."""
     mod = pytest.importorskip("sglang.kernels.ops.mamba.causal_conv1d_triton")
     import sglang_ddtree.gdn.conv_tree as conv_module
-    from sglang_ddtree.integration import gdn
+    from sglang_ddtree.state import gdn
 
     hooks = gdn.GDNState(gdn.GDNPath(16, compact=False))  # the process's, once
     filled = []

@@ -149,7 +149,7 @@ def test_install_serves_the_root_paths_and_the_precision_asked_for(monkeypatch):
     """DDTREE_GDN_VERIFY=paths: the GDN path never takes the chunked verify;
     DDTREE_GDN_PRECISION: the chunked verify's products at that precision."""
     from sglang_ddtree.gdn import chunk_tree, tree_verify
-    from sglang_ddtree.integration import gdn
+    from sglang_ddtree.state import gdn
 
     for module, name in (
         (chunk_tree, "chunk_tree_verify"),
@@ -172,7 +172,7 @@ def test_install_serves_the_root_paths_and_the_precision_asked_for(monkeypatch):
 
 
 def test_install_wraps_the_kernels_ddtrees_hooks_import_at_each_call(monkeypatch, tmp_path):
-    """What integration/gdn.py imports inside its hooks (the chunked and root-path verifies, the
+    """What state/gdn.py imports inside its hooks (the chunked and root-path verifies, the
     commit) becomes the checked / perturbed one; the check compares with the package's own
     root-path kernel and reads the round before each commit."""
     from sglang_ddtree.gdn import chunk_tree, tree_verify
@@ -247,6 +247,6 @@ def test_the_product_runs_its_round_code_without_the_sync_check():
     pytest.importorskip("sglang.srt.speculative.dflash_worker_v2")
     import contextlib
 
-    from sglang_ddtree.integration import worker
+    from sglang_ddtree.round import worker
 
     assert isinstance(worker.own_code(), contextlib.nullcontext)

@@ -1,4 +1,4 @@
-"""integration/gdn_pool.py: the compact Gated DeltaNet verify scratch (DDTREE's GDN path, but
+"""state/gdn_pool.py: the compact Gated DeltaNet verify scratch (DDTREE's GDN path, but
 under --enable-unified-memory) in SGLang 0.5.17's own Mamba pool and memory solver, run on the CPU. That DDTREE's verify
 and commit give SGLang's results through this scratch is tested under the Triton interpreter in
 test_gdn_tree_verify.py."""
@@ -13,7 +13,7 @@ import torch
 
 from sglang_ddtree.config import DDTreeConfig, Options
 from sglang_ddtree.gdn.tree_verify import scratch_floats
-from sglang_ddtree.integration import gdn, gdn_pool
+from sglang_ddtree.state import gdn, gdn_pool
 
 pytest.importorskip("sglang.srt.mem_cache.memory_pool")
 
@@ -297,7 +297,8 @@ def test_pool_hook_targets_have_the_parameters_the_hooks_use():
     from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
     from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
 
-    from sglang_ddtree.integration import compat, hooks
+    from sglang_ddtree.adapter import compat
+    from sglang_ddtree.plugin import hooks
 
     assert hooks.HOOKS[compat.MAMBA_POOL_INIT] is gdn_pool.init_mamba_pool
     assert hooks.HOOKS[compat.MAMBA_POOL_SOLVER] is gdn_pool.size_mamba_pool
@@ -311,8 +312,8 @@ def test_options_are_parsed_once_and_the_factorys_reach_the_hooks(monkeypatch):
     """config.Options: every switch typed in one object; the worker factory parses it once and
     binds it into the hooks, so later environment changes do not reach them."""
     from sglang_ddtree import config
-    from sglang_ddtree.integration import hooks
-    from sglang_ddtree.integration.runtime import Runtime
+    from sglang_ddtree.plugin import hooks
+    from sglang_ddtree.round.runtime import Runtime
 
     monkeypatch.setenv("SGLANG_DDTREE_WIDTH", "fixed")
     monkeypatch.setenv("SGLANG_DDTREE_PENALTIES", "0")
@@ -344,12 +345,13 @@ def test_server_info_reports_the_resolved_options(monkeypatch):
     from sglang.srt.managers.scheduler import Scheduler
 
     from sglang_ddtree import config
-    from sglang_ddtree.integration import compat, hooks
+    from sglang_ddtree.adapter import compat
+    from sglang_ddtree.plugin import hooks
 
     assert list(inspect.signature(Scheduler.get_internal_state).parameters) == ["self", "recv_req"]
     assert hooks.HOOKS[compat.SCHEDULER_INTERNAL_STATE] is hooks._internal_state
     opts = config.Options(gdn_verify="chunk", verify_plan="host")
-    from sglang_ddtree.integration.runtime import Runtime
+    from sglang_ddtree.round.runtime import Runtime
 
     runtime = Runtime.create(opts, DDTreeConfig(16, 32, 8))  # the worker factory's
     ddtree = SimpleNamespace(spec_algorithm=SimpleNamespace(name="DDTREE"))

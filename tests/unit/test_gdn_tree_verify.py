@@ -438,15 +438,17 @@ def test_tree_verify_is_batch_invariant_on_gpu(kernel):
     assert torch.equal(scratch_one[row], scratch_all[row])
 
 
-# --- the SGLang hooks (integration/gdn.py), under the interpreter ------------------------------
+# --- the SGLang hooks (state/gdn.py), under the interpreter ------------------------------
 
 
 def test_hook_targets_exist_with_the_signatures_the_hooks_assume():
-    """The two GDN hook targets in installed SGLang, called the way integration/gdn.py calls
+    """The two GDN hook targets in installed SGLang, called the way state/gdn.py calls
     the originals."""
     import inspect
 
-    from sglang_ddtree.integration import compat, gdn, hooks
+    from sglang_ddtree.adapter import compat
+    from sglang_ddtree.plugin import hooks
+    from sglang_ddtree.state import gdn
 
     pytest.importorskip("sglang.srt.layers.attention.linear.gdn_backend")
     assert hooks.HOOKS[compat.GDN_TARGET_VERIFY] is gdn.target_verify
@@ -473,7 +475,7 @@ def test_hooks_commit_the_state_sglangs_own_tree_verify_and_commit_would(
     TritonGDNKernel.target_verify (per-node states) + its commit (the accepted node's state):
     the same outputs and the same committed states, in the request slot and the track slot.
     The hooks' scratch: SGLang's per-node state buffer (--enable-unified-memory), or the
-    compact one (integration/gdn_pool.py, the default); the verify: root paths (deterministic
+    compact one (state/gdn_pool.py, the default); the verify: root paths (deterministic
     inference) or the chunked form (the default)."""
     import dataclasses
     from types import SimpleNamespace
@@ -482,7 +484,8 @@ def test_hooks_commit_the_state_sglangs_own_tree_verify_and_commit_would(
     from sglang.srt.layers.attention.linear.kernels.gdn_triton import TritonGDNKernel
     from sglang.srt.mem_cache.memory_pool import MambaPool
 
-    from sglang_ddtree.integration import compat, gdn
+    from sglang_ddtree.adapter import compat
+    from sglang_ddtree.state import gdn
 
     gen = torch.Generator().manual_seed(13)
     bs, N, H, HV, K, V, block = 2, 12, 2, 4, 16, 16, 5
@@ -580,7 +583,7 @@ def test_hooks_commit_the_state_sglangs_own_tree_verify_and_commit_would(
 
 def test_gdn_switch_and_an_unsupported_pool_name_the_fix(monkeypatch):
     from sglang_ddtree.config import DDTreeConfig, Options
-    from sglang_ddtree.integration import gdn
+    from sglang_ddtree.state import gdn
 
     cfg = DDTreeConfig(block_size=16, num_nodes=32, topk=8)
     monkeypatch.setenv("SGLANG_DDTREE_GDN", "sglang")

@@ -1,4 +1,4 @@
-"""integration/json_bodies.py: a body over the size bound gets a 413; a JSON body that is not an
+"""front_door/json_bodies.py: a body over the size bound gets a 413; a JSON body that is not an
 object gets a 400 on the OpenAI endpoints (SGLang answered `[1, 2, 3]` with a 500, as fuzzing on
 the GPU found); a Vertex body whose parameters break SGLang's own /generate contract gets a 400;
 every other body reaches the app byte for byte, and the hook adds the middleware to the HTTP
@@ -18,7 +18,9 @@ from starlette.responses import JSONResponse  # noqa: E402
 from starlette.routing import Route  # noqa: E402
 from starlette.testclient import TestClient  # noqa: E402
 
-from sglang_ddtree.integration import compat, hooks, json_bodies  # noqa: E402
+from sglang_ddtree.adapter import compat
+from sglang_ddtree.front_door import json_bodies  # noqa: E402
+from sglang_ddtree.plugin import hooks
 
 
 def _app() -> Starlette:

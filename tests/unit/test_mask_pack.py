@@ -1,4 +1,4 @@
-"""integration/mask_pack.py: the tree mask packed for FlashInfer in one Triton launch straight
+"""tree/mask_pack.py: the tree mask packed for FlashInfer in one Triton launch straight
 from the tree, byte for byte the torch path's (tree_layout.write_full_mask, then
 verify_plan.pack_at_bit_offsets, whose layout test_verify_plan.py checks against FlashInfer's
 reading and the GPU run), the plan hook's use of it, and the switch that selects it.
@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_ddtree.integration import tree_layout, verify_plan
+from sglang_ddtree.round import verify_plan
+from sglang_ddtree.tree import verify_layout as tree_layout
 from tests.fixtures import interpreter_only, interpreter_process_test
 
 # the non-GPU tests the interpreter process runs (all but this one); it must pass all
@@ -46,7 +47,7 @@ def _written(vis: torch.Tensor, seq: torch.Tensor) -> torch.Tensor:
     ],
 )
 def test_the_tree_packer_gives_the_bytes_of_the_written_mask(seq, N, padded):
-    from sglang_ddtree.integration import mask_pack
+    from sglang_ddtree.tree import mask_pack
 
     seq = torch.tensor(seq)
     vis = _tree(len(seq) - padded, N, seed=N)
@@ -60,7 +61,7 @@ def test_the_tree_packer_gives_the_bytes_of_the_written_mask(seq, N, padded):
 
 @interpreter_only
 def test_the_tree_packer_reads_a_truncated_trees_view():
-    from sglang_ddtree.integration import mask_pack
+    from sglang_ddtree.tree import mask_pack
 
     seq, wide, N = torch.tensor([12, 3]), _tree(2, 32, seed=1), 16
     vis = wide[:, :N, :N]  # tree.budget.truncate's visibility: a strided view
@@ -101,7 +102,7 @@ def _sglang_call(
 
 def _unwritten_verify(seq: torch.Tensor, N: int):
     from sglang_ddtree.config import DDTreeConfig
-    from sglang_ddtree.integration.verify_input import make_verify_input
+    from sglang_ddtree.round.verify_input import make_verify_input
 
     bs = len(seq)
     vis = _tree(bs, N, seed=7)
@@ -123,13 +124,13 @@ def _unwritten_verify(seq: torch.Tensor, N: int):
 def _runtime(**options):
     """The worker factory's runtime (options, engaged paths) that the plan hook is bound to."""
     from sglang_ddtree.config import DDTreeConfig, Options
-    from sglang_ddtree.integration.runtime import Runtime
+    from sglang_ddtree.round.runtime import Runtime
 
     return Runtime.create(Options(**options), DDTreeConfig(block_size=4, num_nodes=8, topk=2))
 
 
 def _plan_call(runtime, info, seq, seq_lens_cpu):
-    from sglang_ddtree.integration.verify_plan import call_begin_forward
+    from sglang_ddtree.round.verify_plan import call_begin_forward
 
     wrapper = _Wrapper()
     out = call_begin_forward(
@@ -186,7 +187,7 @@ def test_an_unwritten_mask_is_written_before_sglangs_plan_reads_it(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_tree_packer_gives_the_bytes_of_the_written_mask_on_the_gpu():
-    from sglang_ddtree.integration import mask_pack
+    from sglang_ddtree.tree import mask_pack
 
     for seq, N in (([37, 5, 120], 16), ([2000, 1, 64, 900], 64), ([1], 128)):
         seq = torch.tensor(seq)
@@ -230,7 +231,7 @@ def _attn_arg_kwargs(pools, seq, req_to_token) -> dict:
 def test_the_staged_lengths_give_sglangs_attention_arguments(seq, N):
     """DDTreeVerifyInput.generate_attn_arg_prefill with the host plan's lengths staged (one copy,
     one launch) gives SGLang's KV indices and offsets; unstaged it is SGLang's own."""
-    from sglang_ddtree.integration.verify_plan import _split
+    from sglang_ddtree.round.verify_plan import _split
 
     seq = torch.tensor(seq)
     info, _ = _unwritten_verify(seq, N)
@@ -241,7 +242,7 @@ def test_the_staged_lengths_give_sglangs_attention_arguments(seq, N):
     want = info.generate_attn_arg_prefill(**args)  # SGLang's
     plan = verify_plan.host_plan(seq, N)
     kv_lens, kv_indptr, _ = _split(plan.lengths)
-    from sglang_ddtree.integration.verify_input import StagedAttnArgs
+    from sglang_ddtree.round.verify_input import StagedAttnArgs
 
     info.staged_attn_args = StagedAttnArgs(kv_lens, kv_indptr, plan.qo_indptr, plan.total_kv)
     got = info.generate_attn_arg_prefill(**args)
@@ -263,7 +264,7 @@ def test_the_plan_stages_its_lengths_for_its_own_call_only(monkeypatch):
         seen.append(call[12].staged_attn_args)
         return _sglang_call(*call, **kwargs)
 
-    from sglang_ddtree.integration.verify_plan import call_begin_forward
+    from sglang_ddtree.round.verify_plan import call_begin_forward
 
     call_begin_forward(
         runtime,

@@ -17,8 +17,12 @@ pytest.importorskip("sglang.srt.speculative.spec_info")
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
 
 from sglang_ddtree import plugin  # noqa: E402
+from sglang_ddtree.adapter import (
+    compat,  # noqa: E402
+    spec,  # noqa: E402
+)
 from sglang_ddtree.config import DDTreeConfigError  # noqa: E402
-from sglang_ddtree.integration import compat, hooks, spec  # noqa: E402
+from sglang_ddtree.plugin import hooks  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -372,7 +376,7 @@ def test_a_retired_switch_is_refused_by_name(monkeypatch, name):
 
 def test_penalties_are_refused_when_switched_off(monkeypatch):
     """SGLANG_DDTREE_PENALTIES=1 lets frequency / presence / repetition penalties,
-    min_new_tokens and min_p through (integration/penalties.py applies them per node); the other
+    min_new_tokens and min_p through (round/penalties.py applies them per node); the other
     refusals stay; without it each refusal names the switch."""
     monkeypatch.setenv("SGLANG_DDTREE_PENALTIES", "1")
     asked = _request(
@@ -443,7 +447,7 @@ def test_dummy_inputs_have_the_right_width_and_fields(registered, monkeypatch):
 
 def test_worker_module_imports_against_installed_sglang():
     """Every SGLang symbol the worker uses exists in the installed release."""
-    from sglang_ddtree.integration import worker
+    from sglang_ddtree.round import worker
 
     assert issubclass(worker.DDTreeWorker, worker.DFlashWorkerV2)
 
@@ -452,7 +456,7 @@ def test_the_worker_factory_hands_one_runtime_to_the_hooks_and_the_worker(monkey
     """The scheduler process parses its options once (the worker factory), reads SGLang's
     resolved (B, N, K) once, and hands both as one Runtime to the hooks it installs and to the
     worker SGLang constructs with its own four arguments."""
-    from sglang_ddtree.integration import worker as worker_mod
+    from sglang_ddtree.round import worker as worker_mod
 
     installed = []
     monkeypatch.setattr(hooks, "install_runtime_hooks", installed.append)
@@ -479,8 +483,8 @@ def test_the_runtime_hooks_are_installed_once_per_process(monkeypatch):
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from sglang_ddtree.config import Options
-    from sglang_ddtree.integration import gdn
-    from sglang_ddtree.integration.runtime import Runtime
+    from sglang_ddtree.round.runtime import Runtime
+    from sglang_ddtree.state import gdn
 
     runtime = Runtime.create(Options(), spec.DDTreeConfig(block_size=16, num_nodes=32, topk=8))
     earlier = functools.partial(gdn.target_verify, runtime.gdn)
@@ -504,7 +508,7 @@ def test_the_rounds_ranges_exist_while_a_torch_profiler_runs_and_cost_nothing_ot
 
     import torch
 
-    from sglang_ddtree.integration.worker import profiled
+    from sglang_ddtree.round.worker import profiled
 
     assert isinstance(profiled("ddtree.verify_input"), contextlib.nullcontext)
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
@@ -523,9 +527,9 @@ def test_verify_input_carries_the_tree_in_eagle_layout():
     from sglang.srt.speculative.spec_info import SpecInputType
 
     from sglang_ddtree.config import DDTreeConfig
-    from sglang_ddtree.integration import tree_layout
-    from sglang_ddtree.integration.verify_input import make_verify_input
+    from sglang_ddtree.round.verify_input import make_verify_input
     from sglang_ddtree.tree import build_tree, topk_logprobs_from_logits
+    from sglang_ddtree.tree import verify_layout as tree_layout
 
     cfg = DDTreeConfig(block_size=5, num_nodes=9, topk=3)
     ids, lps = topk_logprobs_from_logits(torch.randn(2, 4, 30), cfg.topk)
@@ -557,7 +561,7 @@ def test_worker_drops_only_dflashs_width_mismatch_warning():
     "block size mismatch" warning is dropped while it initialises, nothing else."""
     import logging
 
-    from sglang_ddtree.integration.worker import _DropWidthMismatch
+    from sglang_ddtree.round.worker import _DropWidthMismatch
 
     def record(msg):
         return logging.LogRecord("x", logging.WARNING, __file__, 1, msg, (64, 16), None)
@@ -572,7 +576,7 @@ def test_the_prefill_is_dflashs_and_serves_logprobs(monkeypatch):
     """A prefill batch goes to DFlashWorkerV2's own prefill as it came: SGLang serves a logprob
     request's first token itself (its target forward sees return_logprob), with no refusal of
     its own to work around."""
-    from sglang_ddtree.integration import worker as worker_mod
+    from sglang_ddtree.round import worker as worker_mod
 
     class Reached(Exception):
         pass

@@ -1,4 +1,4 @@
-"""The front end's per-request limits (integration/request_limits.py): each refusal names the
+"""The front end's per-request limits (front_door/request_limits.py): each refusal names the
 field, the value and the limit; the value at the limit passes; and through SGLang's own request
 path (tests/front_end.py) every class is a 400 on /generate, chat and completions, streamed or
 not, never a 500, while the same requests within the limits would be scheduled."""
@@ -10,9 +10,9 @@ import types
 
 import pytest
 
-from sglang_ddtree.integration import compat
-from sglang_ddtree.integration import request_limits as limits
-from sglang_ddtree.integration.request_limits import Sizes, check_request
+from sglang_ddtree.adapter import compat
+from sglang_ddtree.front_door import request_limits as limits
+from sglang_ddtree.front_door.request_limits import Sizes, check_request
 
 SIZES = Sizes(vocab=1000, context=2048, regex_length=compat.stop_regex_length)
 

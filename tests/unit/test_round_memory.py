@@ -1,4 +1,4 @@
-"""integration/round_memory.py: DDTREE's memory beside SGLang's pools at a server's maximum, the
+"""state/round_memory.py: DDTREE's memory beside SGLang's pools at a server's maximum, the
 verify plan's int32 bound, and the per-round working sets the accounting assumes (each temporary
 worked a few requests at a time within TEMP_BYTES, one request at a time beyond)."""
 
@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_ddtree.integration import round_memory, verify_plan
-from sglang_ddtree.integration.round_memory import GIB, INT32_LIMIT, at_maximum, check
+from sglang_ddtree.round import verify_plan
+from sglang_ddtree.state import round_memory
+from sglang_ddtree.state.round_memory import GIB, INT32_LIMIT, at_maximum, check
 from sglang_ddtree.tree.penalties import TEMP_BYTES, requests_at_once
 
 

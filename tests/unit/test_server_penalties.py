@@ -1,4 +1,4 @@
-"""integration/penalties.py: the server's per-node penalties (SGLANG_DDTREE_PENALTIES=1): the
+"""round/penalties.py: the server's per-node penalties (SGLANG_DDTREE_PENALTIES=1): the
 device count table (prefill, retraction, chunks, each round's emitted tokens) and the
 eagle_sample hook, against tree.penalties' reference and a plain per-node loop."""
 
@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sglang_ddtree.integration import penalties
-from sglang_ddtree.integration.penalties import PenaltyTable
+from sglang_ddtree.round import penalties
+from sglang_ddtree.round.penalties import PenaltyTable
 from sglang_ddtree.tree import build_tree_reference
 from sglang_ddtree.tree.penalties import block_stops_, min_p_filter_, penalize
 from sglang_ddtree.tree.testing import random_build_inputs
@@ -174,7 +174,8 @@ def test_the_hook_passes_everything_else_through():
 
 def test_the_hook_target_has_the_signature_the_hook_assumes():
     module = pytest.importorskip("sglang.srt.speculative.eagle_utils")
-    from sglang_ddtree.integration import compat, hooks
+    from sglang_ddtree.adapter import compat
+    from sglang_ddtree.plugin import hooks
 
     params = list(inspect.signature(module.eagle_sample).parameters)
     assert params[:4] == ["verify_input", "batch", "logits_output", "grammar_mask"]
@@ -182,7 +183,7 @@ def test_the_hook_target_has_the_signature_the_hook_assumes():
     assert hooks.HOOKS[compat.EAGLE_SAMPLE] is penalties.eagle_sample
     import dataclasses
 
-    from sglang_ddtree.integration.verify_input import DDTreeVerifyInput
+    from sglang_ddtree.round.verify_input import DDTreeVerifyInput
 
     fields = {f.name for f in dataclasses.fields(DDTreeVerifyInput)}
     assert {"tree_tokens", "tree_visibility", "tree_depth"} <= fields
@@ -214,7 +215,7 @@ def test_min_p_rides_on_sglangs_tree_sampling_for_the_call_only(monkeypatch):
     """With min_p asked, the hook hands SGLang's target-only tree sampling (the global of
     eagle_sample's module that eagle_sample calls) the filtered probs, passes SGLang's further
     arguments on, and puts SGLang's function back."""
-    from sglang_ddtree.integration import compat
+    from sglang_ddtree.adapter import compat
 
     module = pytest.importorskip(compat.TREE_SAMPLER_MODULE)
     seen = []
@@ -245,7 +246,7 @@ def test_sglangs_eagle_sample_calls_the_sampler_the_min_p_hook_replaces():
     """The real eagle_sample looks its target-only tree sampler up as a global of its module at
     call time (what compat.tree_sampling_probs replaces for the call): were it imported under
     another name, or from another module, min_p would silently stop applying inside the tree."""
-    from sglang_ddtree.integration import compat
+    from sglang_ddtree.adapter import compat
 
     module = pytest.importorskip(compat.TREE_SAMPLER_MODULE)
     assert compat.TREE_SAMPLER in module.eagle_sample.__code__.co_names
@@ -267,7 +268,7 @@ def test_the_worker_makes_its_table_once_the_request_pool_exists(monkeypatch):
 
     from sglang_ddtree import config
     from sglang_ddtree.config import DDTreeConfig
-    from sglang_ddtree.integration.worker import DDTreeWorker
+    from sglang_ddtree.round.worker import DDTreeWorker
 
     monkeypatch.setenv("SGLANG_DDTREE_PENALTIES", "1")
     runner = SimpleNamespace(req_to_token_pool=None, model_config=SimpleNamespace(vocab_size=V))
@@ -306,7 +307,7 @@ def test_memory_that_does_not_fit_at_the_maximum_stops_the_start_up_with_the_num
     pytest.importorskip("sglang.srt.speculative.dflash_worker_v2")
     from sglang_ddtree import config
     from sglang_ddtree.config import DDTreeConfig
-    from sglang_ddtree.integration import worker as worker_mod
+    from sglang_ddtree.round import worker as worker_mod
 
     runner = SimpleNamespace(
         req_to_token_pool=SimpleNamespace(req_to_token=torch.zeros(0, 0)),

@@ -1,4 +1,4 @@
-"""tree/show.py and integration/round_dump.py: a real reference-engine round and a dumped
+"""tree/show.py and round/round_dump.py: a real reference-engine round and a dumped
 server round become the same record, a text outline and a picture."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sglang_ddtree.integration.round_dump import RoundDump
+from sglang_ddtree.round.round_dump import RoundDump
 from sglang_ddtree.tree import build_tree_reference
 from sglang_ddtree.tree.show import (
     LEGEND,

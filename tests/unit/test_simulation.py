@@ -1,5 +1,5 @@
 """The simulated world (sglang_ddtree/simulation.py) and its glue in a server
-(integration/simulated.py): calibration, one world for the chain and the tree, and DDTREE's draft
+(round/simulated.py): calibration, one world for the chain and the tree, and DDTREE's draft
 head and DFLASH's chain accept against the reference engine run on the same world."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import torch
 
 from sglang_ddtree import simulation as sim
 from sglang_ddtree.config import DDTreeConfig
-from sglang_ddtree.integration.draft_head import DraftTreeHead
 from sglang_ddtree.reference.engine import generate, generate_chain
+from sglang_ddtree.round.draft_head import DraftTreeHead
 from sglang_ddtree.tree import accept_walk
 
 B, N, K, V = 16, 32, 8, 1024
@@ -138,7 +138,7 @@ def test_ddtrees_rounds_are_the_reference_engines_on_the_same_world(name):
 def test_dflashs_chain_accept_reads_the_world_as_the_reference_chain(name):
     """The DFLASH hook replaces the block's drafts with the world's top-1 path and the target's
     tokens with the world's; the chain's rounds then match the reference engine's K = 1 tree."""
-    from sglang_ddtree.integration import simulated
+    from sglang_ddtree.round import simulated
 
     world = sim.REGIMES[name]
     reference = generate_chain(
@@ -186,7 +186,7 @@ def test_dflashs_chain_accept_reads_the_world_as_the_reference_chain(name):
 
 
 def test_a_simulated_world_needs_dummy_weights():
-    from sglang_ddtree.integration import simulated
+    from sglang_ddtree.round import simulated
 
     simulated.check_dummy_weights("dummy")
     for load_format in ("auto", "safetensors", None):
@@ -227,7 +227,7 @@ def test_the_switch_names_a_regime_and_its_overrides(monkeypatch):
 def test_the_tree_verify_reads_the_worlds_tokens_for_the_call_only(monkeypatch):
     """compat.tree_greedy_targets hands SGLang's greedy tree verify the world's tokens (the
     global of eagle_sample's module, read at call time) and puts SGLang's function back."""
-    from sglang_ddtree.integration import compat
+    from sglang_ddtree.adapter import compat
 
     module = pytest.importorskip(compat.TREE_SAMPLER_MODULE)
     seen = []
@@ -245,7 +245,7 @@ def test_the_tree_verify_reads_the_worlds_tokens_for_the_call_only(monkeypatch):
 
 
 def test_sglangs_eagle_sample_reads_the_greedy_verify_the_world_replaces():
-    from sglang_ddtree.integration import compat
+    from sglang_ddtree.adapter import compat
 
     module = pytest.importorskip(compat.TREE_SAMPLER_MODULE)
     assert compat.TREE_GREEDY in module.eagle_sample.__code__.co_names
@@ -257,7 +257,7 @@ def test_dflashs_accept_takes_the_keywords_the_chain_hook_reads():
     """The hook reads DFLASH's accept by keyword: were one renamed, the chain would silently
     read the dummy weights."""
     dflash = pytest.importorskip("sglang.srt.speculative.dflash_worker_v2")
-    from sglang_ddtree.integration import compat
+    from sglang_ddtree.adapter import compat
 
     module_name, _, qualified = compat.DFLASH_CHAIN_ACCEPT.rpartition(".")
     assert module_name.endswith("DFlashWorkerV2") and qualified == "_accept_block"

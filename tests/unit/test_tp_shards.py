@@ -170,7 +170,7 @@ def test_the_compact_scratch_is_sized_per_rank_from_sglangs_own_shapes(monkeypat
     size t) give each rank 1 / t of the one-GPU compact buffers, at every verify width."""
     qwen3_next = pytest.importorskip("sglang.srt.configs.qwen3_next")
     q35 = pytest.importorskip("sglang.srt.configs.qwen3_5")
-    from sglang_ddtree.integration.gdn_pool import compact_bytes_per_request
+    from sglang_ddtree.state.gdn_pool import compact_bytes_per_request
 
     sys.path.insert(0, str(ROOT / "scripts"))
     try:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from sglang_ddtree.config import DDTreeConfig
-from sglang_ddtree.integration import tree_layout
-from sglang_ddtree.integration.draft_head import DraftTreeHead
+from sglang_ddtree.round.draft_head import DraftTreeHead
 from sglang_ddtree.tree import build_tree, build_tree_reference, topk_logprobs_from_logits
+from sglang_ddtree.tree import verify_layout as tree_layout
 from sglang_ddtree.tree.testing import assert_trees_equal
 
 
@@ -78,7 +78,7 @@ def test_tree_builder_follows_the_device_and_is_checked():
     """torch off CUDA; a benchmark may name one (scripts/bench_tree_build.py)."""
     import pytest
 
-    from sglang_ddtree.integration.draft_head import tree_builder
+    from sglang_ddtree.round.draft_head import tree_builder
 
     assert tree_builder() is build_tree
     assert tree_builder(device=torch.device("cpu")) is build_tree
@@ -91,7 +91,7 @@ def test_ranks_of_a_vocabulary_sharded_lm_head_build_the_single_rank_tree():
     """Tensor parallelism: three ranks holding uneven slices of the LM head (each with padding
     rows), each reducing its slice to its top-K and merging what the (simulated) all-gather
     returns, build the tree the single-rank head builds, identical on every rank."""
-    from sglang_ddtree.integration.draft_head import VocabShard
+    from sglang_ddtree.round.draft_head import VocabShard
 
     torch.manual_seed(3)
     cfg = DDTreeConfig(block_size=6, num_nodes=12, topk=3)
@@ -157,7 +157,7 @@ def test_the_worker_gives_each_rank_of_a_sharded_lm_head_its_rows_and_the_same_t
 
     from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbeddingShardIndices
 
-    from sglang_ddtree.integration.worker import tree_head
+    from sglang_ddtree.round.worker import tree_head
 
     torch.manual_seed(5)
     cfg = DDTreeConfig(block_size=5, num_nodes=10, topk=3)
@@ -215,7 +215,7 @@ def test_the_tp_gather_stacks_every_ranks_tensor_in_rank_order(monkeypatch):
     dimension, so gather(t) is [ranks, *t.shape] (a fake two-rank group stands in for NCCL)."""
     import sglang.srt.distributed as dist
 
-    from sglang_ddtree.integration import compat
+    from sglang_ddtree.adapter import compat
 
     class TwoRanks:
         world_size = 2

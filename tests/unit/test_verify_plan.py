@@ -1,4 +1,4 @@
-"""integration/verify_plan.py: the verify's FlashInfer plan from host lengths (the default).
+"""round/verify_plan.py: the verify's FlashInfer plan from host lengths (the default).
 
 The layout must be the one SGLang's EAGLE verify gives FlashInfer (qo / kv indptrs), the packed
 mask must read back bit for bit the way FlashInfer 0.6.15's kernel reads it (byte pointer +
@@ -13,8 +13,8 @@ import inspect
 import pytest
 import torch
 
-from sglang_ddtree.integration import tree_layout
-from sglang_ddtree.integration.verify_plan import host_plan, pack_at_bit_offsets
+from sglang_ddtree.round.verify_plan import host_plan, pack_at_bit_offsets
+from sglang_ddtree.tree import verify_layout as tree_layout
 
 
 def _tree_mask(seq_lens: torch.Tensor, N: int, gen: torch.Generator) -> torch.Tensor:
@@ -124,7 +124,7 @@ def _sglang_like(
 
 
 def _spec_info(mask, N):
-    from sglang_ddtree.integration.verify_input import DDTreeVerifyInput
+    from sglang_ddtree.round.verify_input import DDTreeVerifyInput
 
     info = object.__new__(DDTreeVerifyInput)
     info.custom_mask, info.draft_token_num = mask, N
@@ -135,14 +135,14 @@ def _spec_info(mask, N):
 def verify_plan_on(monkeypatch):
     pytest.importorskip("sglang.srt.speculative.eagle_info")
     from sglang_ddtree.config import DDTreeConfig, Options
-    from sglang_ddtree.integration.runtime import Runtime
+    from sglang_ddtree.round.runtime import Runtime
 
     # the worker factory's runtime, as the hook is bound to it
     yield Runtime.create(Options(verify_plan="host"), DDTreeConfig(4, 8, 2))
 
 
 def test_the_hook_plans_a_ddtree_verify_from_the_host(verify_plan_on):
-    from sglang_ddtree.integration.verify_plan import call_begin_forward
+    from sglang_ddtree.round.verify_plan import call_begin_forward
 
     gen = torch.Generator().manual_seed(0)
     seq, N = torch.tensor([6, 2]), 3
@@ -190,7 +190,9 @@ def test_the_hook_plans_a_ddtree_verify_from_the_host(verify_plan_on):
 
 def test_the_hook_target_has_the_parameters_the_hook_assumes():
     module = pytest.importorskip("sglang.srt.layers.attention.flashinfer_backend")
-    from sglang_ddtree.integration import compat, hooks, verify_plan
+    from sglang_ddtree.adapter import compat
+    from sglang_ddtree.plugin import hooks
+    from sglang_ddtree.round import verify_plan
 
     params = list(
         inspect.signature(module.FlashInferIndicesUpdaterPrefill.call_begin_forward).parameters

@@ -1,5 +1,5 @@
 """Budget by load in the server: the verify widths, the per-round policy
-(tree/budget.WidthPolicy), its lagged readings (integration/widths.RoundReadings) and the two
+(tree/budget.WidthPolicy), its lagged readings (round/widths.RoundReadings) and the two
 switches (SGLANG_DDTREE_WIDTH / _WIDTHS). The server side runs in tests/gpu."""
 
 from __future__ import annotations
@@ -178,11 +178,11 @@ def test_expected_tokens_at_widths_read_no_device_value():
 
 
 class _Head:
-    """The draft head's readings buffer (integration/draft_head.DraftTreeHead.read_widths and
+    """The draft head's readings buffer (round/draft_head.DraftTreeHead.read_widths and
     the lines of its build that fill it), without a model."""
 
     def __init__(self, max_bs: int, num_nodes: int = 64):
-        from sglang_ddtree.integration.draft_head import DraftTreeHead
+        from sglang_ddtree.round.draft_head import DraftTreeHead
 
         self.scores = torch.zeros((max_bs, num_nodes))
         self.max_bs, self.readings = max_bs, None
@@ -195,7 +195,7 @@ def test_the_draft_head_computes_the_expected_tokens_in_its_build():
     graph): the same numbers as expected_tokens of the built tree's scores, and the column for
     the accepted lengths left to the readings."""
     from sglang_ddtree.config import DDTreeConfig
-    from sglang_ddtree.integration.draft_head import DraftTreeHead
+    from sglang_ddtree.round.draft_head import DraftTreeHead
 
     torch.manual_seed(0)
     cfg = DDTreeConfig(block_size=4, num_nodes=8, topk=2)
@@ -219,7 +219,7 @@ def test_the_draft_head_cuts_the_trees_at_the_read_widths_as_truncate_does():
     """head.tree(bs, w) at a read width: the links cut in the build; at any other width: cut
     then. Both are truncate(head.tree(bs), w), field by field (links past the cut are -1)."""
     from sglang_ddtree.config import DDTreeConfig
-    from sglang_ddtree.integration.draft_head import DraftTreeHead
+    from sglang_ddtree.round.draft_head import DraftTreeHead
     from sglang_ddtree.tree.budget import truncate
 
     torch.manual_seed(1)
@@ -259,7 +259,7 @@ class FakeEvent:
 
 
 def test_readings_reach_the_policy_only_when_their_round_has_completed():
-    from sglang_ddtree.integration.widths import RoundReadings
+    from sglang_ddtree.round.widths import RoundReadings
 
     policy = WidthPolicy(WIDTHS, buckets=(4,))
     head = _Head(max_bs=4)
@@ -298,7 +298,7 @@ def test_readings_reach_the_policy_only_when_their_round_has_completed():
 def test_readings_serve_a_policy_whose_widths_lost_one_to_memory():
     """A width whose graphs did not fit is dropped from the policy, not from the draft graph's
     readings (captured before): the policy reads its own widths' columns."""
-    from sglang_ddtree.integration.widths import RoundReadings
+    from sglang_ddtree.round.widths import RoundReadings
 
     head = _Head(max_bs=2)
     head.read_widths(WIDTHS)
@@ -336,7 +336,7 @@ def test_the_width_switches(monkeypatch, env, deterministic, width, widths):
 def test_tensor_parallel_runs_one_width_unless_asked_for_the_shared_automatic_one(monkeypatch):
     """At --tp-size > 1 the widths are fixed by default (until a multi-GPU run has checked the
     shared choice); SGLANG_DDTREE_WIDTH=auto is served there by rank 0's choice, broadcast."""
-    from sglang_ddtree.integration import compat
+    from sglang_ddtree.adapter import compat
 
     modes = compat.option_modes(SimpleNamespace(tp_size=2))
     assert modes["tensor_parallel"]
@@ -355,7 +355,7 @@ def _rank_widths_process(rank: int, port: int, out: str) -> None:
 
     import torch.distributed as dist
 
-    from sglang_ddtree.integration.widths import RankWidths
+    from sglang_ddtree.round.widths import RankWidths
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
@@ -406,7 +406,8 @@ def test_the_worker_at_tensor_parallel_takes_rank_0s_width(monkeypatch, kept):
     builds no policy and verifies what it is sent. Its captures are decided by the least free
     memory of all ranks (compat.least_free_gb)."""
     from sglang_ddtree import config
-    from sglang_ddtree.integration import compat, widths
+    from sglang_ddtree.adapter import compat
+    from sglang_ddtree.round import widths
 
     shared, asked = [], []
 
@@ -526,7 +527,7 @@ def test_one_stalled_round_does_not_move_the_cost_a_width_is_chosen_by():
 
 def _worker(N: int = 32, B: int = 16):
     """A DDTreeWorker with only what _init_widths reads (no model, no GPU)."""
-    worker_mod = pytest.importorskip("sglang_ddtree.integration.worker")
+    worker_mod = pytest.importorskip("sglang_ddtree.round.worker")
     from sglang_ddtree.config import DDTreeConfig
 
     w = worker_mod.DDTreeWorker.__new__(worker_mod.DDTreeWorker)
@@ -564,7 +565,7 @@ def test_the_worker_chooses_among_the_widths_without_graphs(monkeypatch):
     policy's first choice is the widest (its calibration); /server_info's report counts the
     rounds per width."""
     from sglang_ddtree import config
-    from sglang_ddtree.integration.runtime import Runtime
+    from sglang_ddtree.round.runtime import Runtime
 
     worker_mod, w = _worker(N=64)
     w.runtime = Runtime.create(config.Options.from_env(), w.cfg)  # the factory's
@@ -586,7 +587,7 @@ def test_the_worker_chooses_among_the_widths_without_graphs(monkeypatch):
 
 
 def RoundReadingsOnCpu(policy, buffer, widths):  # noqa: N802 - stands in for the class
-    from sglang_ddtree.integration.widths import RoundReadings
+    from sglang_ddtree.round.widths import RoundReadings
 
     return RoundReadings(policy, buffer, widths, event=FakeEvent)
 
@@ -607,7 +608,8 @@ def test_each_bucket_gets_its_own_refreshes():
 
 
 def test_a_width_that_does_not_fit_is_dropped_and_any_other_failure_stops_startup(monkeypatch):
-    from sglang_ddtree.integration import compat, widths
+    from sglang_ddtree.adapter import compat
+    from sglang_ddtree.round import widths
 
     runner = SimpleNamespace(attn_backend="backend N", decode_cuda_graph_runner="runner N")
     built = []
@@ -701,7 +703,7 @@ def test_the_least_free_memory_is_sglangs_read_over_the_tp_cpu_group(monkeypatch
     """compat.least_free_gb: SGLang's free-memory read with its MIN all-reduce over the TP
     group's CPU group, the one every rank's start-up captures are decided by."""
     pytest.importorskip("sglang.srt.distributed")
-    from sglang_ddtree.integration import compat
+    from sglang_ddtree.adapter import compat
 
     calls = []
     monkeypatch.setattr(
@@ -720,7 +722,7 @@ def test_the_tp_cpu_group_is_sglangs(monkeypatch):
     parallel_state = pytest.importorskip("sglang.srt.distributed.parallel_state")
     import inspect
 
-    from sglang_ddtree.integration import compat
+    from sglang_ddtree.adapter import compat
 
     coordinator = parallel_state.GroupCoordinator
     assert isinstance(coordinator.first_rank, property)
@@ -737,7 +739,7 @@ def _world_rounds(rounds: int, num_nodes: int = 32, widths=(16, 32), seed: int =
     world's target token at every node."""
     from sglang_ddtree import simulation
     from sglang_ddtree.config import DDTreeConfig
-    from sglang_ddtree.integration.draft_head import DraftTreeHead
+    from sglang_ddtree.round.draft_head import DraftTreeHead
 
     B, vocab = 16, 4096
     cfg = DDTreeConfig(block_size=B, num_nodes=num_nodes, topk=8)

@@ -1,4 +1,4 @@
-"""integration/worker.py's decode round on the CPU: the worker's `Round` carries the width, the
+"""round/worker.py's decode round on the CPU: the worker's `Round` carries the width, the
 draft block's positions and write slots, and the tree from step to step, with SGLang's verify,
 the draft forward and the draft-KV write replaced by recorders (the GPU suite runs them for
 real)."""
@@ -27,12 +27,12 @@ class _SeqLens:
 
 
 def _round_worker(monkeypatch, calls):
-    worker_mod = pytest.importorskip("sglang_ddtree.integration.worker")
+    worker_mod = pytest.importorskip("sglang_ddtree.round.worker")
     from sglang.srt.speculative.dflash_info_v2 import DFlashDraftInputV2
 
+    from sglang_ddtree.adapter import compat
     from sglang_ddtree.config import DDTreeConfig, Options
-    from sglang_ddtree.integration import compat
-    from sglang_ddtree.integration.runtime import Runtime
+    from sglang_ddtree.round.runtime import Runtime
     from sglang_ddtree.tree.build import topk_logprobs_from_logits
     from sglang_ddtree.tree.build_reference import build_tree_reference
 

@@ -20,7 +20,7 @@ scheduler included) and one of:
 tests/gpu/diagnose_gdn.py starts such a server. `install` wraps the kernels where DDTREE's GDN
 hooks import them at each call (sglang_ddtree.gdn.chunk_tree.chunk_tree_verify, tree_verify's
 tree_verify and commit_paths) and, for the root paths, the GDN path's choice
-(sglang_ddtree.integration.gdn.GDNPath.chunked), so the package carries none of this.
+(sglang_ddtree.state.gdn.GDNPath.chunked), so the package carries none of this.
 
 The check: per node and value head, the largest difference over V as a fraction of that row's
 largest root-path output (rows below 1e-6 of the call's largest are skipped).
@@ -283,7 +283,7 @@ def install(settings: Settings):
     tree_verify.tree_verify = perturbed_paths
     tree_verify.commit_paths = commit_after_check
     if settings.verify == "paths":
-        from sglang_ddtree.integration import gdn
+        from sglang_ddtree.state import gdn
 
         gdn.GDNPath.chunked = lambda self, nodes: False
     logger.warning("sglang_ddtree: GDN debugging aids installed (test tooling): %s", settings)

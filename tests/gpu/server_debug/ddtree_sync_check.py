@@ -4,7 +4,7 @@ warning; the GPU suite's servers run with it (tests/gpu/servers.py ENV) and fail
 gets it by starting with this folder first on PYTHONPATH and DDTREE_SYNC_CHECK=1 (its
 `sitecustomize` installs it in every process, SGLang's spawned scheduler included).
 
-`install` replaces `sglang_ddtree.integration.worker.own_code`, the context the worker's round
+`install` replaces `sglang_ddtree.round.worker.own_code`, the context the worker's round
 steps run in (SGLang's own calls stay outside it), as that module is imported: importing it at
 start-up would load SGLang's workers in every process.
 """
@@ -16,7 +16,7 @@ import importlib.abc
 import importlib.util
 import sys
 
-WORKER = "sglang_ddtree.integration.worker"
+WORKER = "sglang_ddtree.round.worker"
 
 
 @contextlib.contextmanager

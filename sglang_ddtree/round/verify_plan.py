@@ -27,7 +27,7 @@ import itertools
 
 import torch
 
-from sglang_ddtree.integration import compat
+from sglang_ddtree.adapter import compat
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,15 +163,15 @@ def call_begin_forward(
     kv_lens, kv_indptr_dev, starts = _split(plan.lengths.to(seq_lens.device, non_blocking=True))
     planned = wrapper_paged.begin_forward
     own = "begin_forward" in vars(wrapper_paged)
-    from sglang_ddtree.integration import verify_input
+    from sglang_ddtree.round import verify_input
 
     from_tree = not spec_info.tree_mask_written  # else written: a warm-up stand-in's mask
     if from_tree:
-        from sglang_ddtree.integration import mask_pack
+        from sglang_ddtree.tree import mask_pack
 
         if spec_info.tree_visibility.shape[1] != int(spec_info.draft_token_num):
             raise RuntimeError("DDTREE: the verify's tree and its width disagree")  # a bug
-        runtime.engaged.first_use("verify mask packed by integration/mask_pack.py")
+        runtime.engaged.first_use("verify mask packed by tree/mask_pack.py")
 
     def begin_forward(qo, kv, kv_indices, last, *rest, custom_mask=None, **kw):
         if from_tree:  # the unpacked mask was never written: pack the tree's visibility
@@ -192,7 +192,7 @@ def call_begin_forward(
             **kw,
         )
 
-    runtime.engaged.first_use("verify plan from host lengths (integration/verify_plan.py)")
+    runtime.engaged.first_use("verify plan from host lengths (round/verify_plan.py)")
     wrapper_paged.begin_forward = begin_forward
     spec_info.staged_attn_args = verify_input.StagedAttnArgs(
         kv_lens, kv_indptr_dev, plan.qo_indptr, plan.total_kv
@@ -209,7 +209,7 @@ def call_begin_forward(
 
 def packs_from_tree(opts) -> bool:
     """Whether the verify input may leave its unpacked mask unwritten: the host plan packs the
-    mask from the tree (integration/mask_pack.py); SGLang's plan reads the written mask.
+    mask from the tree (tree/mask_pack.py); SGLang's plan reads the written mask.
     opts: config.Options."""
     return opts.verify_plan == "host"
 
@@ -217,8 +217,8 @@ def packs_from_tree(opts) -> bool:
 def write_mask(spec_info) -> None:
     """A DDTREE verify input whose unpacked mask was left out, about to be planned by SGLang's
     plan (which reads it): allocated and written now (tree_layout.write_full_mask)."""
-    from sglang_ddtree.integration import tree_layout
-    from sglang_ddtree.integration.verify_input import DDTreeVerifyInput
+    from sglang_ddtree.round.verify_input import DDTreeVerifyInput
+    from sglang_ddtree.tree import verify_layout as tree_layout
 
     if isinstance(spec_info, DDTreeVerifyInput) and not spec_info.tree_mask_written:
         vis = spec_info.tree_visibility
@@ -233,7 +233,7 @@ def _applies(wrapper_paged, seq_lens, seq_lens_cpu, use_ragged, spec_info, args,
     """A DDTREE tree verify (custom mask) whose exact host lengths are at hand, planned by
     FlashInfer's own plan() (not SGLang's fast_prefill_plan), with no ragged part, sliding
     window, multi-item scoring or cross-attention mask."""
-    from sglang_ddtree.integration.verify_input import DDTreeVerifyInput
+    from sglang_ddtree.round.verify_input import DDTreeVerifyInput
 
     if not isinstance(spec_info, DDTreeVerifyInput) or spec_info.custom_mask is None:
         return False

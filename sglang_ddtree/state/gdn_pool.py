@@ -3,7 +3,7 @@
 SGLang gives every running request N full recurrent states per GDN layer for a verify
 (`intermediate_ssm` [layers, requests + 1, N, HV, V, K]: 9.7 GB per request at 27B and N = 64)
 and sizes the Mamba pool for it, which caps DDTREE at 4 running requests at N = 64 on an H200.
-DDTREE's own verify (integration/gdn.py) keeps only each node's inputs, `scratch_floats` words
+DDTREE's own verify (state/gdn.py) keeps only each node's inputs, `scratch_floats` words
 per request and layer (1.6 % of that). Two hooks size the pool for what DDTREE uses (except
 under --enable-unified-memory, whose pool SGLang allocates itself with its per-node states):
 
@@ -17,7 +17,7 @@ under --enable-unified-memory, whose pool SGLang allocates itself with its per-n
   states that covers the compact buffers instead, so the memory goes to more requests.
 
 Only DDTREE's verify and commit can read a compact scratch, so it needs SGLANG_DDTREE_GDN=ddtree
-(checked at startup) and the GDN hooks refuse SGLang's own path on it (integration/gdn.py).
+(checked at startup) and the GDN hooks refuse SGLang's own path on it (state/gdn.py).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import math
 
 import torch
 
+from sglang_ddtree.adapter import compat
 from sglang_ddtree.config import Options
-from sglang_ddtree.integration import compat
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ traces):
   draft   DFlash block [bonus, MASK x (B-1)] through the draft runner (CUDA graph at width B)
   build   in the same graph: target LM head -> per-position top-K log-probs -> DDTree
   verify  the first w nodes of the N-node tree (w: the round's width, SGLANG_DDTREE_WIDTH=auto,
-          integration/widths.py; else N) through the target with a FULL custom mask (EAGLE
+          round/widths.py; else N) through the target with a FULL custom mask (EAGLE
           tree verify)
   accept  SGLang's tree walk: greedy, or target-only tree sampling at T > 0
   commit  accepted KV to contiguous slots, tree-aware Gated DeltaNet state commit (both inside
@@ -43,15 +43,17 @@ from sglang.srt.speculative.eagle_worker_common import run_eagle_verify
 from sglang.srt.utils import get_available_gpu_memory
 from torch.profiler import record_function
 
+from sglang_ddtree.adapter import compat
 from sglang_ddtree.config import DDTreeConfig, Options
-from sglang_ddtree.integration import compat, penalties, round_memory, verify_plan
-from sglang_ddtree.integration.draft_head import DraftTreeHead, VocabShard
-from sglang_ddtree.integration.penalties import PenaltyTable
-from sglang_ddtree.integration.round_dump import RoundDump
-from sglang_ddtree.integration.runtime import Runtime
-from sglang_ddtree.integration.verify_input import make_verify_input
-from sglang_ddtree.integration.widths import RankWidths, RoundReadings, VerifyWidths
+from sglang_ddtree.round import penalties, verify_plan
+from sglang_ddtree.round.draft_head import DraftTreeHead, VocabShard
+from sglang_ddtree.round.penalties import PenaltyTable
+from sglang_ddtree.round.round_dump import RoundDump
+from sglang_ddtree.round.runtime import Runtime
+from sglang_ddtree.round.verify_input import make_verify_input
+from sglang_ddtree.round.widths import RankWidths, RoundReadings, VerifyWidths
 from sglang_ddtree.simulation import World
+from sglang_ddtree.state import round_memory
 from sglang_ddtree.tree.budget import WidthPolicy, accepted_at_widths, automatic_widths
 from sglang_ddtree.tree.types import DraftTree
 
@@ -94,7 +96,7 @@ def tree_head(
     """The draft head on the target's LM head: its real rows (`compat.lm_head_rows`); given the
     TP group's `gather` (a vocabulary-parallel head, tp > 1), a VocabShard that merges the
     ranks' top-K through it, so every rank builds the same tree. Start-up
-    still refuses --tp-size > 1 (integration/spec.py) until a multi-GPU run has verified the
+    still refuses --tp-size > 1 (adapter/spec.py) until a multi-GPU run has verified the
     rest."""
     offset, rows = compat.lm_head_rows(lm_head)
     shard = VocabShard(offset=offset, gather=gather) if gather is not None else None
@@ -222,7 +224,7 @@ class DDTreeWorker(DFlashWorkerV2):
 
     def _ask_for_readings(self) -> None:
         """SGLANG_DDTREE_WIDTH=auto with several widths: the draft head computes the policy's
-        expected tokens at each (integration/widths.RoundReadings reads them)."""
+        expected tokens at each (round/widths.RoundReadings reads them)."""
         widths = self._automatic_widths()
         if widths:
             self._tree_head.read_widths(widths)
@@ -427,7 +429,7 @@ class DDTreeWorker(DFlashWorkerV2):
 
     def _penalty_table(self) -> PenaltyTable | None:
         """SGLANG_DDTREE_PENALTIES=1: the output-token counts per request slot on the device
-        (integration/penalties.py), handed to the eagle_sample hook through the runtime."""
+        (round/penalties.py), handed to the eagle_sample hook through the runtime."""
         if not self.options.penalties:
             return None
         # the target's pool and vocabulary, the penalised logits' width
@@ -552,7 +554,7 @@ class DDTreeWorker(DFlashWorkerV2):
     def _commit_draft_context(self, result, rnd: Round) -> None:
         """Draft KV of the accepted path from its (front-compacted) target hidden states: per
         request the verify's N rows (SGLang's compaction) or the path's S = B rows alone
-        (integration/accept_path.py); the first B either way."""
+        (round/accept_path.py); the first B either way."""
         bs, B, width, cache_loc = rnd.bs, self.cfg.block_size, rnd.width, rnd.draft_slots
         hidden = result.logits_output.hidden_states
         if hidden is None:

@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from sglang_ddtree.integration import compat
+from sglang_ddtree.adapter import compat
 from sglang_ddtree.tree.budget import WidthPolicy
 
 logger = logging.getLogger(__name__)

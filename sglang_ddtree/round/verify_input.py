@@ -15,8 +15,9 @@ import torch
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 from sglang.srt.speculative.eagle_info import EagleVerifyInput
 
+from sglang_ddtree.adapter import compat
 from sglang_ddtree.config import DDTreeConfig
-from sglang_ddtree.integration import compat, tree_layout
+from sglang_ddtree.tree import verify_layout as tree_layout
 
 
 class StagedAttnArgs(NamedTuple):
@@ -33,7 +34,7 @@ class StagedAttnArgs(NamedTuple):
 @dataclass
 class DDTreeVerifyInput(EagleVerifyInput):
     """An EagleVerifyInput whose tree is an arbitrary DDTree (best-first, parent < child), with
-    the tree itself for the per-node penalties (integration/penalties.py): its tokens [bs, N],
+    the tree itself for the per-node penalties (round/penalties.py): its tokens [bs, N],
     visibility [bs, N, N] and depth [bs, N] (None in shape-only stand-ins)."""
 
     tree_tokens: torch.Tensor | None = None

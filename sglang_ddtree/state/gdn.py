@@ -18,7 +18,7 @@ DDTREE serves a tree (topk > 1):
   pool), else by SGLang's own scatter of the per-node windows, its state part skipped.
 - `conv_update` (around gdn_backend.causal_conv1d_update): the tree verify's conv1d through
   `gdn/conv_tree.py`, every node in parallel.
-- The compact scratch (integration/gdn_pool.py) shrinks `intermediate_ssm` to the scratch that
+- The compact scratch (state/gdn_pool.py) shrinks `intermediate_ssm` to the scratch that
   DDTREE's verify uses and sizes the Mamba pool for it (under --enable-unified-memory, whose
   pool SGLang allocates itself: SGLang's N states per request, the full scratch).
 
@@ -33,8 +33,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from sglang_ddtree.adapter import compat
 from sglang_ddtree.config import DDTreeConfig, Options
-from sglang_ddtree.integration import compat, gdn_pool
+from sglang_ddtree.state import gdn_pool
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ class GDNPath:
 
     max_path: int  # nodes on the longest root path: the bonus token + B - 1 drafted tokens
     verify: str = "chunk"  # "chunk" (N <= 64) or "paths" (root paths; deterministic inference)
-    # the compact scratch (integration/gdn_pool.py): the tree conv1d stores each node's input
+    # the compact scratch (state/gdn_pool.py): the tree conv1d stores each node's input
     # once and the commit builds the accepted window from them; full: SGLang's per-node windows
     # and its scatter
     compact: bool = True

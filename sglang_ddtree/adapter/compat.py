@@ -33,7 +33,7 @@ HTTP_APP = "app"
 # the Vertex AI handler's name (its route is AIP_PREDICT_ROUTE's, or /vertex_generate)
 GENERATE_CONTRACT = "generate_contract_error"
 VERTEX_HANDLER = "vertex_generate"
-# Gated DeltaNet tree verify (per layer) and state commit (per round): integration/gdn.py.
+# Gated DeltaNet tree verify (per layer) and state commit (per round): state/gdn.py.
 GDN_TARGET_VERIFY = (
     "sglang.srt.layers.attention.linear.gdn_backend.GDNKernelDispatcher.target_verify"
 )
@@ -43,10 +43,10 @@ MAMBA_STATE_COMMIT = (
     ".update_mamba_state_after_mtp_verify"
 )
 
-# The tree verify's sampling (per-node penalties, the default): integration/penalties.py.
+# The tree verify's sampling (per-node penalties, the default): round/penalties.py.
 EAGLE_SAMPLE = "sglang.srt.speculative.eagle_utils.eagle_sample"
 
-# The accepted path after a tree verify (integration/accept_path.py): the Mamba commit's steps,
+# The accepted path after a tree verify (round/accept_path.py): the Mamba commit's steps,
 # and the path moved to the front of each request's block.
 FINALIZE_TREE_PATH = "sglang.srt.speculative.eagle_worker_common._finalize_accept_tree_path"
 
@@ -126,7 +126,7 @@ def pack_kv_reads(
 # The scheduler's internal state (/server_info's internal_states): DDTREE's resolved options.
 SCHEDULER_INTERNAL_STATE = "sglang.srt.managers.scheduler.Scheduler.get_internal_state"
 
-# FlashInfer's masked prefill plan for the tree verify (the host plan, the default): integration/verify_plan.py.
+# FlashInfer's masked prefill plan for the tree verify (the host plan, the default): round/verify_plan.py.
 FLASHINFER_PREFILL_PLAN = (
     "sglang.srt.layers.attention.flashinfer_backend.FlashInferIndicesUpdaterPrefill"
     ".call_begin_forward"
@@ -166,7 +166,7 @@ def speculative_algorithm() -> str | None:
     return get_spec().speculative_algorithm
 
 
-# Compact GDN verify scratch (the default): integration/gdn_pool.py.
+# Compact GDN verify scratch (the default): state/gdn_pool.py.
 MAMBA_POOL_INIT = "sglang.srt.mem_cache.memory_pool.HybridReqToTokenPool._init_mamba_pool"
 MAMBA_POOL_SOLVER = (
     "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._handle_max_mamba_cache"
@@ -526,7 +526,7 @@ def set_dense_conv_windows(pool: Any, windows: list) -> None:
     pool._intermediate_conv_window_phys = windows
 
 
-# --- the target's verify state per width (integration/widths.py) ---------------------------------
+# --- the target's verify state per width (round/widths.py) ---------------------------------
 # As SGLang's adaptive EAGLE builds one per step count (EAGLEWorkerV2.
 # build_adaptive_runtime_state / apply_runtime_state): its own attention backend and
 # DecodeCudaGraphRunner captured at that width; switching swaps both on the model runner.

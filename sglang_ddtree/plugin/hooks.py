@@ -15,7 +15,7 @@
 |                                         | before SGLang makes a request of each                 |
 | GDNKernelDispatcher.target_verify       | Gated DeltaNet tree verify without per-node states    |
 | HybridLinearAttnBackend                 | and the commit by replaying the accepted path         |
-|   .update_mamba_state_after_mtp_verify  | (integration/gdn.py; SGLANG_DDTREE_GDN=sglang: off)   |
+|   .update_mamba_state_after_mtp_verify  | (state/gdn.py; SGLANG_DDTREE_GDN=sglang: off)   |
 | gdn_backend.causal_conv1d_update        | the tree conv1d, every node in parallel (off:         |
 |                                         | SGLANG_DDTREE_GDN=sglang)                             |
 | kv_cache_configurator                   | req_to_token rows wide enough for DFlash v2's decode  |
@@ -24,7 +24,7 @@
 |                                         | context limit it overran the rows (KV slots leaked,   |
 |                                         | the next row's first entries overwritten)             |
 | HybridReqToTokenPool._init_mamba_pool   | the compact GDN verify scratch and the Mamba pool     |
-| KVCacheConfigurator                     | sized for it (integration/gdn_pool.py; off:           |
+| KVCacheConfigurator                     | sized for it (state/gdn_pool.py; off:           |
 |   ._handle_max_mamba_cache              | SGLANG_DDTREE_GDN=sglang, --enable-unified-memory)    |
 | Scheduler.get_internal_state            | /server_info reports the resolved options, GDN path   |
 |                                         | and the DDTREE paths taken (Runtime.report)           |
@@ -52,19 +52,13 @@ import logging
 import sys
 from collections.abc import Callable
 
+from sglang_ddtree.adapter import compat
+from sglang_ddtree.adapter.spec import is_ddtree, serves_ddtree
 from sglang_ddtree.config import DDTreeConfig, Options
-from sglang_ddtree.integration import (
-    accept_path,
-    compat,
-    gdn,
-    gdn_pool,
-    json_bodies,
-    penalties,
-    request_limits,
-    verify_plan,
-)
-from sglang_ddtree.integration.runtime import Runtime
-from sglang_ddtree.integration.spec import is_ddtree, serves_ddtree
+from sglang_ddtree.front_door import json_bodies, request_limits
+from sglang_ddtree.round import accept_path, penalties, verify_plan
+from sglang_ddtree.round.runtime import Runtime
+from sglang_ddtree.state import gdn, gdn_pool
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +112,7 @@ def _target_graph_spec_info(cfg: DDTreeConfig, original, runner, *args, **kwargs
     model_runner = runner.model_runner
     if not is_ddtree(model_runner.spec_algorithm) or model_runner.is_draft_worker:
         return original(runner, *args, **kwargs)
-    from sglang_ddtree.integration.verify_input import make_dummy_verify_input
+    from sglang_ddtree.round.verify_input import make_dummy_verify_input
 
     return make_dummy_verify_input(cfg, runner.buffers.custom_mask, runner.captured_req_width)
 
@@ -139,7 +133,7 @@ def _dummy_verify_input(
             custom_mask=None,
             capture_hidden_mode=CaptureHiddenMode.NULL,
         )
-    from sglang_ddtree.integration.verify_input import make_dummy_verify_input
+    from sglang_ddtree.round.verify_input import make_dummy_verify_input
 
     return make_dummy_verify_input(cfg, custom_mask, num_tokens_per_req)
 
@@ -235,7 +229,7 @@ class RequestCheck:
 
 def _check_sampling(sampling: dict, server_args, per_node: bool) -> None:
     """A request's sampling parameters; per_node: SGLANG_DDTREE_PENALTIES=1, every option of
-    LOSSY_SAMPLING_OPTIONS served, each node by its own path (integration/penalties.py)."""
+    LOSSY_SAMPLING_OPTIONS served, each node by its own path (round/penalties.py)."""
     max_new_tokens = sampling.get("max_new_tokens")
     if max_new_tokens is not None and max_new_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, got {max_new_tokens}.")
@@ -266,7 +260,7 @@ def _check_sampling(sampling: dict, server_args, per_node: bool) -> None:
 
 # Options SGLang's tree verify applies only approximately (penalties, and min_new_tokens's EOS
 # block, are one vector for the whole tree: a node at depth d has d more tokens behind it) or not
-# at all (min_p): refused unless integration/penalties.py applies them per node. (logit_bias is
+# at all (min_p): refused unless round/penalties.py applies them per node. (logit_bias is
 # the same at every node, and SGLang's tree verify adds it to every node: exact.)
 LOSSY_SAMPLING_OPTIONS = {"min_p": 0.0, **penalties.PENALTIES}
 
@@ -284,7 +278,7 @@ def _internal_state(runtime: Runtime, original, scheduler, *args, **kwargs):
 def _ddtree_headroom(extra: int) -> int:
     """The req_to_token rows' width beyond the context: SGLang's `extra`, and on a DDTREE server
     at least the decode rounds' reserve (compat.decode_reserve_headroom)."""
-    from sglang_ddtree.integration.spec import ALGORITHM
+    from sglang_ddtree.adapter.spec import ALGORITHM
 
     if compat.speculative_algorithm() != ALGORITHM:
         return extra

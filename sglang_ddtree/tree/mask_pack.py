@@ -1,5 +1,5 @@
 """The tree verify's custom mask packed for FlashInfer in one Triton launch straight from the
-tree, for the host plan (integration/verify_plan.py). With it the verify input does not write
+tree, for the host plan (round/verify_plan.py). With it the verify input does not write
 the unpacked mask at all, unless the plan falls back to SGLang's, which then gets it written
 (SGLANG_DDTREE_VERIFY_PLAN=sglang: always, and SGLang packs it).
 

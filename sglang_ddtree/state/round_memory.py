@@ -1,7 +1,7 @@
 """What DDTREE allocates beyond SGLang's pools at a server's own maximum, and the start-up checks
 that it fits (`check`, from the worker once the pools exist).
 
-Kept for the server's life (SGLANG_DDTREE_PENALTIES=1, integration/penalties.py): the penalty
+Kept for the server's life (SGLANG_DDTREE_PENALTIES=1, round/penalties.py): the penalty
 count table, request slots x vocabulary float32, and the stop-token table, the same in bool.
 
 Per round, at the largest batch `max_bs`, the verify width N and the vocabulary V:

@@ -12,13 +12,13 @@ from typing import Any
 
 from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
+from sglang_ddtree.adapter import compat
 from sglang_ddtree.config import (
     DEFAULT_MAX_RUNNING_REQUESTS,
     DDTreeConfig,
     DDTreeConfigError,
     Options,
 )
-from sglang_ddtree.integration import compat
 from sglang_ddtree.tree.budget import automatic_widths
 
 logger = logging.getLogger(__name__)
@@ -134,7 +134,7 @@ def validate_server_args(server_args: Any) -> None:
     except ValueError as exc:
         raise DDTreeConfigError(str(exc)) from None
     # pdmux shares attention backends between graph runners, which one backend per width
-    # (integration/widths.py) does not: name the way out
+    # (round/widths.py) does not: name the way out
     _require(
         not widths or not getattr(view, "enable_pdmux", False),
         "DDTREE's automatic verify widths do not support --enable-pdmux; "

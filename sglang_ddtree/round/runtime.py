@@ -13,8 +13,8 @@ from __future__ import annotations
 import dataclasses
 
 from sglang_ddtree.config import DDTreeConfig, Options
-from sglang_ddtree.integration import gdn
-from sglang_ddtree.integration.penalties import PenaltyTable
+from sglang_ddtree.round.penalties import PenaltyTable
+from sglang_ddtree.state import gdn
 from sglang_ddtree.tree.budget import WidthPolicy
 
 

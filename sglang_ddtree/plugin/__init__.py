@@ -22,22 +22,22 @@ def register() -> None:
 
 
 def _register() -> None:
-    from sglang_ddtree.integration.compat import check_sglang_version
+    from sglang_ddtree.adapter.compat import check_sglang_version
 
     check_sglang_version()
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
     from sglang.srt.speculative.spec_registry import get_spec
 
+    from sglang_ddtree.adapter.spec import ALGORITHM, DDTreeSpec, validate_server_args
     from sglang_ddtree.config import simulated_world
-    from sglang_ddtree.integration.hooks import register_request_hook
-    from sglang_ddtree.integration.spec import ALGORITHM, DDTreeSpec, validate_server_args
+    from sglang_ddtree.plugin.hooks import register_request_hook
 
     if get_spec(ALGORITHM) is not None:
         return
     register_request_hook()
     world = simulated_world()
     if world is not None:  # a benchmark's simulated world, for DFLASH's servers too
-        from sglang_ddtree.integration.simulated import register_hooks
+        from sglang_ddtree.round.simulated import register_hooks
 
         register_hooks(world)
     SpeculativeAlgorithm.register(
@@ -53,11 +53,11 @@ def _worker_factory(server_args):
     """Runs in the scheduler process before memory pools, backends and CUDA graphs exist: parses
     this process's options once, reads SGLang's resolved (B, N, K) once, and hands both (as one
     Runtime) to the runtime hooks it installs and to the worker class it returns."""
+    from sglang_ddtree.adapter import compat
     from sglang_ddtree.config import Options
-    from sglang_ddtree.integration import compat
-    from sglang_ddtree.integration.hooks import install_runtime_hooks
-    from sglang_ddtree.integration.runtime import Runtime
-    from sglang_ddtree.integration.worker import DDTreeWorker
+    from sglang_ddtree.plugin.hooks import install_runtime_hooks
+    from sglang_ddtree.round.runtime import Runtime
+    from sglang_ddtree.round.worker import DDTreeWorker
 
     options = Options.from_env(**compat.option_modes(server_args))
     logger.info("sglang_ddtree: options: %s", options.describe())

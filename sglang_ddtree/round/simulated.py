@@ -3,7 +3,7 @@
 For benchmarks only, and refused at start-up unless the target's weights are dummy
 (`--load-format dummy`). DDTREE's draft head takes the world's top-K in place of the drafter's
 and computes the world's target token at every node in the same graph replay; the verify's greedy
-tree walk reads those (integration/worker.py). DFLASH's chain accept reads the same world: its
+tree walk reads those (round/worker.py). DFLASH's chain accept reads the same world: its
 drafts are the world's top-1 path and the target's token at each position the world's
 (`ChainAccept`). The models still run in full, so every cost is the real one; only which tokens
 are accepted comes from the world. Greedy requests only: a sampled request's verify reads the
@@ -17,7 +17,7 @@ import logging
 
 import torch
 
-from sglang_ddtree.integration import compat
+from sglang_ddtree.adapter import compat
 from sglang_ddtree.simulation import SWITCH, World
 
 logger = logging.getLogger(__name__)

@@ -75,7 +75,7 @@ class DraftTreeHead:
         self.scores = torch.zeros((max_bs, N), dtype=torch.float32, device=dev)
         # automatic widths (read_widths): per request, the drafter's expected tokens at each
         # width, then as many columns the width policy's readings fill with the accepted tokens
-        # at each width (integration/widths.py)
+        # at each width (round/widths.py)
         self.readings: torch.Tensor | None = None
         self.reading_widths: tuple[int, ...] = ()
         # per read width w < N: first_child and next_sibling of the first w nodes, links past

@@ -26,7 +26,7 @@ from functools import partial
 
 import torch
 
-from sglang_ddtree.integration import compat
+from sglang_ddtree.adapter import compat
 from sglang_ddtree.tree.penalties import block_stops_, min_p_filter_, penalize_tree_
 
 # the penalties applied per node and their neutral values (the sampling-parameter names; min_p,

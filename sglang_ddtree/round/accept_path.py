@@ -15,7 +15,7 @@ from __future__ import annotations
 
 
 def _applies(batch) -> bool:
-    from sglang_ddtree.integration.spec import is_ddtree
+    from sglang_ddtree.adapter.spec import is_ddtree
 
     return is_ddtree(getattr(batch, "spec_algorithm", None))
 
@@ -48,9 +48,9 @@ def finalize_hook(
             token_to_kv_pool_allocator=token_to_kv_pool_allocator,
             num_draft_tokens=num_draft_tokens,
         )
-    from sglang_ddtree.integration.accept_path_triton import compact_path
+    from sglang_ddtree.tree.accept_path_triton import compact_path
 
-    runtime.engaged.first_use("accepted path moved to the front by integration/accept_path.py")
+    runtime.engaged.first_use("accepted path moved to the front by round/accept_path.py")
     out, kv_dst, kv_src, rows = compact_path(
         accept_index, accept_lens, batch.out_cache_loc, predict, int(num_draft_tokens)
     )

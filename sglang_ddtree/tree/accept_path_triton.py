@@ -1,4 +1,4 @@
-"""The Triton kernels of integration/accept_path.py (the hooks, which import this module only
+"""The Triton kernels of round/accept_path.py (the hooks, which import this module only
 when a DDTREE round first needs it): SGLang's values of its generic tree code, in one launch."""
 
 from __future__ import annotations
