@@ -150,7 +150,7 @@ class FrontEnd:
 
     def _run(self, path: str, raw) -> None:
         """raw: a parsed body, or (the Vertex route) the request SGLang built from one."""
-        from sglang_ddtree.plugin import hooks
+        from sglang_ddtree.front_door import checks
 
         obj = (
             raw
@@ -170,7 +170,7 @@ class FrontEnd:
             yield None
 
         async def call():  # through DDTREE's hook around it, as the server calls it
-            async for _ in hooks._bounded_call(generate_request, self.manager, obj):
+            async for _ in checks._bounded_call(generate_request, self.manager, obj):
                 pass
 
         asyncio.run(call())
@@ -178,12 +178,12 @@ class FrontEnd:
     def _one(self, item) -> None:
         from sglang.srt.sampling.sampling_params import SamplingParams
 
-        from sglang_ddtree.plugin import hooks
+        from sglang_ddtree.front_door import checks
 
         ids = item.input_ids
         if ids is None:
             ids = self.tokenizer(item.text)["input_ids"]
-        hooks.RequestCheck()(self.manager, item, ids)
+        checks.RequestCheck()(self.manager, item, ids)
         for name in (
             "_validate_one_request",
             "_validate_token_ids_logprob",

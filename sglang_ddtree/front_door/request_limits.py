@@ -393,7 +393,7 @@ def _check_flags(sampling: dict) -> None:
 
 def _check_lengths(sampling: dict, prompt_len: int | None, context: int | None) -> None:
     """max_new_tokens, min_new_tokens and n x max_new_tokens (n's own range, 1-128, and
-    max_new_tokens >= 1 are hooks.RequestCheck's)."""
+    max_new_tokens >= 1 are checks.RequestCheck's)."""
     room = None if context is None else context - (prompt_len or 0)  # what SGLang lets it run to
     most = sampling.get("max_new_tokens")
     if most is not None:

@@ -30,7 +30,7 @@ def _register() -> None:
 
     from sglang_ddtree.adapter.spec import ALGORITHM, DDTreeSpec, validate_server_args
     from sglang_ddtree.config import simulated_world
-    from sglang_ddtree.plugin.hooks import register_request_hook
+    from sglang_ddtree.front_door.checks import register_request_hook
 
     if get_spec(ALGORITHM) is not None:
         return

@@ -19,8 +19,10 @@ from starlette.routing import Route  # noqa: E402
 from starlette.testclient import TestClient  # noqa: E402
 
 from sglang_ddtree.adapter import compat
-from sglang_ddtree.front_door import json_bodies  # noqa: E402
-from sglang_ddtree.plugin import hooks
+from sglang_ddtree.front_door import (
+    checks,
+    json_bodies,  # noqa: E402
+)
 
 
 def _app() -> Starlette:
@@ -115,12 +117,12 @@ def test_the_hook_guards_ddtree_http_servers_only(monkeypatch):
     dflash = types.SimpleNamespace(speculative_algorithm="DFLASH")
     ddtree = types.SimpleNamespace(speculative_algorithm="DDTREE")
     monkeypatch.delitem(sys.modules, compat.HTTP_SERVER_MODULE, raising=False)
-    assert hooks._guard_json_bodies(None, "manager", ddtree, "port args") is None
+    assert checks._guard_json_bodies(None, "manager", ddtree, "port args") is None
     assert calls == []  # no HTTP server in this process (the offline engine): nothing
     http = types.SimpleNamespace(app="app", generate_contract_error="contract")
     monkeypatch.setitem(sys.modules, compat.HTTP_SERVER_MODULE, http)
-    assert hooks._guard_json_bodies(None, "manager", dflash, "port args") is None and calls == []
-    assert hooks._guard_json_bodies(None, "manager", ddtree, "port args") is None
+    assert checks._guard_json_bodies(None, "manager", dflash, "port args") is None and calls == []
+    assert checks._guard_json_bodies(None, "manager", ddtree, "port args") is None
     assert calls == [("app", {"vertex": None, "contract": "contract"})]
 
 
@@ -129,7 +131,7 @@ def test_an_app_that_has_started_is_left_as_it_is(monkeypatch, caplog):
     TestClient(app).post("/v1/chat/completions", content=b"{}")  # builds the middleware stack
     monkeypatch.setitem(sys.modules, compat.HTTP_SERVER_MODULE, types.SimpleNamespace(app=app))
     ddtree = types.SimpleNamespace(speculative_algorithm="DDTREE")
-    assert hooks._guard_json_bodies(None, "manager", ddtree) is None
+    assert checks._guard_json_bodies(None, "manager", ddtree) is None
     assert "no request-body checks" in caplog.text
 
 

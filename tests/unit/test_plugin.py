@@ -22,6 +22,7 @@ from sglang_ddtree.adapter import (
     spec,  # noqa: E402
 )
 from sglang_ddtree.config import DDTreeConfigError  # noqa: E402
+from sglang_ddtree.front_door import checks
 from sglang_ddtree.plugin import hooks  # noqa: E402
 
 
@@ -278,22 +279,22 @@ def test_front_end_rejects_what_ddtree_cannot_serve_exactly(request_kwargs, word
     other refusals hold whatever the switch."""
     monkeypatch.setenv("SGLANG_DDTREE_PENALTIES", "0")
     with pytest.raises(ValueError, match=words):
-        hooks.RequestCheck()(_tokenizer_manager("DDTREE"), _request(**request_kwargs), [1])
+        checks.RequestCheck()(_tokenizer_manager("DDTREE"), _request(**request_kwargs), [1])
 
 
 def test_up_to_128_samples_per_request_pass_and_token_ids_outside_the_vocabulary_do_not():
     assert (
-        hooks.RequestCheck()(_tokenizer_manager("DDTREE"), _request(max_new_tokens=8, n=128), [1])
+        checks.RequestCheck()(_tokenizer_manager("DDTREE"), _request(max_new_tokens=8, n=128), [1])
         is None
     )
     with pytest.raises(ValueError, match="token id -7, outside"):  # embedding row -7: a crash
-        hooks.RequestCheck()(_tokenizer_manager("DDTREE"), _request(max_new_tokens=8), [1, -7, 3])
+        checks.RequestCheck()(_tokenizer_manager("DDTREE"), _request(max_new_tokens=8), [1, -7, 3])
     manager = _tokenizer_manager("DDTREE")
     manager.model_config = types.SimpleNamespace(vocab_size=100)
     with pytest.raises(ValueError, match=r"token id 100, outside the vocabulary \[0, 100\)"):
-        hooks.RequestCheck()(manager, _request(max_new_tokens=8), [1, 100])
-    assert hooks.RequestCheck()(manager, _request(max_new_tokens=8), [0, 99]) is None
-    assert hooks.RequestCheck()(_tokenizer_manager("DFLASH"), _request(n=5000), [-1]) is None
+        checks.RequestCheck()(manager, _request(max_new_tokens=8), [1, 100])
+    assert checks.RequestCheck()(manager, _request(max_new_tokens=8), [0, 99]) is None
+    assert checks.RequestCheck()(_tokenizer_manager("DFLASH"), _request(n=5000), [-1]) is None
 
 
 def test_logprobs_and_penalties_are_served_by_default(monkeypatch):
@@ -303,7 +304,7 @@ def test_logprobs_and_penalties_are_served_by_default(monkeypatch):
     asked = _request(
         logprob=True, max_new_tokens=8, frequency_penalty=0.5, min_new_tokens=2, min_p=0.1
     )
-    assert hooks.RequestCheck()(_tokenizer_manager("DDTREE"), asked, [1]) is None
+    assert checks.RequestCheck()(_tokenizer_manager("DDTREE"), asked, [1]) is None
 
 
 def test_logprobs_are_served_with_penalties_switched_off(monkeypatch):
@@ -311,9 +312,9 @@ def test_logprobs_are_served_with_penalties_switched_off(monkeypatch):
     other refusals stay."""
     monkeypatch.setenv("SGLANG_DDTREE_PENALTIES", "0")
     asked = _request(logprob=True, max_new_tokens=8)
-    assert hooks.RequestCheck()(_tokenizer_manager("DDTREE"), asked, [1]) is None
+    assert checks.RequestCheck()(_tokenizer_manager("DDTREE"), asked, [1]) is None
     with pytest.raises(ValueError, match="min_p=0.1"):
-        hooks.RequestCheck()(
+        checks.RequestCheck()(
             _tokenizer_manager("DDTREE"), _request(logprob=True, max_new_tokens=8, min_p=0.1), [1]
         )
 
@@ -387,9 +388,9 @@ def test_penalties_are_refused_when_switched_off(monkeypatch):
         min_new_tokens=4,
         min_p=0.1,
     )
-    assert hooks.RequestCheck()(_tokenizer_manager("DDTREE"), asked, [1]) is None
+    assert checks.RequestCheck()(_tokenizer_manager("DDTREE"), asked, [1]) is None
     with pytest.raises(ValueError, match="at least 1"):
-        hooks.RequestCheck()(
+        checks.RequestCheck()(
             _tokenizer_manager("DDTREE"), _request(max_new_tokens=0, min_p=0.1), [1]
         )
     deterministic = types.SimpleNamespace(
@@ -398,11 +399,11 @@ def test_penalties_are_refused_when_switched_off(monkeypatch):
         )
     )
     with pytest.raises(ValueError, match="min_p=0.1 cannot be served with --enable-determ"):
-        hooks.RequestCheck()(deterministic, _request(max_new_tokens=8, min_p=0.1), [1])
+        checks.RequestCheck()(deterministic, _request(max_new_tokens=8, min_p=0.1), [1])
     monkeypatch.setenv("SGLANG_DDTREE_PENALTIES", "0")
     for name in ("frequency_penalty", "min_p"):
         with pytest.raises(ValueError, match=f"{name}=.*SGLANG_DDTREE_PENALTIES=1"):
-            hooks.RequestCheck()(
+            checks.RequestCheck()(
                 _tokenizer_manager("DDTREE"), _request(max_new_tokens=8, **{name: 0.1}), [1]
             )
 
@@ -419,9 +420,9 @@ def test_front_end_accepts_plain_requests_and_other_algorithms():
         presence_penalty=0.0,
         min_new_tokens=0,
     )
-    assert hooks.RequestCheck()(_tokenizer_manager("DDTREE"), ok, [1]) is None
+    assert checks.RequestCheck()(_tokenizer_manager("DDTREE"), ok, [1]) is None
     bad = _request(logprob=True, max_new_tokens=0)
-    assert hooks.RequestCheck()(_tokenizer_manager("DFLASH"), bad, [1]) is None
+    assert checks.RequestCheck()(_tokenizer_manager("DFLASH"), bad, [1]) is None
 
 
 def test_dummy_inputs_have_the_right_width_and_fields(registered, monkeypatch):
@@ -634,16 +635,16 @@ def test_the_request_hooks_are_registered(monkeypatch):
     monkeypatch.setattr(
         HookRegistry, "register", lambda target, fn, kind: registered.append((target, fn))
     )
-    hooks.register_request_hook()
+    checks.register_request_hook()
     (validator, check), call, guard = registered
     assert validator == compat.TOKENIZER_REQUEST_VALIDATOR
-    assert isinstance(check, hooks.RequestCheck)
-    assert call == (compat.TOKENIZER_GENERATE_REQUEST, hooks._bounded_call)
-    assert guard == (compat.TOKENIZER_MANAGER_INIT, hooks._guard_json_bodies)
+    assert isinstance(check, checks.RequestCheck)
+    assert call == (compat.TOKENIZER_GENERATE_REQUEST, checks._bounded_call)
+    assert guard == (compat.TOKENIZER_MANAGER_INIT, checks._guard_json_bodies)
 
 
 def test_a_calls_size_is_bounded_before_sglang_splits_it_and_its_items_pass_through():
-    """hooks._bounded_call through SGLang's own AROUND wrapper on an async generator method, as
+    """checks._bounded_call through SGLang's own AROUND wrapper on an async generator method, as
     TokenizerManager.generate_request is: a DDTREE call with n past 128 is refused at its first
     item, before the original runs; a good call's items pass through; closing the call early
     closes the original (its finally runs: SGLang aborts a request whose client left); other
@@ -662,7 +663,7 @@ def test_a_calls_size_is_bounded_before_sglang_splits_it_and_its_items_pass_thro
         finally:
             ran.append("closed")
 
-    wrapped = _wrap_fn(generate_request, hooks._bounded_call, HookType.AROUND)
+    wrapped = _wrap_fn(generate_request, checks._bounded_call, HookType.AROUND)
     ddtree = types.SimpleNamespace(
         server_args=types.SimpleNamespace(speculative_algorithm="DDTREE")
     )
