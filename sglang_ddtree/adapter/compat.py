@@ -14,19 +14,16 @@ from typing import Any
 SUPPORTED = ("0.5.23",)
 
 # Runtime hook targets (see hooks.py for why each exists).
-TARGET_GRAPH_SPEC_INFO = (
-    "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.get_spec_info"
-)
+_TM = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
+_GDN = "sglang.srt.layers.attention.linear.gdn_backend"
+_RUNNER = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner"
+TARGET_GRAPH_SPEC_INFO = _RUNNER + ".get_spec_info"
 DUMMY_VERIFY_INPUT = "sglang.srt.speculative.spec_info.create_dummy_verify_input"
-TOKENIZER_REQUEST_VALIDATOR = (
-    "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
-)
+TOKENIZER_REQUEST_VALIDATOR = _TM + "._validate_one_request"
 # The tokenizer manager, made in the HTTP server's process before uvicorn starts the app: then
 # json_bodies.py's middleware goes on the app (the HTTP server's module and the app's name in it).
-TOKENIZER_MANAGER_INIT = "sglang.srt.managers.tokenizer_manager.TokenizerManager.__init__"
-TOKENIZER_GENERATE_REQUEST = (
-    "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request"
-)
+TOKENIZER_MANAGER_INIT = _TM + ".__init__"
+TOKENIZER_GENERATE_REQUEST = _TM + ".generate_request"
 HTTP_SERVER_MODULE = "sglang.srt.entrypoints.http_server"
 HTTP_APP = "app"
 # in that module: SGLang's /generate contract check (a parsed body -> its fault, or None), and
@@ -34,10 +31,8 @@ HTTP_APP = "app"
 GENERATE_CONTRACT = "generate_contract_error"
 VERTEX_HANDLER = "vertex_generate"
 # Gated DeltaNet tree verify (per layer) and state commit (per round): state/gdn.py.
-GDN_TARGET_VERIFY = (
-    "sglang.srt.layers.attention.linear.gdn_backend.GDNKernelDispatcher.target_verify"
-)
-GDN_CONV_UPDATE = "sglang.srt.layers.attention.linear.gdn_backend.causal_conv1d_update"
+GDN_TARGET_VERIFY = _GDN + ".GDNKernelDispatcher.target_verify"
+GDN_CONV_UPDATE = _GDN + ".causal_conv1d_update"
 MAMBA_STATE_COMMIT = (
     "sglang.srt.layers.attention.hybrid_linear_attn_backend.HybridLinearAttnBackend"
     ".update_mamba_state_after_mtp_verify"
@@ -68,11 +63,7 @@ def tp_gather():
     from sglang.srt.distributed import get_tp_group
 
     group = get_tp_group()
-
-    def gather(t):
-        return group.all_gather(t.unsqueeze(0).contiguous(), dim=0)
-
-    return gather
+    return lambda t: group.all_gather(t.unsqueeze(0).contiguous(), dim=0)
 
 
 def tp_cpu_group():
@@ -89,11 +80,9 @@ def least_free_gb(device, gpu_id: int) -> float:
     """The least GPU memory free on any TP rank, GB: SGLang's own read with its MIN all-reduce
     on the TP group's CPU group (what a start-up choice every rank must make alike reads)."""
     from sglang.srt.distributed import get_tp_group
-    from sglang.srt.utils import get_available_gpu_memory
+    from sglang.srt.utils import get_available_gpu_memory as free
 
-    return get_available_gpu_memory(
-        device, gpu_id, distributed=True, cpu_group=get_tp_group().cpu_group
-    )
+    return free(device, gpu_id, distributed=True, cpu_group=get_tp_group().cpu_group)
 
 
 def profiler_running() -> bool:
@@ -134,10 +123,8 @@ FLASHINFER_PREFILL_PLAN = (
 
 # The width of a request's req_to_token row beyond the context length (hooks.py): SGLang's
 # allocation_sizing function, which the configurator imports by name.
-REQ_TO_TOKEN_HEADROOM = (
-    "sglang.srt.mem_cache.kv_cache_configurator.get_req_to_token_extra_context_len"
-)
-
+_CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator"
+REQ_TO_TOKEN_HEADROOM = _CONFIGURATOR + ".get_req_to_token_extra_context_len"
 
 # The same rows under --enable-unified-memory, sized by the caller (keyword-only arguments).
 UNIFIED_MAMBA_POOLS = "sglang.srt.mem_cache.unified_memory_pool.init_unified_mamba_pools"
@@ -168,10 +155,7 @@ def speculative_algorithm() -> str | None:
 
 # Compact GDN verify scratch (the default): state/gdn_pool.py.
 MAMBA_POOL_INIT = "sglang.srt.mem_cache.memory_pool.HybridReqToTokenPool._init_mamba_pool"
-MAMBA_POOL_SOLVER = (
-    "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._handle_max_mamba_cache"
-)
-
+MAMBA_POOL_SOLVER = _CONFIGURATOR + ".KVCacheConfigurator._handle_max_mamba_cache"
 
 # eagle_sample's target-only tree sampler, a global of its module (0.5.23 imports it from
 # sglang.kernels.ops.speculative.verify_sampling when eagle_utils loads)
@@ -286,7 +270,7 @@ def check_sglang_version(version: str | None = None) -> str:
 
 
 def resolved(server_args: Any) -> Any:
-    """Read server args mid-resolution (0.5.17 stashes some resolved fields until materialised)."""
+    """Read server args mid-resolution (SGLang stashes some resolved fields until materialised)."""
     try:
         from sglang.srt.arg_groups.overrides import resolved_view
     except ImportError:  # a plain namespace in unit tests
@@ -514,7 +498,7 @@ def init_draft_cuda_graphs(worker: Any, capture: bool) -> None:
 
 def flashinfer_mask_capacity(wrapper: Any) -> int | None:
     """Bytes a FlashInfer prefill wrapper's CUDA-graph custom-mask buffer holds (None when it
-    has none: not in graph mode). FlashInfer 0.6.15 keeps it as `_custom_mask_buf`."""
+    has none: not in graph mode): FlashInfer's `_custom_mask_buf`."""
     buf = getattr(wrapper, "_custom_mask_buf", None)
     graph = getattr(wrapper, "is_cuda_graph_enabled", False)
     return int(buf.numel()) if graph and hasattr(buf, "numel") else None
@@ -584,14 +568,11 @@ def graph_batch_sizes(runner: Any) -> tuple[int, ...]:
 
 
 def front_end_sizes(tokenizer_manager: Any) -> tuple[int | None, int | None]:
-    """(vocabulary size, context length) as the tokenizer manager holds them (0.5.17 and 0.5.23:
-    `model_config.vocab_size`, `context_len`; None where absent, e.g. a stand-in)."""
+    """(vocabulary size, context length) as the tokenizer manager holds them
+    (`model_config.vocab_size`, `context_len`; None where absent, e.g. a stand-in)."""
     vocab = getattr(getattr(tokenizer_manager, "model_config", None), "vocab_size", None)
     context = getattr(tokenizer_manager, "context_len", None)
-    return (
-        int(vocab) if vocab is not None else None,
-        int(context) if context is not None else None,
-    )
+    return tuple(None if x is None else int(x) for x in (vocab, context))
 
 
 def allowed_custom_labels(server_args: Any) -> tuple[str, ...]:
@@ -610,8 +591,7 @@ def vertex_route(app: Any) -> str | None:
 
 def stop_regex_length(pattern: str) -> int:
     """SGLang's measure of a stop_regex's longest match (2^30: unbounded), which sizes the tail
-    its scheduler decodes and searches after every round (0.5.17 and 0.5.23:
-    sampling_params.get_max_seq_length)."""
+    its scheduler decodes and searches after every round (sampling_params.get_max_seq_length)."""
     from sglang.srt.sampling.sampling_params import get_max_seq_length
 
     return get_max_seq_length(pattern)
