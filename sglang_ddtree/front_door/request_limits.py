@@ -30,10 +30,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from collections.abc import Callable
-from re import _constants as re_constants  # the parsed form's opcodes (SGLang reads it too)
-from re import _parser as re_parser
+
+from sglang_ddtree.front_door.stop_regex import check_regex_cost, compiles
+from sglang_ddtree.front_door.values import (
+    number,
+    scalar,
+    show,
+    string,
+    token_id,
+    whole,
+    within,
+)
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat top_logprobs
 MAX_TOKEN_IDS_LOGPROB = 256
@@ -43,8 +51,6 @@ MAX_STOPS = 32  # SGLang 0.5.23's MAX_STOP_COUNT, also for stop_regex
 MAX_STOP_CHARS = 256  # SGLang 0.5.23's MAX_STOP_REGEX_LEN (bytes for stop_regex, as there)
 MAX_STOP_TOKEN_IDS = 1024
 MAX_SAMPLED_TOKENS = 1 << 20  # n x max_tokens (or the context, if longer): 128 x 8,192
-MAX_STOP_REGEX_MATCH = 128  # characters one stop_regex pattern can match (SGLang's measure)
-MAX_STOP_REGEX_WORK = 512  # a request's patterns' ways to match at one place x that length, summed
 MAX_GRAMMAR_CHARS = 1 << 16
 MAX_SAMPLES = 128  # n: OpenAI's bound
 MAX_BATCH = 1024  # prompts in one call (a /generate or /v1/completions list)
@@ -86,7 +92,6 @@ SESSION_FIELDS = ("id", "rid", "offset", "replace", "drop_previous_output")
 MAX_SESSION_ID_CHARS = 256
 MAX_CUSTOM_PARAMS = 64  # custom_params keys
 MAX_CUSTOM_PARAM_ITEMS = 1024  # items of one list or object value
-INT64 = (-(1 << 63), (1 << 63) - 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,8 +120,8 @@ def check_batch(obj) -> None:
     for params in each:
         samples = params.get("n") if isinstance(params, dict) else None
         if samples is not None:
-            samples = _whole("n", samples)
-            _within(
+            samples = whole("n", samples)
+            within(
                 "n",
                 samples,
                 1,
@@ -125,12 +130,12 @@ def check_batch(obj) -> None:
             )
             most = max(most, samples)
     prompts = _prompts(obj)
-    _within("the number of prompts", prompts, 1, MAX_BATCH, "in one call")
-    _within("prompts x n", prompts * most, 1, MAX_BATCH_SAMPLES, "requests in one call")
+    within("the number of prompts", prompts, 1, MAX_BATCH, "in one call")
+    within("prompts x n", prompts * most, 1, MAX_BATCH_SAMPLES, "requests in one call")
     ids = getattr(obj, "token_ids_logprob", None)
     for entry in ids if isinstance(ids, list) and ids and isinstance(ids[0], list) else [ids]:
         if isinstance(entry, list):
-            _within(
+            within(
                 "len(token_ids_logprob)",
                 len(entry),
                 0,
@@ -162,7 +167,7 @@ def check_request(obj, input_ids, sizes: Sizes) -> None:
     for name, why in UNSERVED.items():
         value = getattr(obj, name, None)
         if value is not None and value is not False and value != [] and value != {}:
-            raise ValueError(f"{name}={_show(value)} is not served by DDTREE: {why}.")
+            raise ValueError(f"{name}={show(value)} is not served by DDTREE: {why}.")
     _integers(obj, _INTEGER_FIELDS)
     prompt_len = len(input_ids) if input_ids is not None else None
     in_session = getattr(obj, "session_params", None) or getattr(obj, "session_id", None)
@@ -178,7 +183,7 @@ def check_request(obj, input_ids, sizes: Sizes) -> None:
     if sampling is None:
         return
     if not isinstance(sampling, dict):
-        raise ValueError(f"sampling_params must be a JSON object, got {_show(sampling)}.")
+        raise ValueError(f"sampling_params must be a JSON object, got {show(sampling)}.")
     for name in _INTERNAL_SAMPLING:
         if name in sampling:
             raise ValueError(f"sampling_params.{name} is SGLang's own field, not a client's.")
@@ -198,8 +203,8 @@ def _check_logprobs(obj, prompt_len: int | None, vocab: int | None) -> None:
     top = getattr(obj, "top_logprobs_num", None)
     if top is not None:
         limit = MAX_TOP_LOGPROBS if vocab is None else min(MAX_TOP_LOGPROBS, vocab)
-        top = _whole("top_logprobs_num (top_logprobs)", top)
-        _within(
+        top = whole("top_logprobs_num (top_logprobs)", top)
+        within(
             "top_logprobs_num (top_logprobs)",
             top,
             0,
@@ -209,8 +214,8 @@ def _check_logprobs(obj, prompt_len: int | None, vocab: int | None) -> None:
     ids = getattr(obj, "token_ids_logprob", None)
     if ids is not None:
         if not isinstance(ids, list):
-            raise ValueError(f"token_ids_logprob must be a list of token ids, got {_show(ids)}.")
-        _within(
+            raise ValueError(f"token_ids_logprob must be a list of token ids, got {show(ids)}.")
+        within(
             "len(token_ids_logprob)",
             len(ids),
             0,
@@ -219,10 +224,10 @@ def _check_logprobs(obj, prompt_len: int | None, vocab: int | None) -> None:
         )
     start = getattr(obj, "logprob_start_len", None)
     if start is not None:
-        start = _whole("logprob_start_len", start)
+        start = whole("logprob_start_len", start)
         if start != -1:
             high = prompt_len if prompt_len is not None else max(start, 0)
-            _within(
+            within(
                 "logprob_start_len",
                 start,
                 0,
@@ -256,20 +261,20 @@ def _check_session(obj, context: int | None) -> None:
     list there raised in the scheduler)."""
     session_id = getattr(obj, "session_id", None)
     if session_id is not None:
-        _text("session_id", session_id, MAX_SESSION_ID_CHARS)
+        string("session_id", session_id, MAX_SESSION_ID_CHARS)
     params = getattr(obj, "session_params", None)
     if params is None:
         return
     if not isinstance(params, dict) or not set(params) <= set(SESSION_FIELDS):
         raise ValueError(
-            f"session_params must be an object of {', '.join(SESSION_FIELDS)}, got {_show(params)}."
+            f"session_params must be an object of {', '.join(SESSION_FIELDS)}, got {show(params)}."
         )
     for name in ("id", "rid"):
         if params.get(name) is not None:
-            _text(f"session_params.{name}", params[name], MAX_SESSION_ID_CHARS)
+            string(f"session_params.{name}", params[name], MAX_SESSION_ID_CHARS)
     if params.get("offset") is not None:
-        offset = _whole("session_params.offset", params["offset"])
-        _within(
+        offset = whole("session_params.offset", params["offset"])
+        within(
             "session_params.offset",
             offset,
             0,
@@ -279,7 +284,7 @@ def _check_session(obj, context: int | None) -> None:
     for name in ("replace", "drop_previous_output"):
         if params.get(name) is not None and not isinstance(params[name], bool):
             raise ValueError(
-                f"session_params.{name} must be true or false, got {_show(params[name])}."
+                f"session_params.{name} must be true or false, got {show(params[name])}."
             )
 
 
@@ -292,38 +297,32 @@ def _check_labels(labels, allowed: tuple[str, ...]) -> None:
     if not labels:
         return
     if not isinstance(labels, dict):
-        raise ValueError(f"custom_labels must be an object, got {_show(labels)}.")
+        raise ValueError(f"custom_labels must be an object, got {show(labels)}.")
     for name, value in labels.items():
         if name not in allowed:
             listed = ", ".join(allowed) or "none: the server allows no custom labels"
             raise ValueError(
-                f"custom_labels {_show(name)} is not a label this server allows "
+                f"custom_labels {show(name)} is not a label this server allows "
                 f"({listed}; --tokenizer-metrics-allowed-custom-labels)."
             )
-        _scalar(f"custom_labels[{_show(name)}]", value)  # Prometheus takes its str()
-        _within(
-            f"len(custom_labels[{_show(name)}])", len(str(value)), 0, MAX_LABEL_CHARS, "characters"
+        scalar(f"custom_labels[{show(name)}]", value)  # Prometheus takes its str()
+        within(
+            f"len(custom_labels[{show(name)}])", len(str(value)), 0, MAX_LABEL_CHARS, "characters"
         )
-
-
-def _text(name: str, value, most: int) -> None:
-    if not isinstance(value, str):
-        raise ValueError(f"{name} must be a string, got {_show(value)}.")
-    _within(f"len({name})", len(value), 0, most, "characters")
 
 
 def _check_numbers(sampling: dict) -> None:
     """Every float field a real, finite number; the bounds SGLang's verify leaves open."""
     for name in _SGLANG_RANGED:
-        _number(name, sampling.get(name))
-    temperature = _number("temperature", sampling.get("temperature"))
+        number(name, sampling.get(name))
+    temperature = number("temperature", sampling.get("temperature"))
     if temperature is not None and temperature > MAX_TEMPERATURE:  # negative: SGLang's verify
         raise ValueError(
             f"temperature={temperature} is above DDTREE's limit of {MAX_TEMPERATURE} (the "
             "sampler divides float32 logits by it, and past float32's range a grammar's masked "
             f"logits become NaN); use a temperature in [0, {MAX_TEMPERATURE}]."
         )
-    repetition = _number("repetition_penalty", sampling.get("repetition_penalty"))
+    repetition = number("repetition_penalty", sampling.get("repetition_penalty"))
     if repetition is not None and 0 < repetition < MIN_REPETITION_PENALTY:
         raise ValueError(
             f"repetition_penalty={repetition} is below DDTREE's limit of "
@@ -331,9 +330,9 @@ def _check_numbers(sampling: dict) -> None:
             f"float32 logit overflows to inf); use a value in [{MIN_REPETITION_PENALTY}, 2]."
         )
     top_k = sampling.get("top_k")
-    top_k = None if top_k is None else _whole("top_k", top_k)
+    top_k = None if top_k is None else whole("top_k", top_k)
     if top_k is not None and top_k != -1:
-        _within("top_k", top_k, 1, TOP_K_ALL, "(-1: off; the scheduler holds top_k in int32)")
+        within("top_k", top_k, 1, TOP_K_ALL, "(-1: off; the scheduler holds top_k in int32)")
 
 
 def _check_custom_params(params) -> None:
@@ -345,46 +344,32 @@ def _check_custom_params(params) -> None:
     if params is None:
         return
     if not isinstance(params, dict):
-        raise ValueError(f"custom_params must be an object, got {_show(params)}.")
-    _within("len(custom_params)", len(params), 0, MAX_CUSTOM_PARAMS, "keys")
+        raise ValueError(f"custom_params must be an object, got {show(params)}.")
+    within("len(custom_params)", len(params), 0, MAX_CUSTOM_PARAMS, "keys")
     for key, value in params.items():
-        name = f"custom_params[{_show(key)}]"
+        name = f"custom_params[{show(key)}]"
         if not isinstance(key, str):
-            raise ValueError(f"custom_params keys must be strings, got {_show(key)}.")
+            raise ValueError(f"custom_params keys must be strings, got {show(key)}.")
         if not isinstance(value, dict | list):
-            _scalar(name, value)
+            scalar(name, value)
             continue
-        _within(f"len({name})", len(value), 0, MAX_CUSTOM_PARAM_ITEMS, "items")
+        within(f"len({name})", len(value), 0, MAX_CUSTOM_PARAM_ITEMS, "items")
         if isinstance(value, dict) and not all(isinstance(k, str) for k in value):
-            raise ValueError(f"{name}'s keys must be strings, got {_show(value)}.")
+            raise ValueError(f"{name}'s keys must be strings, got {show(value)}.")
         for item in value.values() if isinstance(value, dict) else value:
-            _scalar(name, item)
-
-
-def _scalar(name: str, value) -> None:
-    """A JSON scalar: null, true or false, a string, an integer within int64, a finite number."""
-    if value is None or isinstance(value, bool | str):
-        return
-    if isinstance(value, int):
-        _within(name, value, *INT64, "(an integer within int64)")
-    elif isinstance(value, float):
-        _number(name, value)
-    else:
-        raise ValueError(
-            f"{name} must hold JSON scalars (no deeper lists or objects), got {_show(value)}."
-        )
+            scalar(name, item)
 
 
 def _check_flags(sampling: dict) -> None:
     """The booleans a true or false, stream_interval a whole number >= 1."""
     for name in _FLAGS:
         if sampling.get(name) is not None and not isinstance(sampling[name], bool):
-            raise ValueError(f"{name} must be true or false, got {_show(sampling[name])}.")
+            raise ValueError(f"{name} must be true or false, got {show(sampling[name])}.")
     interval = sampling.get("stream_interval")
     if interval is not None:
-        _within(
+        within(
             "stream_interval",
-            _whole("stream_interval", interval),
+            whole("stream_interval", interval),
             1,
             INT32_MAX,
             "tokens (the scheduler streams every that many)",
@@ -397,19 +382,19 @@ def _check_lengths(sampling: dict, prompt_len: int | None, context: int | None) 
     room = None if context is None else context - (prompt_len or 0)  # what SGLang lets it run to
     most = sampling.get("max_new_tokens")
     if most is not None:
-        most = _whole("max_new_tokens (max_tokens)", most)
+        most = whole("max_new_tokens (max_tokens)", most)
     least = sampling.get("min_new_tokens")
     if least is not None:
         high = most if most is not None else room if room is not None else INT32_MAX
-        _within(
+        within(
             "min_new_tokens (min_tokens)",
-            _whole("min_new_tokens (min_tokens)", least),
+            whole("min_new_tokens (min_tokens)", least),
             0,
             high,
             "(at most max_new_tokens, or the context left after the prompt)",
         )
     samples = sampling.get("n")
-    samples = 1 if samples is None else _whole("n", samples)
+    samples = 1 if samples is None else whole("n", samples)
     each = most if most is not None else room
     limit = MAX_SAMPLED_TOKENS if context is None else max(MAX_SAMPLED_TOKENS, context)
     if each is not None and samples * each > limit:  # one sample alone is the context's business
@@ -427,8 +412,8 @@ def _check_logit_bias(bias, vocab: int | None) -> None:
     if bias is None:
         return
     if not isinstance(bias, dict):
-        raise ValueError(f"logit_bias must be an object of token id: bias, got {_show(bias)}.")
-    _within(
+        raise ValueError(f"logit_bias must be an object of token id: bias, got {show(bias)}.")
+    within(
         "len(logit_bias)",
         len(bias),
         0,
@@ -436,11 +421,11 @@ def _check_logit_bias(bias, vocab: int | None) -> None:
         "token ids (the scheduler writes them one by one whenever it forms a batch)",
     )
     for key, value in bias.items():
-        token = _token_id(f"logit_bias key {_show(key)}", key)
+        token = token_id(f"logit_bias key {show(key)}", key)
         if vocab is not None and not 0 <= token < vocab:
             raise ValueError(f"logit_bias key {token} is outside the vocabulary [0, {vocab}).")
-        value = _number(f"logit_bias[{token}]", value)
-        _within(
+        value = number(f"logit_bias[{token}]", value)
+        within(
             f"logit_bias[{token}]",
             value,
             -MAX_LOGIT_BIAS,
@@ -461,13 +446,13 @@ def _check_stops(
             _check_stop_texts(name, [texts] if isinstance(texts, str) else texts)
     patterns = sampling.get("stop_regex")
     if patterns:
-        _check_regex_cost([patterns] if isinstance(patterns, str) else patterns, regex_length)
+        check_regex_cost([patterns] if isinstance(patterns, str) else patterns, regex_length)
     ids = sampling.get("stop_token_ids")
     if ids is None:
         return
     if not isinstance(ids, list):
-        raise ValueError(f"stop_token_ids must be a list of token ids, got {_show(ids)}.")
-    _within(
+        raise ValueError(f"stop_token_ids must be a list of token ids, got {show(ids)}.")
+    within(
         "len(stop_token_ids)",
         len(ids),
         0,
@@ -475,7 +460,7 @@ def _check_stops(
         "ids (the min_new_tokens penalizer pads every request's list to the batch's longest)",
     )
     for value in ids:
-        token = _token_id("stop_token_ids entry", value)
+        token = token_id("stop_token_ids entry", value)
         if vocab is not None and not 0 <= token < vocab:
             raise ValueError(
                 f"stop_token_ids holds {token}, outside the vocabulary [0, {vocab}) "
@@ -487,19 +472,19 @@ def _check_stop_texts(name: str, texts) -> None:
     """`stop` or `stop_regex` as a list: at most MAX_STOPS strings of MAX_STOP_CHARS (characters
     for stop strings, UTF-8 bytes for patterns, as SGLang 0.5.23 counts them); patterns compile."""
     if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
-        raise ValueError(f"{name} must be a string or a list of strings, got {_show(texts)}.")
-    _within(f"len({name})", len(texts), 0, MAX_STOPS, "entries")
+        raise ValueError(f"{name} must be a string or a list of strings, got {show(texts)}.")
+    within(f"len({name})", len(texts), 0, MAX_STOPS, "entries")
     for text in texts:
         size = len(text.encode()) if name == "stop_regex" else len(text)
-        _within(
-            f"len({name} {_show(text)})",
+        within(
+            f"len({name} {show(text)})",
             size,
             0,
             MAX_STOP_CHARS,
             "bytes" if name == "stop_regex" else "characters",
         )
         if name == "stop_regex":
-            _compiles(text)
+            compiles(text)
 
 
 def _check_grammar(sampling: dict) -> None:
@@ -514,145 +499,11 @@ def _check_grammar(sampling: dict) -> None:
         if grammar is None:
             continue
         if not isinstance(grammar, str):
-            raise ValueError(f"{name} must be a string, got {_show(grammar)}.")
-        _within(
+            raise ValueError(f"{name} must be a string, got {show(grammar)}.")
+        within(
             f"len({name})",
             len(grammar),
             0,
             MAX_GRAMMAR_CHARS,
             "characters (SGLang compiles it on the scheduler's grammar threads)",
         )
-
-
-def _check_regex_cost(patterns: list[str], measure: Callable[[str], int] | None) -> None:
-    """After every round the scheduler decodes as many of the output's last tokens as the
-    longest match of a request's patterns (SGLang's measure of it, `measure`) and searches each
-    pattern over them. A pattern it cannot bound (`+`, `*`, `{n,}`, and in SGLang's measure also
-    lookarounds, backreferences, `[^x]`, atomic groups, possessive repeats) makes that the whole
-    output, every round; and a search backtracks through every way a pattern can match at each
-    place of that text (`(a+)+c` took 0.8 s on 24 characters, and SGLang's watchdog ends a server
-    whose round stalls). So each pattern's longest match is at most MAX_STOP_REGEX_MATCH
-    characters, and its ways to match one place times that length, summed over the request's
-    patterns, at most MAX_STOP_REGEX_WORK: a few milliseconds a round, even on a tail of the
-    vocabulary's longest tokens."""
-    total = 0
-    for pattern in patterns:
-        longest, ways = _regex_shape(re_parser.parse(pattern), {})
-        if measure is not None:
-            longest = max(longest, measure(pattern))
-        if longest > MAX_STOP_REGEX_MATCH:
-            span = "without bound" if longest >= _UNBOUNDED else f"{longest} characters"
-            raise ValueError(
-                f"stop_regex {_show(pattern)} can match {span}: DDTREE's limit is "
-                f"{MAX_STOP_REGEX_MATCH} characters (the scheduler decodes that much of the "
-                "output after every round to search it, all of it for a pattern it cannot bound: "
-                "`+`, `*`, lookarounds, backreferences, [^x]); bound its repeats, e.g. {0,16} for *."
-            )
-        total += ways * longest
-        if total > MAX_STOP_REGEX_WORK:
-            shown = f"{ways} ways" if ways < _MANY else "too many ways"
-            raise ValueError(
-                f"stop_regex {_show(pattern)} can match one place in {shown}, each up to "
-                f"{longest} characters: with the request's other patterns, {min(total, _MANY)} "
-                f"against DDTREE's limit of {MAX_STOP_REGEX_WORK} (the search backtracks through "
-                "them at every place of the text after every round); use fewer or shorter "
-                "optional and repeated parts, and no repeat inside a repeat."
-            )
-
-
-_UNBOUNDED = 1 << 30  # a match length without bound (SGLang's MAX_LEN)
-_MANY = 1 << 20  # ways counted no further
-_REPEATS = (re_constants.MAX_REPEAT, re_constants.MIN_REPEAT, re_constants.POSSESSIVE_REPEAT)
-
-
-def _regex_shape(items, groups: dict) -> tuple[int, int]:
-    """(the longest match, the ways to match at one place) of a parsed pattern: lengths add and
-    ways multiply along a sequence, a branch takes its longest and the sum of its ways, a repeat
-    of a part with w ways k times in [low, high] has sum_k w^k. Both saturate."""
-    longest, ways = 0, 1
-    for op, value in items:
-        if op in _REPEATS:
-            low, high, body = value
-            part, part_ways = _regex_shape(body, groups)
-            longest += _UNBOUNDED if high == re_constants.MAXREPEAT else high * part
-            ways *= _MANY if high == re_constants.MAXREPEAT else _repeat_ways(low, high, part_ways)
-        elif op is re_constants.BRANCH:
-            shapes = [_regex_shape(branch, groups) for branch in value[1]]
-            longest += max(s[0] for s in shapes)
-            ways *= sum(s[1] for s in shapes)
-        elif op is re_constants.SUBPATTERN:
-            part, part_ways = _regex_shape(value[3], groups)
-            if value[0] is not None:
-                groups[value[0]] = part
-            longest, ways = longest + part, ways * part_ways
-        elif op in (re_constants.ASSERT, re_constants.ASSERT_NOT, re_constants.ATOMIC_GROUP):
-            body = value if op is re_constants.ATOMIC_GROUP else value[1]
-            part, part_ways = _regex_shape(body, groups)
-            longest, ways = longest + part, ways * part_ways
-        elif op is re_constants.GROUPREF:
-            longest += groups.get(value, _UNBOUNDED)
-        elif op is re_constants.GROUPREF_EXISTS:
-            shapes = [_regex_shape(b, groups) for b in value[1:] if b is not None]
-            longest += max(s[0] for s in shapes)
-            ways *= sum(s[1] for s in shapes) + (value[2] is None)
-        elif op is not re_constants.AT:  # one character (a literal, a class, any); AT: none
-            longest += 1
-        longest, ways = min(longest, _UNBOUNDED), min(ways, _MANY)
-    return longest, ways
-
-
-def _repeat_ways(low: int, high: int, part: int) -> int:
-    """sum of part^k for k in [low, high], saturating at _MANY, in a few steps whatever the
-    counts (a pattern of 256 bytes can hold repeats of 2^32)."""
-    if part <= 1:
-        return min(high - low + 1, _MANY)
-    if high * (part.bit_length() - 1) >= _MANY.bit_length():  # part^high alone is past it
-        return _MANY
-    return min(sum(part**k for k in range(low, high + 1)), _MANY)
-
-
-def _compiles(pattern: str) -> None:
-    try:
-        re.compile(pattern)
-    except (re.error, RecursionError, OverflowError) as exc:  # a{4294967295}: OverflowError
-        raise ValueError(
-            f"stop_regex {_show(pattern)} is not a regular expression: {exc}."
-        ) from None
-
-
-def _number(name: str, value) -> float | None:
-    """value as a finite real number (None stays None: SGLang's default), or a ValueError."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"{name} must be a number, got {_show(value)}.")
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value}.")
-    return value
-
-
-def _whole(name: str, value) -> int:
-    """value as an integer, or a ValueError (an integral float where the scheduler reads the
-    field is made an integer first: `_integers`)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {_show(value)}.")
-    return value
-
-
-def _token_id(name: str, value) -> int:
-    """A token id: an integer, or a string of one (JSON object keys are strings)."""
-    if isinstance(value, str) and re.fullmatch(r"\s*-?\d+\s*", value):
-        return int(value)
-    return _whole(name, value)
-
-
-def _within(name: str, value, low, high, what: str) -> None:
-    if not low <= value <= high:
-        shown = f"{value:.6g}" if isinstance(value, int) and abs(value) >= 10**15 else value
-        raise ValueError(f"{name}={shown} is outside DDTREE's limit [{low}, {high}] {what}.")
-
-
-def _show(value, width: int = 48) -> str:
-    """A short repr for a message (a 1 MB string is named by its start and length)."""
-    text = repr(value)
-    return text if len(text) <= width else f"{text[:width]}... ({len(text)} characters)"

@@ -12,6 +12,7 @@ import pytest
 
 from sglang_ddtree.adapter import compat
 from sglang_ddtree.front_door import request_limits as limits
+from sglang_ddtree.front_door import stop_regex
 from sglang_ddtree.front_door.request_limits import Sizes, check_request
 
 SIZES = Sizes(vocab=1000, context=2048, regex_length=compat.stop_regex_length)
@@ -741,8 +742,8 @@ def test_the_limits_are_the_readmes():
         f"{limits.MAX_GRAMMAR_CHARS:,}",
         int(limits.MAX_TEMPERATURE),
         limits.MIN_REPETITION_PENALTY,
-        limits.MAX_STOP_REGEX_MATCH,
-        limits.MAX_STOP_REGEX_WORK,
+        stop_regex.MAX_STOP_REGEX_MATCH,
+        stop_regex.MAX_STOP_REGEX_WORK,
         limits.MAX_SAMPLES,
         f"{limits.MAX_BATCH:,}",
         f"{limits.MAX_BATCH_SAMPLES:,}",
@@ -764,7 +765,9 @@ def test_a_stop_pattern_with_huge_repeat_counts_is_refused_at_once():
     pattern = "a{,4294967294}" * 18
     tic = time.perf_counter()
     assert "stop_regex" in _refused(sampling={"stop_regex": pattern[:252]})
-    assert limits._regex_shape(limits.re_parser.parse("(?:a{,4294967294}){,4294967294}"), {})
+    assert stop_regex._regex_shape(
+        stop_regex.re_parser.parse("(?:a{,4294967294}){,4294967294}"), {}
+    )
     assert time.perf_counter() - tic < 0.05
-    assert limits._repeat_ways(0, 4294967294, 1) == limits._MANY
-    assert limits._repeat_ways(2, 4, 3) == 9 + 27 + 81
+    assert stop_regex._repeat_ways(0, 4294967294, 1) == stop_regex._MANY
+    assert stop_regex._repeat_ways(2, 4, 3) == 9 + 27 + 81
