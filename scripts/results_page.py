@@ -777,7 +777,7 @@ SECTIONS = (
         "A fresh clone on a small CPU machine",
         "`scripts/time_fresh_clone.sh`: clone the repository into a temporary folder, then "
         "time `bash scripts/setup_cpu.sh` (creates `.venv`: about 3 GB downloaded from PyPI, "
-        "so the link's speed counts), `bash scripts/demo.sh` and `bash scripts/test.sh`, one "
+        "so the link's speed counts, and about 6 GB on disk), `bash scripts/demo.sh` and `bash scripts/test.sh`, one "
         "after another. The machine's CPUs may be shared with other work: the load average "
         "column is the mean 1-minute load during each step (at 2 on a 2-CPU machine both CPUs "
         "are busy).",
@@ -886,25 +886,53 @@ def add_rows(
     return stamped
 
 
+def parser() -> argparse.ArgumentParser:
+    """`results_page.py [--check]` regenerates (or checks); `results_page.py add ...` first
+    appends a benchmark's rows as the next sitting of a data file, then regenerates."""
+    p = argparse.ArgumentParser(
+        prog="results_page.py",
+        usage="%(prog)s [--check]\n       %(prog)s add NAME ROWS.jsonl [--commit SHA] "
+        "[--command CMD] [--date D]",
+        description="Regenerate docs/results.md and the README's generated blocks (between\n"
+        "`<!-- results:NAME -->` and `<!-- /results -->`) from docs/data/*.jsonl; with no\n"
+        "arguments it writes both.",
+        epilog="examples:\n"
+        "  .venv/bin/python scripts/results_page.py            # regenerate both\n"
+        "  .venv/bin/python scripts/results_page.py --check    # exit 1 if either is stale\n"
+        "  .venv/bin/python scripts/results_page.py add round_cost_27b "
+        "OUT/round_cost_27b.jsonl --commit SHA",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="write nothing; exit 1 when docs/results.md or the README's blocks differ from "
+        "what the data gives",
+    )
+    sub = p.add_subparsers(dest="action", title="commands", metavar="{add}")
+    add = sub.add_parser(
+        "add",
+        help="append a benchmark's rows to docs/data/NAME.jsonl as its next sitting, then "
+        "regenerate",
+    )
+    add.add_argument("name", help="the data file: docs/data/NAME.jsonl")
+    add.add_argument("rows", type=Path, help="the JSON lines a benchmark wrote")
+    add.add_argument("--commit", help="the commit measured (unless the rows name it)")
+    add.add_argument("--command", help="the command that wrote the rows")
+    add.add_argument("--date", help="when measured (default: today, unless the rows say)")
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["add"]:
-        p = argparse.ArgumentParser(prog="results_page.py add")
-        p.add_argument("name", help="the data file: docs/data/NAME.jsonl")
-        p.add_argument("rows", type=Path, help="the JSON lines a benchmark wrote")
-        p.add_argument("--commit", help="the commit measured (unless the rows name it)")
-        p.add_argument("--command", help="the command that wrote the rows")
-        p.add_argument("--date", help="when measured (default: today, unless the rows say)")
-        a = p.parse_args(argv[1:])
+    a = parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if a.action == "add":
         rows = [json.loads(x) for x in a.rows.read_text().splitlines() if x.strip()]
         print(f"added {len(add_rows(a.name, rows, a.commit, a.command, a.date))} rows")
-        argv = []
-    check = argv == ["--check"]
     page, readme = render_page(), render_readme(README.read_text())
     stale = [
         p for p, text in ((PAGE, page), (README, readme)) if not p.exists() or p.read_text() != text
     ]
-    if check:
+    if a.check:
         for path in stale:
             print(f"{path.relative_to(ROOT)} is stale: run python scripts/results_page.py")
         return 1 if stale else 0

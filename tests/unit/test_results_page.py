@@ -255,3 +255,29 @@ def test_the_round_cost_table_names_the_method_startup_and_what_did_not_fit():
     assert "dflash 227 s (40 s, 39 s); ddtree32_auto 72 s (12 s, 3 s)" in words
     assert "| 1 | 20.00 | 19.00 | 0.95 |" in text
     assert "| 32 | does not fit | - |  |" in text
+
+
+def test_help_says_how_to_regenerate(capsys):
+    with pytest.raises(SystemExit) as done:
+        page.main(["--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert "--check" in out and "add NAME ROWS.jsonl" in out and "docs/data" in out
+    assert page.main(["--check"]) == 0  # --help wrote nothing
+
+
+def test_add_takes_a_command_beside_its_own_name():
+    """`add`'s --command is the rows' command, not the subcommand's name."""
+    args = page.parser().parse_args(
+        ["add", "x", "rows.jsonl", "--commit", "abc1234", "--command", "python scripts/a.py"]
+    )
+    assert (args.action, args.command, args.commit) == ("add", "python scripts/a.py", "abc1234")
+    assert page.parser().parse_args([]).action is None
+
+
+def test_the_readme_stays_short():
+    """The README is for users: under 12,000 characters, no line over 300 (tables included)."""
+    text = page.README.read_text()
+    assert len(text) < 12_000, len(text)
+    long = [(i, len(line)) for i, line in enumerate(text.splitlines(), 1) if len(line) > 300]
+    assert long == []
