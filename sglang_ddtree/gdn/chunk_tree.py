@@ -70,9 +70,8 @@ def _ancestors(parents, row, N, NP: tl.constexpr, MAX_PATH: tl.constexpr):
 
 
 @triton.jit
-def _load_heads(
-    ptr, row, N, i_h, H: tl.constexpr, K: tl.constexpr, NP: tl.constexpr, BK: tl.constexpr
-):
+def _load_heads(ptr, row, N, i_h, H: tl.constexpr, K: tl.constexpr, NP: tl.constexpr,
+                BK: tl.constexpr):  # fmt: skip
     """(raw float32 [NP, BK], 1 / l2 norm [NP]) of the request's nodes' q or k, key head i_h."""
     o_n, o_k = tl.arange(0, NP), tl.arange(0, BK)
     m = (o_n < N)[:, None] & (o_k < K)[None, :]
@@ -135,32 +134,11 @@ def _unit_inverse(A, NP: tl.constexpr, LOG: tl.constexpr, DOT: tl.constexpr):
 
 @triton.jit
 def _chunk_factors_kernel(
-    q,
-    k,
-    a,
-    b,
-    A_log,
-    dt_bias,
-    parents,
-    scratch,
-    scratch_idx,
-    scratch_stride,
-    w,
-    c,
-    scale,
-    N,
-    stride_a,
-    stride_b,
-    H: tl.constexpr,
-    HV: tl.constexpr,
-    K: tl.constexpr,
-    BK: tl.constexpr,
-    NP: tl.constexpr,
-    MAX_PATH: tl.constexpr,
-    LOG: tl.constexpr,
-    QK_BF16: tl.constexpr,
-    DOT: tl.constexpr,
-):
+    q, k, a, b, A_log, dt_bias, parents, scratch, scratch_idx, scratch_stride, w, c, scale, N,
+    stride_a, stride_b,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, NP: tl.constexpr,
+    MAX_PATH: tl.constexpr, LOG: tl.constexpr, QK_BF16: tl.constexpr, DOT: tl.constexpr,
+):  # fmt: skip
     """Per (request, value head): everything that does not touch the state or v, the N x N
     part. w[., NP, NP] = (Q K^T o D) (I + A)^-1 diag(beta) and c[., 2, NP] = (exp(G) / |k|,
     exp(G) scale / |q|) per node, for `_chunk_out_kernel`; g, beta and raw k into the commit's
@@ -204,29 +182,11 @@ def _chunk_factors_kernel(
 
 @triton.jit
 def _chunk_out_kernel(
-    q,
-    k,
-    v,
-    state,
-    state_idx,
-    state_stride,
-    scratch,
-    scratch_idx,
-    scratch_stride,
-    w,
-    c,
-    o,
-    N,
-    H: tl.constexpr,
-    HV: tl.constexpr,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    BK: tl.constexpr,
-    BV: tl.constexpr,
-    NP: tl.constexpr,
-    QK_BF16: tl.constexpr,
+    q, k, v, state, state_idx, state_stride, scratch, scratch_idx, scratch_stride, w, c, o, N,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, NP: tl.constexpr, QK_BF16: tl.constexpr,
     DOT: tl.constexpr,
-):
+):  # fmt: skip
     """Per (request, value head, V tile): O = diag(c_q) Q S0 + W (V - diag(c_k) K S0) with the
     factors of `_chunk_factors_kernel`; v into the commit's scratch. Reads S0 once."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
@@ -254,34 +214,17 @@ def _chunk_out_kernel(
     b_v = b_v.to(tl.float32)
     R = b_v - c_k[:, None] * _mm(raw_k, h0, QK_BF16, False, DOT)
     out = c_q[:, None] * _mm(raw_q, h0, QK_BF16, False, DOT) + _mm(W, R, False, False, DOT)
-    tl.store(
-        o + (tok[:, None] * HV + i_hv) * V + o_v[None, :], out.to(o.dtype.element_ty), mask=m_nv
-    )
+    tl.store(o + (tok[:, None] * HV + i_hv) * V + o_v[None, :], out.to(o.dtype.element_ty),
+             mask=m_nv)  # fmt: skip
     x_row = scratch + tl.load(scratch_idx + i_n).to(tl.int64) * scratch_stride
     x_v = _scratch_offsets(N, HV, K)[2]
     tl.store(x_row + x_v + (o_n[:, None] * HV + i_hv) * V + o_v[None, :], b_v, mask=m_nv)
 
 
-def chunk_tree_verify(
-    q,
-    k,
-    v,
-    a,
-    b,
-    A_log,
-    dt_bias,
-    state,
-    state_idx,
-    parents,
-    scratch,
-    scratch_idx,
-    *,
-    max_path: int,
-    scale: float | None = None,
-    block_v: int | None = None,
-    num_warps: int | None = None,
-    precision: str = "split",
-) -> torch.Tensor:
+def chunk_tree_verify(q, k, v, a, b, A_log, dt_bias, state, state_idx, parents, scratch,
+                      scratch_idx, *, max_path: int, scale: float | None = None,
+                      block_v: int | None = None, num_warps: int | None = None,
+                      precision: str = "split") -> torch.Tensor:  # fmt: skip
     """`tree_verify.tree_verify`'s contract (same arguments, outputs and scratch), computed in
     the chunked form: o [T, HV, V] (q's dtype) for bs trees of N <= MAX_NODES nodes whose
     parents come before their children (parents [bs, N]; T = bs * N, request-major; root paths
@@ -306,59 +249,18 @@ def chunk_tree_verify(
     scale = float(K**-0.5 if scale is None else scale)
     qk_bf16 = q.dtype == torch.bfloat16
     _chunk_factors_kernel[(bs * HV,)](
-        q,
-        k,
-        a,
-        b,
-        A_log,
-        dt_bias,
-        parents,
-        scratch,
-        scratch_idx,
-        scratch.stride(0),
-        w,
-        c,
-        scale,
-        N,
-        a.stride(0),
-        b.stride(0),
-        H=H,
-        HV=HV,
-        K=K,
-        BK=BK,
-        NP=NP,
-        MAX_PATH=max_path2,
-        LOG=max(1, (max_path2 - 1).bit_length()),
-        QK_BF16=qk_bf16,
-        DOT=precision,
-        num_warps=4,
-    )
+        q, k, a, b, A_log, dt_bias, parents, scratch, scratch_idx, scratch.stride(0), w, c,
+        scale, N, a.stride(0), b.stride(0),
+        H=H, HV=HV, K=K, BK=BK, NP=NP, MAX_PATH=max_path2,
+        LOG=max(1, (max_path2 - 1).bit_length()), QK_BF16=qk_bf16, DOT=precision, num_warps=4,
+    )  # fmt: skip
     # 64 x 4 warps: the fastest V tile of bench_gdn_tree's H200 sweep (16 / 32 / 64 x 4) at
     # every (bs, N) in {1, 8, 16} x {16, 32, 64} but batch 1 (within 5 % there)
     BV = block_v or min(64, max(16, triton.next_power_of_2(V)))
     _chunk_out_kernel[(triton.cdiv(V, BV), bs * HV)](
-        q,
-        k,
-        v,
-        state,
-        state_idx,
-        state.stride(0),
-        scratch,
-        scratch_idx,
-        scratch.stride(0),
-        w,
-        c,
-        o,
-        N,
-        H=H,
-        HV=HV,
-        K=K,
-        V=V,
-        BK=BK,
-        BV=BV,
-        NP=NP,
-        QK_BF16=qk_bf16,
-        DOT=precision,
+        q, k, v, state, state_idx, state.stride(0), scratch, scratch_idx, scratch.stride(0),
+        w, c, o, N,
+        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, NP=NP, QK_BF16=qk_bf16, DOT=precision,
         num_warps=num_warps or 4,
-    )
+    )  # fmt: skip
     return o

@@ -29,19 +29,8 @@ import triton.language as tl
 
 
 @triton.jit
-def _parents_kernel(
-    next_token,
-    next_sibling,
-    parents,
-    ancestors,
-    N,
-    stride_nt,
-    stride_ns,
-    stride_p,
-    NP: tl.constexpr,
-    LOG_NP: tl.constexpr,
-    HOPS: tl.constexpr,
-):
+def _parents_kernel(next_token, next_sibling, parents, ancestors, N, stride_nt, stride_ns,
+                    stride_p, NP: tl.constexpr, LOG_NP: tl.constexpr, HOPS: tl.constexpr):  # fmt: skip
     b = tl.program_id(0)
     o = tl.arange(0, NP)
     m = o < N
@@ -53,9 +42,8 @@ def _parents_kernel(
     first = tl.where(prev >= 0, prev, o)
     for _ in range(LOG_NP):  # pointer jumping: first[s] <- first[first[s]]
         first = tl.max(tl.where(o[None, :] == first[:, None], first[None, :], -1), axis=1)
-    parent = tl.maximum(
-        tl.max(tl.where(o[None, :] == first[:, None], fc_parent[None, :], -1), axis=1), 0
-    )
+    parent = tl.maximum(tl.max(tl.where(o[None, :] == first[:, None], fc_parent[None, :], -1),
+                               axis=1), 0)  # fmt: skip
     tl.store(parents + b * stride_p + o, parent, mask=m)
     # HOPS > 0: ancestors[b, i, h] = the node h + 1 steps above i, or -1, -2, ... for the conv
     # history above the root (the conv kernel's encoding), so that its loads are independent
@@ -68,45 +56,14 @@ def _parents_kernel(
 
 @triton.jit
 def _conv_tree_kernel(
-    x,
-    w,
-    bias,
-    conv_state,
-    state_idx,
-    inter,
-    inter_idx,
-    parents,
-    o,
-    N,
-    dim,
-    stride_x_seq,
-    stride_x_dim,
-    stride_x_tok,
-    stride_w_dim,
-    stride_w_win,
-    stride_cs_seq,
-    stride_cs_dim,
-    stride_cs_tok,
-    stride_in_seq,
-    stride_in_step,
-    stride_in_dim,
-    stride_in_win,
-    stride_p,
-    stride_o_seq,
-    stride_o_dim,
-    stride_o_tok,
-    KW: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    SILU: tl.constexpr,
-    SAVE: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    WINDOW_TILE: tl.constexpr,
-    WIN: tl.constexpr,
-    ANCESTORS: tl.constexpr,
-    ancestors,
-    STORE_UP: tl.constexpr,
-):
+    x, w, bias, conv_state, state_idx, inter, inter_idx, parents, o, N, dim,
+    stride_x_seq, stride_x_dim, stride_x_tok, stride_w_dim, stride_w_win,
+    stride_cs_seq, stride_cs_dim, stride_cs_tok, stride_in_seq, stride_in_step, stride_in_dim,
+    stride_in_win, stride_p, stride_o_seq, stride_o_dim, stride_o_tok,
+    KW: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, SAVE: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW_TILE: tl.constexpr, WIN: tl.constexpr,
+    ANCESTORS: tl.constexpr, ancestors, STORE_UP: tl.constexpr,
+):  # fmt: skip
     b, i_c, i_t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot = tl.load(state_idx + b).to(tl.int64)
     if slot == -1:  # SGLang's PAD_SLOT_ID: a padding request
@@ -134,16 +91,10 @@ def _conv_tree_kernel(
             if j > 0:
                 cur = tl.load(ancestors + (b * N + t) * (KW - 1) + j - 1, mask=mt, other=-1)
         in_tree = cur >= 0
-        from_x = tl.load(
-            x_row + tl.maximum(cur, 0)[:, None] * stride_x_tok,
-            mask=m2 & in_tree[:, None],
-            other=0.0,
-        )
-        from_state = tl.load(
-            history + (KW - 1 + cur)[:, None] * stride_cs_tok,
-            mask=m2 & (cur < 0)[:, None],
-            other=0.0,
-        )
+        from_x = tl.load(x_row + tl.maximum(cur, 0)[:, None] * stride_x_tok,
+                         mask=m2 & in_tree[:, None], other=0.0)  # fmt: skip
+        from_state = tl.load(history + (KW - 1 + cur)[:, None] * stride_cs_tok,
+                             mask=m2 & (cur < 0)[:, None], other=0.0)  # fmt: skip
         xv = tl.where(in_tree[:, None], from_x, from_state.to(from_x.dtype))
         wv = tl.load(w + c * stride_w_dim + (KW - 1 - j) * stride_w_win, mask=mc, other=0.0)
         acc += xv * wv[None, :]
@@ -158,21 +109,16 @@ def _conv_tree_kernel(
             cur = tl.where(cur > 0, parent.to(tl.int32), cur - 1)
     if SAVE:
         if WINDOW_TILE:
-            tl.store(
-                window[:, :, None] + o_w * stride_in_win, tile, mask=m2[:, :, None] & (o_w < KW - 1)
-            )
+            tl.store(window[:, :, None] + o_w * stride_in_win, tile,
+                     mask=m2[:, :, None] & (o_w < KW - 1))  # fmt: skip
     if SILU:
         acc = acc / (1 + tl.exp(-acc))
     out = o + b * stride_o_seq + c[None, :] * stride_o_dim + t[:, None] * stride_o_tok
     tl.store(out, acc, mask=m2)
 
 
-def tree_parents(
-    next_token: torch.Tensor,
-    next_sibling: torch.Tensor,
-    out: torch.Tensor,
-    ancestors: torch.Tensor | None = None,
-) -> None:
+def tree_parents(next_token: torch.Tensor, next_sibling: torch.Tensor, out: torch.Tensor,
+                 ancestors: torch.Tensor | None = None) -> None:  # fmt: skip
     """out [bs, N] <- every node's parent from SGLang's first-child / next-sibling links (root and
     unreachable entries 0, as SGLang's conv kernel leaves them); ancestors [bs, N, H] int32
     (optional) <- the nodes 1..H steps above each node, -1, -2, ... above the root. Sync-free."""
@@ -180,42 +126,18 @@ def tree_parents(
     NP = triton.next_power_of_2(N)
     hops = 0 if ancestors is None else ancestors.shape[-1]
     _parents_kernel[(bs,)](
-        next_token,
-        next_sibling,
-        out,
-        out if ancestors is None else ancestors,
-        N,
-        next_token.stride(0),
-        next_sibling.stride(0),
-        out.stride(0),
-        NP=NP,
-        LOG_NP=max(1, NP.bit_length() - 1),
-        HOPS=hops,
-    )
+        next_token, next_sibling, out, out if ancestors is None else ancestors, N,
+        next_token.stride(0), next_sibling.stride(0), out.stride(0), NP=NP,
+        LOG_NP=max(1, NP.bit_length() - 1), HOPS=hops,
+    )  # fmt: skip
 
 
-def conv_tree(
-    x,
-    conv_state,
-    weight,
-    bias,
-    activation,
-    *,
-    conv_state_indices,
-    intermediate_conv_window,
-    intermediate_state_indices,
-    retrieve_next_token,
-    retrieve_next_sibling,
-    retrieve_parent_token,
-    block_t: int = 4,
-    block_n: int = 128,
-    window_tile: bool = False,
-    num_warps: int = 2,
-    ancestor_table: bool = False,
-    fill_parents: bool = True,
-    save_inputs: bool = False,
-    ancestors: torch.Tensor | None = None,
-) -> torch.Tensor:
+def conv_tree(x, conv_state, weight, bias, activation, *, conv_state_indices,
+              intermediate_conv_window, intermediate_state_indices, retrieve_next_token,
+              retrieve_next_sibling, retrieve_parent_token, block_t: int = 4,
+              block_n: int = 128, window_tile: bool = False, num_warps: int = 2,
+              ancestor_table: bool = False, fill_parents: bool = True,
+              save_inputs: bool = False, ancestors: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """SGLang's `causal_conv1d_update` for a tree verify (same arguments and outputs: x and the
     returned o are [bs, dim, N] views, conv_state [slots, dim, K - 1], weight [dim, K],
     intermediate_conv_window [slots', N, dim, K - 1]; retrieve_parent_token is filled), with
@@ -255,36 +177,16 @@ def conv_tree(
         in_strides = (in_strides[0], dim, 1, 0)
     grid = (bs, triton.cdiv(dim, block_n), triton.cdiv(N, block_t))
     _conv_tree_kernel[grid](
-        x,
-        weight,
-        bias if bias is not None else weight,
-        conv_state,
-        conv_state_indices,
-        inter,
-        intermediate_state_indices if save else conv_state_indices,
-        retrieve_parent_token,
-        o,
-        N,
-        dim,
-        *x.stride(),
-        *weight.stride(),
-        *conv_state.stride(),
-        *in_strides,
-        retrieve_parent_token.stride(0),
-        *o.stride(),
-        KW=KW,
-        HAS_BIAS=bias is not None,
-        SILU=activation in ("silu", "swish", True),
-        SAVE=save,
-        BLOCK_T=block_t,
-        BLOCK_N=block_n,
-        WINDOW_TILE=window_tile,
-        WIN=triton.next_power_of_2(KW - 1),
-        ANCESTORS=table is not None,
-        ancestors=retrieve_parent_token if table is None else table,
-        num_warps=num_warps,
+        x, weight, bias if bias is not None else weight, conv_state, conv_state_indices,
+        inter, intermediate_state_indices if save else conv_state_indices,
+        retrieve_parent_token, o, N, dim, *x.stride(), *weight.stride(), *conv_state.stride(),
+        *in_strides, retrieve_parent_token.stride(0), *o.stride(),
+        KW=KW, HAS_BIAS=bias is not None, SILU=activation in ("silu", "swish", True),
+        SAVE=save, BLOCK_T=block_t, BLOCK_N=block_n, WINDOW_TILE=window_tile,
+        WIN=triton.next_power_of_2(KW - 1), ANCESTORS=table is not None,
+        ancestors=retrieve_parent_token if table is None else table, num_warps=num_warps,
         STORE_UP=0 if save_inputs else KW - 2,  # how many ancestors' inputs a node stores
-    )
+    )  # fmt: skip
     return o
 
 
@@ -293,10 +195,8 @@ def _ancestor_table(given, own: bool, fill_parents: bool, shape, device) -> torc
     kernel fills (`own`), or None (the kernel walks the parent links)."""
     if given is not None:
         if own or fill_parents or tuple(given.shape) != shape or not given.is_contiguous():
-            raise ValueError(
-                f"ancestors {tuple(given.shape)}: a contiguous {list(shape)} table "
-                "from an earlier tree_parents, with fill_parents=False"
-            )
+            raise ValueError(f"ancestors {tuple(given.shape)}: a contiguous {list(shape)} table "
+                             "from an earlier tree_parents, with fill_parents=False")  # fmt: skip
         return given
     if not own:
         return None
@@ -311,33 +211,15 @@ def _check_rows(windows: torch.Tensor, N: int, dim: int, KW: int) -> None:
     nodes, width, win = windows.shape[-3:]
     dense = (windows.stride(-1), windows.stride(-2), windows.stride(-3)) == (1, win, width * win)
     if nodes < N or width != dim or win not in (1, KW - 1) or not dense:
-        raise ValueError(
-            f"conv buffer {tuple(windows.shape)} (strides {windows.stride()}) is "
-            f"not dense [.., >= {N}, {dim}, {KW - 1} or 1] rows"
-        )
+        raise ValueError(f"conv buffer {tuple(windows.shape)} (strides {windows.stride()}) is "
+                         f"not dense [.., >= {N}, {dim}, {KW - 1} or 1] rows")  # fmt: skip
 
 
 @triton.jit
-def _commit_windows_kernel(
-    conv,
-    inputs,
-    state_idx,
-    inter_idx,
-    parents,
-    nodes,
-    track_idx,
-    track_node,
-    dim,
-    stride_c_layer,
-    stride_c_slot,
-    stride_i_layer,
-    stride_i_row,
-    stride_p,
-    KM1: tl.constexpr,
-    WIN: tl.constexpr,
-    TRACK: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
+def _commit_windows_kernel(conv, inputs, state_idx, inter_idx, parents, nodes, track_idx,
+                           track_node, dim, stride_c_layer, stride_c_slot, stride_i_layer,
+                           stride_i_row, stride_p, KM1: tl.constexpr, WIN: tl.constexpr,
+                           TRACK: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     """One program per (layer, request, channel block): the accepted node's window (and the
     track node's) from the stored inputs along its parent links, the conv state's history
     above the root; every value read before any is written (the history is the request's own
@@ -369,9 +251,8 @@ def _commit_windows_kernel(
 
 
 @triton.jit
-def _window(
-    row, history, links, node, c, mc, dim, KM1: tl.constexpr, WIN: tl.constexpr, BLOCK: tl.constexpr
-):
+def _window(row, history, links, node, c, mc, dim, KM1: tl.constexpr, WIN: tl.constexpr,
+            BLOCK: tl.constexpr):  # fmt: skip
     """[BLOCK, WIN]: column h < KM1 the input h steps above `node` (the history's columns above
     the root); zeros elsewhere and when node < 0."""
     out = tl.zeros([BLOCK, WIN], dtype=row.dtype.element_ty)
@@ -388,17 +269,10 @@ def _window(
     return out
 
 
-def commit_windows(
-    conv_states: torch.Tensor,
-    inputs: torch.Tensor,
-    state_idx: torch.Tensor,
-    inter_idx: torch.Tensor,
-    parents: torch.Tensor,
-    nodes: torch.Tensor,
-    track_idx: torch.Tensor | None = None,
-    track_node: torch.Tensor | None = None,
-    block: int = 256,
-) -> None:
+def commit_windows(conv_states: torch.Tensor, inputs: torch.Tensor, state_idx: torch.Tensor,
+                   inter_idx: torch.Tensor, parents: torch.Tensor, nodes: torch.Tensor,
+                   track_idx: torch.Tensor | None = None, track_node: torch.Tensor | None = None,
+                   block: int = 256) -> None:  # fmt: skip
     """The conv-window commit for `conv_tree(save_inputs=True)`, every layer in one launch:
     conv_states [layers, slots, dim, K - 1] (contiguous) slot state_idx[b] <- the window of node
     nodes[b] (the node itself last, its K - 2 nearest ancestors before it, the slot's own
@@ -418,22 +292,8 @@ def commit_windows(
         return
     grid = (layers, bs, triton.cdiv(dim, block))
     _commit_windows_kernel[grid](
-        conv_states,
-        inputs,
-        state_idx,
-        inter_idx,
-        parents,
-        nodes,
-        track_idx if track else nodes,
-        track_node if track else nodes,
-        dim,
-        conv_states.stride(0),
-        conv_states.stride(1),
-        inputs.stride(0),
-        inputs.stride(1),
-        parents.stride(0),
-        KM1=km1,
-        WIN=triton.next_power_of_2(km1),
-        TRACK=track,
-        BLOCK=block,
-    )
+        conv_states, inputs, state_idx, inter_idx, parents, nodes,
+        track_idx if track else nodes, track_node if track else nodes, dim,
+        conv_states.stride(0), conv_states.stride(1), inputs.stride(0), inputs.stride(1),
+        parents.stride(0), KM1=km1, WIN=triton.next_power_of_2(km1), TRACK=track, BLOCK=block,
+    )  # fmt: skip

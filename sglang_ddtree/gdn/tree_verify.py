@@ -97,34 +97,11 @@ def _path_to(parents, row, node, N, MAX_PATH: tl.constexpr):
 
 @triton.jit
 def _tree_verify_kernel(
-    q,
-    k,
-    v,
-    a,
-    b,
-    A_log,
-    dt_bias,
-    state,
-    state_idx,
-    state_stride,
-    parents,
-    scratch,
-    scratch_idx,
-    scratch_stride,
-    o,
-    scale,
-    N,
-    stride_a,
-    stride_b,
-    H: tl.constexpr,
-    HV: tl.constexpr,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    BK: tl.constexpr,
-    BV: tl.constexpr,
-    NP: tl.constexpr,
-    MAX_PATH: tl.constexpr,
-):
+    q, k, v, a, b, A_log, dt_bias, state, state_idx, state_stride, parents,
+    scratch, scratch_idx, scratch_stride, o, scale, N, stride_a, stride_b,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, NP: tl.constexpr, MAX_PATH: tl.constexpr,
+):  # fmt: skip
     i_v, i_nh, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_hv = i_nh // HV, i_nh % HV
     i_h = i_hv // (HV // H)
@@ -181,27 +158,11 @@ def _tree_verify_kernel(
 
 @triton.jit
 def _commit_kernel(
-    state,
-    state_idx,
-    state_layer_stride,
-    state_stride,
-    scratch,
-    scratch_idx,
-    scratch_layer_stride,
-    scratch_stride,
-    parents,
-    last,
-    track_idx,
-    track_node,
-    N,
-    HV: tl.constexpr,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    BK: tl.constexpr,
-    BV: tl.constexpr,
-    MAX_PATH: tl.constexpr,
-    TRACK: tl.constexpr,
-):
+    state, state_idx, state_layer_stride, state_stride, scratch, scratch_idx,
+    scratch_layer_stride, scratch_stride, parents, last, track_idx, track_node, N,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, MAX_PATH: tl.constexpr, TRACK: tl.constexpr,
+):  # fmt: skip
     i_v, i_nh, i_l = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     i_n, i_hv = i_nh // HV, i_nh % HV
     end = tl.load(last + i_n).to(tl.int32)
@@ -267,25 +228,9 @@ def _check_scratch(scratch: torch.Tensor, N: int, HV: int, K: int, V: int) -> No
         raise ValueError(f"scratch rows {tuple(scratch.shape)} {scratch.dtype} are too small")
 
 
-def tree_verify(
-    q,
-    k,
-    v,
-    a,
-    b,
-    A_log,
-    dt_bias,
-    state,
-    state_idx,
-    parents,
-    scratch,
-    scratch_idx,
-    *,
-    max_path: int,
-    scale: float | None = None,
-    block_v: int | None = None,
-    num_warps: int = 1,
-) -> torch.Tensor:
+def tree_verify(q, k, v, a, b, A_log, dt_bias, state, state_idx, parents, scratch, scratch_idx,
+                *, max_path: int, scale: float | None = None, block_v: int | None = None,
+                num_warps: int = 1) -> torch.Tensor:  # fmt: skip
     """o [T, HV, V] (q's dtype) of every node of bs trees of N nodes (T = bs * N, request-major):
     the recurrence runs from state[state_idx[b]] (the pool [S, HV, V, K], left unchanged; slot -1
     starts from zeros) along each node's root path, at most `max_path` nodes. Writes each node's
@@ -300,50 +245,18 @@ def tree_verify(
     BV = block_v or min(16, triton.next_power_of_2(V))  # 16 x 1 warp: fastest of 16-64 x 1-4
     grid = (triton.cdiv(V, BV), bs * HV, N)
     _tree_verify_kernel[grid](
-        q,
-        k,
-        v,
-        a,
-        b,
-        A_log,
-        dt_bias,
-        state,
-        state_idx,
-        state.stride(0),
-        parents,
-        scratch,
-        scratch_idx,
-        scratch.stride(0),
-        o,
-        float(K**-0.5 if scale is None else scale),
-        N,
-        a.stride(0),
-        b.stride(0),
-        H=H,
-        HV=HV,
-        K=K,
-        V=V,
-        BK=triton.next_power_of_2(K),
-        BV=BV,
-        NP=triton.next_power_of_2(N),
-        MAX_PATH=triton.next_power_of_2(max_path),
+        q, k, v, a, b, A_log, dt_bias, state, state_idx, state.stride(0), parents,
+        scratch, scratch_idx, scratch.stride(0), o, float(K**-0.5 if scale is None else scale),
+        N, a.stride(0), b.stride(0),
+        H=H, HV=HV, K=K, V=V, BK=triton.next_power_of_2(K), BV=BV,
+        NP=triton.next_power_of_2(N), MAX_PATH=triton.next_power_of_2(max_path),
         num_warps=num_warps,
-    )
+    )  # fmt: skip
     return o
 
 
-def commit_paths(
-    state,
-    state_idx,
-    scratch,
-    scratch_idx,
-    parents,
-    last,
-    *,
-    max_path: int,
-    track_idx=None,
-    track_node=None,
-) -> None:
+def commit_paths(state, state_idx, scratch, scratch_idx, parents, last, *, max_path: int,
+                 track_idx=None, track_node=None) -> None:  # fmt: skip
     """In place, for every layer l and request b with last[b] >= 0 and state_idx[b] >= 0:
     state[l, state_idx[b]] advanced along the root path of node last[b] with the g, beta, k and
     v that `tree_verify` left in scratch[l, scratch_idx[b]]; where track_node[b] >= 0 (a node on
@@ -359,25 +272,9 @@ def commit_paths(
     BV = _block_v(V)
     grid = (triton.cdiv(V, BV), bs * HV, L)
     _commit_kernel[grid](
-        state,
-        state_idx,
-        state.stride(0),
-        state.stride(1),
-        scratch,
-        scratch_idx,
-        scratch.stride(0),
-        scratch.stride(1),
-        parents,
-        last,
-        track_idx if track else last,
-        track_node if track else last,
-        N,
-        HV=HV,
-        K=K,
-        V=V,
-        BK=triton.next_power_of_2(K),
-        BV=BV,
-        MAX_PATH=triton.next_power_of_2(max_path),
-        TRACK=track,
-        num_warps=1,
-    )
+        state, state_idx, state.stride(0), state.stride(1), scratch, scratch_idx,
+        scratch.stride(0), scratch.stride(1), parents, last,
+        track_idx if track else last, track_node if track else last, N,
+        HV=HV, K=K, V=V, BK=triton.next_power_of_2(K), BV=BV,
+        MAX_PATH=triton.next_power_of_2(max_path), TRACK=track, num_warps=1,
+    )  # fmt: skip

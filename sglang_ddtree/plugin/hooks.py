@@ -1,4 +1,6 @@
 """Runtime hooks: the places SGLang 0.5.23's plugin API does not reach. One table, applied once.
+The round's stages that SGLang's verify calls are the `Round`'s (round/round.py); the rest
+adapt SGLang's start-up (graphs, pools, rows) and /server_info to DDTREE.
 
 | target                                  | why                                                  |
 |-----------------------------------------|------------------------------------------------------|
@@ -45,6 +47,7 @@ from sglang_ddtree.adapter import compat
 from sglang_ddtree.adapter.spec import is_ddtree
 from sglang_ddtree.config import DDTreeConfig
 from sglang_ddtree.round import accept_path, penalties, verify_plan
+from sglang_ddtree.round.round import Round
 from sglang_ddtree.round.runtime import Runtime
 from sglang_ddtree.state import gdn, gdn_pool
 
@@ -162,15 +165,15 @@ def _unified_row_headroom(original, *args, **kwargs):
 HOOKS = {
     compat.TARGET_GRAPH_SPEC_INFO: _target_graph_spec_info,
     compat.DUMMY_VERIFY_INPUT: _dummy_verify_input,
-    compat.GDN_TARGET_VERIFY: gdn.target_verify,
-    compat.MAMBA_STATE_COMMIT: gdn.commit,
-    compat.GDN_CONV_UPDATE: gdn.conv_update,
+    compat.GDN_TARGET_VERIFY: Round.verify_gdn,
+    compat.MAMBA_STATE_COMMIT: Round.commit_state,
+    compat.GDN_CONV_UPDATE: Round.conv_gdn,
     compat.REQ_TO_TOKEN_HEADROOM: _row_headroom,
     compat.UNIFIED_MAMBA_POOLS: _unified_row_headroom,
     compat.MAMBA_POOL_INIT: gdn_pool.init_mamba_pool,
     compat.MAMBA_POOL_SOLVER: gdn_pool.size_mamba_pool,
-    compat.FLASHINFER_PREFILL_PLAN: verify_plan.call_begin_forward,
+    compat.FLASHINFER_PREFILL_PLAN: Round.plan_verify,
     compat.SCHEDULER_INTERNAL_STATE: _internal_state,
-    compat.EAGLE_SAMPLE: penalties.eagle_sample,
-    compat.FINALIZE_TREE_PATH: accept_path.finalize_hook,
+    compat.EAGLE_SAMPLE: Round.sample,
+    compat.FINALIZE_TREE_PATH: Round.accept,
 }

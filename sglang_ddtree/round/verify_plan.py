@@ -108,45 +108,15 @@ def pack_at_bit_offsets(
     return out
 
 
-def call_begin_forward(
-    runtime,
-    original,
-    updater,
-    wrapper_ragged,
-    wrapper_paged,
-    req_pool_indices,
-    paged_kernel_lens,
-    paged_kernel_lens_sum,
-    seq_lens,
-    prefix_lens,
-    kv_start_idx,
-    kv_indptr,
-    qo_indptr,
-    use_ragged,
-    spec_info,
-    *args,
-    **kwargs,
-):
-    """AROUND FlashInferIndicesUpdaterPrefill.call_begin_forward: a DDTREE verify with host
-    lengths plans with host indptrs and a device-packed mask (SGLANG_DDTREE_VERIFY_PLAN=host);
-    every other call as it came. runtime: the worker factory's options and engaged paths
-    (runtime.Runtime), bound when the hook is installed."""
-    call = (
-        updater,
-        wrapper_ragged,
-        wrapper_paged,
-        req_pool_indices,
-        paged_kernel_lens,
-        paged_kernel_lens_sum,
-        seq_lens,
-        prefix_lens,
-        kv_start_idx,
-        kv_indptr,
-        qo_indptr,
-        use_ragged,
-        spec_info,
-        *args,
-    )
+def call_begin_forward(runtime, original, *call, **kwargs):
+    """AROUND FlashInferIndicesUpdaterPrefill.call_begin_forward (its arguments: updater,
+    wrapper_ragged, wrapper_paged, req_pool_indices, paged_kernel_lens, paged_kernel_lens_sum,
+    seq_lens, prefix_lens, kv_start_idx, kv_indptr, qo_indptr, use_ragged, spec_info, ...): a
+    DDTREE verify with host lengths plans with host indptrs and a device-packed mask
+    (SGLANG_DDTREE_VERIFY_PLAN=host); every other call as it came. runtime: the worker
+    factory's options and engaged paths (runtime.Runtime), bound when the hook is installed."""
+    wrapper_paged, seq_lens, use_ragged, spec_info = (call[i] for i in (2, 6, 11, 12))
+    args = call[13:]
     seq_lens_cpu = kwargs.get("seq_lens_cpu")
     if runtime.options.verify_plan != "host" or not _applies(
         wrapper_paged, seq_lens, seq_lens_cpu, use_ragged, spec_info, args, kwargs

@@ -4,33 +4,22 @@ Inherited from DFlashWorkerV2 unchanged: draft TP worker and model, mask token, 
 attention backends, prefill (target prefill + draft KV of the prompt), idle batches, and the
 draft-KV materialisation from target hidden states. Replaced: the decode round.
 
-The decode round, in the paper's five steps (no host synchronisation in this file; while a torch
-profiler runs, each part is a `record_function` range named `ddtree.*` for SGLang's /start_profile
-traces):
-  draft   DFlash block [bonus, MASK x (B-1)] through the draft runner (CUDA graph at width B)
-  build   in the same graph: target LM head -> per-position top-K log-probs -> DDTree
-  verify  the first w nodes of the N-node tree (w: the round's width, SGLANG_DDTREE_WIDTH=auto,
-          round/widths.py; else N) through the target with a FULL custom mask (EAGLE
-          tree verify)
-  accept  SGLang's tree walk: greedy, or target-only tree sampling at T > 0
-  commit  accepted KV to contiguous slots, tree-aware Gated DeltaNet state commit (both inside
-          run_eagle_verify), then draft KV for the accepted tokens from their target hidden states
-Each round's state is a `Round` that these steps fill one after another.
+Its decode round is a `Round` (round/round.py), whose stages run in order: draft (with the tree
+build in the same graph), tree_input, verify (SGLang's tree verify, calling the round's
+plan_verify, GDN, sample, accept and commit_state stages back through plugin/hooks.py), observe
+and commit. This class makes the round and chooses its width; it also owns what lives across
+rounds: the draft head, the verify widths and their policy (round/widths.py), the penalty
+counts, and the start-up checks of DDTREE's memory. While a torch profiler runs, each part is a
+`record_function` range named `ddtree.*` for SGLang's /start_profile traces.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 
 import torch
 from sglang.srt.model_executor.cuda_graph_config import Backend
-from sglang.srt.model_executor.forward_batch_info import (
-    CaptureHiddenMode,
-    ForwardBatch,
-    ForwardMode,
-)
 from sglang.srt.runtime_context import get_exec
 from sglang.srt.speculative.dflash_info_v2 import DFlashDraftInputV2
 from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
@@ -39,40 +28,23 @@ from sglang.srt.speculative.draft_worker_common import (
     make_draft_block_spec_info,
     make_draft_input_v2,
 )
-from sglang.srt.speculative.eagle_worker_common import run_eagle_verify
 from sglang.srt.utils import get_available_gpu_memory
-from torch.profiler import record_function
 
 from sglang_ddtree.adapter import compat
 from sglang_ddtree.config import DDTreeConfig, Options
-from sglang_ddtree.round import penalties, verify_plan
+from sglang_ddtree.round import round as stages
+from sglang_ddtree.round import verify_plan
 from sglang_ddtree.round.draft_head import DraftTreeHead, VocabShard
 from sglang_ddtree.round.penalties import PenaltyTable
+from sglang_ddtree.round.round import Round
 from sglang_ddtree.round.round_dump import RoundDump
 from sglang_ddtree.round.runtime import Runtime
-from sglang_ddtree.round.verify_input import make_verify_input
 from sglang_ddtree.round.widths import RankWidths, RoundReadings, VerifyWidths
 from sglang_ddtree.simulation import World
 from sglang_ddtree.state import round_memory
-from sglang_ddtree.tree.budget import WidthPolicy, accepted_at_widths, automatic_widths
-from sglang_ddtree.tree.types import DraftTree
+from sglang_ddtree.tree.budget import WidthPolicy, automatic_widths
 
 logger = logging.getLogger(__name__)
-
-
-def own_code():
-    """The context DDTREE's own per-round code runs in (SGLang's own calls are left out):
-    nothing when serving. The GPU test servers' sync check replaces it from outside with torch's
-    sync debug mode (tests/gpu/server_debug/ddtree_sync_check.py; the tests fail on a warning)."""
-    return contextlib.nullcontext()
-
-
-def profiled(name: str):
-    """The round part's `record_function` range while a torch profiler runs (SGLang's
-    /start_profile), else nothing: a range costs host time in every round."""
-    if compat.profiler_running():
-        return record_function(name)
-    return contextlib.nullcontext()
 
 
 # the width policy's table goes to the log when a batch bucket's calibration completes, after
@@ -122,20 +94,6 @@ def draft_tail(head: DraftTreeHead):
     return tail
 
 
-@dataclasses.dataclass(eq=False)
-class Round:
-    """One decode round, owned by the worker: each step fills what the next reads. Inside
-    SGLang's verify the hooks reach the round's tree through the verify input it carries, and
-    the process's GDN path and penalty counts through the Runtime."""
-
-    bs: int
-    width: int  # the verify width: the policy's choice, or N
-    draft_input: DFlashDraftInputV2  # the draft state the last round (or the prefill) left
-    positions: torch.Tensor | None = None  # [bs, B] the block's positions (draft)
-    draft_slots: torch.Tensor | None = None  # [bs, B] where its draft KV goes (draft)
-    tree: DraftTree | None = None  # the first `width` nodes of the built tree (verify input)
-
-
 class DDTreeWorker(DFlashWorkerV2):
     """SGLang constructs the worker class itself, with its own arguments: the worker factory
     hands it this process's Runtime through `bound_to` (a subclass that passes it on)."""
@@ -174,7 +132,7 @@ class DDTreeWorker(DFlashWorkerV2):
             make_draft_block_spec_info(draft_token_num=self.cfg.block_size, device=self.device),
         )
         self._tp_size = compat.tp_size()
-        self._tree_head = self._build_tree_head()
+        self.tree_head = self._build_tree_head()
         # SGLANG_DDTREE_DUMP_ROUNDS: sampled rounds as JSON lines (off: None, and no cost)
         self._round_dump = RoundDump.from_options(self.options) if self._tp_rank == 0 else None
         self._widths: VerifyWidths | None = None  # SGLANG_DDTREE_WIDTH=auto (init_cuda_graphs)
@@ -192,7 +150,7 @@ class DDTreeWorker(DFlashWorkerV2):
                 self.cfg.num_nodes,
                 self.cfg.budget,
                 self.cfg.topk,
-                self._tree_head.max_bs,
+                self.tree_head.max_bs,
             )
 
     def _build_tree_head(self) -> DraftTreeHead:
@@ -210,7 +168,7 @@ class DDTreeWorker(DFlashWorkerV2):
         self._ask_for_readings()  # before the capture: the draft graphs compute them
         if capture:
             # Fold top-K + tree build into the draft graph (runs after the draft forward).
-            self.draft_model_runner.capture_tail_hooks.append(draft_tail(self._tree_head))
+            self.draft_model_runner.capture_tail_hooks.append(draft_tail(self.tree_head))
         compat.init_draft_cuda_graphs(self, capture)
         self._init_widths(capture)
         self._graphs_on = compat.target_verify_state(self.target_worker.model_runner)[1] is not None
@@ -227,7 +185,7 @@ class DDTreeWorker(DFlashWorkerV2):
         expected tokens at each (round/widths.RoundReadings reads them)."""
         widths = self._automatic_widths()
         if widths:
-            self._tree_head.read_widths(widths)
+            self.tree_head.read_widths(widths)
 
     @property
     def options(self) -> Options:
@@ -262,7 +220,7 @@ class DDTreeWorker(DFlashWorkerV2):
         if self._rank_widths is not None and not self._rank_widths.is_source:
             return  # rank 0's policy chooses for every rank
         policy = WidthPolicy(widths, buckets=self._widths.buckets)
-        head = self._tree_head
+        head = self.tree_head
         if head.readings is None:  # a buffer made now would never be written by the graphs
             raise RuntimeError(
                 "DDTREE: the draft head's width readings were not asked for "
@@ -321,56 +279,31 @@ class DDTreeWorker(DFlashWorkerV2):
             raise RuntimeError(f"DDTREE expected DFlashDraftInputV2, got {type(draft_input)}")
         batch.seq_lens.record_stream(torch.get_device_module(self.device).current_stream())
         bs = len(batch.seq_lens)
-        with own_code():
-            rnd = Round(bs=bs, width=self._choose_width(bs), draft_input=draft_input)
-        with profiled("ddtree.draft_and_build"):
-            self._draft(batch, rnd)  # draft + build (one graph replay)
-        with own_code(), profiled("ddtree.verify_input"):
-            batch.spec_info = self._verify_input(batch, rnd)
-        verify_at = self._widths.use(rnd.width) if self._widths else contextlib.nullcontext()
-        with profiled("ddtree.verify_accept_commit"), verify_at:
-            result = self._verify_accept_commit(batch, grammar_barrier, rnd)
+        with stages.own_code():
+            width = self._choose_width(bs)
+            rnd = Round(worker=self, batch=batch, bs=bs, width=width, draft_input=draft_input)
+        with stages.profiled("ddtree.draft_and_build"):
+            rnd.draft()  # draft + build (one graph replay)
+        with stages.own_code(), stages.profiled("ddtree.verify_input"):
+            batch.spec_info = rnd.tree_input()
+        verify_at = self._widths.use(width) if self._widths else contextlib.nullcontext()
+        with stages.profiled("ddtree.verify_accept_commit"), verify_at:
+            result = rnd.verify(grammar_barrier)
         if not result.can_run_cuda_graph:
-            self._note_eager_verify(bs, rnd.width)
-        self._observe(batch, rnd, result)
+            self._note_eager_verify(bs, width)
+        rnd.observe(result, self._penalties, self._round_dump)
         batch.spec_info = draft_input
         if on_publish is not None:
             on_publish(result.new_seq_lens)
-        with own_code(), profiled("ddtree.draft_context"):
-            self._commit_draft_context(result, rnd)
+        with stages.own_code(), stages.profiled("ddtree.draft_context"):
+            rnd.commit(result)
             result.next_draft_input = make_draft_input_v2(
                 bonus_tokens=result.next_draft_input.bonus_tokens,
                 new_seq_lens=result.new_seq_lens,
             )
             if self._readings is not None and self._readings.current is not None:  # measured
-                self._readings.finish(self._accepted_at_widths(result, rnd))
+                self._readings.finish(rnd.accepted_at_widths(result, self.tree_head.reading_widths))
         return result
-
-    def _accepted_at_widths(self, result, rnd: Round) -> torch.Tensor:
-        """[bs, W] the tokens the round accepted at each read width: its own, and what each
-        narrower width's first nodes would have accepted (the policy's paired readings)."""
-        return accepted_at_widths(
-            rnd.tree, self._emitted(result, rnd), result.accept_lens, self._tree_head.reading_widths
-        )
-
-    def _emitted(self, result, rnd: Round) -> torch.Tensor:
-        """[bs, B] a view of the round's tokens per request: its accepted drafts, then the
-        bonus, the first accept_lens of each row."""
-        return result.next_token_ids.view(rnd.bs, -1)[:, : self.cfg.block_size]
-
-    def _observe(self, batch, rnd: Round, result) -> None:
-        """What the round emitted, for the penalty counts and the round dump."""
-        emitted = self._emitted(result, rnd)
-        # the emitted tokens join each request's count in rounds whose batch asks for a penalty:
-        # only a penalised request's row changes any logit (a neutral one's leaves them as they
-        # are, whatever it holds), and a penalised request is in every round from its prefill on
-        if self._penalties is not None and penalties.wanted(batch.reqs):
-            self._penalties.observe(batch.req_pool_indices, emitted, result.accept_lens)
-        if self._round_dump is not None:  # device-to-pinned copies; a thread writes them
-            tree = rnd.tree
-            self._round_dump.round(
-                tree.tokens, tree.parents, tree.scores, emitted, result.accept_lens
-            )
 
     def _note_eager_verify(self, bs: int, width: int) -> None:
         """A verify that ran without the target's CUDA graph (a host cost of a few ms on a small
@@ -408,7 +341,7 @@ class DDTreeWorker(DFlashWorkerV2):
         target = self.target_worker.model_runner  # the target's pools and vocabulary
         rows, row = target.req_to_token_pool.req_to_token.shape
         memory = round_memory.at_maximum(
-            max_bs=self._tree_head.max_bs,
+            max_bs=self.tree_head.max_bs,
             num_nodes=self.cfg.num_nodes,
             vocab=target.model_config.vocab_size,
             rows=rows,
@@ -447,149 +380,3 @@ class DDTreeWorker(DFlashWorkerV2):
             )
         self.runtime.penalties = table
         return table
-
-    # -- step 1 + 2: draft the block, build the tree -----------------------------------------
-    def _draft(self, batch, rnd: Round) -> None:
-        """Run the DFlash block (and, in its graph, the tree build); the round gets the
-        block's positions and the draft KV's write slots [bs, B]."""
-        bs, B, draft_input = rnd.bs, self.cfg.block_size, rnd.draft_input
-        # [bs, B] each: bonus + MASK x (B - 1); seq_len + 0..B-1; req_to_token slots; and the
-        # host-bound lengths [bs]
-        block_ids, positions, cache_loc, seq_lens_cpu = compat.draft_block_buffers(self, bs)
-        with own_code():
-            self._prepare_block(batch, draft_input, block_ids, positions, cache_loc)
-            input_embeds = compat.draft_block_embeds(self, block_ids)
-        committed_cpu = self._host_seq_lens(batch, draft_input)
-        seq_lens_cpu.copy_(committed_cpu)
-        seq_lens_cpu.add_(B)
-        # the block's slots for every forward and KV write of the round (the verify's window
-        # starts with them)
-        plan = compat.plan_window(self, batch, committed_cpu, cache_loc.reshape(-1), B)
-        forward_batch = ForwardBatch(
-            forward_mode=ForwardMode.TARGET_VERIFY,
-            batch_size=bs,
-            input_ids=block_ids.flatten(),
-            req_pool_indices=batch.req_pool_indices,
-            seq_lens=batch.seq_lens,
-            out_cache_loc=cache_loc.reshape(-1),
-            seq_lens_sum=int(seq_lens_cpu.sum()),
-            seq_lens_cpu=seq_lens_cpu,
-            positions=positions.reshape(-1),
-            input_embeds=input_embeds,
-            spec_algorithm=self.model_runner.spec_algorithm,
-            spec_info=compat.draft_block_spec_info(self),
-            capture_hidden_mode=CaptureHiddenMode.NULL,
-            can_run_decode_cuda_graph=batch.can_run_decode_cuda_graph,
-            **compat.non_padded_tokens(bs * B, self.device),
-        )
-        compat.bind_draft_plan(self, plan, forward_batch)
-        with torch.inference_mode(), compat.draft_scope(self):
-            draft_out = self.draft_model_runner.forward(forward_batch)
-            if not draft_out.can_run_graph:  # the graph ran the head already
-                with own_code():
-                    self._tree_head(
-                        draft_out.logits_output.hidden_states,
-                        block_ids.flatten(),
-                        positions.flatten(),
-                    )
-        rnd.positions, rnd.draft_slots = positions, compat.draft_write_ids(self, plan).view(bs, B)
-
-    # -- step 3 setup: the tree as SGLang's verify input --------------------------------------
-    def _verify_input(self, batch, rnd: Round):
-        """The first `width` nodes of the built tree as the EAGLE verify input (mask, positions,
-        retrieve links) SGLang's verify reads."""
-        rnd.tree = tree = self._tree_head.tree(rnd.bs, rnd.width)
-        return make_verify_input(
-            self.cfg,
-            tree.tokens,
-            tree.depth,
-            tree.first_child,
-            tree.next_sibling,
-            tree.visibility,
-            batch.seq_lens,
-            self._seq_lens_sum_bound(batch, rnd.draft_input),
-            write_mask=not verify_plan.packs_from_tree(self.options),
-        )
-
-    def _prepare_block(self, batch, draft_input, block_ids, positions, cache_loc) -> None:
-        """block_ids = [bonus, MASK...], positions = seq_len + 0..B-1, cache_loc from req_to_token."""
-        compat.prepare_draft_block(
-            self,
-            bonus_tokens=draft_input.bonus_tokens.view(-1),
-            prefix_lens=batch.seq_lens.view(-1),
-            req_pool_indices=batch.req_pool_indices.view(-1),
-            req_to_token=self.model_runner.req_to_token_pool.req_to_token,
-            block_ids_out=block_ids,
-            positions_out=positions,
-            cache_loc_out=cache_loc,
-        )
-
-    # -- step 3 + 4 + 5a: verify, accept, commit target state --------------------------------
-    def _verify_accept_commit(self, batch, grammar_barrier, rnd: Round):
-        # the verify plans its own window (eagle_prepare_for_verify: N slots from each
-        # request's committed length, the block's B first)
-        picks = self._tree_head.simulated_picks
-        if picks is None:
-            return self._verify(batch, grammar_barrier, rnd.width)
-        with compat.tree_greedy_targets(picks[: rnd.bs, : rnd.width]):
-            return self._verify(batch, grammar_barrier, rnd.width)
-
-    def _verify(self, batch, grammar_barrier, width: int):
-        return run_eagle_verify(
-            batch,
-            target_worker=self.target_worker,
-            req_to_token_pool=self.model_runner.req_to_token_pool,
-            token_to_kv_pool_allocator=self.model_runner.token_to_kv_pool_allocator,
-            plan_stream=None,
-            plan_stream_ctx=contextlib.nullcontext(),
-            topk=self.cfg.topk,
-            num_draft_tokens=width,
-            device=self.device,
-            metadata_ready_pre_pad=False,
-            finalize_tree_path=True,  # accepted path's KV, predict, hidden -> block front
-            grammar_barrier=grammar_barrier,
-        )
-
-    # -- step 5b: the accepted tokens become draft context -----------------------------------
-    def _commit_draft_context(self, result, rnd: Round) -> None:
-        """Draft KV of the accepted path from its (front-compacted) target hidden states: per
-        request the verify's N rows (SGLang's compaction) or the path's S = B rows alone
-        (round/accept_path.py); the first B either way."""
-        bs, B, width, cache_loc = rnd.bs, self.cfg.block_size, rnd.width, rnd.draft_slots
-        hidden = result.logits_output.hidden_states
-        if hidden is None:
-            raise RuntimeError("DDTREE verify returned no target hidden states.")
-        if hidden.shape[0] not in (bs * width, bs * B):
-            raise RuntimeError(
-                f"DDTREE verify returned {hidden.shape[0]} hidden rows for {bs} "
-                f"requests of {width} nodes"
-            )
-        accepted = hidden.view(bs, -1, hidden.shape[-1])[:, :B, :].reshape(bs * B, -1)
-        compat.append_draft_kv(
-            self,
-            target_hidden=accepted,
-            cache_loc=cache_loc.reshape(-1),
-            cache_loc_2d=cache_loc,
-            positions=rnd.positions.reshape(-1),
-            commit_lens=result.accept_lens,
-        )
-        result.logits_output.hidden_states = None  # keep big buffers off the host copy
-
-    # -- host-side length bounds (no device sync) ---------------------------------------------
-    @staticmethod
-    def _host_seq_lens(batch, draft_input) -> torch.Tensor:
-        if batch.seq_lens_cpu is not None:
-            return batch.seq_lens_cpu
-        if draft_input.nxt_kv_lens_cpu is not None:  # the allocation watermark
-            return draft_input.nxt_kv_lens_cpu
-        raise RuntimeError("DDTREE needs host sequence lengths (FlashInfer provides them).")
-
-    def _seq_lens_sum_bound(self, batch, draft_input) -> int:
-        """Host upper bound of sum(seq_lens); sizes the verify mask (too large is harmless)."""
-        if draft_input.nxt_kv_lens_sum is not None:  # the allocation watermark
-            return int(draft_input.nxt_kv_lens_sum)
-        if batch.seq_lens_sum is not None:
-            return int(batch.seq_lens_sum)
-        if batch.seq_lens_cpu is not None:
-            return int(batch.seq_lens_cpu.sum())
-        return len(batch.seq_lens) * self.model_runner.model_config.context_len

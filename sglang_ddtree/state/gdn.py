@@ -275,19 +275,8 @@ def commit(
         track_node=track_node,
     )
     if path.compact:  # the accepted windows from the nodes' stored inputs
-        from sglang_ddtree.gdn.conv_tree import commit_windows
-
-        for conv, inputs in zip(caches.conv, caches.intermediate_conv_window, strict=True):
-            commit_windows(
-                conv,
-                inputs,
-                state_idx,
-                rows,
-                links,
-                last_correct_step_indices,
-                mamba_track_indices,
-                track_node,
-            )
+        steps = (state_idx, rows, links, last_correct_step_indices, mamba_track_indices, track_node)
+        _commit_conv_windows(caches, steps)
         return
     # conv windows: SGLang's scatter, with an empty state pool so that it skips the states
     compat.scatter_mamba_states_after_mtp_verify()(
@@ -297,6 +286,15 @@ def commit(
         mamba_track_indices,
         mamba_steps_to_track,
     )
+
+
+def _commit_conv_windows(caches, steps: tuple) -> None:
+    """The compact scratch's conv windows of the accepted path, from the nodes' stored inputs;
+    steps: (state slots, scratch rows, parent links, accepted steps, track slots, track node)."""
+    from sglang_ddtree.gdn.conv_tree import commit_windows
+
+    for conv, inputs in zip(caches.conv, caches.intermediate_conv_window, strict=True):
+        commit_windows(conv, inputs, *steps)
 
 
 def _refuse_compact(intermediate_ssm) -> None:

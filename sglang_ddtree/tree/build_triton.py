@@ -227,27 +227,13 @@ def build_tree_triton(
     visibility = empty(bs, N, N, dtype=torch.bool)
     if bs > 0:
         _tree_search_kernel[(bs,)](
-            root,
-            root.stride(0),
-            topk_ids,
-            *topk_ids.stride(),
-            topk_logprobs,
-            *topk_logprobs.stride(),
-            lp_buf,
-            tokens,
-            parents,
-            depth,
-            first_child,
-            next_sibling,
-            scores,
-            L,
-            K,
-            budget,
-            NP=NP,
-            LT=LT,
-            KP=KP,
-            num_warps=_search_warps(NP),
-        )
+            root, root.stride(0),
+            topk_ids, *topk_ids.stride(),
+            topk_logprobs, *topk_logprobs.stride(),
+            lp_buf, tokens, parents, depth, first_child, next_sibling, scores,
+            L, K, budget,
+            NP=NP, LT=LT, KP=KP, num_warps=_search_warps(NP),
+        )  # fmt: skip
         rows = max(1, _VIS_TILE // NP)
         _visibility_kernel[(bs, triton.cdiv(N, rows))](
             parents, visibility.view(torch.uint8), N, min(L, budget), ROWS=rows, NP=NP, num_warps=4

@@ -242,11 +242,11 @@ def test_the_sync_check_wraps_the_workers_round_code_once_imported(monkeypatch, 
 
 
 def test_the_product_runs_its_round_code_without_the_sync_check():
-    """Without the tooling, worker.own_code is a plain context (the package parses no switch
-    for it)."""
+    """Without the tooling, the round's own_code is a plain context (the package parses no
+    switch for it)."""
     pytest.importorskip("sglang.srt.speculative.dflash_worker_v2")
     import contextlib
 
-    from sglang_ddtree.round import worker
+    from sglang_ddtree.round import round as stages
 
-    assert isinstance(worker.own_code(), contextlib.nullcontext)
+    assert isinstance(stages.own_code(), contextlib.nullcontext)

@@ -509,7 +509,7 @@ def test_the_rounds_ranges_exist_while_a_torch_profiler_runs_and_cost_nothing_ot
 
     import torch
 
-    from sglang_ddtree.round.worker import profiled
+    from sglang_ddtree.round.round import profiled
 
     assert isinstance(profiled("ddtree.verify_input"), contextlib.nullcontext)
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])

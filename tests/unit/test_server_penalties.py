@@ -282,7 +282,7 @@ def test_the_worker_makes_its_table_once_the_request_pool_exists(monkeypatch):
 
     monkeypatch.setattr(DFlashWorkerV2, "alloc_memory_pool", allocate)
     worker.cfg = DDTreeConfig(block_size=4, num_nodes=8, topk=2)
-    worker._tree_head = SimpleNamespace(max_bs=4)
+    worker.tree_head = SimpleNamespace(max_bs=4)
     assert worker.alloc_memory_pool(memory_pool_config=None) == "allocated"
     assert worker.runtime.penalties is worker._penalties  # the eagle_sample hook's
     assert tuple(worker._penalties.counts.shape) == (7, V)
@@ -317,7 +317,7 @@ def test_memory_that_does_not_fit_at_the_maximum_stops_the_start_up_with_the_num
     worker = _bare_worker(
         worker_mod.DDTreeWorker, runner, device="cuda:0", options=config.Options(penalties=True)
     )
-    worker.cfg, worker._tree_head = DDTreeConfig(16, 32, 8), SimpleNamespace(max_bs=16)
+    worker.cfg, worker.tree_head = DDTreeConfig(16, 32, 8), SimpleNamespace(max_bs=16)
     monkeypatch.setattr(worker_mod, "get_available_gpu_memory", lambda device, gpu: 0.5)
     with pytest.raises(
         RuntimeError,

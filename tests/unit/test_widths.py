@@ -533,7 +533,7 @@ def _worker(N: int = 32, B: int = 16):
     w = worker_mod.DDTreeWorker.__new__(worker_mod.DDTreeWorker)
     w.cfg = DDTreeConfig(block_size=B, num_nodes=N, topk=8)
     w._tp_rank = 0
-    w._tree_head = _Head(max_bs=4, num_nodes=N)
+    w.tree_head = _Head(max_bs=4, num_nodes=N)
     w._target_worker = SimpleNamespace(
         model_runner=SimpleNamespace(attn_backend="backend N", decode_cuda_graph_runner=None)
     )
@@ -554,7 +554,7 @@ def test_the_worker_serves_one_width_when_fixed_or_given_only_n(monkeypatch, env
     worker_mod, w = _worker()
     w.runtime = SimpleNamespace(options=config.Options.from_env())  # the factory's
     w._ask_for_readings()
-    assert w._tree_head.readings is None  # one width: nothing for the draft graph to compute
+    assert w.tree_head.readings is None  # one width: nothing for the draft graph to compute
     w._init_widths(capture=True)
     assert w._widths is None and w._readings is None
     assert w._choose_width(3) == 32
@@ -580,7 +580,7 @@ def test_the_worker_chooses_among_the_widths_without_graphs(monkeypatch):
     w._ask_for_readings()
     w._init_widths(capture=False)
     assert w._widths.widths == (16, 32, 64)
-    assert w._tree_head.reading_widths == (16, 32, 64)
+    assert w.tree_head.reading_widths == (16, 32, 64)
     assert {w._widths.states[x] for x in (16, 32, 64)} == {("backend N", None)}
     assert w._choose_width(3) == 64 and w.speculative_num_draft_tokens == 64
     assert w.runtime.report()["widths_chosen"] == {"64": 1}
@@ -692,7 +692,7 @@ def test_the_draft_graphs_are_captured_after_the_readings_are_asked_for(monkeypa
     monkeypatch.setattr(
         worker_mod.compat,
         "init_draft_cuda_graphs",
-        lambda worker, capture: at_capture.append(worker._tree_head.readings),
+        lambda worker, capture: at_capture.append(worker.tree_head.readings),
     )
     w.init_cuda_graphs()
     assert at_capture and at_capture[0] is not None
@@ -792,24 +792,27 @@ def test_a_round_at_one_width_gives_what_each_narrower_width_would_have_accepted
 
 
 def test_the_worker_reads_the_accepted_tokens_at_each_width_from_the_rounds_result():
-    """worker._accepted_at_widths: the round's emitted tokens (SGLang's next_token_ids, the
+    """Round.accepted_at_widths: the round's emitted tokens (SGLang's next_token_ids, the
     accepted drafts then the bonus, per request) and accept lengths, through the round's tree."""
     from sglang_ddtree.tree import accept_walk
     from sglang_ddtree.tree.budget import truncate
 
     worker_mod, w = _worker(N=32)
     head, _, picks = _world_rounds(5, num_nodes=32)
-    w._tree_head = head
+    w.tree_head = head
     accept = accept_walk(head.tree(5), picks, 15)
     emitted = torch.cat([accept.emitted.clamp(min=0), torch.zeros(5, 4, dtype=torch.int64)], 1)
     result = SimpleNamespace(
         next_token_ids=emitted.int().flatten(), accept_lens=(accept.num_accepted + 1).int()
     )
-    rnd = worker_mod.Round(bs=5, width=32, draft_input=None, tree=head.tree(5, 32))
+    from sglang_ddtree.round.round import Round
+
+    rnd = Round(worker=w, batch=None, bs=5, width=32, draft_input=None, tree=head.tree(5, 32))
     want = [
         accept_walk(truncate(head.tree(5), v), picks[:, :v], 15).num_accepted + 1 for v in (16, 32)
     ]
-    assert torch.equal(w._accepted_at_widths(result, rnd), torch.stack(want, 1).float())
+    got = rnd.accepted_at_widths(result, head.reading_widths)
+    assert torch.equal(got, torch.stack(want, 1).float())
 
 
 def test_a_width_the_policy_is_not_choosing_keeps_an_unbiased_reading_at_batch_1():

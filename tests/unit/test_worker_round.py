@@ -1,4 +1,4 @@
-"""round/worker.py's decode round on the CPU: the worker's `Round` carries the width, the
+"""The decode round on the CPU (round/worker.py making a round/round.py `Round`): it carries the width, the
 draft block's positions and write slots, and the tree from step to step, with SGLang's verify,
 the draft forward and the draft-KV write replaced by recorders (the GPU suite runs them for
 real)."""
@@ -32,6 +32,7 @@ def _round_worker(monkeypatch, calls):
 
     from sglang_ddtree.adapter import compat
     from sglang_ddtree.config import DDTreeConfig, Options
+    from sglang_ddtree.round import round as round_mod
     from sglang_ddtree.round.runtime import Runtime
     from sglang_ddtree.tree.build import topk_logprobs_from_logits
     from sglang_ddtree.tree.build_reference import build_tree_reference
@@ -54,20 +55,21 @@ def _round_worker(monkeypatch, calls):
 
     class Head:
         simulated_picks = None
+        reading_widths = (N // 2, N)
 
         def tree(self, n, width):
             calls.append(("tree", n, width))
             return tree
 
-    w._tree_head = Head()
+    w.tree_head = Head()
     w._round_dump = SimpleNamespace(round=lambda *a: calls.append(("dump", *a)))
 
-    def draft(batch, rnd):
+    def draft(rnd):
         calls.append(("draft", rnd.bs, rnd.width, rnd.draft_input))
         rnd.positions = torch.arange(bs * B).view(bs, B) + 100
         rnd.draft_slots = torch.arange(bs * B).view(bs, B) + 1000
 
-    w._draft = draft
+    monkeypatch.setattr(round_mod.Round, "draft", draft)
 
     def verify_input(
         cfg,
@@ -97,8 +99,8 @@ def _round_worker(monkeypatch, calls):
         calls.append(("verify", batch.spec_info, kwargs["num_draft_tokens"], kwargs["topk"]))
         return result
 
-    monkeypatch.setattr(worker_mod, "make_verify_input", verify_input)
-    monkeypatch.setattr(worker_mod, "run_eagle_verify", verify)
+    monkeypatch.setattr(round_mod, "make_verify_input", verify_input)
+    monkeypatch.setattr(round_mod, "run_eagle_verify", verify)
     monkeypatch.setattr(worker_mod, "make_draft_input_v2", lambda **kw: SimpleNamespace(**kw))
     monkeypatch.setattr(compat, "append_draft_kv", lambda worker, **kw: calls.append(("kv", kw)))
     draft_input = DFlashDraftInputV2.__new__(DFlashDraftInputV2)
@@ -152,7 +154,7 @@ def test_a_verify_without_graphs_is_noted_at_the_rounds_width(monkeypatch):
 @pytest.mark.parametrize("measured", [True, False])
 def test_a_measured_round_hands_the_readings_what_each_width_accepted(monkeypatch, measured):
     """With automatic widths the round's end gives the readings the tokens accepted at each read
-    width (worker._accepted_at_widths, after the draft context is written); a round whose
+    width (Round.accepted_at_widths, after the draft context is written); a round whose
     reading was dropped (its slot still out) computes nothing for them."""
     calls = []
     w, batch, *_ = _round_worker(monkeypatch, calls)
@@ -161,7 +163,13 @@ def test_a_measured_round_hands_the_readings_what_each_width_accepted(monkeypatc
         current="slot" if measured else None, finish=lambda accepted: finished.append(accepted)
     )
     w._choose_width = lambda bs: N
-    w._accepted_at_widths = lambda result, rnd: calls.append(("accepted", rnd.width)) or "read"
+    from sglang_ddtree.round.round import Round
+
+    monkeypatch.setattr(
+        Round,
+        "accepted_at_widths",
+        lambda rnd, result, widths: calls.append(("accepted", rnd.width)) or "read",
+    )
     w.forward_batch_generation(batch)
     names = [c[0] for c in calls]
     if measured:

@@ -4,7 +4,7 @@ warning; the GPU suite's servers run with it (tests/gpu/servers.py ENV) and fail
 gets it by starting with this folder first on PYTHONPATH and DDTREE_SYNC_CHECK=1 (its
 `sitecustomize` installs it in every process, SGLang's spawned scheduler included).
 
-`install` replaces `sglang_ddtree.round.worker.own_code`, the context the worker's round
+`install` replaces `sglang_ddtree.round.round.own_code`, the context the round's own
 steps run in (SGLang's own calls stay outside it), as that module is imported: importing it at
 start-up would load SGLang's workers in every process.
 """
@@ -16,7 +16,7 @@ import importlib.abc
 import importlib.util
 import sys
 
-WORKER = "sglang_ddtree.round.worker"
+WORKER = "sglang_ddtree.round.round"
 
 
 @contextlib.contextmanager
@@ -33,12 +33,12 @@ def sync_debug():
 
 
 def patch(worker) -> None:
-    """The worker module's round steps under the sync check."""
+    """The round module's own steps under the sync check."""
     worker.own_code = sync_debug
 
 
 def install() -> None:
-    """Patch the worker module now if it is loaded, else as soon as it is imported."""
+    """Patch the round module now if it is loaded, else as soon as it is imported."""
     if WORKER in sys.modules:
         patch(sys.modules[WORKER])
     elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
@@ -46,7 +46,7 @@ def install() -> None:
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
-    """Finds the worker module with the other finders and patches it once it has run."""
+    """Finds the round module with the other finders and patches it once it has run."""
 
     def find_spec(self, fullname, path, target=None):
         if fullname != WORKER:
