@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 import harness  # beside this script (scripts/harness.py)
+import round_trace  # beside this script (scripts/round_trace.py)
 
 from sglang_ddtree import DEMO_PAIR_DIR
 from sglang_ddtree.training.corpus import heldout_prompts
@@ -148,8 +149,6 @@ def reference_rounds(target: str, draft: str, prompts: list[str], budget: int, t
 
 
 def profile(servers: list, out: Path) -> None:
-    import bench_round  # beside this script, so on sys.path when it runs
-
     for server in servers:
         if server.name == "none":
             continue
@@ -157,7 +156,7 @@ def profile(servers: list, out: Path) -> None:
             row = {
                 "server": server.name,
                 "bs": bs,
-                **bench_round.profile_parts(server, bs, out / "traces"),
+                **round_trace.profile_parts(server, bs, out / "traces"),
             }
             print(json.dumps(row), flush=True)
             with open(out / "round_profile_pair.jsonl", "a") as f:
@@ -211,7 +210,7 @@ def main() -> int:
         "--profile",
         action="store_true",
         help="then profile one round of each speculative server at batch 1 and 8 "
-        "(bench_round.profile_parts: GPU ms per DDTREE part, host ms, syncs per round)",
+        "(round_trace.profile_parts: GPU ms per DDTREE part, host ms, syncs per round)",
     )
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

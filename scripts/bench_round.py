@@ -4,33 +4,44 @@ built-in MTP layer with its tree) and no speculation, side by side on one GPU.
     python scripts/bench_round.py --out OUT [--variants none,dflash,nextn,ddtree32,ddtree64]
         [--batch 1,4,8,16] [--tokens 96] [--profile ddtree64]
 
+The script sizes itself from the GPU it finds (`size_for`, on `card_info`'s name and total
+memory): the target runs bf16 where its weights leave room for a verify scratch (one H200) and
+`--quantization fp8` otherwise (one H100; the draft stays bf16 either way), and
+--mem-fraction-static, the verify-scratch budget the speculative variants' running requests are
+sized to (`max_requests`) and the most running requests follow from the card's memory. Every row
+records the card (`card`, `card_gib`), `target_dtype`, `mem_fraction_static`, `scratch_gib` and
+its variant's `max_running`.
+
 Per variant: one server (CUDA graphs on, FlashInfer), then for each batch size b: b concurrent
 requests of 1, `--tokens` / 2 and `--tokens` new tokens. Round time = the slope of request
 latency against the request's decode rounds (spec_verify_ct, or new tokens - 1 for plain
 decoding). Dummy weights accept at random, so this is the cost of a round, not a speed-up;
 `--simulate` gives every server a world in which drafts are accepted as a real drafter's are
 (docs/simulation.md), and `--serving` measures end to end in it. Also recorded: the Gated DeltaNet
-verify scratch the server allocated, and (for `--profile` variants) GPU time per DDTREE part from
-SGLang's torch-profiler trace, using the worker's `ddtree.*` ranges.
+verify scratch the server allocated, the memory its weights took as SGLang logged it
+(`weights_gb`, target then draft: the check on the sizing's `weights_gib`), and (for `--profile`
+variants) GPU time per DDTREE part from SGLang's torch-profiler trace, using the worker's
+`ddtree.*` ranges (scripts/round_trace.py).
 Output: OUT/round_cost_27b.jsonl (one row per measurement; docs/data/ keeps them, docs/results.md
-shows them), a table on stdout, OUT/bench_round.png. The unit tests check configs, variants and
-the trace parsers on CPU.
+shows them), a table on stdout, OUT/bench_round.png. The unit tests check configs, variants,
+the sizing on an H100 and an H200 and the rows, on CPU.
 """
 
 from __future__ import annotations
 
 import argparse
-import bisect
-import glob
-import gzip
+import dataclasses
 import json
+import math
 import re
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import harness  # beside this script (scripts/harness.py)
-from bench_serving import bench_args, run_bench, write_dataset
+from harness import bench_args, prompts_for, run_bench, timed_requests, write_dataset
+from round_trace import profile_parts
 
 QWEN36_TEXT = dict(  # Qwen3.6-27B text sizes (ddtree.md §3)
     model_type="qwen3_5_text",
@@ -97,20 +108,182 @@ COMMON = [
     "dummy",
     "--context-length",
     "8192",
-    "--mem-fraction-static",
-    "0.85",
     "--disable-prefill-cuda-graph",
-]
+]  # and the card's Sizing.flags(): --mem-fraction-static, the target's --quantization
 
-
+GIB = 2**30
+VOCAB = 1024  # the written tokenizer's (the model's vocabulary is Qwen3.6's)
+_GDN_LAYERS = QWEN36_TEXT["layer_types"].count("linear_attention")
+_GDN_VALUES = QWEN36_TEXT["linear_num_value_heads"] * QWEN36_TEXT["linear_value_head_dim"]
+_GDN_KEYS = QWEN36_TEXT["linear_num_key_heads"] * QWEN36_TEXT["linear_key_head_dim"]
 # Gated DeltaNet verify scratch: SGLang keeps every verified token's recurrent state until the
 # commit, 48 layers x 48 heads x 128 x 128 per request and token (144 MiB in float32, 72 MiB in
-# bfloat16), for (running requests + 1) x verify width. This much of the H200 goes to it; the
-# rest holds the 27B weights (~56 GB with the draft), the KV cache and the live states.
-SCRATCH_GIB = 48
-VOCAB = 1024  # the written tokenizer's (the model's vocabulary is Qwen3.6's)
-GDN_STATE_MIB = 48 * 48 * 128 * 128 * 4 / 2**20
+# bfloat16), for (running requests + 1) x verify width.
+GDN_STATE_MIB = _GDN_LAYERS * _GDN_VALUES * QWEN36_TEXT["linear_key_head_dim"] * 4 / 2**20
+# A live Mamba slot: that state (float32) and the conv window (bf16, kernel - 1 taps): 146.8 MiB
+CONV_STATE_MIB = (
+    _GDN_LAYERS * (2 * _GDN_KEYS + _GDN_VALUES) * (QWEN36_TEXT["linear_conv_kernel_dim"] - 1) * 2
+) / 2**20
 MAMBA_SLOTS_PER_REQ = 6  # >= SGLang's mamba slots per running request (3, +2 with overlap)
+
+# --- Sizing from the card -------------------------------------------------------------------
+# --mem-fraction-static is the share of the card SGLang's static memory takes: the weights and
+# the pools (KV cache, live GDN states, verify scratch). The rest holds what the forward passes
+# allocate (activations, the CUDA graphs' pools, the verify's logits), and that does not grow
+# with the card: it follows the chunked-prefill size (8192 tokens on an H100 and an H200 alike)
+# and the graphs' batch sizes. SGLang's own estimate of it (arg_groups/memory_hook.py, used when
+# --mem-fraction-static is left unset) is 512 MB + 1.5 MB per chunked-prefill token + 128 MB +
+# 2 MB per decode-graph batch size (at most 32 here): 12.7 GiB. A constant 0.85 leaves 21.0 GiB
+# of an H200 (every H200 row so far was measured at 0.85, so the H200 keeps it) but 11.9 GiB of
+# an H100, under that estimate: on an H100 the fraction is 1 - 12.7 / 79.6 = 0.840. fp8 does not
+# change the rest (its per-token activation scales are small); what it changes is the static
+# side, whose weights drop from 53.3 to 30.6 GiB (weights_gib).
+MEM_FRACTION_MAX = 0.85
+SGLANG_RESERVE_GIB = (512 + 1.5 * 8192 + 128 + 2 * 32) / 1024
+# Of the pools (static memory less the weights) the verify scratch gets what is left beside
+# KV_AND_STATES_GIB for the KV cache (target and draft), the running requests' live GDN states
+# (MAMBA_SLOTS_PER_REQ slots of 146.8 MiB each: 13.8 GiB at 16 requests) and SGLang's multimodal
+# reservation (0.1 GiB). 17 GiB is what one H200 at 0.85 left beside the 48 GiB budget all its
+# rows were measured with (pools of 118.8 - 53.3 = 65.5 GiB), where DFLASH's 16 requests served
+# four 32K-token prompts (docs/data/round_cost_27b.jsonl, sitting 8).
+KV_AND_STATES_GIB = 17.0
+# The target runs bf16 where its pools hold that and one DFLASH request's scratch at width 16
+# (2 x 16 x 144 MiB); else fp8. On an H100 the bf16 pools are 13.6 GiB (measured there: the bf16
+# weights alone needed --mem-fraction-static above 0.866).
+MIN_SCRATCH_GIB = 2 * 16 * GDN_STATE_MIB / 1024
+# The most running requests a card starts any variant with (a ceiling on --max-running): each
+# takes MAMBA_SLOTS_PER_REQ live slots and up to COMPACT_GIB_PER_REQ of DDTREE's compact scratch
+# (6.6 GB for 32 requests at N = 64 on the H200), beside KV_FLOOR_GIB of KV cache (about 50K
+# tokens of target and draft KV at 64 + 20 KiB a token).
+COMPACT_GIB_PER_REQ = 0.25
+KV_FLOOR_GIB = 4.0
+
+
+def target_params(cfg: dict = QWEN36_TEXT) -> tuple[int, int]:
+    """The target's parameters as (those of linear layers, all others): its projections and MLPs
+    are linear layers, which `--quantization fp8` keeps in one byte a parameter; the embedding,
+    the LM head, the norms and the GDN conv and decay parameters stay bf16. Left out (under
+    0.5 B together): the one-layer vision tower write_configs gives it and the MTP layer (loaded
+    as NEXTN's draft only, smaller than DRAFT)."""
+    h, head = cfg["hidden_size"], cfg["head_dim"]
+    mlp = 3 * h * cfg["intermediate_size"]  # gate, up, down
+    q = cfg["num_attention_heads"] * head
+    gate = 2 if cfg["attn_output_gate"] else 1  # q_proj makes the output gate too
+    attention = h * q * gate + 2 * h * cfg["num_key_value_heads"] * head + q * h
+    keys = cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"]
+    values = cfg["linear_num_value_heads"] * cfg["linear_value_head_dim"]
+    heads = cfg["linear_num_value_heads"]
+    gdn = h * (2 * keys + 2 * values) + h * 2 * heads + values * h  # in_proj_qkvz, _ba, out_proj
+    gdn_rest = (2 * keys + values) * cfg["linear_conv_kernel_dim"] + 2 * heads
+    gdn_rest += cfg["linear_value_head_dim"]  # conv1d, A_log, dt_bias, the gated norm
+    types = cfg["layer_types"]
+    linear_layers, full = types.count("linear_attention"), types.count("full_attention")
+    linear = linear_layers * (gdn + mlp) + full * (attention + mlp)
+    rest = 2 * cfg["vocab_size"] * h + linear_layers * gdn_rest + full * 2 * head
+    return linear, rest + (2 * len(types) + 1) * h  # and the layer norms
+
+
+def draft_params(cfg: dict = DRAFT) -> int:
+    """The DFlash draft's parameters: its layers, the projection of the target's hidden states
+    (fc) and the norms; the embedding and the LM head are the target's (SGLang's
+    DFlashDraftModel borrows them)."""
+    h, head = cfg["hidden_size"], cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * head, cfg["num_key_value_heads"] * head
+    layer = 2 * h * q + 2 * h * kv + 3 * h * cfg["intermediate_size"] + 2 * h + 2 * head
+    fc = len(cfg["dflash_config"]["target_layer_ids"]) * h * h
+    return cfg["num_hidden_layers"] * layer + fc + 2 * h
+
+
+def weights_gib(target_dtype: str) -> float:
+    """The target's weights in `target_dtype` ("bf16", or "fp8": a byte for each linear-layer
+    parameter, two for the others) and the bf16 draft's, in GiB: 50.1 + 3.2 in bf16, 27.4 + 3.2
+    with an fp8 target."""
+    linear, rest = target_params()
+    return ((1 if target_dtype == "fp8" else 2) * linear + 2 * rest + 2 * draft_params()) / GIB
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """How this script runs on one card (size_for)."""
+
+    card: str
+    card_gib: float  # the card's total memory
+    target_dtype: str  # "bf16" or "fp8"
+    mem_fraction_static: float
+    pools_gib: float  # the static memory less the weights: KV cache, live states, scratch
+    scratch_gib: int  # the verify-scratch budget (max_requests)
+    most_running: int  # the most running requests any variant is started with
+
+    def flags(self) -> list[str]:
+        """The server flags of this sizing, beside COMMON."""
+        fp8 = ["--quantization", "fp8"] if self.target_dtype == "fp8" else []
+        return ["--mem-fraction-static", str(self.mem_fraction_static), *fp8]
+
+    def draft_flags(self) -> list[str]:
+        """A speculative server's: its draft stays bf16 (SGLang gives the draft the target's
+        --quantization unless --speculative-draft-model-quantization says otherwise; `unquant`
+        is none)."""
+        fp8 = self.target_dtype == "fp8"
+        return ["--speculative-draft-model-quantization", "unquant"] if fp8 else []
+
+    def row(self) -> dict:
+        """What every emitted row records of it."""
+        return {
+            "card": self.card,
+            "card_gib": round(self.card_gib, 1),
+            "target_dtype": self.target_dtype,
+            "mem_fraction_static": self.mem_fraction_static,
+            "scratch_gib": self.scratch_gib,
+        }
+
+
+def mem_fraction(card_gib: float) -> float:
+    """--mem-fraction-static on a card of `card_gib`: SGLANG_RESERVE_GIB left outside the static
+    memory, and at most MEM_FRACTION_MAX (0.840 on an H100, 0.85 on an H200)."""
+    return min(MEM_FRACTION_MAX, math.floor(1000 * (1 - SGLANG_RESERVE_GIB / card_gib)) / 1000)
+
+
+def size_for(card: str, card_gib: float) -> Sizing:
+    """The sizing on a card named `card` of `card_gib` total memory: the target bf16 where its
+    pools hold KV_AND_STATES_GIB and MIN_SCRATCH_GIB, fp8 otherwise (SystemExit where neither
+    does), the verify-scratch budget (whole GiB) and the running-request ceiling.
+    One H200 (139.8 GiB): bf16, 0.85, 48 GiB, 55; one H100 (79.6 GiB): fp8, 0.840, 19 GiB, 29."""
+    fraction = mem_fraction(card_gib)
+    for dtype in ("bf16", "fp8"):
+        pools = fraction * card_gib - weights_gib(dtype)
+        if pools >= KV_AND_STATES_GIB + MIN_SCRATCH_GIB:
+            break
+    else:
+        raise SystemExit(
+            f"{card} ({card_gib:.1f} GiB): the 27B target leaves too little memory for the "
+            f"pools even in fp8 ({pools:.1f} GiB at --mem-fraction-static {fraction})"
+        )
+    per_request = MAMBA_SLOTS_PER_REQ * (GDN_STATE_MIB + CONV_STATE_MIB) / 1024
+    return Sizing(
+        card=card,
+        card_gib=card_gib,
+        target_dtype=dtype,
+        mem_fraction_static=fraction,
+        pools_gib=round(pools, 2),
+        scratch_gib=int(pools - KV_AND_STATES_GIB),
+        most_running=int((pools - KV_FLOOR_GIB) / (per_request + COMPACT_GIB_PER_REQ)),
+    )
+
+
+def card_info(device: int = 0) -> tuple[str, float]:
+    """This machine's GPU: its name and total memory in GiB (the tests pass their own)."""
+    import torch
+
+    return torch.cuda.get_device_name(device), torch.cuda.mem_get_info(device)[1] / GIB
+
+
+def free_bytes() -> int:
+    """The GPU's free memory now."""
+    import torch
+
+    return torch.cuda.mem_get_info()[0]
+
+
 # SGLang's SSM-state dtype (SGLANG_MAMBA_SSM_DTYPE; float32 by default): the `_bf16ssm` variants
 # halve the scratch, which is what lets N = 64 run 8 requests.
 # `_sglanggdn`: DDTREE with SGLang's own GDN tree verify, conv1d and commit (per-node states)
@@ -129,10 +302,11 @@ VARIANT_ENV = {
 FIXED = {"SGLANG_DDTREE_WIDTH": "fixed"}
 
 
-def max_requests(width: int, state_bytes: int = 4, cap: int = 16) -> int:
-    """Running requests whose verify scratch at `width` tokens fits SCRATCH_GIB (1 to cap)."""
+def max_requests(width: int, scratch_gib: float, state_bytes: int = 4, cap: int = 16) -> int:
+    """Running requests whose verify scratch at `width` tokens ((requests + 1) x width states)
+    fits `scratch_gib`: at most cap; 0 where not even one does."""
     per_request_mib = GDN_STATE_MIB * state_bytes / 4 * width
-    return max(1, min(cap, int(SCRATCH_GIB * 1024 / per_request_mib) - 1))
+    return max(0, min(cap, int(scratch_gib * 1024 / per_request_mib) - 1))
 
 
 def variant_env(name: str) -> dict[str, str]:
@@ -159,11 +333,15 @@ def width_table(log: str) -> dict | None:
     return {"widths": widths, "ms": ms, "chosen": chosen.removeprefix("widths chosen:").strip()}
 
 
-def variants(draft: Path, cap: int = 16) -> dict[str, list[str]]:
-    """Server flags per variant. Speculative variants size the Mamba pool explicitly
-    (--max-mamba-cache-size) so SGLang's verify scratch is reserved for max_requests() requests
-    rather than solved from leftover memory; the compact-scratch DDTREE variants and plain
-    decoding run at most `cap` requests (--max-running), the others at most 16."""
+def variants(draft: Path, sizing: Sizing, cap: int = 16) -> dict[str, list[str]]:
+    """Server flags per variant on the card `sizing` is of. Speculative variants size the Mamba
+    pool explicitly (--max-mamba-cache-size) so SGLang's verify scratch is reserved for
+    max_requests() requests of the card's scratch budget rather than solved from leftover
+    memory; the compact-scratch DDTREE variants and plain decoding run at most `cap` requests
+    (--max-running), the others at most 16; none more than the card's most_running. A variant
+    of which not even one request fits gets --max-running-requests 0 (main starts no server
+    for it)."""
+    cap = min(cap, sizing.most_running)
 
     def requests(n: int) -> list[str]:
         return [
@@ -176,13 +354,15 @@ def variants(draft: Path, cap: int = 16) -> dict[str, list[str]]:
     def running(width: int, state_bytes: int = 4) -> list[str]:
         # SGLang's per-node scratch: at most 16 requests whatever `cap` (more leave the KV
         # cache too little memory on one H200)
-        return requests(max_requests(width, state_bytes))
+        most = min(16, sizing.most_running)
+        return requests(max_requests(width, sizing.scratch_gib, state_bytes, most))
 
     spec = [
         "--speculative-draft-model-path",
         str(draft),
         "--speculative-draft-load-format",
         "dummy",
+        *sizing.draft_flags(),
     ]
     dd = ["--speculative-algorithm", "DDTREE", *spec, "--speculative-eagle-topk", "8"]
     dflash = ["--speculative-algorithm", "DFLASH", *spec]
@@ -190,9 +370,10 @@ def variants(draft: Path, cap: int = 16) -> dict[str, list[str]]:
         "none": ["--max-running-requests", str(cap)],
         "dflash": [*dflash, *running(16)],
         "dflash_bf16ssm": [*dflash, *running(16, 2)],
-        "nextn": [
+        "nextn": [  # the draft: the target's own MTP layer
             "--speculative-algorithm",
             "NEXTN",
+            *sizing.draft_flags(),
             "--speculative-eagle-topk",
             "4",
             "--speculative-num-steps",
@@ -217,6 +398,11 @@ def variants(draft: Path, cap: int = 16) -> dict[str, list[str]]:
         *running(64, 2),
     ]
     return out
+
+
+def flag_value(flags: list[str], name: str) -> str | None:
+    """The value after `name` in a server's flags (None: not there)."""
+    return flags[flags.index(name) + 1] if name in flags else None
 
 
 def widths_rounds(server) -> dict[str, int] | None:
@@ -284,28 +470,13 @@ def write_configs(root: Path) -> tuple[Path, Path]:
     return target, draft
 
 
-def _latencies(server, bs: int, tokens: int, temperature: float = 0.0) -> list[dict]:
-    prompts = [harness.PROMPTS[i % len(harness.PROMPTS)] for i in range(bs)]
-
-    def one(prompt):
-        t0 = time.perf_counter()
-        out = harness.generate(
-            server, prompt, max_new_tokens=tokens, temperature=temperature, ignore_eos=True
-        )
-        return {"latency": time.perf_counter() - t0, "meta": out["meta_info"]}
-
-    return harness.run_all(one, prompts, bs)
-
-
 def wait_gpu_free(baseline: int, timeout: float = 120) -> float:
     """Until the GPU has 95% of `baseline` bytes free again (a stopped server's processes can
     hold their memory for seconds, and the next server sizes its pools from what is free);
     returns the free GiB."""
-    import torch
-
     t0 = time.time()
     while True:
-        free, _ = torch.cuda.mem_get_info()
+        free = free_bytes()
         if free >= 0.95 * baseline or time.time() - t0 > timeout:
             return free / 2**30
         time.sleep(2)
@@ -335,10 +506,10 @@ def measure(server, bs: int, tokens: int) -> dict:
     counted, not assumed, so acceptance (real or simulated) varying from request to request
     is what the slope runs over. A batch of 1-token requests gives prefill_ms and stays out of
     the fit (one such batch once took 900 ms at bs 16)."""
-    _latencies(server, bs, tokens)  # warm-up
+    timed_requests(server, bs, tokens)  # warm-up
     repeat = -(-3 // bs)
     runs = {
-        n: [r for _ in range(repeat) for r in _latencies(server, bs, n)]
+        n: [r for _ in range(repeat) for r in timed_requests(server, bs, n)]
         for n in (1, max(2, tokens // 2), tokens)
     }
     points = [(_decode_rounds(r["meta"]), r["latency"]) for n in runs if n > 1 for r in runs[n]]
@@ -421,178 +592,6 @@ def gdn_scratch_gb(log: str) -> float | None:
     return float(m.group(1)) if m else None
 
 
-def profile_parts(
-    server, bs: int, out_dir: Path, tokens: int = 48, temperature: float = 0.0
-) -> dict:
-    """From SGLang's torch-profiler trace of `bs` requests at `temperature`: {"gpu_ms": GPU ms
-    per DDTREE part per round (parse_trace), "host": round period, host ms per part, syncs
-    (parse_trace_host)}."""
-    suffix = f"_t{temperature:g}" if temperature else ""
-    trace_dir = out_dir / f"trace_{server.name}_bs{bs}{suffix}"
-    trace_dir.mkdir(parents=True, exist_ok=True)
-    harness.post(
-        server.url + "/start_profile",
-        {"output_dir": str(trace_dir), "num_steps": 12, "activities": ["CPU", "GPU"]},
-    )
-    _latencies(server, bs, tokens, temperature)
-    deadline = time.time() + 120
-    while time.time() < deadline and not glob.glob(str(trace_dir / "*.json*")):
-        time.sleep(2)
-    files = sorted(glob.glob(str(trace_dir / "*.json*")))
-    if not files:
-        return {}
-    events = load_events(files[-1])  # one parse of the (large) trace for all three
-    return {
-        "gpu_ms": parse_trace(events),
-        "host": parse_trace_host(events),
-        "top_kernels": top_kernels(events),
-        "host_functions": host_functions(events),
-    }
-
-
-def load_events(path: str) -> list[dict]:
-    """The events of a torch-profiler trace (.json or .json.gz)."""
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as f:
-        return json.load(f)["traceEvents"]
-
-
-def _round_starts(events: list[dict]) -> list[float]:
-    """Start times of the scheduler's `run_batch` ranges: one per decode round."""
-    return sorted(
-        e["ts"]
-        for e in events
-        if e.get("ph") == "X"
-        and e.get("cat") == "user_annotation"
-        and e.get("name") == "scheduler.run_batch"
-    )
-
-
-def parse_trace_host(events: list[dict]) -> dict:
-    """Host side of a trace: the median period of the scheduler's `run_batch` (one decode round
-    per batch), the mean host ms of each `ddtree.*` range, and host synchronisations
-    (cudaStreamSynchronize/cudaDeviceSynchronize) per round, with those whose innermost Python
-    frame from sglang or sglang_ddtree is in sglang_ddtree counted as DDTREE's own."""
-    starts = _round_starts(events)
-    events = [e for e in events if e.get("ph") == "X"]
-    ann = [e for e in events if e.get("cat") == "user_annotation"]
-    gaps = [(b - a) / 1e3 for a, b in zip(starts, starts[1:], strict=False)]
-    host: dict[str, list[float]] = {}
-    for e in ann:
-        if e["name"].startswith("ddtree."):
-            host.setdefault(e["name"], []).append(e["dur"] / 1e3)
-    frames = [e for e in events if e.get("cat") == "python_function"]
-    syncs = [e for e in events if e.get("cat") == "cuda_runtime" and "Synchronize" in e["name"]]
-    own, where = 0, {}
-    for s in syncs:
-        around = [
-            f
-            for f in frames
-            if f["tid"] == s["tid"]
-            and f["ts"] <= s["ts"] <= f["ts"] + f["dur"]
-            and ("sglang/" in f["name"] or "sglang_ddtree/" in f["name"])
-        ]
-        inner = max(around, key=lambda f: f["ts"])["name"] if around else "(no sglang frame)"
-        where[inner] = where.get(inner, 0) + 1
-        if "sglang_ddtree/" in inner:
-            own += 1
-    rounds = max(len(starts), 1)
-    launches = [e for e in events if e.get("cat") == "cuda_runtime" and "Launch" in e["name"]]
-    return {
-        "round_period_ms": statistics.median(gaps) if gaps else None,
-        # kernel and graph launches from the host: each one's host cost, whoever issues it
-        "launches_per_round": len(launches) / rounds,
-        "launches_by_range": _launches_by_range(ann, launches, rounds),
-        "host_ms": {k: statistics.mean(v) for k, v in host.items()},
-        "syncs_per_round": len(syncs) / rounds,
-        "own_syncs_per_round": own / rounds,
-        # the innermost sglang / sglang_ddtree frame of each sync: which function waits
-        "syncs_by_frame": {k: v / rounds for k, v in sorted(where.items(), key=lambda kv: -kv[1])},
-    }
-
-
-def _launches_by_range(ann: list[dict], launches: list[dict], rounds: int) -> dict[str, float]:
-    """Launches per round inside each `ddtree.*` range (same thread; the ranges do not nest)."""
-    ranges = sorted(
-        (e["ts"], e["ts"] + e["dur"], e["tid"], e["name"])
-        for e in ann
-        if e["name"].startswith("ddtree.")
-    )
-    starts = [r[0] for r in ranges]
-    out: dict[str, float] = {}
-    for e in launches:
-        i = bisect.bisect_right(starts, e["ts"]) - 1
-        if i >= 0 and e["ts"] <= ranges[i][1] and e["tid"] == ranges[i][2]:
-            out[ranges[i][3]] = out.get(ranges[i][3], 0) + 1
-    return {k: v / rounds for k, v in sorted(out.items())}
-
-
-def host_functions(events: list[dict], n: int = 150) -> list[tuple[str, float]]:
-    """The n sglang / sglang_ddtree Python functions with the most host time, and every other
-    sglang_ddtree one, as (frame, ms per round; inclusive: a caller's time holds its callees'):
-    where a round's host time goes."""
-    rounds = max(len(_round_starts(events)), 1)
-    total: dict[str, float] = {}
-    for e in events:
-        name = e.get("name", "")
-        if (
-            e.get("ph") == "X"
-            and e.get("cat") == "python_function"
-            and ("sglang/" in name or "sglang_ddtree/" in name)
-        ):
-            total[name] = total.get(name, 0.0) + e["dur"]
-    ranked = sorted(total.items(), key=lambda kv: -kv[1])
-    kept = ranked[:n] + [kv for kv in ranked[n:] if "sglang_ddtree/" in kv[0]]
-    return [(name, round(us / rounds / 1e3, 4)) for name, us in kept]
-
-
-def top_kernels(events: list[dict], n: int = 15) -> list[tuple[str, float]]:
-    """The n GPU kernels with the most time in the trace, as (name, ms per round), rounds
-    counted by the scheduler's `run_batch` ranges: which kernels a round's GPU time is made of."""
-    rounds = len(_round_starts(events))
-    total: dict[str, float] = {}
-    for e in events:
-        if e.get("ph") == "X" and e.get("cat") == "kernel":
-            total[e["name"][:120]] = total.get(e["name"][:120], 0.0) + e["dur"]
-    ranked = sorted(total.items(), key=lambda kv: -kv[1])[:n]
-    return [(name, round(us / max(rounds, 1) / 1e3, 4)) for name, us in ranked]
-
-
-def parse_trace(events: list[dict]) -> dict[str, float]:
-    """Sum the GPU kernel time launched inside each `ddtree.*` range, per round (ms). Ranges are
-    the host-side ones (the profiler also mirrors them on the GPU timeline); launches include
-    driver calls, which is how CUDA-graph replays (cuGraphLaunch) appear."""
-    ranges = [
-        e
-        for e in events
-        if e.get("ph") == "X"
-        and e.get("cat") == "user_annotation"
-        and str(e.get("name", "")).startswith("ddtree.")
-    ]
-    launches = [
-        e
-        for e in events
-        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
-    ]
-    kernels = {}
-    for e in events:
-        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "correlation" in e.get(
-            "args", {}
-        ):
-            kernels.setdefault(e["args"]["correlation"], []).append(e["dur"])
-    totals, counts = {}, {}
-    for r in ranges:
-        lo, hi = r["ts"], r["ts"] + r["dur"]
-        gpu_us = sum(
-            sum(kernels.get(e["args"]["correlation"], []))
-            for e in launches
-            if e["tid"] == r["tid"] and lo <= e["ts"] <= hi
-        )
-        totals[r["name"]] = totals.get(r["name"], 0.0) + gpu_us
-        counts[r["name"]] = counts.get(r["name"], 0) + 1
-    return {k: totals[k] / counts[k] / 1e3 for k in totals}
-
-
 SIMULATE = "SGLANG_DDTREE_SIMULATE"
 
 
@@ -604,10 +603,6 @@ def simulated(value: str) -> dict | None:
     return world.as_dict() if world else None
 
 
-def serving_requests(concurrency: int, per_client: int) -> int:
-    return max(16, per_client * concurrency)
-
-
 def serve(
     server, dataset: Path, tokenizer: str, concurrency: int, tokens: int, per_client: int, out: Path
 ) -> dict:
@@ -615,7 +610,7 @@ def serve(
     arguments): tokens/s, TPOT, TTFT and SGLang's accept length. A first wave of `concurrency`
     requests goes unmeasured: without it, each server's first run at 4 clients stalled one
     request about 6 s before its first token (a first-seen prefill shape), a third of the run."""
-    prompts = serving_requests(concurrency, per_client)
+    prompts = prompts_for(concurrency, per_client)
     run_bench(
         bench_args(
             server,
@@ -650,7 +645,13 @@ def serve(
     }
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def loaded_weights_gb(log: str) -> list[float]:
+    """The memory each model's weights took as SGLang logged it ("Load weight end. ... mem
+    usage=X GB", GiB): the target's, then the draft's; the check on weights_gib."""
+    return [float(x) for x in re.findall(r"Load weight end\..*?mem usage=([0-9.]+) GB", log)]
+
+
+def plot(rows: list[dict], path: Path, card: str = "one H200") -> None:
     """ms per decode round against batch size, one line per variant."""
     series = {
         name: [(r["bs"], r["round_ms"]) for r in rows if r["variant"] == name]
@@ -661,11 +662,11 @@ def plot(rows: list[dict], path: Path) -> None:
         path,
         xlabel="batch size",
         ylabel="ms per decode round",
-        title="Qwen3.6-27B-shaped target (dummy weights), one H200",
+        title=f"Qwen3.6-27B-shaped target (dummy weights), {card}",
     )
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--work", type=Path, default=Path("/root/bench_round"))
@@ -681,7 +682,8 @@ def main() -> int:
         "--max-running",
         type=int,
         default=16,
-        help="the most running requests a variant is started with (the Mamba pool sized for them)",
+        help="the most running requests a variant is started with (the Mamba pool sized for "
+        "them; at most what the card holds, its sizing's most_running)",
     )
     p.add_argument(
         "--simulate",
@@ -709,29 +711,33 @@ def main() -> int:
         "these token counts alone and 4 at once (e.g. 16384,32768); the context "
         "length becomes the largest + 1024",
     )
-    args = p.parse_args()
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     sizes = [b for v in args.variants.split(",") if "@" in v for b in v.split("@")[1].split("+")]
     graph_bs = args.graph_max_bs or max(int(b) for b in [*args.batch.split(","), *sizes])
     args.out.mkdir(parents=True, exist_ok=True)
+    sizing = size_for(*card_info())
+    print(json.dumps({"sizing": dataclasses.asdict(sizing)}), flush=True)
     target, draft = write_configs(args.work)
-    table = variants(draft, args.max_running)
+    table = variants(draft, sizing, args.max_running)
     lengths = [int(n) for n in args.long_context.split(",") if n]
-    common = list(COMMON)
+    common = [*COMMON, *sizing.flags()]
     if lengths:
         common[common.index("--context-length") + 1] = str(max(lengths) + 1024)
-    import torch
-
-    baseline = torch.cuda.mem_get_info()[0]  # free before any server (others may share the GPU)
+    baseline = free_bytes()  # free before any server (others may share the GPU)
     rows = []
     world = simulated(args.simulate)
     concurrencies = [int(c) for c in args.serving.split(",") if c]
     dataset = None
     if concurrencies:
-        most = max(serving_requests(c, args.requests_per_client) for c in concurrencies)
+        most = max(prompts_for(c, args.requests_per_client) for c in concurrencies)
         dataset = write_dataset(args.out / "prompts.jsonl", most)
 
     def emit(row: dict, kind: str = "round_cost_27b") -> None:
-        row = {**row, "simulate": world} if world else row
+        row = {**row, **sizing.row(), **({"simulate": world} if world else {})}
         if kind == "round_cost_27b":
             rows.append(row)
         print(json.dumps(row), flush=True)
@@ -742,6 +748,19 @@ def main() -> int:
         # NAME@B+B: that variant at those batch sizes only
         name, _, only = spec.partition("@")
         batches = [int(b) for b in (only.split("+") if only else args.batch.split(","))]
+        max_req = int(flag_value(table[name], "--max-running-requests"))
+        if max_req == 0:  # not one request's verify scratch fits the card's budget: no server
+            for bs in batches:
+                emit(
+                    {
+                        "variant": name,
+                        "bs": bs,
+                        "max_running": 0,
+                        "error": "does not fit: one request's verify scratch exceeds the "
+                        f"{sizing.scratch_gib} GiB budget of this card",
+                    }
+                )
+            continue
         extra = [*common, "--cuda-graph-max-bs-decode", str(graph_bs), *table[name]]
         env = {**variant_env(name), **({SIMULATE: args.simulate} if world else {})}
         server = harness.Server(
@@ -751,10 +770,10 @@ def main() -> int:
         server.start()
         try:
             healthy_s = server.wait_healthy(timeout=900)  # from launch
-            startup = {"healthy_s": round(healthy_s, 1), **startup_timings(server.log_text())}
-            scratch = gdn_scratch_gb(server.log_text())
-            max_req = int(table[name][table[name].index("--max-running-requests") + 1])
-            max_req = min(max_req, effective_max_running(server.log_text()) or max_req)
+            log = server.log_text()
+            startup = {"healthy_s": round(healthy_s, 1), **startup_timings(log)}
+            scratch, weights = gdn_scratch_gb(log), loaded_weights_gb(log)
+            max_req = min(max_req, effective_max_running(log) or max_req)
             for bs in batches:
                 if bs > max_req:  # what does not fit is a row too
                     emit(
@@ -769,6 +788,7 @@ def main() -> int:
                 row = {
                     "variant": name,
                     "gdn_scratch_gb": scratch,
+                    "weights_gb": weights,
                     "max_running": max_req,
                     "startup": startup,
                     **measure(server, bs, args.tokens),
@@ -794,9 +814,10 @@ def main() -> int:
                     row["widths_rounds"] = widths_rounds(server)
                 emit(row, "serving_simulated_27b")
             if lengths:
-                emit({"variant": name, "long_context": long_prompts(server, lengths, VOCAB)})
+                long_context = long_prompts(server, lengths, VOCAB)
+                emit({"variant": name, "max_running": max_req, "long_context": long_context})
         except Exception as exc:  # a variant that does not fit is a result, not a crash
-            emit({"variant": name, "error": str(exc)[-500:]})
+            emit({"variant": name, "max_running": max_req, "error": str(exc)[-500:]})
         finally:
             server.stop()
     ok = [r for r in rows if r.get("round_ms") is not None]
@@ -807,7 +828,7 @@ def main() -> int:
             f"{r['accept_len']:>7.2f} {r['gdn_scratch_gb'] or 0:>7.2f}"
         )
     if ok:
-        plot(ok, args.out / "bench_round.png")
+        plot(ok, args.out / "bench_round.png", f"one {sizing.card} ({sizing.target_dtype})")
     return 0
 
 

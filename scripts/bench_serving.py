@@ -40,11 +40,12 @@ import json
 import math
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import harness  # beside this script (scripts/harness.py)
+import round_trace  # beside this script (scripts/round_trace.py)
+from harness import bench_args, prompts_for, run_bench, write_dataset
 
 from sglang_ddtree import DEMO_PAIR_DIR
 from sglang_ddtree.training.corpus import heldout_prompts
@@ -85,95 +86,6 @@ def server_table(draft: str) -> dict[str, tuple[list[str], dict[str, str]]]:
         "ddtree16": ([*dd, *nodes(16)], fixed),
         "ddtree32": ([*dd, *nodes(32)], fixed),
     }
-
-
-def write_dataset(path: Path, n: int) -> Path:
-    """bench_serving's custom JSONL: a user turn (the prompt) and an assistant turn (unused: the
-    output length is fixed by --sharegpt-output-len)."""
-    prompts = heldout_prompts(n)
-    if len(prompts) < n:
-        raise SystemExit(
-            f"only {len(prompts)} held-out prompts for the {n} requests of a run: "
-            "lower --requests-per-client"
-        )
-    rows = [
-        {
-            "conversations": [
-                {"role": "user", "content": p},
-                {"role": "assistant", "content": "unused reply"},
-            ]
-        }
-        for p in prompts
-    ]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-def bench_args(
-    server,
-    dataset: Path,
-    tokenizer: str,
-    prompts: int,
-    concurrency: int,
-    temperature: float,
-    tokens: int,
-    out_file: Path,
-) -> list[str]:
-    return [
-        "--backend",
-        "sglang",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(server.port),
-        "--model",
-        tokenizer,
-        "--tokenizer",
-        tokenizer,
-        "--dataset-name",
-        "custom",
-        "--dataset-path",
-        str(dataset),
-        "--num-prompts",
-        str(prompts),
-        "--sharegpt-output-len",
-        str(tokens),
-        "--max-concurrency",
-        str(concurrency),
-        "--temperature",
-        str(temperature),
-        "--seed",
-        "42",
-        "--flush-cache",
-        "--warmup-requests",
-        str(min(concurrency, 4)),
-        "--output-file",
-        str(out_file),
-    ]
-
-
-def run_bench(argv: list[str]) -> dict:
-    """One `python -m sglang.bench_serving ARGV`, in this process (its import is the slow part):
-    the result row it appends to --output-file."""
-    from sglang.benchmark.serving import cli_main
-
-    out_file = Path(argv[argv.index("--output-file") + 1])
-    before = out_file.read_text().count("\n") if out_file.exists() else 0
-    saved = sys.argv
-    sys.argv = ["sglang.bench_serving", *argv]
-    try:
-        cli_main()
-    finally:
-        sys.argv = saved
-    lines = out_file.read_text().splitlines()
-    if len(lines) <= before:
-        raise RuntimeError(f"bench_serving wrote no result to {out_file}")
-    return json.loads(lines[-1])
-
-
-def prompts_for(concurrency: int, per_client: int) -> int:
-    """Requests per run: `per_client` per client, at least 16."""
-    return max(16, per_client * concurrency)
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -302,18 +214,16 @@ def _ratio_cell(s: dict) -> str:
 
 
 def profile(servers: list, names: list[str], out: Path, temperatures: list[float]) -> None:
-    """bench_round.profile_parts on the named servers at batch 1 and 4 and each temperature,
+    """round_trace.profile_parts on the named servers at batch 1 and 4 and each temperature,
     after the measured runs (a profiled run is slower, so it is never one of them):
     OUT/round_profile_pair.jsonl."""
-    import bench_round  # beside this script
-
     for server in (s for s in servers if s.name in names):
         for t, bs in itertools.product(temperatures, (1, 4)):
             row = {
                 "server": server.name,
                 "bs": bs,
                 "temperature": t,
-                **bench_round.profile_parts(server, bs, out / "profiles", temperature=t),
+                **round_trace.profile_parts(server, bs, out / "profiles", temperature=t),
             }
             with open(out / "round_profile_pair.jsonl", "a") as f:
                 f.write(json.dumps(row) + "\n")

@@ -1,6 +1,10 @@
 """Launch SGLang servers and talk to them over HTTP: the small harness the benchmarks, the
 reliability tools and the GPU tests share (plain Python, standard library only; transformers
-for `Server.tokenize`). Every server writes its log under `log_dir`.
+for `Server.tokenize`, SGLang for `run_bench`, the package for `write_dataset`, each imported
+where it is used). Every server writes its log under `log_dir`. The benchmarks' shared parts
+live here, so that no benchmark imports another: timed batches of requests (`timed_requests`)
+and SGLang's load generator, `sglang.bench_serving` (`write_dataset`, `bench_args`,
+`run_bench`); scripts/round_trace.py holds their profiler-trace readers.
 
 Scripts beside this file import it by name (`import harness`: `python scripts/NAME.py` puts
 scripts/ first on sys.path); tests import `scripts.harness` (the checkout on their path).
@@ -302,3 +306,112 @@ def line_plot(
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def timed_requests(server: Server, bs: int, tokens: int, temperature: float = 0.0) -> list[dict]:
+    """`bs` concurrent /generate requests of `tokens` new tokens (PROMPTS in turn, ignore_eos):
+    per request, its latency (s) and SGLang's meta_info."""
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(bs)]
+
+    def one(prompt):
+        t0 = time.perf_counter()
+        out = generate(
+            server, prompt, max_new_tokens=tokens, temperature=temperature, ignore_eos=True
+        )
+        return {"latency": time.perf_counter() - t0, "meta": out["meta_info"]}
+
+    return run_all(one, prompts, bs)
+
+
+def prompts_for(concurrency: int, per_client: int) -> int:
+    """Requests per load-generator run: `per_client` per client, at least 16."""
+    return max(16, per_client * concurrency)
+
+
+def write_dataset(path: Path, n: int) -> Path:
+    """bench_serving's custom JSONL of n held-out prompts (the package's
+    `training.corpus.heldout_prompts`): a user turn (the prompt) and an assistant turn (unused:
+    the output length is fixed by --sharegpt-output-len)."""
+    from sglang_ddtree.training.corpus import heldout_prompts
+
+    prompts = heldout_prompts(n)
+    if len(prompts) < n:
+        raise SystemExit(
+            f"only {len(prompts)} held-out prompts for the {n} requests of a run: "
+            "lower --requests-per-client"
+        )
+    rows = [
+        {
+            "conversations": [
+                {"role": "user", "content": p},
+                {"role": "assistant", "content": "unused reply"},
+            ]
+        }
+        for p in prompts
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def bench_args(
+    server,
+    dataset: Path,
+    tokenizer: str,
+    prompts: int,
+    concurrency: int,
+    temperature: float,
+    tokens: int,
+    out_file: Path,
+) -> list[str]:
+    """`sglang.bench_serving`'s arguments for one run against `server` (write_dataset's file,
+    greedy or at `temperature`, `tokens` new tokens per request, a fixed seed)."""
+    return [
+        "--backend",
+        "sglang",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(server.port),
+        "--model",
+        tokenizer,
+        "--tokenizer",
+        tokenizer,
+        "--dataset-name",
+        "custom",
+        "--dataset-path",
+        str(dataset),
+        "--num-prompts",
+        str(prompts),
+        "--sharegpt-output-len",
+        str(tokens),
+        "--max-concurrency",
+        str(concurrency),
+        "--temperature",
+        str(temperature),
+        "--seed",
+        "42",
+        "--flush-cache",
+        "--warmup-requests",
+        str(min(concurrency, 4)),
+        "--output-file",
+        str(out_file),
+    ]
+
+
+def run_bench(argv: list[str]) -> dict:
+    """One `python -m sglang.bench_serving ARGV`, in this process (its import is the slow part):
+    the result row it appends to --output-file."""
+    from sglang.benchmark.serving import cli_main
+
+    out_file = Path(argv[argv.index("--output-file") + 1])
+    before = out_file.read_text().count("\n") if out_file.exists() else 0
+    saved = sys.argv
+    sys.argv = ["sglang.bench_serving", *argv]
+    try:
+        cli_main()
+    finally:
+        sys.argv = saved
+    lines = out_file.read_text().splitlines()
+    if len(lines) <= before:
+        raise RuntimeError(f"bench_serving wrote no result to {out_file}")
+    return json.loads(lines[-1])

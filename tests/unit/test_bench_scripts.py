@@ -53,37 +53,212 @@ def test_bench_round_configs_have_qwen36_27b_shapes(tmp_path):
     assert dcfg.num_hidden_layers == 5 and dcfg.hidden_size == 5120
 
 
+H100 = ("NVIDIA H100 80GB HBM3", 79.6)  # torch's name and total memory (GiB) of one card
+H200 = ("NVIDIA H200", 139.8)
+
+
 def test_bench_round_server_commands_parse(tmp_path):
     pytest.importorskip("sglang.srt.server_args")
     bench = _script("bench_round")
     _, draft = bench.write_configs(tmp_path)
-    for name, extra in bench.variants(draft).items():
-        ns = _parse_cli(
-            ["--model-path", "x", *bench.COMMON, "--cuda-graph-max-bs-decode", "8", *extra]
-        )
-        assert ns.load_format == "dummy", name
-        if name.startswith("ddtree"):
-            nodes = int(name[6:].split("_")[0])
-            assert ns.speculative_algorithm == "DDTREE"
-            assert ns.speculative_num_draft_tokens == nodes
-            assert 1 <= ns.max_running_requests <= 16
-            # the verify scratch SGLang reserves fits the budget the script plans for; the
-            # compact one (a few states' worth per request) lets 16 requests run at every N
-            state = 2 if "_bf16ssm" in name else 4
-            scratch_mib = bench.GDN_STATE_MIB * state / 4 * nodes * (ns.max_running_requests + 1)
-            compact = "_sglanggdn" not in name
-            assert (
-                (ns.max_running_requests == 16)
-                if compact
-                else scratch_mib <= bench.SCRATCH_GIB * 1024
+    for card in (H200, H100):
+        sizing = bench.size_for(*card)
+        for name, extra in bench.variants(draft, sizing).items():
+            ns = _parse_cli(
+                [
+                    "--model-path",
+                    "x",
+                    *bench.COMMON,
+                    *sizing.flags(),
+                    "--cuda-graph-max-bs-decode",
+                    "8",
+                    *extra,
+                ]
             )
-            assert ns.max_mamba_cache_size >= 5 * ns.max_running_requests
-            env = bench.variant_env(name)
-            assert env.get("SGLANG_DDTREE_GDN") == ("sglang" if "_sglanggdn" in name else None)
-            plan = "sglang" if "_sglangplan" in name else None
-            assert env.get("SGLANG_DDTREE_VERIFY_PLAN") == plan
-            assert env.get("SGLANG_MAMBA_SSM_DTYPE") == ("bfloat16" if state == 2 else None)
-            assert env["SGLANG_DDTREE_WIDTH"] == ("auto" if "_auto" in name else "fixed")
+            assert ns.load_format == "dummy", name
+            assert ns.mem_fraction_static == sizing.mem_fraction_static
+            assert ns.quantization == ("fp8" if card == H100 else None)
+            # an fp8 target's draft stays bf16 (SGLang's `unquant`: no quantization)
+            draft_quant = "unquant" if card == H100 and name != "none" else None
+            assert ns.speculative_draft_model_quantization == draft_quant, (card, name)
+            if name == "ddtree128_sglanggdn" and card == H100:
+                assert ns.max_running_requests == 0  # one request's 36 GiB: main starts none
+                continue
+            if name.startswith("ddtree"):
+                nodes = int(name[6:].split("_")[0])
+                assert ns.speculative_algorithm == "DDTREE"
+                assert ns.speculative_num_draft_tokens == nodes
+                assert 1 <= ns.max_running_requests <= 16
+                # the verify scratch SGLang reserves fits the budget the script plans for; the
+                # compact one (a few states' worth per request) lets 16 requests run at every N
+                state = 2 if "_bf16ssm" in name else 4
+                scratch_mib = (
+                    bench.GDN_STATE_MIB * state / 4 * nodes * (ns.max_running_requests + 1)
+                )
+                compact = "_sglanggdn" not in name
+                assert (
+                    (ns.max_running_requests == 16)
+                    if compact
+                    else scratch_mib <= sizing.scratch_gib * 1024
+                )
+                assert ns.max_mamba_cache_size >= 5 * ns.max_running_requests
+                env = bench.variant_env(name)
+                assert env.get("SGLANG_DDTREE_GDN") == ("sglang" if "_sglanggdn" in name else None)
+                plan = "sglang" if "_sglangplan" in name else None
+                assert env.get("SGLANG_DDTREE_VERIFY_PLAN") == plan
+                assert env.get("SGLANG_MAMBA_SSM_DTYPE") == ("bfloat16" if state == 2 else None)
+                assert env["SGLANG_DDTREE_WIDTH"] == ("auto" if "_auto" in name else "fixed")
+
+
+def test_bench_round_sizes_itself_from_the_card():
+    """One H200 keeps what every H200 row was measured with (bf16, 0.85, a 48 GiB verify-scratch
+    budget, so the same running requests per variant); one H100 cannot hold the bf16 target
+    beside a scratch (measured: its weights alone needed --mem-fraction-static above 0.866) and
+    runs it in fp8 (30.6 GiB of weights with the bf16 draft), leaving SGLang's own estimate of
+    the activations' memory (12.7 GiB) outside the static share: 0.84, not 0.85."""
+    bench = _script("bench_round")
+    assert bench.weights_gib("bf16") == pytest.approx(53.3, abs=0.05)
+    assert bench.weights_gib("fp8") == pytest.approx(30.6, abs=0.05)
+    assert bench.draft_params() == pytest.approx(1.73e9, rel=0.01)
+    assert sum(bench.target_params()) == pytest.approx(26.9e9, rel=0.01)
+    h200, h100 = bench.size_for(*H200), bench.size_for(*H100)
+    assert (h200.target_dtype, h200.mem_fraction_static, h200.scratch_gib) == ("bf16", 0.85, 48)
+    assert (h100.target_dtype, h100.mem_fraction_static, h100.scratch_gib) == ("fp8", 0.84, 19)
+    assert h200.flags() == ["--mem-fraction-static", "0.85"] and h200.draft_flags() == []
+    assert h100.flags() == ["--mem-fraction-static", "0.84", "--quantization", "fp8"]
+    assert h100.draft_flags() == ["--speculative-draft-model-quantization", "unquant"]
+    # what the activations get outside the static memory: at least SGLang's estimate
+    assert (1 - h100.mem_fraction_static) * H100[1] >= bench.SGLANG_RESERVE_GIB
+    assert (1 - 0.85) * H100[1] < bench.SGLANG_RESERVE_GIB  # where the constant 0.85 fell short
+    # bf16 on the H100 would leave the pools too little (13.6 GiB)
+    assert 0.84 * H100[1] - bench.weights_gib("bf16") < bench.KV_AND_STATES_GIB
+    # the H200's running requests per variant are those its rows record (docs/data), also at
+    # the 140.4 GiB nvidia-smi gives it (a 49 GiB budget)
+    for gib in (139.8, 140.4):
+        table = {
+            name: int(bench.flag_value(flags, "--max-running-requests"))
+            for name, flags in bench.variants(Path("d"), bench.size_for("H200", gib)).items()
+        }
+        assert (table["dflash"], table["nextn"], table["ddtree16_sglanggdn"]) == (16, 16, 16)
+        assert (table["ddtree32_sglanggdn"], table["ddtree64_sglanggdn"]) == (9, 4)
+        assert (table["ddtree128_sglanggdn"], table["ddtree64_sglanggdn_bf16ssm"]) == (1, 9)
+        assert table["ddtree64"] == table["none"] == 16
+    # the H100's: DFLASH's float32 scratch at width 16 (2.25 GiB a request, and one more)
+    # holds 7 requests in 19 GiB; the compact DDTREE scratch runs 16
+    table = {
+        name: int(bench.flag_value(flags, "--max-running-requests"))
+        for name, flags in bench.variants(Path("d"), h100).items()
+    }
+    assert (table["dflash"], table["dflash_bf16ssm"], table["nextn"]) == (7, 15, 15)
+    assert (table["ddtree32_sglanggdn"], table["ddtree64_sglanggdn"]) == (3, 1)
+    assert table["ddtree128_sglanggdn"] == 0
+    assert table["ddtree64"] == table["ddtree32_auto"] == table["none"] == 16
+    # --max-running beyond what the card holds is capped to it (live states of 6 slots each)
+    assert (h200.most_running, h100.most_running) == (55, 29)
+    capped = bench.variants(Path("d"), h100, cap=64)
+    assert bench.flag_value(capped["ddtree64_auto"], "--max-running-requests") == "29"
+    assert bench.flag_value(capped["dflash"], "--max-running-requests") == "7"
+    assert bench.max_requests(16, 48) == 16 and bench.max_requests(128, 19) == 0
+    with pytest.raises(SystemExit, match="too little memory for the pools even in fp8"):
+        bench.size_for("NVIDIA A100-SXM4-40GB", 39.4)
+
+
+def test_bench_round_rows_carry_the_card(tmp_path, monkeypatch):
+    """main on a mocked H100 (no GPU, no server): every row of round_cost_27b.jsonl and
+    serving_simulated_27b.jsonl names the card, its memory, the target's dtype and the
+    running-request cap; the servers get the fp8 target and the bf16 draft; a variant of which
+    not one request fits starts no server."""
+    bench = _script("bench_round")
+    started = []
+    log = (
+        "[x] Load weight end. elapsed=3.1 s, type=Qwen3_5ForConditionalGeneration, "
+        "avail mem=50.10 GB, mem usage=27.52 GB.\n"
+        "[x] Load weight end. elapsed=0.4 s, type=DFlashDraftModel, "
+        "avail mem=46.80 GB, mem usage=3.25 GB.\n"
+        "[x] intermediate_ssm_state_cache size: 18.00GB intermediate_conv_window_cache size\n"
+    )
+
+    class Server:
+        def __init__(self, name, model, port, args, env=None, log_dir=None):
+            self.name, self.args, self.env = name, args, env
+            started.append(self)
+
+        def start(self):
+            pass
+
+        def wait_healthy(self, timeout):
+            return 1.0
+
+        def log_text(self):
+            return log
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(bench, "card_info", lambda: H100)
+    monkeypatch.setattr(bench, "free_bytes", lambda: 70 * 2**30)
+    monkeypatch.setattr(bench.harness, "Server", Server)
+    measured = {"round_ms": 20.0, "tokens_per_s": 100.0, "accept_len": 1.0}
+    monkeypatch.setattr(bench, "measure", lambda server, bs, tokens: {"bs": bs, **measured})
+    plots = []
+    monkeypatch.setattr(bench, "plot", lambda rows, path, card: plots.append(card))
+    monkeypatch.setattr(bench, "write_dataset", lambda path, n: path)
+    monkeypatch.setattr(
+        bench, "serve", lambda server, dataset, tok, c, *a: {"concurrency": c, "output_tok_s": 1.0}
+    )
+    out = tmp_path / "out"
+    argv = ["--out", str(out), "--work", str(tmp_path / "work"), "--batch", "1,8"]
+    argv += ["--variants", "dflash,ddtree32_auto,ddtree128_sglanggdn", "--profile", ""]
+    assert bench.main([*argv, "--serving", "4", "--serving-variants", "dflash"]) == 0
+    rows = [json.loads(x) for x in (out / "round_cost_27b.jsonl").read_text().splitlines()]
+    served = [json.loads(x) for x in (out / "serving_simulated_27b.jsonl").read_text().splitlines()]
+    assert len(rows) == 6 and len(served) == 1
+    for row in rows + served:
+        assert row["card"] == "NVIDIA H100 80GB HBM3" and row["card_gib"] == 79.6
+        assert row["target_dtype"] == "fp8" and row["mem_fraction_static"] == 0.84
+        assert row["scratch_gib"] == 19 and "max_running" in row
+    got = {(r["variant"], r["bs"]): r for r in rows}
+    assert got["dflash", 1]["max_running"] == 7 and got["dflash", 1]["round_ms"] == 20.0
+    assert got["dflash", 1]["weights_gb"] == [27.52, 3.25]
+    assert got["dflash", 8]["error"] == "does not fit: at most 7 running requests"
+    assert got["ddtree32_auto", 8]["max_running"] == 16 and "error" not in got["ddtree32_auto", 8]
+    assert got["ddtree128_sglanggdn", 1]["max_running"] == 0
+    assert "exceeds the 19 GiB budget" in got["ddtree128_sglanggdn", 1]["error"]
+    assert served[0]["variant"] == "dflash" and served[0]["max_running"] == 7
+    assert [s.name for s in started] == ["dflash", "ddtree32_auto"]  # not ddtree128_sglanggdn
+    assert plots == ["one NVIDIA H100 80GB HBM3 (fp8)"]
+    for server in started:
+        flags = " ".join(server.args)
+        assert "--mem-fraction-static 0.84" in flags and "--quantization fp8" in flags
+        assert "--speculative-draft-model-quantization unquant" in flags
+
+
+def test_no_script_imports_one_that_imports_it():
+    """bench_round and bench_serving share the load generator's and the trace's helpers through
+    scripts/harness.py and scripts/round_trace.py; no script imports another that imports it back
+    (at module level or inside a function)."""
+    import ast
+
+    scripts = ROOT / "scripts"
+    names = {p.stem for p in scripts.glob("*.py")}
+    graph = {}
+    for path in scripts.glob("*.py"):
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                found.add(node.module.split(".")[0])
+        graph[path.stem] = found & names - {path.stem}
+
+    def reaches(start: str, goal: str, seen: set) -> bool:
+        return any(
+            n == goal or (n not in seen and reaches(n, goal, seen | {n})) for n in graph[start]
+        )
+
+    assert "bench_serving" not in graph["bench_round"]
+    assert "bench_round" not in graph["bench_serving"] | graph["bench_e2e"]
+    assert [name for name in sorted(graph) if reaches(name, name, {name})] == []
 
 
 def test_bench_round_reads_the_automatic_widths_cost_table():
@@ -127,7 +302,7 @@ def test_bench_round_measures_the_round_as_the_slope_over_counted_rounds(monkeyp
             out.append({"latency": latency, "meta": meta})
         return out
 
-    monkeypatch.setattr(bench, "_latencies", fake)
+    monkeypatch.setattr(bench, "timed_requests", fake)
     for bs in (1, 8):
         row = bench.measure(None, bs, 64)
         assert abs(row["round_ms"] - 22.0) < 0.1, row
@@ -244,7 +419,7 @@ def test_bench_round_reads_the_gdn_scratch_from_either_pools_log(caplog):
 
 
 def test_trace_parser_sums_kernels_inside_each_range(tmp_path):
-    bench = _script("bench_round")
+    bench = _script("round_trace")
     events = [
         _span("user_annotation", "ddtree.draft", 0, 100),
         _span("user_annotation", "ddtree.draft", 200, 100),
@@ -358,7 +533,7 @@ def test_greedy_referee_allows_what_bf16_strays_by_elsewhere_and_nothing_more():
 
 
 def test_top_kernels_ranks_gpu_time_per_round():
-    bench = _script("bench_round")
+    bench = _script("round_trace")
     events = [
         _span("user_annotation", "scheduler.run_batch", 0, 8),
         _span("user_annotation", "scheduler.run_batch", 10, 8),
@@ -372,7 +547,7 @@ def test_top_kernels_ranks_gpu_time_per_round():
 
 
 def test_host_trace_parser_counts_rounds_parts_and_own_syncs():
-    bench = _script("bench_round")
+    bench = _script("round_trace")
     events = [
         _span("user_annotation", "scheduler.run_batch", 0, 8),
         _span("user_annotation", "scheduler.run_batch", 10, 8),
@@ -586,14 +761,13 @@ def test_bench_serving_profiles_each_server_at_every_temperature(tmp_path, monke
     """bench_serving's --profile: a torch-profiled batch of 1 and of 4 per temperature on each
     named server only, each row tagged with its temperature."""
     bench = _script("bench_serving")
-    bench_round = _script("bench_round")
     calls = []
 
     def parts(server, bs, out_dir, tokens=48, temperature=0.0):
         calls.append((server.name, bs, temperature))
         return {"host": {"round_period_ms": 1.0, "syncs_per_round": 0.0}}
 
-    monkeypatch.setattr(bench_round, "profile_parts", parts)
+    monkeypatch.setattr(bench.round_trace, "profile_parts", parts)
     from types import SimpleNamespace
 
     servers = [SimpleNamespace(name="ddtree"), SimpleNamespace(name="dflash")]
