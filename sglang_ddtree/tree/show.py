@@ -65,9 +65,19 @@ def children(parents: Sequence[int]) -> dict[int, list[int]]:
     return kids
 
 
+ROOT_NOTE = "root: the last committed token, not drafted"
+
+
+def format_q(q: float, digits: int = 3) -> str:
+    """A path probability to `digits` significant digits, in scientific notation below 1e-4
+    (0.439, 0.0045, 3.1e-07): a small q stays legible instead of rounding to 0.00."""
+    return f"{q:.{digits}g}"
+
+
 def render_text(record: dict, decode: Decode = str, max_nodes: int = 64) -> str:
     """An indented outline of the tree, best-first among siblings: `*` marks the accepted path,
-    the bonus token follows the deepest accepted node. At most max_nodes lines of nodes."""
+    the bonus token follows the deepest accepted node, the root (the last committed token, which
+    the tree grows from) is labelled so. At most max_nodes lines of nodes."""
     tokens, q, on_path = record["tokens"], record["q"], set(record["accepted"])
     kids, lines = children(record["parents"]), []
     n_acc = len(record["accepted"]) - 1
@@ -77,7 +87,7 @@ def render_text(record: dict, decode: Decode = str, max_nodes: int = 64) -> str:
         if len(lines) >= max_nodes:
             return
         mark = "*" if node in on_path else " "
-        label = "root" if node == 0 else f"q={q[node]:.3f}"
+        label = ROOT_NOTE if node == 0 else f"q={format_q(q[node])}"
         lines.append(f"{mark} {'  ' * depth}{decode(tokens[node])!r} ({label})")
         if node == record["accepted"][-1]:
             lines.append(f"+ {'  ' * (depth + 1)}{decode(record['bonus'])!r} (bonus)")
@@ -109,7 +119,9 @@ def layout(parents: Sequence[int]) -> dict[int, tuple[float, float]]:
 
 
 ACCEPTED, DRAFTED, BONUS = "#e8590c", "#adb5bd", "#2f9e44"  # edge colours
+ROOT_FACE, ROOT_EDGE = "#d0ebff", "#1971c2"
 LEGEND = (
+    "root: the last committed token (not drafted); the tree grows from it",
     "accepted path (drafted tokens the target confirmed)",
     "drafted, not accepted",
     "bonus: the target's own token after the accepted path",
@@ -146,8 +158,11 @@ def _draw_nodes(ax, record: dict, pos: dict, decode: Decode) -> None:
     on_path = set(record["accepted"])
     for node in range(len(record["parents"])):
         text = decode(record["tokens"][node])
-        label = f"{text!r}" if node == 0 else f"{text!r}\n{record['q'][node]:.2f}"
-        face = "#ffd8a8" if node in on_path else "#f1f3f5"
+        if node == 0:
+            label, face, edge = f"{text!r}\nroot", ROOT_FACE, ROOT_EDGE
+        else:
+            label = f"{text!r}\n{format_q(record['q'][node], 2)}"
+            face, edge = ("#ffd8a8" if node in on_path else "#f1f3f5"), "#495057"
         ax.text(
             *pos[node],
             label,
@@ -155,7 +170,7 @@ def _draw_nodes(ax, record: dict, pos: dict, decode: Decode) -> None:
             va="center",
             fontsize=7,
             zorder=2,
-            bbox=dict(boxstyle="round,pad=0.25", fc=face, ec="#495057", lw=0.6),
+            bbox=dict(boxstyle="round,pad=0.25", fc=face, ec=edge, lw=0.6),
         )
     ax.text(
         *pos[len(record["parents"])],
@@ -172,6 +187,7 @@ def _draw_legend(ax) -> None:
     from matplotlib.lines import Line2D
 
     handles = [
+        Line2D([], [], ls="none", marker="s", ms=8, mfc=ROOT_FACE, mec=ROOT_EDGE),
         Line2D([], [], color=ACCEPTED, lw=2.2),
         Line2D([], [], color=DRAFTED, lw=0.8),
         Line2D([], [], color=BONUS, lw=2.2, ls="--"),
@@ -191,7 +207,8 @@ def _draw_legend(ax) -> None:
 
 def draw_round(record: dict, decode: Decode = str, title: str = ""):
     """The round as a matplotlib figure: nodes by depth with their token and q, edges to the
-    parent, the accepted path in orange, the bonus token in green after it, a legend below."""
+    parent, the root (the last committed token) in blue, the accepted path in orange, the bonus
+    token in green after it, a legend below."""
     import matplotlib
 
     matplotlib.use("Agg")

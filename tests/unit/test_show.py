@@ -16,6 +16,7 @@ from sglang_ddtree.tree.show import (
     LEGEND,
     accepted_path,
     draw_round,
+    format_q,
     from_round,
     layout,
     main,
@@ -109,6 +110,44 @@ def test_the_picture_has_a_legend():
     assert legend is not None
     assert [t.get_text() for t in legend.get_texts()] == list(LEGEND)
     assert any("bonus" in text for text in LEGEND) and any("q" in text for text in LEGEND)
+    plt.close(fig)
+
+
+def _small_q_record() -> dict:
+    record = _record([-1, 0, 1, 2, 0], [0, 1])
+    record["q"] = [1.0, 0.439, 0.0031, 4.2e-7, 0.0]
+    return record
+
+
+def test_the_root_is_labelled_the_last_committed_token_in_text_and_picture():
+    import matplotlib.pyplot as plt
+
+    record = _small_q_record()
+    root_line = render_text(record).splitlines()[1]
+    assert root_line == "* '100' (root: the last committed token, not drafted)"
+    fig = draw_round(record)
+    labels = [t.get_text() for t in fig.axes[0].texts]
+    assert "'100'\nroot" in labels
+    assert any(text.startswith("root: the last committed token (not drafted)") for text in LEGEND)
+    plt.close(fig)
+
+
+def test_small_path_probabilities_stay_legible():
+    """q of a deep node is often below 0.005: it read 0.00 in the picture and 0.000 in the
+    text. Significant digits, scientific notation below 1e-4."""
+    import matplotlib.pyplot as plt
+
+    assert [format_q(q) for q in (0.439, 0.0031, 4.2e-7)] == ["0.439", "0.0031", "4.2e-07"]
+    assert format_q(0.43917, 2) == "0.44"
+    record = _small_q_record()
+    text = render_text(record)
+    for shown in ("(q=0.439)", "(q=0.0031)", "(q=4.2e-07)"):
+        assert shown in text, text
+    assert "0.000" not in text
+    fig = draw_round(record)
+    labels = [t.get_text() for t in fig.axes[0].texts]
+    assert ["'101'\n0.44", "'102'\n0.0031", "'103'\n4.2e-07"] == labels[1:4]
+    assert not any(label.endswith("\n0.00") for label in labels)
     plt.close(fig)
 
 
