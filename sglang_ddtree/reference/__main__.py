@@ -4,7 +4,8 @@
     python -m sglang_ddtree.reference --target DIR --draft DIR --prompt TEXT [--compare-chain]
     python -m sglang_ddtree.reference --target DIR --draft DIR --prompt-file FILE  ('-': stdin)
 
-Bad settings print one line to stderr and exit with status 2, before any model loads.
+Every option is checked before any model loads: a bad one prints one line to stderr naming
+the option, its value and the limit, and exits with status 2 (as argparse's own errors do).
 """
 
 from __future__ import annotations
@@ -20,14 +21,18 @@ import torch
 
 from sglang_ddtree import DEMO_PAIR_DIR
 from sglang_ddtree.config import cache_home
-from sglang_ddtree.reference.engine import (
-    check_counts,
-    check_sampling,
-    generate,
-    generate_chain,
-    load_pair,
+from sglang_ddtree.front_door.request_limits import MAX_TEMPERATURE
+from sglang_ddtree.reference.engine import generate, generate_chain, load_pair
+from sglang_ddtree.reference.preflight import (
+    PairConfig,
+    about,
+    check_options,
+    check_prompt_ids,
+    check_tree,
+    prompt_text,
+    read_pair,
+    writable_dir,
 )
-from sglang_ddtree.reference.preflight import check_device, check_pair, prompt_text
 
 DEMO_PROMPT = "def fibonacci(n):"
 EXIT_USAGE = 2
@@ -67,15 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="draft tree: candidates per draft position, i.e. the most children a "
         "node can have (not --top-k)",
     )
-    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
-    p.add_argument("--top-p", type=float, default=1.0, help="sampling: nucleus probability")
-    p.add_argument(
-        "--top-k",
-        type=int,
-        default=0,
-        help="sampling: keep the target's k most likely tokens at temperature > 0; "
-        "0 = all (not --topk)",
-    )
+    _add_sampling(p)
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate")
     p.add_argument("--compare-chain", action="store_true", help="also run chain DFlash")
     p.add_argument(
@@ -108,6 +105,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _add_sampling(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help=f"sampling temperature, in [0, {MAX_TEMPERATURE:g}] (0: greedy)",
+    )
+    p.add_argument("--top-p", type=float, default=1.0, help="sampling: nucleus probability")
+    p.add_argument(
+        "--top-k",
+        type=int,
+        default=0,
+        help="sampling: keep the target's k most likely tokens at temperature > 0; "
+        "0 = all (not --topk)",
+    )
+
+
 def _demo_dirs(cache_dir: str | None) -> tuple[Path, Path]:
     """The pair --demo runs: the trained pair shipped in sglang_ddtree/assets/demo/ when
     present, else the seeded agreeing "binary" pair on the hybrid Qwen3.5 architecture
@@ -122,7 +136,8 @@ def _demo_dirs(cache_dir: str | None) -> tuple[Path, Path]:
     root = Path(cache_dir) if cache_dir else cache_home() / "demo"
     target, draft = root / "qwen35-binary", root / "qwen35-binary-dflash"
     if not (draft / "config.json").exists():
-        write_binary_pair(root, "qwen35", seed=0)
+        with about("--cache-dir", root, "cannot write the demo pair there: "):
+            write_binary_pair(root, "qwen35", seed=0)
     return target, draft
 
 
@@ -140,23 +155,36 @@ def encode_prompt(tokenizer, prompt: str, chat: bool | None) -> list[int]:
 
 
 def _report(name: str, tokenizer, result) -> None:
-    lengths = result.accept_lengths
     print(f"=== {name} ({len(result.tokens)} tokens, {result.rounds} rounds)")
     print(tokenizer.decode(result.tokens, skip_special_tokens=True))
-    print(f"acceptance lengths: {lengths}")
-    print(f"mean acceptance length: {result.mean_accept_length:.2f}")
+    print(f"per round, accepted drafts + bonus: {result.accept_lengths}")
+    print(
+        f"tokens per round: {_per_round(result)} "
+        f"({len(result.tokens)} tokens / {result.rounds} verify rounds)"
+    )
+
+
+def _per_round(result) -> str:
+    per_round = result.tokens_per_round
+    return "-" if per_round is None else f"{per_round:.2f}"
+
+
+TOKENS_PER_ROUND = (
+    "tokens/round: tokens / target verify rounds, SGLang's accept length (spec_accept_length); "
+    "the prefill makes the first token"
+)
 
 
 def _summary(rows: list[tuple[str, object, float]]) -> str:
-    """The side-by-side table: tokens, rounds, mean acceptance and tokens/s per method."""
-    lines = [f"{'':<14} {'tokens':>6} {'rounds':>6} {'mean accept':>11} {'tokens/s':>9}"]
+    """The side-by-side table: tokens, rounds, tokens per round and tokens/s per method."""
+    lines = [f"{'':<14} {'tokens':>6} {'rounds':>6} {'tokens/round':>12} {'tokens/s':>9}"]
     for name, result, seconds in rows:
         lines.append(
             f"{name:<14} {len(result.tokens):>6} {result.rounds:>6} "
-            f"{result.mean_accept_length:>11.2f} "
+            f"{_per_round(result):>12} "
             f"{len(result.tokens) / max(seconds, 1e-9):>9.1f}"
         )
-    return "\n".join(lines)
+    return "\n".join([*lines, TOKENS_PER_ROUND])
 
 
 def check_paths(args: argparse.Namespace) -> None:
@@ -169,12 +197,16 @@ def check_paths(args: argparse.Namespace) -> None:
             raise ValueError(f"--{flag} {path} is not a model checkpoint (no config.json in it)")
 
 
-def check_budget_fits(args: argparse.Namespace, available: int | None = None) -> None:
+def check_budget_fits(
+    args: argparse.Namespace, block_size: int | None = None, available: int | None = None
+) -> None:
     """--budget against the largest tree that the draft's block and --topk can hold and that
     this machine's free memory holds (from the two configs, before loading)."""
     from sglang_ddtree.reference.memory import max_budget
 
-    limit = max_budget(Path(args.target), Path(args.draft), args.topk, args.device, available)
+    target, draft = Path(args.target), Path(args.draft)
+    with about("--target", target):
+        limit = max_budget(target, draft, args.topk, args.device, available, block_size)
     if limit is None:
         return  # the engine's own checks name these settings
     largest, why = limit
@@ -184,13 +216,12 @@ def check_budget_fits(args: argparse.Namespace, available: int | None = None) ->
         )
 
 
-def resolve_inputs(args: argparse.Namespace) -> None:
-    """The settings that need no model: first those that need no file (counts, sampling,
+def resolve_inputs(args: argparse.Namespace) -> PairConfig:
+    """The settings that need no model: first those that need no file (counts, sampling, seed,
     device), then the demo's defaults, the prompt's text (from --prompt-file too), the
-    checkpoint dirs and the budget against the tree's capacity and the free memory."""
-    check_counts(args.max_new_tokens, args.budget)
-    check_sampling(args.temperature, args.top_p, args.top_k)
-    check_device(args.device)
+    checkpoint dirs, their configs, and the budget against the tree's capacity and the free
+    memory."""
+    check_options(args)
     args.prompt = prompt_text(args.prompt, args.prompt_file)
     if args.demo:
         target_dir, draft_dir = _demo_dirs(args.cache_dir)
@@ -202,35 +233,42 @@ def resolve_inputs(args: argparse.Namespace) -> None:
     if missing:
         raise ValueError(f"missing {', '.join(missing)} (or use --demo)")
     check_paths(args)
-    check_budget_fits(args)
+    pair = read_pair(Path(args.target), Path(args.draft))
+    check_budget_fits(args, pair.draft.block_size)
+    check_tree(pair, args.budget, args.topk)  # --topk against the vocabulary too
+    return pair
 
 
-def tokenize_and_check(args: argparse.Namespace) -> tuple[object, list[int]]:
-    """(tokenizer, prompt ids), once every setting has been checked against the two configs:
-    after this only loading the models is left."""
+def tokenize_and_check(args: argparse.Namespace, pair: PairConfig) -> tuple[object, list[int]]:
+    """(tokenizer, prompt ids), once every setting has been checked against the two configs
+    and the tokenizer: --chat, the draft's mask token, the prompt against the context."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(args.target), local_files_only=True)
+    with about("--target", args.target, "its tokenizer does not load: "):
+        tokenizer = AutoTokenizer.from_pretrained(str(args.target), local_files_only=True)
+    if args.chat and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"--chat: the tokenizer of --target {args.target} has no chat template; drop --chat"
+        )
     prompt_ids = encode_prompt(tokenizer, args.prompt, args.chat)
-    check_pair(
-        Path(args.target),
-        Path(args.draft),
-        tokenizer,
-        len(prompt_ids),
-        args.max_new_tokens,
-        budget=args.budget,
-        topk=args.topk,
-    )
+    source = "--prompt" if args.prompt_file is None else f"--prompt-file {args.prompt_file}"
+    dirs = Path(args.target), Path(args.draft)
+    check_prompt_ids(pair, dirs, tokenizer, prompt_ids, args.max_new_tokens, source)
     return tokenizer, prompt_ids
 
 
-def run(args: argparse.Namespace) -> int:
-    from transformers.utils import logging as hf_logging
+def check_args(args: argparse.Namespace) -> tuple[object, list[int]]:
+    """Every option, before any model loads -> (tokenizer, prompt ids). After this only loading
+    the models is left; --show-tree's folder is made last, once everything else passed."""
+    pair = resolve_inputs(args)
+    tokenizer, prompt_ids = tokenize_and_check(args, pair)
+    if args.show_tree is not None:
+        writable_dir("--show-tree", args.show_tree)
+    return tokenizer, prompt_ids
 
-    hf_logging.set_verbosity_error()  # stderr is for our one-line errors
-    hf_logging.disable_progress_bar()
-    resolve_inputs(args)
-    tokenizer, prompt_ids = tokenize_and_check(args)
+
+def run(args: argparse.Namespace, tokenizer, prompt_ids: list[int]) -> int:
+    """Load the pair and generate, once `check_args` has passed."""
     torch.manual_seed(args.seed)
     target, drafter, _ = load_pair(args.target, args.draft, args.dtype, args.device, tokenizer)
     chat = "chat template" if uses_chat(tokenizer, args.chat) else "plain completion"
@@ -283,22 +321,35 @@ class _TreeShower:
         self.rounds += 1
         record = from_round(trace.tree, trace.accept)
         print(f"--- round {self.rounds}\n{render_text(record, self.decode)}")
-        render_picture(
-            record,
-            self.out_dir / f"round_{self.rounds:03d}.svg",
-            self.decode,
-            title=f"round {self.rounds}",
-        )
+        path = self.out_dir / f"round_{self.rounds:03d}.svg"
+        try:
+            render_picture(record, path, self.decode, title=f"round {self.rounds}")
+        except OSError as exc:
+            raise OSError(
+                f"--show-tree {self.out_dir}: cannot write {path.name}: {exc.strerror or exc}"
+            ) from None
         self.seconds += time.perf_counter() - t0
 
 
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from transformers.utils import logging as hf_logging  # past --help, which needs none
+
+    hf_logging.set_verbosity_error()  # stderr is for our one-line errors
+    hf_logging.disable_progress_bar()
     try:
-        return run(args)
+        tokenizer, prompt_ids = check_args(args)
     except (ValueError, OSError) as exc:
-        message = " ".join(str(exc).split())  # one line
-        print(f"error: {message}", file=sys.stderr)
+        parser.error(_one_line(exc))  # one line, status 2, no model loaded
+    try:
+        return run(args, tokenizer, prompt_ids)
+    except (ValueError, OSError) as exc:
+        print(f"error: {_one_line(exc)}", file=sys.stderr)
         return EXIT_USAGE
 
 

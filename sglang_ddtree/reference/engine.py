@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +25,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from sglang_ddtree.front_door.request_limits import MAX_TEMPERATURE, TOP_K_ALL
 from sglang_ddtree.reference.base import DraftRunner, TargetRunner
 from sglang_ddtree.tree import (
     AcceptResult,
@@ -47,7 +48,16 @@ class GenerationResult:
 
     @property
     def mean_accept_length(self) -> float:
+        """The mean of accept_lengths: accepted drafts + the bonus per round, counting the tokens
+        that max_new_tokens or an eos cut from the last round (and not the prefill's token)."""
         return sum(self.accept_lengths) / max(len(self.accept_lengths), 1)
+
+    @property
+    def tokens_per_round(self) -> float | None:
+        """Generated tokens per target verify round, as SGLang reports a request's accept length
+        (spec_accept_length = completion_tokens / spec_verify_ct): the prefill's first token
+        counts, the tokens that max_new_tokens or an eos cut off do not. None: no round ran."""
+        return len(self.tokens) / self.rounds if self.rounds else None
 
 
 class RoundTrace(NamedTuple):
@@ -98,51 +108,82 @@ def _max_positions(target: object) -> int | None:
     return limit
 
 
-def check_sampling(temperature: float, top_p: float, top_k: int) -> None:
-    """The sampling settings (no model needed: the CLI checks them before loading anything).
-    A NaN compares false with everything, so each bound is written to fail on it."""
-    if not (math.isfinite(temperature) and temperature >= 0):
-        raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
+def _name(names: Mapping[str, str] | None, setting: str) -> str:
+    """How a message calls a setting: its keyword, or the caller's name for it (the CLI's
+    option, e.g. names={"top_p": "--top-p"})."""
+    return setting if names is None else names.get(setting, setting)
+
+
+def check_sampling(
+    temperature: float, top_p: float, top_k: int, names: Mapping[str, str] | None = None
+) -> None:
+    """The sampling settings (no model needed: the CLI checks them before loading anything),
+    within the DDTREE server's own limits (front_door/request_limits.py: a temperature in
+    [0, MAX_TEMPERATURE], top_k up to SGLang's whole-vocabulary TOP_K_ALL). A NaN compares
+    false with everything, so each bound is written to fail on it."""
+    if not (math.isfinite(temperature) and 0 <= temperature <= MAX_TEMPERATURE):
+        raise ValueError(
+            f"{_name(names, 'temperature')} must be a finite number in [0, {MAX_TEMPERATURE:g}] "
+            f"(the DDTREE server's limit), got {temperature}"
+        )
     if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    if top_k < 0:
-        raise ValueError(f"top_k must be >= 0 (0 keeps every token), got {top_k}")
+        raise ValueError(f"{_name(names, 'top_p')} must be in (0, 1], got {top_p}")
+    if not 0 <= top_k <= TOP_K_ALL:
+        raise ValueError(
+            f"{_name(names, 'top_k')} must be in [0, {TOP_K_ALL}] (0 keeps every token; the "
+            f"DDTREE server's limit), got {top_k}"
+        )
 
 
-def check_counts(max_new_tokens: int, budget: int | None = None) -> None:
+def check_counts(
+    max_new_tokens: int, budget: int | None = None, names: Mapping[str, str] | None = None
+) -> None:
     """The checks that need no model (the CLI runs them before loading anything)."""
     if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        raise ValueError(f"{_name(names, 'max_new_tokens')} must be >= 1, got {max_new_tokens}")
     if budget is not None and budget < 1:
-        raise ValueError(f"budget must be >= 1 draft nodes, got {budget}")
+        raise ValueError(f"{_name(names, 'budget')} must be >= 1 draft nodes, got {budget}")
 
 
-def check_prompt(prompt_len: int, max_new_tokens: int, max_positions: int | None) -> None:
+def check_prompt(
+    prompt_len: int,
+    max_new_tokens: int,
+    max_positions: int | None,
+    names: Mapping[str, str] | None = None,
+) -> None:
     """A non-empty prompt that leaves room for max_new_tokens in the target's context."""
-    check_counts(max_new_tokens)
+    check_counts(max_new_tokens, names=names)
+    prompt, new = _name(names, "prompt"), _name(names, "max_new_tokens")
     if prompt_len < 1:
-        raise ValueError(f"prompt is empty ({prompt_len} tokens); give at least one token")
+        raise ValueError(f"{prompt} is empty ({prompt_len} tokens); give at least one token")
     if max_positions is not None and prompt_len + max_new_tokens > max_positions:
         raise ValueError(
-            f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = "
+            f"{prompt} ({prompt_len} tokens) + {new} ({max_new_tokens}) = "
             f"{prompt_len + max_new_tokens} exceeds the target's "
             f"max_position_embeddings={max_positions}"
         )
 
 
-def check_tree_settings(block_size: int, budget: int, topk: int, vocab_size: int) -> None:
+def check_tree_settings(
+    block_size: int,
+    budget: int,
+    topk: int,
+    vocab_size: int,
+    names: Mapping[str, str] | None = None,
+) -> None:
     """Block size, budget and top-K that a tree of depth L = block_size - 1 can be built from."""
     if block_size < 2:
         raise ValueError(f"draft block_size must be >= 2 (bonus + masks), got {block_size}")
-    check_counts(1, budget)
+    check_counts(1, budget, names)
+    b, k = _name(names, "budget"), _name(names, "topk")
     if not 1 <= topk <= vocab_size:
-        raise ValueError(f"topk must be in [1, vocab_size={vocab_size}], got {topk}")
+        raise ValueError(f"{k} must be in [1, vocab_size={vocab_size}], got {topk}")
     capacity = tree_capacity(topk, block_size - 1)
     if budget > capacity:
         raise ValueError(
-            f"budget={budget} exceeds what topk={topk} and depth {block_size - 1} "
-            f"(block_size={block_size}) can hold: at most {capacity} nodes; lower the budget "
-            "or raise topk"
+            f"{b}={budget} exceeds what {k}={topk} and depth {block_size - 1} "
+            f"(block_size={block_size}) can hold: at most {capacity} nodes; lower {b} "
+            f"or raise {k}"
         )
 
 

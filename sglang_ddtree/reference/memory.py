@@ -58,13 +58,21 @@ def free_bytes(device: str) -> int:
 
 
 def max_budget(
-    target: Path, draft: Path, topk: int, device: str = "cpu", available: int | None = None
+    target: Path,
+    draft: Path,
+    topk: int,
+    device: str = "cpu",
+    available: int | None = None,
+    block_size: int | None = None,
 ) -> tuple[int, str] | None:
-    """(the largest --budget, why): the tree's capacity at the draft's block size and topk, or
-    the nodes SHARE of the free memory holds, whichever is smaller. None when topk < 1 or the
-    draft's block is < 2 (the engine's own checks name those)."""
-    draft_cfg = json.loads((draft / "config.json").read_text())
-    block = int(draft_cfg.get("block_size") or DEFAULT_BLOCK)
+    """(the largest --budget, why): the tree's capacity at the draft's block size (block_size,
+    else the draft config's) and topk, or the nodes SHARE of the free memory holds, whichever is
+    smaller. None when topk < 1 or the draft's block is < 2 (the engine's own checks name
+    those)."""
+    block = block_size
+    if block is None:
+        draft_cfg = json.loads((draft / "config.json").read_text())
+        block = int(draft_cfg.get("block_size") or DEFAULT_BLOCK)
     if topk < 1 or block < 2:
         return None
     capacity = tree_capacity(topk, block - 1)

@@ -18,6 +18,7 @@ from sglang_ddtree.checkpoints.tiny import write_tiny_dflash, write_tiny_qwen3
 from sglang_ddtree.reference.__main__ import encode_prompt, main
 
 REPO = Path(__file__).resolve().parents[2]
+TEMPERATURE_RULE = "--temperature must be a finite number in [0, 100] (the DDTREE server's limit)"
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +46,12 @@ def _no_model_load(*args, **kwargs):
 
 
 def _run(capsys, *argv: str) -> tuple[int, str, str]:
-    code = main([str(a) for a in argv])
+    """(exit status, stdout, stderr) of the CLI: a refused option exits through the parser's
+    error (SystemExit), a run returns its status."""
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as stop:
+        code = stop.code
     captured = capsys.readouterr()
     return code, captured.out, captured.err
 
@@ -58,23 +64,26 @@ def test_prints_text_and_acceptance_lengths(pair, capsys):
     lines = out.splitlines()
     assert lines[0].startswith("prompt: 'def f(x):' (") and "tokens, chat template)" in lines[0]
     assert lines[1].startswith("=== DDTree budget=6 topk=2 (12 tokens,")
-    lengths = [line for line in lines if line.startswith("acceptance lengths: [")]
-    means = [line for line in lines if line.startswith("mean acceptance length: ")]
+    lengths = [line for line in lines if line.startswith("per round, accepted drafts + bonus: [")]
+    means = [line for line in lines if line.startswith("tokens per round: ")]
     assert len(lengths) == len(means) == 2  # DDTree, then chain DFlash
-    first = json.loads(lengths[0].removeprefix("acceptance lengths: "))
+    first = json.loads(lengths[0].removeprefix("per round, accepted drafts + bonus: "))
     assert 11 <= sum(first) <= 11 + 7  # 1 token came from prefill; the last round may overshoot
     assert all(1 <= n <= 8 for n in first)
-    assert float(means[0].split(": ")[1]) == pytest.approx(sum(first) / len(first), abs=0.005)
+    rounds = len(first)
+    assert means[0] == f"tokens per round: {12 / rounds:.2f} (12 tokens / {rounds} verify rounds)"
     assert "=== chain DFlash block_size=8" in out
     assert lines[-1] == "DDTree vs chain DFlash at temperature 0: identical text"
-    head, tree_row, chain_row = lines[-4:-1]  # the side-by-side table
-    assert head.split() == ["tokens", "rounds", "mean", "accept", "tokens/s"]
+    head, tree_row, chain_row, note = lines[-5:-1]  # the side-by-side table
+    assert head.split() == ["tokens", "rounds", "tokens/round", "tokens/s"]
+    assert note.startswith("tokens/round: tokens / target verify rounds, SGLang's accept length")
     assert tree_row.split()[:2] == ["DDTree", "12"] and chain_row.split()[:3] == [
         "chain",
         "DFlash",
         "12",
     ]
-    assert tree_row.split()[2] == str(len(first)) and float(tree_row.split()[4]) > 0
+    assert tree_row.split()[2] == str(rounds) and tree_row.split()[3] == f"{12 / rounds:.2f}"
+    assert float(tree_row.split()[4]) > 0
 
 
 def test_demo_runs_from_a_cache_dir(tmp_path, capsys):
@@ -82,7 +91,7 @@ def test_demo_runs_from_a_cache_dir(tmp_path, capsys):
     assert code == 0, err
     assert (tmp_path / "qwen35-binary" / "config.json").exists()
     assert (tmp_path / "qwen35-binary-dflash" / "config.json").exists()
-    assert "acceptance lengths: [" in out
+    assert "per round, accepted drafts + bonus: [" in out
     assert "DDTree vs chain DFlash at temperature 0: identical text" in out
     # a code model completes the prompt: no chat template unless asked
     assert (
@@ -90,7 +99,7 @@ def test_demo_runs_from_a_cache_dir(tmp_path, capsys):
         and "plain completion" in out
     )
     tree_mean, chain_mean = (
-        float(line.split(": ")[1]) for line in out.splitlines() if "mean acceptance" in line
+        float(line.split()[3]) for line in out.splitlines() if line.startswith("tokens per round")
     )
     assert tree_mean > chain_mean + 1.0  # the tree covers both continuations, the chain one
 
@@ -114,17 +123,23 @@ def _drop_mask_token(config: dict) -> None:
 @pytest.mark.parametrize(
     "extra, edit, message",
     [
-        (["--temperature", "nan"], None, "temperature must be a finite number >= 0, got nan"),
-        (["--temperature", "inf"], None, "temperature must be a finite number >= 0, got inf"),
-        (["--temperature", "-0.5"], None, "temperature must be a finite number >= 0, got -0.5"),
-        (["--top-p", "nan"], None, "top_p must be in (0, 1], got nan"),
-        (["--top-p", "0"], None, "top_p must be in (0, 1], got 0.0"),
-        (["--top-k", "-1"], None, "top_k must be >= 0 (0 keeps every token), got -1"),
-        (["--max-new-tokens", "0"], None, "max_new_tokens must be >= 1, got 0"),
+        (["--temperature", "nan"], None, f"{TEMPERATURE_RULE}, got nan"),
+        (["--temperature", "inf"], None, f"{TEMPERATURE_RULE}, got inf"),
+        (["--temperature", "-0.5"], None, f"{TEMPERATURE_RULE}, got -0.5"),
+        (["--temperature", "1e300"], None, f"{TEMPERATURE_RULE}, got 1e+300"),
+        (["--temperature", "100.5"], None, f"{TEMPERATURE_RULE}, got 100.5"),
+        (["--top-p", "nan"], None, "--top-p must be in (0, 1], got nan"),
+        (["--top-p", "0"], None, "--top-p must be in (0, 1], got 0.0"),
+        (["--top-k", "-1"], None, "--top-k must be in [0, 1073741824] (0 keeps every token"),
+        (["--top-k", str(2**63)], None, "--top-k must be in [0, 1073741824] (0 keeps every"),
+        (["--max-new-tokens", "0"], None, "--max-new-tokens must be >= 1, got 0"),
+        (["--max-new-tokens", "-3"], None, "--max-new-tokens must be >= 1, got -3"),
         (["--device", "tpu"], None, "--device tpu: the reference engine runs on cpu or cuda"),
         (["--device", "meta"], None, "--device meta: the reference engine runs on cpu or cuda"),
-        (["--budget", "0"], None, "budget must be >= 1 draft nodes, got 0"),
-        (["--topk", "0"], None, "topk must be in [1, vocab_size="),
+        (["--budget", "0"], None, "--budget must be >= 1 draft nodes, got 0"),
+        (["--topk", "0"], None, "--topk must be >= 1 (candidates per draft position), got 0"),
+        (["--topk", "100000"], None, "--topk must be in [1, vocab_size="),
+        (["--seed", str(2**64)], None, "--seed must be in [-2**63, 2**64 - 1] (torch's seeds)"),
         (
             ["--topk", "1", "--budget", "8"],
             None,
@@ -132,12 +147,17 @@ def _drop_mask_token(config: dict) -> None:
             "nodes (what top-k 1 fills in the draft's 7 positions)",
         ),
         (["--budget", "10000000"], None, "--budget 10000000 is larger than what fits: at most "),
-        (["--max-new-tokens", "5000"], None, "+ max_new_tokens (5000) = "),
-        (["--prompt", ""], None, "prompt is empty (0 tokens)"),
+        (
+            ["--max-new-tokens", "5000"],
+            None,
+            "--prompt (3 tokens) + --max-new-tokens (5000) = 5003 exceeds",
+        ),
+        (["--prompt", ""], None, "--prompt is empty (0 tokens)"),
         ([], lambda c: c.update(block_size=1), "block_size must be >= 2"),
         ([], lambda c: c.update(vocab_size=999), "vocab_size=999"),
         ([], lambda c: c.update(hidden_size=64), "hidden_size=64"),
         ([], _drop_mask_token, "mask token id is missing"),
+        ([], lambda c: c.pop("num_hidden_layers"), "its config.json has no 'num_hidden_layers'"),
     ],
 )
 def test_bad_inputs_exit_2_with_one_line_before_any_model_loads(
@@ -153,6 +173,8 @@ def test_bad_inputs_exit_2_with_one_line_before_any_model_loads(
     assert out == ""
     assert err.count("\n") == 1 and err.startswith("error: "), err
     assert message in err, err
+    if edit is not None:  # a draft config's fault names --draft and the folder
+        assert err.startswith(f"error: --draft {draft}: "), err
 
 
 def test_module_entry_point_exit_status(pair):
@@ -170,7 +192,7 @@ def test_module_entry_point_exit_status(pair):
     )
     assert proc.returncode == 2, proc.stderr
     error_lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert error_lines == ["error: budget must be >= 1 draft nodes, got 0"], proc.stderr
+    assert error_lines == ["error: --budget must be >= 1 draft nodes, got 0"], proc.stderr
     assert "Traceback" not in proc.stderr
 
 

@@ -136,6 +136,11 @@ def test_stops_at_max_new_tokens_and_eos(pairs, prompts, plain):
     short = generate(target, oracle, ids, 5, budget=16, topk=2)
     assert short.tokens == truth[:5]
     assert short.accept_lengths[0] == BLOCK_SIZE  # the round was truncated, not shortened
+    # tokens per round as SGLang counts a request's accept length: what was emitted (the
+    # prefill's token in, the cut tokens out) over the verify rounds
+    assert short.rounds == 1 and short.tokens_per_round == 5.0
+    assert short.mean_accept_length == BLOCK_SIZE
+    assert generate_plain(target, ids, 3).tokens_per_round == 1.0
     eos = truth[20]
     stop = truth.index(eos) + 1
     for result in (
@@ -156,9 +161,13 @@ def test_stops_at_max_new_tokens_and_eos(pairs, prompts, plain):
         (dict(budget=4, topk=2, prompt=[]), r"prompt is empty \(0 tokens\)"),
         (dict(budget=4, topk=2, max_new=4093), r"\(4 tokens\) \+ max_new_tokens \(4093\) = 4097 "),
         (dict(budget=4, topk=2, max_new=0), "max_new_tokens must be >= 1, got 0"),
-        (dict(budget=4, topk=2, temperature=-1.0), "temperature must be a finite number >= 0"),
-        (dict(budget=4, topk=2, temperature=float("nan")), "finite number >= 0, got nan"),
-        (dict(budget=4, topk=2, temperature=float("inf")), "finite number >= 0, got inf"),
+        (dict(budget=4, topk=2, temperature=-1.0), r"temperature must be a finite number in "),
+        (dict(budget=4, topk=2, temperature=float("nan")), r"in \[0, 100\] .*, got nan"),
+        (dict(budget=4, topk=2, temperature=float("inf")), r"in \[0, 100\] .*, got inf"),
+        # the DDTREE server's limit (front_door/request_limits.MAX_TEMPERATURE), not float32's
+        (dict(budget=4, topk=2, temperature=1e300), r"in \[0, 100\] .*limit\), got 1e\+300$"),
+        (dict(budget=4, topk=2, temperature=100.5), r"in \[0, 100\] .*, got 100.5"),
+        (dict(budget=4, topk=2, top_k=2**31), r"top_k must be in \[0, 1073741824\]"),
     ],
 )
 def test_bad_settings_raise_before_generation(pairs, kwargs, match):
