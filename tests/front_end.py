@@ -11,10 +11,11 @@ tokenizer_manager.py):
 - OpenAI requests converted as SGLang converts them (`to_sampling_params` / the completions
   server's `_build_sampling_params`, top_logprobs into top_logprobs_num); the chat template is
   left out (the prompt's text is the messages' contents);
-- DDTREE's hook around `generate_request` (n and the prompts of a call), then
-  `normalize_batch_and_arguments`, then per request of the batch (and sample of n): DDTREE's
-  `RequestCheck`, SGLang's `_validate_one_request` and `SamplingParams(...)
-  .normalize(tokenizer).verify(vocab)`.
+- DDTREE's hook around `generate_request` (n and the prompts of a call, the per-prompt fields'
+  shape, the request ids against `in_flight`), then `normalize_batch_and_arguments` and SGLang's
+  `_init_req_state` (every prompt's sub-request, the duplicate-id check), then per request of
+  the batch (and sample of n): DDTREE's `RequestCheck`, SGLang's `_validate_one_request` and
+  `SamplingParams(...).normalize(tokenizer).verify(vocab)`.
 A ValueError anywhere is a 400 (a streamed /generate: HTTP 200 with an error event, which
 SGLang sends; `answer` reports it as 400 with streamed=True); any other exception is what the
 server would answer with a 500.
@@ -82,7 +83,13 @@ class FrontEnd:
             num_reserved_tokens=0,
             allow_auto_truncate=False,
             validate_total_tokens=True,
+            rid_to_state={},  # SGLang's: the in-flight requests' states, by id
+            enable_trace=False,
+            disaggregation_mode="null",
         )
+        # ids of requests held in flight (a test's streamed request), in rid_to_state for
+        # every answer while held
+        self.in_flight: set[str] = set()
 
     @property
     def vocab(self) -> int:
@@ -164,10 +171,13 @@ class FrontEnd:
 
         async def generate_request(manager, obj):  # TokenizerManager.generate_request's start
             obj.normalize_batch_and_arguments()
-            items = [obj] if obj.is_single else [obj[i] for i in range(len(obj.sampling_params))]
+            tokenizer_manager_method("_init_req_state")(manager, obj)  # obj[i] of every prompt
+            items = [obj] if obj.is_single else [obj[i] for i in range(obj.batch_size)]
             for item in items:
                 self._one(item)
             yield None
+
+        self.manager.rid_to_state = dict.fromkeys(set(self.in_flight))
 
         async def call():  # through DDTREE's hook around it, as the server calls it
             async for _ in checks._bounded_call(generate_request, self.manager, obj):
@@ -221,6 +231,7 @@ class FrontEnd:
             stream=request.stream,
             custom_logit_processor=request.custom_logit_processor,
             return_hidden_states=request.return_hidden_states,
+            **_openai_fields(request),
         )
 
     @staticmethod
@@ -242,7 +253,15 @@ class FrontEnd:
             stream=request.stream,
             custom_logit_processor=request.custom_logit_processor,
             return_hidden_states=request.return_hidden_states,
+            **_openai_fields(request),
         )
+
+
+def _openai_fields(request) -> dict:
+    """The fields SGLang's chat and completions servers pass on as they come (serving_chat.py,
+    serving_completions.py): the request id and the per-prompt ones."""
+    names = ("rid", "extra_key", "cache_salt", "bootstrap_host", "bootstrap_port", "bootstrap_room")
+    return {name: getattr(request, name, None) for name in names}
 
 
 TOKENIZER_MANAGER = "sglang.srt.managers.tokenizer_manager"
@@ -251,20 +270,29 @@ TOKENIZER_MANAGER = "sglang.srt.managers.tokenizer_manager"
 @functools.cache
 def tokenizer_manager_method(name: str):
     """TokenizerManager.<name> compiled from SGLang's source with the names it uses imported as
-    its module imports them (the module itself needs uvloop, which the CPU stack leaves out)."""
+    its module imports them, and the module's own classes it names (ReqState) compiled beside it
+    (the module itself needs uvloop, which the CPU stack leaves out)."""
+    import __future__
+
     spec = importlib.util.find_spec(TOKENIZER_MANAGER)
     tree = ast.parse(open(spec.origin).read())
-    imported = {
-        alias.asname or alias.name: (node.module, alias.name)
-        for node in tree.body
-        if isinstance(node, ast.ImportFrom)
-        for alias in node.names
-    }
-    cls = next(c for c in tree.body if isinstance(c, ast.ClassDef) and c.name == "TokenizerManager")
-    fn = next(f for f in cls.body if isinstance(f, ast.FunctionDef) and f.name == name)
+    imported = {}
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom):
+            imported |= {a.asname or a.name: (node.module, a.name) for a in node.names}
+        elif isinstance(node, ast.Import):
+            imported |= {a.asname or a.name: (a.name, None) for a in node.names}
+    classes = {c.name: c for c in tree.body if isinstance(c, ast.ClassDef)}
+    fn = next(f for f in classes["TokenizerManager"].body if getattr(f, "name", None) == name)
+    used = {n.id for n in ast.walk(fn) if isinstance(n, ast.Name)}
+    own = [classes[u] for u in sorted(used & set(classes)) if u != "TokenizerManager"]
+    used |= {n.id for c in own for n in ast.walk(c) if isinstance(n, ast.Name)}
     namespace = {"logger": logging.getLogger(TOKENIZER_MANAGER)}
-    for used in {n.id for n in ast.walk(fn) if isinstance(n, ast.Name)} & set(imported):
-        module, attr = imported[used]
-        namespace[used] = getattr(importlib.import_module(module), attr)
-    exec(compile(ast.Module(body=[fn], type_ignores=[]), spec.origin, "exec"), namespace)
+    for u in used & set(imported):
+        module, attr = imported[u]
+        loaded = importlib.import_module(module)
+        namespace[u] = loaded if attr is None else getattr(loaded, attr)
+    code = ast.Module(body=[*own, fn], type_ignores=[])
+    flags = __future__.annotations.compiler_flag  # the module's own future import
+    exec(compile(code, spec.origin, "exec", flags=flags, dont_inherit=True), namespace)
     return namespace[name]

@@ -7,8 +7,9 @@ SGLang schedules a request. Three hooks, registered at plugin load in the server
 | TokenizerManager._validate_one_request  | every per-request limit (request_limits.py), token   |
 |                                         | ids in the vocabulary, the sampling options DDTREE   |
 |                                         | serves exactly                                       |
-| TokenizerManager.generate_request       | n and the number of prompts, before SGLang makes a   |
-|                                         | request of each                                      |
+| TokenizerManager.generate_request       | n and the number of prompts, the per-prompt fields'  |
+|                                         | shape (batch_shape.py) and the request ids           |
+|                                         | (identity.py), before SGLang makes a request of each |
 | TokenizerManager.__init__               | the HTTP app's bodies (json_bodies.py)               |
 
 A refusal is a ValueError, which SGLang answers with a 400 naming the field, the value and the
@@ -24,7 +25,7 @@ import sys
 from sglang_ddtree.adapter import compat
 from sglang_ddtree.adapter.spec import serves_ddtree
 from sglang_ddtree.config import Options
-from sglang_ddtree.front_door import json_bodies, request_limits
+from sglang_ddtree.front_door import batch_shape, identity, json_bodies, request_limits
 from sglang_ddtree.round import penalties
 
 logger = logging.getLogger(__name__)
@@ -56,18 +57,36 @@ def register_request_hook() -> None:
 
 async def _bounded_call(original, manager, obj, *args, **kwargs):
     """AROUND TokenizerManager.generate_request (an async generator): on a DDTREE server, a
-    call's n and prompts are bounded (request_limits.check_batch) before SGLang splits it into
-    one request per prompt and sample, which it does first; the refusal is a ValueError at the
-    first item, as SGLang's own checks there raise. The original's items pass through, and it
-    is closed with this generator (a client that goes away aborts its requests)."""
+    call's n and prompts are bounded (request_limits.check_batch), its per-prompt fields' shape
+    checked (batch_shape.check_shape) and its request ids (identity.check_ids, against the
+    manager's in-flight ids) before SGLang splits it into one request per prompt and sample,
+    which it does first; the refusal is a ValueError at the first item, as SGLang's own checks
+    there raise. The original's items pass through, and it is closed with this generator (a
+    client that goes away aborts its requests)."""
     if serves_ddtree(getattr(manager, "server_args", None)) and hasattr(obj, "sampling_params"):
         request_limits.check_batch(obj)
+        batch_shape.check_shape(obj)
+        if not _own_health_check(obj, args[0] if args else kwargs.get("request")):
+            single, prompts = batch_shape.call_shape(obj)
+            in_flight = getattr(manager, "rid_to_state", None) or ()
+            identity.check_ids(getattr(obj, "rid", None), single, prompts, in_flight)
     items = original(manager, obj, *args, **kwargs)
     try:
         async for item in items:
             yield item
     finally:
         await items.aclose()
+
+
+HEALTH_PATHS = ("/health", "/health_generate")
+
+
+def _own_health_check(obj, request) -> bool:
+    """Whether the call is SGLang's own health check (its /health handler names the request
+    HEALTH_CHECK_<uuid hex>; a client cannot give a body there)."""
+    path = getattr(getattr(request, "url", None), "path", None)
+    rid = getattr(obj, "rid", None)
+    return path in HEALTH_PATHS and isinstance(rid, str) and rid.startswith(identity.RESERVED)
 
 
 def _guard_json_bodies(result, manager, server_args, *args, **kwargs):
