@@ -10,7 +10,8 @@ SGLang schedules a request. Three hooks, registered at plugin load in the server
 | TokenizerManager.generate_request       | n and the number of prompts, the per-prompt fields'  |
 |                                         | shape (batch_shape.py) and the request ids           |
 |                                         | (identity.py), before SGLang makes a request of each |
-| TokenizerManager.__init__               | the HTTP app's bodies (json_bodies.py)               |
+| TokenizerManager.__init__               | the HTTP app's bodies (json_bodies.py) and admin     |
+|                                         | endpoints (admin.py)                                 |
 
 A refusal is a ValueError, which SGLang answers with a 400 naming the field, the value and the
 limit. Every check is a no-op on a server that does not serve DDTREE.
@@ -25,7 +26,7 @@ import sys
 from sglang_ddtree.adapter import compat
 from sglang_ddtree.adapter.spec import serves_ddtree
 from sglang_ddtree.config import Options
-from sglang_ddtree.front_door import batch_shape, identity, json_bodies, request_limits
+from sglang_ddtree.front_door import admin, batch_shape, identity, json_bodies, request_limits
 from sglang_ddtree.round import penalties
 
 logger = logging.getLogger(__name__)
@@ -91,22 +92,30 @@ def _own_health_check(obj, request) -> bool:
 
 def _guard_json_bodies(result, manager, server_args, *args, **kwargs):
     """AFTER TokenizerManager.__init__: on a DDTREE server whose process has SGLang's HTTP server
-    (imported, its app not started yet), the app's request bodies are checked before SGLang reads
-    them (json_bodies.py: their size, an OpenAI body's shape, a Vertex body's fields by SGLang's
-    own /generate contract). Nothing is imported here: the offline engine and other processes are
-    left alone."""
+    (imported, its app not started yet), the app's admin endpoints are closed unless
+    --admin-api-key is set and its info endpoint's secrets redacted (admin.py), and its request
+    bodies are checked before SGLang reads them (json_bodies.py: their size, an OpenAI body's
+    shape, a Vertex body's fields by SGLang's own /generate contract). Nothing is imported here:
+    the offline engine and other processes are left alone."""
     http = sys.modules.get(compat.HTTP_SERVER_MODULE)
     if http is None or not serves_ddtree(server_args):
         return None
-    try:
-        app = getattr(http, compat.HTTP_APP)
-        json_bodies.add_to(
+    app = getattr(http, compat.HTTP_APP, None)
+    guards = {
+        "admin-endpoint": lambda: admin.add_to(
+            app, admin_key=getattr(server_args, "admin_api_key", None)
+        ),
+        "request-body": lambda: json_bodies.add_to(
             app,
             vertex=compat.vertex_route(app),
             contract=getattr(http, compat.GENERATE_CONTRACT, None),
-        )
-    except (AttributeError, RuntimeError) as exc:  # an app already started, or none
-        logger.warning("sglang_ddtree: no request-body checks on the HTTP app: %s", exc)
+        ),
+    }
+    for name, add in guards.items():  # the admin gate first: outside the body guard
+        try:
+            add()
+        except (AttributeError, RuntimeError) as exc:  # an app already started, or none
+            logger.warning("sglang_ddtree: no %s checks on the HTTP app: %s", name, exc)
     return None
 
 

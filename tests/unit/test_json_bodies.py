@@ -112,8 +112,11 @@ def test_a_body_in_chunks_is_replayed_whole():
 
 
 def test_the_hook_guards_ddtree_http_servers_only(monkeypatch):
+    from sglang_ddtree.front_door import admin
+
     calls = []
     monkeypatch.setattr(json_bodies, "add_to", lambda app, **kw: calls.append((app, kw)))
+    monkeypatch.setattr(admin, "add_to", lambda app, **kw: calls.append(("admin", kw)))
     dflash = types.SimpleNamespace(speculative_algorithm="DFLASH")
     ddtree = types.SimpleNamespace(speculative_algorithm="DDTREE")
     monkeypatch.delitem(sys.modules, compat.HTTP_SERVER_MODULE, raising=False)
@@ -123,7 +126,10 @@ def test_the_hook_guards_ddtree_http_servers_only(monkeypatch):
     monkeypatch.setitem(sys.modules, compat.HTTP_SERVER_MODULE, http)
     assert checks._guard_json_bodies(None, "manager", dflash, "port args") is None and calls == []
     assert checks._guard_json_bodies(None, "manager", ddtree, "port args") is None
-    assert calls == [("app", {"vertex": None, "contract": "contract"})]
+    assert calls == [
+        ("admin", {"admin_key": None}),
+        ("app", {"vertex": None, "contract": "contract"}),
+    ]
 
 
 def test_an_app_that_has_started_is_left_as_it_is(monkeypatch, caplog):
