@@ -2,7 +2,8 @@
 in the order the HTTP server runs them, with DDTREE's front-end hook, for /generate,
 /v1/chat/completions and /v1/completions; `answer(path, body)` gives the HTTP status the server
 would answer before anything reaches the scheduler (200: the request would be scheduled), and
-/vertex_generate and the body size bound as DDTREE's middleware (json_bodies.py) answers them.
+/vertex_generate and the body size bound as DDTREE's middleware (json_bodies.py) answers them,
+and SGLang's admin endpoints as DDTREE's admin gate (admin.py) answers a client without a key.
 
 The path, SGLang 0.5.23 (http_server.py, serving_chat.py, serving_completions.py,
 tokenizer_manager.py):
@@ -106,6 +107,10 @@ class FrontEnd:
             return Answer(400, f"JSON decode error: {exc}")
         if not isinstance(raw, dict):
             return Answer(400, "the body must be a JSON object")
+        if path.split("?")[0] in admin_paths():  # DDTREE's admin gate, no --admin-api-key
+            if self.manager.server_args.speculative_algorithm != "DDTREE":
+                return Answer(200, "")  # SGLang serves them to any client
+            return Answer(403, f"{path} is refused unless started with --admin-api-key")
         if path == VERTEX:
             return self._vertex(raw)
         streamed = path == "/generate" and bool(raw.get("stream"))
@@ -262,6 +267,16 @@ def _openai_fields(request) -> dict:
     serving_completions.py): the request id and the per-prompt ones."""
     names = ("rid", "extra_key", "cache_salt", "bootstrap_host", "bootstrap_port", "bootstrap_room")
     return {name: getattr(request, name, None) for name in names}
+
+
+@functools.cache
+def admin_paths() -> frozenset[str]:
+    """The paths of SGLang's app that its routes mark admin-level (front_door/admin.py)."""
+    import sglang.srt.entrypoints.http_server as http
+
+    from sglang_ddtree.front_door import admin
+
+    return frozenset(route.path for route in admin.admin_routes(http.app))
 
 
 TOKENIZER_MANAGER = "sglang.srt.managers.tokenizer_manager"

@@ -1,7 +1,8 @@
-"""On the GPU: the mixed soak (scripts/soak.py) and the fuzzed bad
-requests (scripts/fuzz_requests.py) against DDTREE (default options) and DFLASH on the shipped
-pair, each server started here with the suite's flags and SGLang's idle memory check. Bounded:
-at most SOAK_S seconds of traffic per server, to 127.0.0.1 only. Run alone:
+"""On the GPU: the mixed soak (scripts/soak.py) and the fuzzed bad requests
+(scripts/fuzz_requests.py: the per-request limits, request ids, batch shapes, an id held in
+flight, the admin endpoints, /health throughout) against DDTREE (default options) and DFLASH on
+the shipped pair, each server started here with the suite's flags and SGLang's idle memory
+check. Bounded: at most SOAK_S seconds of traffic per server, to 127.0.0.1 only. Run alone:
 
     python -m pytest tests/gpu/test_soak.py -m soak -q -rA
 
@@ -122,6 +123,8 @@ def test_a_mixed_soak_and_fuzzed_bad_requests_leave_ddtree_and_dflash_serving(se
                             "ignored_with_200",
                             "good_text_unchanged",
                             "alive_after",
+                            "admin_probed",
+                            "health",
                             "ok",
                         )
                     }
@@ -149,6 +152,9 @@ def test_a_mixed_soak_and_fuzzed_bad_requests_leave_ddtree_and_dflash_serving(se
             assert fuzzed["alive_after"], name
             assert "leak" not in r["fuzz_log_problems"], name
             assert fuzzed["bad"] == [], (name, fuzzed["bad"])  # a 4xx with a message for each
+            # the admin endpoints were probed (all 403: no --admin-api-key), and /health answered
+            # 200 within HEALTH_WITHIN_S throughout the fuzz and after it
+            assert fuzzed["admin_probed"] and fuzzed["health"]["ok"], (name, fuzzed["health"])
     assert report["ddtree_det"]["fuzz"]["good_text_unchanged"], report["ddtree_det"]["fuzz"]
 
 
