@@ -377,6 +377,12 @@ def corpus(context: int, seed: int = 0) -> list[tuple[str, str, bytes, bool]]:
             {"input_ids": [[], [1, 2]], "sampling_params": {"max_new_tokens": 4}},
             False,
         ),
+        (  # tokenized on the front end's event loop by SGLang: /health waited meanwhile
+            "generate: a 4 MiB text over the context",
+            GENERATE,
+            {"text": "word " * 800_000, "sampling_params": {"max_new_tokens": 8}},
+            False,
+        ),
         (
             "an 80 MiB body",
             CHAT,

@@ -84,6 +84,7 @@ class FrontEnd:
             num_reserved_tokens=0,
             allow_auto_truncate=False,
             validate_total_tokens=True,
+            tokenizer=self.tokenizer,
             rid_to_state={},  # SGLang's: the in-flight requests' states, by id
             enable_trace=False,
             disaggregation_mode="null",

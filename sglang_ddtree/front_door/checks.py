@@ -8,8 +8,10 @@ SGLang schedules a request. Three hooks, registered at plugin load in the server
 |                                         | ids in the vocabulary, the sampling options DDTREE   |
 |                                         | serves exactly                                       |
 | TokenizerManager.generate_request       | n and the number of prompts, the per-prompt fields'  |
-|                                         | shape (batch_shape.py) and the request ids           |
-|                                         | (identity.py), before SGLang makes a request of each |
+|                                         | shape (batch_shape.py), the request ids              |
+|                                         | (identity.py) and a long text's tokens off the event |
+|                                         | loop (long_text.py), before SGLang makes a request   |
+|                                         | of each                                              |
 | TokenizerManager.__init__               | the HTTP app's bodies (json_bodies.py) and admin     |
 |                                         | endpoints (admin.py)                                 |
 
@@ -26,7 +28,14 @@ import sys
 from sglang_ddtree.adapter import compat
 from sglang_ddtree.adapter.spec import serves_ddtree
 from sglang_ddtree.config import Options
-from sglang_ddtree.front_door import admin, batch_shape, identity, json_bodies, request_limits
+from sglang_ddtree.front_door import (
+    admin,
+    batch_shape,
+    identity,
+    json_bodies,
+    long_text,
+    request_limits,
+)
 from sglang_ddtree.round import penalties
 
 logger = logging.getLogger(__name__)
@@ -59,8 +68,9 @@ def register_request_hook() -> None:
 async def _bounded_call(original, manager, obj, *args, **kwargs):
     """AROUND TokenizerManager.generate_request (an async generator): on a DDTREE server, a
     call's n and prompts are bounded (request_limits.check_batch), its per-prompt fields' shape
-    checked (batch_shape.check_shape) and its request ids (identity.check_ids, against the
-    manager's in-flight ids) before SGLang splits it into one request per prompt and sample,
+    checked (batch_shape.check_shape), its request ids (identity.check_ids, against the
+    manager's in-flight ids) and a long text's tokens counted in a thread
+    (long_text.check_text_lengths) before SGLang splits it into one request per prompt and sample,
     which it does first; the refusal is a ValueError at the first item, as SGLang's own checks
     there raise. The original's items pass through, and it is closed with this generator (a
     client that goes away aborts its requests)."""
@@ -71,6 +81,10 @@ async def _bounded_call(original, manager, obj, *args, **kwargs):
             single, prompts = batch_shape.call_shape(obj)
             in_flight = getattr(manager, "rid_to_state", None) or ()
             identity.check_ids(getattr(obj, "rid", None), single, prompts, in_flight)
+        if not getattr(manager, "allow_auto_truncate", False):
+            _, context = compat.front_end_sizes(manager)
+            tokenizer = getattr(manager, "tokenizer", None)
+            await long_text.check_text_lengths(tokenizer, getattr(obj, "text", None), context)
     items = original(manager, obj, *args, **kwargs)
     try:
         async for item in items:
