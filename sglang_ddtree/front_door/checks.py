@@ -98,10 +98,12 @@ HEALTH_PATHS = ("/health", "/health_generate")
 
 def _own_health_check(obj, request) -> bool:
     """Whether the call is SGLang's own health check (its /health handler names the request
-    HEALTH_CHECK_<uuid hex>; a client cannot give a body there)."""
+    HEALTH_CHECK_<uuid hex>; a client cannot give a body there). The path may carry a
+    --root-path in front."""
     path = getattr(getattr(request, "url", None), "path", None)
     rid = getattr(obj, "rid", None)
-    return path in HEALTH_PATHS and isinstance(rid, str) and rid.startswith(identity.RESERVED)
+    own = isinstance(rid, str) and rid.startswith(identity.RESERVED)
+    return own and isinstance(path, str) and path.endswith(HEALTH_PATHS)
 
 
 def _guard_json_bodies(result, manager, server_args, *args, **kwargs):

@@ -166,6 +166,7 @@ def test_sglangs_own_health_check_passes_and_a_client_cannot_pose_as_it():
         return asyncio.run(first())
 
     assert call("/health") == "served" and call("/health_generate") == "served"
+    assert call("/api/v2/health") == "served"  # under a --root-path
     with pytest.raises(ValueError, match="reserves"):
         call("/generate")
 
