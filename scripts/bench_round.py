@@ -37,6 +37,7 @@ import re
 import statistics
 import time
 from dataclasses import dataclass
+from importlib.metadata import version as installed_version
 from pathlib import Path
 
 import harness  # beside this script (scripts/harness.py)
@@ -736,8 +737,10 @@ def main(argv: list[str] | None = None) -> int:
         most = max(prompts_for(c, args.requests_per_client) for c in concurrencies)
         dataset = write_dataset(args.out / "prompts.jsonl", most)
 
+    release = installed_version("sglang")
+
     def emit(row: dict, kind: str = "round_cost_27b") -> None:
-        row = {**row, **sizing.row(), **({"simulate": world} if world else {})}
+        row = {**row, **sizing.row(), "sglang": release, **({"simulate": world} if world else {})}
         if kind == "round_cost_27b":
             rows.append(row)
         print(json.dumps(row), flush=True)

@@ -120,7 +120,9 @@ def conditions(rows: list[dict]) -> str:
         )
     else:
         accept = "the dummy weights' (about one token a round)"
-    return f"SGLang {release or '0.5.17'}; acceptance: {accept}."
+    card = next((r for r in rows if r.get("card")), None)
+    on = f" on one {card['card']} ({card['target_dtype']} target)" if card else ""
+    return f"SGLang {release or '0.5.17'}{on}; acceptance: {accept}."
 
 
 def round_cost_table(rows: list[dict]) -> str:
