@@ -289,12 +289,9 @@ def free_bytes() -> int:
 # halve the scratch, which is what lets N = 64 run 8 requests.
 # `_sglanggdn`: DDTREE with SGLang's own GDN tree verify, conv1d and commit (per-node states)
 # instead of sglang_ddtree.gdn's (and its compact scratch, which lets 16 requests run at any N).
-# `_sglangplan`: SGLang's FlashInfer plan for the verify instead of round/verify_plan.py's
-# (the measurement that decides which of the two stays).
 VARIANT_ENV = {
     "_bf16ssm": {"SGLANG_MAMBA_SSM_DTYPE": "bfloat16"},
     "_sglanggdn": {"SGLANG_DDTREE_GDN": "sglang"},
-    "_sglangplan": {"SGLANG_DDTREE_VERIFY_PLAN": "sglang"},
     "_auto": {"SGLANG_DDTREE_WIDTH": "auto"},
 }
 # DDTREE's default picks a verify width per round (SGLANG_DDTREE_WIDTH=auto); the `ddtreeN`
@@ -387,7 +384,7 @@ def variants(draft: Path, sizing: Sizing, cap: int = 16) -> dict[str, list[str]]
     for n in (16, 32, 64, 128):
         width = [*dd, "--speculative-num-draft-tokens", str(n)]
         # the compact scratch (the default): SGLang's default 16 requests at every N
-        out[f"ddtree{n}"] = out[f"ddtree{n}_auto"] = out[f"ddtree{n}_sglangplan"] = [
+        out[f"ddtree{n}"] = out[f"ddtree{n}_auto"] = [
             *width,
             *requests(cap),
         ]

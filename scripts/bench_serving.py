@@ -76,13 +76,11 @@ def server_table(draft: str) -> dict[str, tuple[list[str], dict[str, str]]]:
         return ["--speculative-num-draft-tokens", str(n)]
 
     fixed = {"SGLANG_DDTREE_WIDTH": "fixed"}
-    sglang_plan = {"SGLANG_DDTREE_VERIFY_PLAN": "sglang"}  # SGLang's verify plan, not the host's
     return {
         "none": ([], {}),
         "dflash": (["--speculative-algorithm", "DFLASH", *spec], {}),
         "ddtree": ([*dd, *nodes(NODES)], {}),  # automatic widths among 16 and 32
         "ddtree64": ([*dd, *nodes(64)], {}),  # automatic among 16, 32 and 64
-        "ddtree_sglangplan": ([*dd, *nodes(NODES)], sglang_plan),
         "ddtree16": ([*dd, *nodes(16)], fixed),
         "ddtree32": ([*dd, *nodes(32)], fixed),
     }

@@ -152,7 +152,6 @@ SWITCHES = (
     "SGLANG_DDTREE_PENALTIES",
     "SGLANG_DDTREE_DUMP_ROUNDS",
     "SGLANG_DDTREE_DUMP_EVERY",
-    "SGLANG_DDTREE_VERIFY_PLAN",
     simulation.SWITCH,
 )
 
@@ -180,13 +179,6 @@ class Options:
                                               0 refuses them with 400 (the memory way out)
     dump_rounds   SGLANG_DDTREE_DUMP_ROUNDS   a JSON-lines file for sampled rounds; None: off
     dump_every    SGLANG_DDTREE_DUMP_EVERY    every how many rounds (100)
-    verify_plan   SGLANG_DDTREE_VERIFY_PLAN   host | sglang: host plans FlashInfer's tree verify
-                                              from host lengths with no read-back and packs
-                                              the mask from the tree (round/verify_plan.py,
-                                              mask_pack.py); sglang: SGLang's plan, from the
-                                              mask written unpacked. Kept until a GPU
-                                              measurement on SGLang 0.5.23 of the two plans
-                                              (owed); the loser is deleted after it
     simulate      SGLANG_DDTREE_SIMULATE      a benchmark world (sglang_ddtree/simulation.py):
                                               a regime's name, e.g. narrative; with
                                               --load-format dummy only; None: off
@@ -204,7 +196,6 @@ class Options:
     gdn_scratch: str = "compact"
     dump_rounds: str | None = None
     dump_every: int = 100
-    verify_plan: str = "host"
     width: str = "auto"
     widths: tuple[int, ...] | None = None
     penalties: bool = True
@@ -234,7 +225,6 @@ class Options:
             gdn_scratch="compact" if ddtree_gdn and not unified_memory else "full",
             dump_rounds=env_value("SGLANG_DDTREE_DUMP_ROUNDS") or None,
             dump_every=int(every),
-            verify_plan=env_choice("SGLANG_DDTREE_VERIFY_PLAN", ("host", "sglang")),
             width=_width_mode(deterministic, tensor_parallel),
             widths=_widths("SGLANG_DDTREE_WIDTHS"),
             penalties=env_choice("SGLANG_DDTREE_PENALTIES", ("1", "0")) == "1",
@@ -296,7 +286,9 @@ RETIRED_SWITCHES = {
     "SGLANG_DDTREE_GDN_SCRATCH": "the GDN scratch is compact, full where SGLang allocates the "
     "per-node states (--enable-unified-memory, SGLANG_DDTREE_GDN=sglang)",
     "SGLANG_DDTREE_LOGPROBS": "logprobs are always served",
-    "SGLANG_DDTREE_MASK_PACK": "the verify mask's packing follows SGLANG_DDTREE_VERIFY_PLAN",
+    "SGLANG_DDTREE_MASK_PACK": "the verify plan packs the mask from the tree",
+    "SGLANG_DDTREE_VERIFY_PLAN": "the verify is planned from host lengths with the mask packed "
+    "from the tree (round/verify_plan.py), measured faster than SGLang's own plan",
     "SGLANG_DDTREE_ACCEPT_PATH": "round/accept_path.py always moves the accepted path",
 }
 # debugging aids that were server switches: the check's SERVE and the perturbation change

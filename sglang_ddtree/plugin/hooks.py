@@ -26,8 +26,7 @@ adapt SGLang's start-up (graphs, pools, rows) and /server_info to DDTREE.
 | Scheduler.get_internal_state            | /server_info reports the resolved options, GDN path   |
 |                                         | and the DDTREE paths taken (Runtime.report)           |
 | FlashInferIndicesUpdaterPrefill         | the verify's masked plan from host lengths and a      |
-|   .call_begin_forward                   | device-packed mask, no read-back (verify_plan.py;     |
-|                                         | off: SGLANG_DDTREE_VERIFY_PLAN=sglang)                |
+|   .call_begin_forward                   | device-packed mask, no read-back (verify_plan.py)     |
 | eagle_worker_common                     | the accepted path moved to the block front in one     |
 |   ._finalize_accept_tree_path           | Triton launch, its hidden rows alone (accept_path.py) |
 

@@ -145,7 +145,7 @@ class Round:
             tree.visibility,
             self.batch.seq_lens,
             self._seq_lens_sum_bound(),
-            write_mask=not verify_plan.packs_from_tree(w.options),
+            write_mask=False,  # the host plan packs it from the tree (verify_plan.py)
         )
 
     # -- verify: the target over the tree; SGLang calls the stages below inside it ------------

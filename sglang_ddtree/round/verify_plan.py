@@ -1,16 +1,16 @@
-"""A host-sync-free FlashInfer plan for DDTREE's tree verify (the default; SGLANG_DDTREE_VERIFY_PLAN=
-sglang gives SGLang's plan back). On the H200 FlashInfer 0.6.15 attends bit-equally with it
-and with SGLang's plan (tests/unit/test_verify_plan.py), and the GPU suite's servers with it
-passed before it became the default.
+"""A host-sync-free FlashInfer plan for DDTREE's tree verify.
 
-SGLang 0.5.17 plans the verify's masked prefill (`FlashInferIndicesUpdaterPrefill.call_begin_forward`
--> `BatchPrefillWithPagedKVCacheWrapper.plan`) with device indptrs and an unpacked bool mask,
-and FlashInfer 0.6.15's plan() then reads four things back to the host: the packed length in
-`segment_packbits` (`.item()`), and `qo_indptr`, `paged_kv_indptr`, `paged_kv_last_page_len`
-(`.to("cpu")`). DDTREE knows all of them on the host: qo_indptr from (bs, N), the KV lengths
-from the host copy of the committed lengths plus N, last-page lengths of one (page size 1).
-Around call_begin_forward, for a DDTREE verify with host lengths, the wrapper's plan is called
-with those host tensors and a mask packed on the device, so none of the four reads happens.
+SGLang plans the verify's masked prefill (`FlashInferIndicesUpdaterPrefill.call_begin_forward`
+-> `BatchPrefillWithPagedKVCacheWrapper.plan`) from an unpacked bool mask, which it packs on
+the device. DDTREE knows every length the plan needs on the host: qo_indptr from (bs, N), the
+KV lengths from the host copy of the committed lengths plus N, last-page lengths of one (page
+size 1). Around call_begin_forward, for a DDTREE verify with host lengths, the wrapper's plan is
+called with those host tensors and a mask packed on the device straight from the tree
+(tree/mask_pack.py), so the unpacked mask is never written. At Qwen3.6-27B shapes on one H100
+this round is 2-10% faster than the same round under SGLang's own plan (docs/results.md, "Round
+cost at 27B"); FlashInfer attends bit-equally with both (tests/unit/test_verify_plan.py). A call
+this plan cannot take (no host lengths, a CUDA-graph mask buffer too small for the bit-offset
+layout) gets SGLang's plan, with the unpacked mask written first (`write_mask`).
 
 The packed layout: plan() derives the mask offsets itself from the indptrs, in bits
 (`_compute_page_mask_indptr`: qo_len x kv_len per request), and the kernel adds them to its
@@ -112,15 +112,13 @@ def call_begin_forward(runtime, original, *call, **kwargs):
     """AROUND FlashInferIndicesUpdaterPrefill.call_begin_forward (its arguments: updater,
     wrapper_ragged, wrapper_paged, req_pool_indices, paged_kernel_lens, paged_kernel_lens_sum,
     seq_lens, prefix_lens, kv_start_idx, kv_indptr, qo_indptr, use_ragged, spec_info, ...): a
-    DDTREE verify with host lengths plans with host indptrs and a device-packed mask
-    (SGLANG_DDTREE_VERIFY_PLAN=host); every other call as it came. runtime: the worker
-    factory's options and engaged paths (runtime.Runtime), bound when the hook is installed."""
+    DDTREE verify with host lengths plans with host indptrs and a device-packed mask; every
+    other call as it came. runtime: the worker factory's engaged paths (runtime.Runtime),
+    bound when the hook is installed."""
     wrapper_paged, seq_lens, use_ragged, spec_info = (call[i] for i in (2, 6, 11, 12))
     args = call[13:]
     seq_lens_cpu = kwargs.get("seq_lens_cpu")
-    if runtime.options.verify_plan != "host" or not _applies(
-        wrapper_paged, seq_lens, seq_lens_cpu, use_ragged, spec_info, args, kwargs
-    ):
+    if not _applies(wrapper_paged, seq_lens, seq_lens_cpu, use_ragged, spec_info, args, kwargs):
         write_mask(spec_info)
         return original(*call, **kwargs)
     plan = host_plan(seq_lens_cpu, int(spec_info.draft_token_num))
@@ -137,31 +135,10 @@ def call_begin_forward(runtime, original, *call, **kwargs):
 
     from_tree = not spec_info.tree_mask_written  # else written: a warm-up stand-in's mask
     if from_tree:
-        from sglang_ddtree.tree import mask_pack
-
         if spec_info.tree_visibility.shape[1] != int(spec_info.draft_token_num):
             raise RuntimeError("DDTREE: the verify's tree and its width disagree")  # a bug
         runtime.engaged.first_use("verify mask packed by tree/mask_pack.py")
-
-    def begin_forward(qo, kv, kv_indices, last, *rest, custom_mask=None, **kw):
-        if from_tree:  # the unpacked mask was never written: pack the tree's visibility
-            packed = mask_pack.pack_tree_mask(
-                spec_info.tree_visibility, starts, plan.total_bits, plan.max_request_bits
-            )
-        else:
-            packed = pack_at_bit_offsets(
-                custom_mask.reshape(-1), starts, plan.total_bits, plan.packed_bytes
-            )
-        return planned(
-            plan.qo_indptr,
-            plan.kv_indptr,
-            kv_indices,
-            plan.last_page_len,
-            *rest,
-            packed_custom_mask=packed,
-            **kw,
-        )
-
+    begin_forward = _packed_begin_forward(planned, plan, starts, spec_info, from_tree)
     runtime.engaged.first_use("verify plan from host lengths (round/verify_plan.py)")
     wrapper_paged.begin_forward = begin_forward
     spec_info.staged_attn_args = verify_input.StagedAttnArgs(
@@ -177,16 +154,32 @@ def call_begin_forward(runtime, original, *call, **kwargs):
             del wrapper_paged.begin_forward
 
 
-def packs_from_tree(opts) -> bool:
-    """Whether the verify input may leave its unpacked mask unwritten: the host plan packs the
-    mask from the tree (tree/mask_pack.py); SGLang's plan reads the written mask.
-    opts: config.Options."""
-    return opts.verify_plan == "host"
+def _packed_begin_forward(planned, plan: HostPlan, starts, spec_info, from_tree: bool):
+    """The wrapper's begin_forward (`planned`) called with the host plan's indptrs and the mask
+    packed at its bit offsets (`starts`, on the device): from the tree's visibility when the
+    unpacked mask was never written (`from_tree`), else from the written mask."""
+    from sglang_ddtree.tree import mask_pack
+
+    def begin_forward(qo, kv, kv_indices, last, *rest, custom_mask=None, **kw):
+        if from_tree:
+            packed = mask_pack.pack_tree_mask(
+                spec_info.tree_visibility, starts, plan.total_bits, plan.max_request_bits
+            )
+        else:
+            packed = pack_at_bit_offsets(
+                custom_mask.reshape(-1), starts, plan.total_bits, plan.packed_bytes
+            )
+        del qo, kv, last  # SGLang's device copies: the host plan's own go to the plan
+        host = (plan.qo_indptr, plan.kv_indptr, kv_indices, plan.last_page_len)
+        return planned(*host, *rest, packed_custom_mask=packed, **kw)
+
+    return begin_forward
 
 
 def write_mask(spec_info) -> None:
     """A DDTREE verify input whose unpacked mask was left out, about to be planned by SGLang's
-    plan (which reads it): allocated and written now (tree_layout.write_full_mask)."""
+    plan (a call the host plan cannot take): allocated and written now
+    (tree_layout.write_full_mask)."""
     from sglang_ddtree.round.verify_input import DDTreeVerifyInput
     from sglang_ddtree.tree import verify_layout as tree_layout
 

@@ -33,7 +33,6 @@ from sglang.srt.utils import get_available_gpu_memory
 from sglang_ddtree.adapter import compat
 from sglang_ddtree.config import DDTreeConfig, Options
 from sglang_ddtree.round import round as stages
-from sglang_ddtree.round import verify_plan
 from sglang_ddtree.round.draft_head import DraftTreeHead, VocabShard
 from sglang_ddtree.round.penalties import PenaltyTable
 from sglang_ddtree.round.round import Round
@@ -347,7 +346,6 @@ class DDTreeWorker(DFlashWorkerV2):
             rows=rows,
             row=row,
             penalties=self.options.penalties,
-            unpacked_mask=not verify_plan.packs_from_tree(self.options),
         )
         on_gpu = torch.device(self.device).type == "cuda"
         free = get_available_gpu_memory(self.device, self.gpu_id) if on_gpu else None

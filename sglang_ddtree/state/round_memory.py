@@ -7,8 +7,8 @@ count table, request slots x vocabulary float32, and the stop-token table, the s
 Per round, at the largest batch `max_bs`, the verify width N and the vocabulary V:
 - the verify's packed custom mask, N x sum over requests of (S_b + N) bytes (verify_plan's
   bit-offset layout: as long in bytes as the unpacked mask in bools); a request's committed
-  length S_b is at most its req_to_token row, so at most N x max_bs x (row + N). With SGLang's
-  plan or the torch packer the unpacked mask is allocated too (verify_input, verify_plan);
+  length S_b is at most its req_to_token row, so at most N x max_bs x (row + N) (the unpacked
+  mask is written only for a call the host plan cannot take, verify_plan.write_mask);
 - in a round whose batch asks for a penalty, min_new_tokens or min_p: each request's counts and
   stop row gathered ([bs, V] float32 and bool) and tree.penalties' [requests, N, V] temporaries
   (penalize_tree_: a float32 and a bool per value; min_p_filter_ and block_stops_: a bool),
@@ -59,11 +59,9 @@ def at_maximum(
     rows: int,
     row: int,
     penalties: bool,
-    unpacked_mask: bool,
 ) -> RoundMemory:
     """A server's RoundMemory: `rows` request slots, `row` the req_to_token row's width (the
-    longest committed length), `penalties` the per-node penalties on, `unpacked_mask` SGLang's
-    plan or the torch packer (the unpacked mask allocated as well as the packed one)."""
+    longest committed length), `penalties` the per-node penalties on."""
     N = num_nodes
     bits = N * max_bs * (row + N)
     tables = temporaries = 0
@@ -76,7 +74,7 @@ def at_maximum(
     return RoundMemory(
         tables=tables,
         temporaries=temporaries,
-        verify_mask=bits * (2 if unpacked_mask else 1),
+        verify_mask=bits,
         mask_bits=bits,
     )
 

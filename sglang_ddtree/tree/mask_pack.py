@@ -1,7 +1,7 @@
 """The tree verify's custom mask packed for FlashInfer in one Triton launch straight from the
 tree, for the host plan (round/verify_plan.py). With it the verify input does not write
-the unpacked mask at all, unless the plan falls back to SGLang's, which then gets it written
-(SGLANG_DDTREE_VERIFY_PLAN=sglang: always, and SGLang packs it).
+the unpacked mask at all, unless the plan falls back to SGLang's for a call it cannot take,
+which then gets it written.
 
 Same bytes as `pack_at_bit_offsets` of the written mask: request b's mask bits packed
 little-endian from byte starts[b] (the plan's bit offset, which FlashInfer's kernel adds

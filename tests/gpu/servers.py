@@ -118,16 +118,14 @@ VARIANTS = {
     "ddtree64": lambda model, draft: ddtree_args(model, draft, nodes=64),
     # with VARIANT_ENV below, a switch's other value:
     "ddtree_sglanggdn": ddtree_args,  # SGLang's own GDN tree verify and commit
-    "ddtree_sglangplan": ddtree_args,  # SGLang's FlashInfer plan for the verify (not verify_plan.py)
     "ddtree_fixed": ddtree_args,  # every round at N (the default, auto, picks a width per round)
 }
 # Per-variant environment on top of ENV.
 VARIANT_ENV = {
     "ddtree_sglanggdn": {"SGLANG_DDTREE_GDN": "sglang"},
-    "ddtree_sglangplan": {"SGLANG_DDTREE_VERIFY_PLAN": "sglang"},
     "ddtree_fixed": {"SGLANG_DDTREE_WIDTH": "fixed"},
 }
-# Which variants each model runs (24 servers in all). Launch order interleaves the models, plain
+# Which variants each model runs (22 servers in all). Launch order interleaves the models, plain
 # servers first, so each model's tests can begin while the others still start. SGLang's own
 # chain DFLASH runs beside DDTREE on every model as the control for numerics.
 MODEL_VARIANTS = {
@@ -140,7 +138,6 @@ MODEL_VARIANTS = {
         "ddtree_sync",
         "dflash",
         "ddtree_sglanggdn",
-        "ddtree_sglangplan",
     ),
     "pair": (
         "base",
@@ -152,7 +149,6 @@ MODEL_VARIANTS = {
         "dflash_det",
         "dflash",
         "ddtree64",
-        "ddtree_sglangplan",
     ),
 }
 # Started for scripts/bench_e2e.py --attach, not tested by tests/gpu.

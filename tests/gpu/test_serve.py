@@ -54,7 +54,6 @@ SPEC_VARIANTS = (
     "ddtree_sync",
     "ddtree_det",
     "ddtree_sglanggdn",
-    "ddtree_sglangplan",
     "dflash",
 )  # dflash: a control
 # DDTREE in deterministic mode (root-path GDN verify): the batch-invariance test
@@ -632,11 +631,11 @@ ACCEPT = ("first accepted path moved to the front by round/accept_path.py",)
 WIDTH = {"auto": "DDTREE verify width: auto among", "fixed": "DDTREE verify width: fixed at"}
 
 
-def _engaged(verify: str = "chunk", width: str = "auto", plan: bool = True) -> tuple:
+def _engaged(verify: str = "chunk", width: str = "auto") -> tuple:
     """The startup lines and first-use lines of a GDN path (chunked verify, or the root paths
     in deterministic mode; tree conv1d, compact scratch), of the verify width (auto, but in
     deterministic mode) and of the verify's FlashInfer plan from host lengths with the mask
-    packed from the tree (the default), and of the accepted path's kernels."""
+    packed from the tree, and of the accepted path's kernels."""
     line = (
         f"GDN path: ddtree (verify: {verify}; commit: replay; tree conv1d: ddtree; "
         "scratch: compact)"
@@ -644,7 +643,8 @@ def _engaged(verify: str = "chunk", width: str = "auto", plan: bool = True) -> t
     uses = [
         CHUNK if verify == "chunk" else PATHS,
         COMMIT,
-        *([HOSTPLAN, MASKPACK] if plan else []),
+        HOSTPLAN,
+        MASKPACK,
         *ACCEPT,
     ]
     return (line, WIDTH[width], *uses, CONV, *COMPACT)
@@ -663,14 +663,12 @@ ENGAGED = {
         MASKPACK,
         *ACCEPT,
     ),
-    "ddtree_sglangplan": _engaged(plan=False),
 }
 # what must not be in a log: the other verify kernel, hooks that are off
 NOT_ENGAGED = {
     "ddtree_sglanggdn": (PATHS, CHUNK, COMMIT, CONV, *COMPACT),
     **{v: (PATHS, WIDTH["fixed"]) for v in DEFAULT_DDTREE},
     "ddtree_fixed": (PATHS, WIDTH["auto"]),
-    "ddtree_sglangplan": (PATHS, HOSTPLAN, MASKPACK),
     "ddtree_det": (CHUNK,),
 }
 

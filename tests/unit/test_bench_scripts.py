@@ -104,8 +104,6 @@ def test_bench_round_server_commands_parse(tmp_path):
                 assert ns.max_mamba_cache_size >= 5 * ns.max_running_requests
                 env = bench.variant_env(name)
                 assert env.get("SGLANG_DDTREE_GDN") == ("sglang" if "_sglanggdn" in name else None)
-                plan = "sglang" if "_sglangplan" in name else None
-                assert env.get("SGLANG_DDTREE_VERIFY_PLAN") == plan
                 assert env.get("SGLANG_MAMBA_SSM_DTYPE") == ("bfloat16" if state == 2 else None)
                 assert env["SGLANG_DDTREE_WIDTH"] == ("auto" if "_auto" in name else "fixed")
 
@@ -687,8 +685,7 @@ def test_bench_serving_servers_dataset_and_summary(tmp_path):
             assert ns.max_running_requests == 32, name
         fixed = name in ("ddtree16", "ddtree32")
         assert env.get("SGLANG_DDTREE_WIDTH") == ("fixed" if fixed else None), name
-        plan = "sglang" if name == "ddtree_sglangplan" else None  # the host plan is the default
-        assert env.get("SGLANG_DDTREE_VERIFY_PLAN") == plan, name
+        assert "SGLANG_DDTREE_VERIFY_PLAN" not in env, name  # retired: the host plan serves
     path = bench.write_dataset(tmp_path / "d.jsonl", 5)
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(rows) == 5 and all(len(r["conversations"]) == 2 for r in rows)

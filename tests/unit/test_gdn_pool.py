@@ -350,7 +350,7 @@ def test_server_info_reports_the_resolved_options(monkeypatch):
 
     assert list(inspect.signature(Scheduler.get_internal_state).parameters) == ["self", "recv_req"]
     assert hooks.HOOKS[compat.SCHEDULER_INTERNAL_STATE] is hooks._internal_state
-    opts = config.Options(gdn_verify="chunk", verify_plan="host")
+    opts = config.Options(gdn_verify="chunk")
     from sglang_ddtree.round.runtime import Runtime
 
     runtime = Runtime.create(opts, DDTreeConfig(16, 32, 8))  # the worker factory's

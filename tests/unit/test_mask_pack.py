@@ -156,10 +156,10 @@ def _plan_call(runtime, info, seq, seq_lens_cpu):
 
 @interpreter_only
 def test_the_plan_packs_an_unwritten_mask_from_the_tree(monkeypatch):
-    runtime = _runtime(verify_plan="host")
+    runtime = _runtime()
     seq, N = torch.tensor([6, 2, 11]), 4
     info, vis = _unwritten_verify(seq, N)
-    assert not info.tree_mask_written and verify_plan.packs_from_tree(runtime.options)
+    assert not info.tree_mask_written
     _, kw = _plan_call(runtime, info, seq, seq.clone())
     plan = verify_plan.host_plan(seq, N)
     want = verify_plan.pack_at_bit_offsets(
@@ -173,15 +173,13 @@ def test_the_plan_packs_an_unwritten_mask_from_the_tree(monkeypatch):
 def test_an_unwritten_mask_is_written_before_sglangs_plan_reads_it(monkeypatch):
     """Where the host plan does not apply (here: no host lengths), SGLang's plan reads the
     unpacked mask: it is written first, as make_verify_input would have written it."""
-    runtime = _runtime(verify_plan="host")
+    runtime = _runtime()
     seq, N = torch.tensor([6, 2, 11]), 4
     info, vis = _unwritten_verify(seq, N)
     assert info.custom_mask.numel() == 0 and info.tree_mask_size == _written(vis, seq).numel()
     read, kw = _plan_call(runtime, info, seq, None)
     assert "packed_custom_mask" not in kw and info.tree_mask_written
     assert torch.equal(read, _written(vis, seq))
-    # SGLang's plan reads the mask unpacked: written by every verify input there
-    assert not verify_plan.packs_from_tree(_runtime(verify_plan="sglang").options)
 
 
 @pytest.mark.gpu
@@ -254,7 +252,7 @@ def test_the_staged_lengths_give_sglangs_attention_arguments(seq, N):
 
 
 def test_the_plan_stages_its_lengths_for_its_own_call_only(monkeypatch):
-    runtime = _runtime(verify_plan="host")
+    runtime = _runtime()
     seq, N = torch.tensor([6, 2, 11]), 4
     info, _ = _unwritten_verify(seq, N)
     verify_plan.write_mask(info)  # written, as a warm-up stand-in: packed by the torch reference

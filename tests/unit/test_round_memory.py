@@ -21,7 +21,6 @@ def _memory(**overrides):
         rows=20,
         row=262144 + 68,
         penalties=True,
-        unpacked_mask=False,
     )
     return at_maximum(**{**args, **overrides})
 
@@ -31,7 +30,6 @@ def test_every_part_is_counted_at_the_maximum():
     N, bs, V = 32, 16, 248320
     assert m.mask_bits == N * bs * (262144 + 68 + N)
     assert m.verify_mask == m.mask_bits  # the packed mask alone
-    assert _memory(unpacked_mask=True).verify_mask == 2 * m.mask_bits  # and the unpacked one
     assert m.tables == 20 * V * 5  # counts (float32) and stop tokens (bool)
     at_once = requests_at_once(N, V, 5)
     assert 1 <= at_once < bs and at_once * N * V * 5 <= TEMP_BYTES

@@ -7,7 +7,6 @@ host tensors and the packed mask only for a DDTREE verify with host lengths."""
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 
 import pytest
@@ -138,7 +137,7 @@ def verify_plan_on(monkeypatch):
     from sglang_ddtree.round.runtime import Runtime
 
     # the worker factory's runtime, as the hook is bound to it
-    yield Runtime.create(Options(verify_plan="host"), DDTreeConfig(4, 8, 2))
+    yield Runtime.create(Options(), DDTreeConfig(4, 8, 2))
 
 
 def test_the_hook_plans_a_ddtree_verify_from_the_host(verify_plan_on):
@@ -183,9 +182,6 @@ def test_the_hook_plans_a_ddtree_verify_from_the_host(verify_plan_on):
     wrapper._custom_mask_buf = torch.zeros(plan.total_bits)
     call_begin_forward(verify_plan_on, _sglang_like, *args, seq_lens_cpu=seq.clone())
     assert "packed_custom_mask" in wrapper.calls[-1][5]
-    verify_plan_on.options = dataclasses.replace(verify_plan_on.options, verify_plan="sglang")
-    call_begin_forward(verify_plan_on, _sglang_like, *args, seq_lens_cpu=seq.clone())
-    assert "custom_mask" in wrapper.calls[-1][5]
 
 
 def test_the_hook_target_has_the_parameters_the_hook_assumes():
