@@ -30,11 +30,13 @@ from pathlib import Path
 
 import harness  # beside this script (scripts/harness.py)
 import round_trace  # beside this script (scripts/round_trace.py)
+from harness import ADMIN_ARGS
 
 from sglang_ddtree import DEMO_PAIR_DIR
 from sglang_ddtree.training.corpus import heldout_prompts
 
 COMMON = [
+    *ADMIN_ARGS,  # the tools' admin calls (/flush_cache, /start_profile)
     "--attention-backend",
     "flashinfer",
     "--dtype",

@@ -41,7 +41,7 @@ from importlib.metadata import version as installed_version
 from pathlib import Path
 
 import harness  # beside this script (scripts/harness.py)
-from harness import bench_args, prompts_for, run_bench, timed_requests, write_dataset
+from harness import ADMIN_ARGS, bench_args, prompts_for, run_bench, timed_requests, write_dataset
 from round_trace import profile_parts
 
 QWEN36_TEXT = dict(  # Qwen3.6-27B text sizes (ddtree.md §3)
@@ -103,6 +103,7 @@ DRAFT = dict(  # a Qwen3.6-27B-DFlash-shaped draft: 5 layers, 4 sliding + 1 full
 # Prefill CUDA graphs are off: they do not touch the decode round and took 33-112 s to capture
 # per server at 27B.
 COMMON = [
+    *ADMIN_ARGS,  # the tools' admin calls (/flush_cache, /start_profile)
     "--attention-backend",
     "flashinfer",
     "--load-format",

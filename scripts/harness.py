@@ -223,10 +223,19 @@ class Server:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
 
-def post(url: str, payload: dict, timeout: float = 600) -> tuple[int, dict]:
-    req = urllib.request.Request(
-        url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"}
-    )
+# The admin key the test and benchmark servers start with (--admin-api-key): a DDTREE server
+# closes SGLang's admin endpoints (/flush_cache, /start_profile, ...) without one, and these
+# tools use two of them. Loopback servers only; never a production key.
+ADMIN_KEY = "sglang-ddtree-local-admin"
+ADMIN_ARGS = ("--admin-api-key", ADMIN_KEY)
+
+
+def post(url: str, payload: dict, timeout: float = 600, admin: bool = False) -> tuple[int, dict]:
+    """POST a JSON body; admin: with the servers' admin key as the bearer (ADMIN_KEY)."""
+    headers = {"Content-Type": "application/json"}
+    if admin:
+        headers["Authorization"] = f"Bearer {ADMIN_KEY}"
+    req = urllib.request.Request(url, data=json.dumps(payload).encode(), headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             body = r.read()

@@ -32,6 +32,7 @@ def profile_parts(
     harness.post(
         server.url + "/start_profile",
         {"output_dir": str(trace_dir), "num_steps": 12, "activities": ["CPU", "GPU"]},
+        admin=True,
     )
     harness.timed_requests(server, bs, tokens, temperature)
     deadline = time.time() + 120

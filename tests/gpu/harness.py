@@ -5,6 +5,7 @@ and the verdicts it gives a token beyond the bf16 tolerance."""
 from __future__ import annotations
 
 from scripts.harness import (  # noqa: F401 (re-exported)
+    ADMIN_ARGS,
     PROMPTS,
     Server,
     chat,

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from sglang_ddtree import DEMO_PAIR_DIR as DEMO
-from tests.gpu.harness import Server
+from tests.gpu.harness import ADMIN_ARGS, Server
 
 MODELS = ("qwen3", "qwen35", "pair")
 NEW_TOKENS = 128
@@ -39,6 +39,7 @@ PAIR_NUM_NODES, PAIR_TOPK = 32, 8
 # neighbours that start at the same time (a few GiB each) cannot make that check fail, and all
 # the servers below fit on one GPU (13 of them used 32 GiB on the H200).
 COMMON = [
+    *ADMIN_ARGS,  # the tools' admin calls (/flush_cache, /start_profile)
     "--attention-backend",
     "flashinfer",
     "--dtype",
