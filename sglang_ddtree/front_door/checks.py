@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 
 def _check_token_ids(tokenizer_manager, ids) -> None:
-    """A prompt's token ids lie in [0, vocab): SGLang 0.5.17 defines that check
+    """A prompt's token ids lie in [0, vocab): SGLang defines that check
     (_validate_input_ids_in_vocab) but never calls it, and the embedding lookup of an id
     outside takes the scheduler down (a fuzzed request did this to DDTREE and DFLASH alike)."""
     if not ids:
@@ -171,7 +171,7 @@ def _check_sampling(sampling: dict, server_args, per_node: bool) -> None:
         raise ValueError(f"max_tokens must be at least 1, got {max_new_tokens}.")
     samples = sampling.get("n")
     if isinstance(samples, int) and not 1 <= samples <= request_limits.MAX_SAMPLES:
-        # SGLang 0.5.17 expands n into n requests with no bound (n=5000: 5,000 requests)
+        # SGLang expands n into n requests with no bound (n=5000: 5,000 requests)
         raise ValueError(
             f"n={samples}: between 1 and {request_limits.MAX_SAMPLES} samples per request "
             "(OpenAI's bound); send several requests for more."

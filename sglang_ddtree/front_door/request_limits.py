@@ -12,8 +12,8 @@ exception in a round ends the whole scheduler process (`run_scheduler_process` s
 parent to quit): it cannot abort one request of a batched forward. So every value that reaches a
 round must be one the round takes: the checks here make the bad ones impossible.
 
-SGLang's own checks stay SGLang's, and run after these in the same request path (in 0.5.17 and
-0.5.23 alike): `SamplingParams.verify` (temperature finite and >= 0, top_p in (0, 1], min_p in
+SGLang's own checks stay SGLang's, and run after these in the same request path:
+`SamplingParams.verify` (temperature finite and >= 0, top_p in (0, 1], min_p in
 [0, 1], frequency and presence penalties in [-2, 2], repetition in (0, 2], min_new_tokens <=
 max_new_tokens, logit_bias keys in the vocabulary, one grammar at most), `_validate_one_request`
 (prompt + max_new_tokens within the context, token_ids_logprob ids in the vocabulary,
@@ -489,8 +489,7 @@ def _check_stop_texts(name: str, texts) -> None:
 
 def _check_grammar(sampling: dict) -> None:
     """A grammar (json_schema, regex, ebnf, structural_tag) is a string of at most
-    MAX_GRAMMAR_CHARS. Its compile time is bounded by SGLang's grammar queue, in 0.5.17 and
-    0.5.23 alike: a grammar not compiled within SGLANG_GRAMMAR_MAX_POLL_ITERATIONS (10,000)
+    MAX_GRAMMAR_CHARS. Its compile time is bounded by SGLang's grammar queue: a grammar not compiled within SGLANG_GRAMMAR_MAX_POLL_ITERATIONS (10,000)
     polls of at least SGLANG_GRAMMAR_POLL_INTERVAL (5 ms), at least 50 s, aborts its request
     ("Grammar preprocessing timed out"), and one that fails to compile aborts its request; but
     the compile thread runs on, which is what the length bounds."""

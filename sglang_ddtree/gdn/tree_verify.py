@@ -1,6 +1,6 @@
 """Gated DeltaNet over a token tree, one root path per program, and the commit by replay.
 
-SGLang 0.5.17's tree verify (`fused_sigmoid_gating_delta_rule_update` with the EAGLE parent
+SGLang's tree verify (`fused_sigmoid_gating_delta_rule_update` with the EAGLE parent
 indices) walks a request's N nodes one after another in one program per (value head, V block),
 storing every node's state so that the commit can copy the accepted one. At Qwen3.6-27B that is
 N sequential steps per layer (64 for a 64-node tree against a chain's 16) and 3 MiB of state

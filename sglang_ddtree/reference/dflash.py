@@ -1,4 +1,4 @@
-"""DFlash block-diffusion drafter in plain torch (batch 1), semantics of SGLang 0.5.17.
+"""DFlash block-diffusion drafter in plain torch (batch 1), semantics of SGLang.
 
 One checkpoint must give the same distributions here and in SGLang
 (`sglang/srt/models/dflash.py`, `speculative/dflash_worker_v2.py`), so this module follows SGLang:
@@ -119,7 +119,7 @@ def _optional_int_list(value: Any, name: str) -> tuple[int, ...] | None:
 
 
 def parse_dflash_config(cfg: dict[str, Any]) -> DFlashConfig:
-    """Parse a DFlash config.json dict (field resolution as in SGLang 0.5.17)."""
+    """Parse a DFlash config.json dict (field resolution as in SGLang)."""
     text = cfg.get("text_config") or cfg
     dcfg = dict(cfg.get("dflash_config") or {})
     hidden, heads = int(text["hidden_size"]), int(text["num_attention_heads"])

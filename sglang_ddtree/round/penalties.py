@@ -13,7 +13,7 @@ node's depth), with SGLang's shared vectors off for the call. The per-request pa
 the requests on the host as small pinned copies: no host sync.
 
 The counts are exact, so DDTREE gives what SGLang's plain decoding gives without the overlap
-scheduler; with it (the default) SGLang 0.5.17's plain server counts a request's output one
+scheduler; with it (the default) SGLang's plain server counts a request's output one
 token late (its last token is cumulated before it is processed, the prompt's last token in its
 place). After a retraction DDTREE keeps the request's earlier output in its count, where SGLang
 restarts its penalties from zero.

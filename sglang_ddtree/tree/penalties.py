@@ -9,7 +9,7 @@ only. Here the shared counts are applied to every node as SGLang would, and then
 that occurs on a node's path gets its value recomputed from the raw logit with the count that
 path gives it. No host sync, static shapes (CUDA-graph safe).
 
-Conventions (SGLang 0.5.17's penalizers, as its overlap scheduler applies them): `counts`
+Conventions (SGLang's penalizers, as its overlap scheduler applies them): `counts`
 [bs, V] are the output tokens so far, including the root (the last committed token), so a node's
 path adds nodes 1..i; the repetition penalty looks at the output tokens too (`seen`, default
 counts > 0: SGLang's BatchedRepetitionPenalizer cumulates output tokens only). Order: first
@@ -28,7 +28,7 @@ import torch
 @dataclasses.dataclass(frozen=True)
 class Penalties:
     """A request's penalties, in SGLang's sampling-parameter terms: frequency_penalty,
-    presence_penalty (output tokens), repetition_penalty (output tokens, as SGLang 0.5.17; 1: off),
+    presence_penalty (output tokens), repetition_penalty (output tokens, as SGLang; 1: off),
     min_new_tokens (EOS blocked before that many generated tokens)."""
 
     frequency: float = 0.0

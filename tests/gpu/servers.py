@@ -56,7 +56,7 @@ COMMON = [
     "16",
     "--context-length",
     "2048",
-    # SGLang 0.5.17 captures prefill graphs by default (about 70 s of each start-up); the decode
+    # SGLang captures prefill graphs by default (about 70 s of each start-up); the decode
     # rounds the tests compare do not use them
     "--disable-prefill-cuda-graph",
     # JSON grammars without free whitespace between tokens: with it the tiny pairs' greedy
@@ -106,7 +106,7 @@ def ddtree_args(model: str, draft: Path, nodes: int | None = None) -> list[str]:
 VARIANTS = {
     "base": lambda model, draft: [],
     # plain decoding without the overlap scheduler: its penalties count every output token
-    # (with overlap, SGLang 0.5.17 counts them one token late), the per-node penalties' control
+    # (with overlap, SGLang counts them one token late), the per-node penalties' control
     "base_sync": lambda model, draft: ["--disable-overlap-schedule"],
     "ddtree": ddtree_args,
     "ddtree_sync": lambda model, draft: [*ddtree_args(model, draft), "--disable-overlap-schedule"],

@@ -67,7 +67,7 @@ PRESSURE = {
     "--schedule-conservativeness": "0.1",
 }
 RETRACT_NEW, RETRACT_REQUESTS = 384, 16
-RETRACTED = "KV cache pool is full. Retract requests."  # SGLang's log line (0.5.17, 0.5.23)
+RETRACTED = "KV cache pool is full. Retract requests."  # SGLang's log line
 
 
 def _flags(overrides: dict[str, str]) -> list[str]:

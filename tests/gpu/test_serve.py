@@ -844,7 +844,7 @@ def _assert_greedy_logprob(token: int, chosen, top, where) -> None:
 # Penalties per node (SGLANG_DDTREE_PENALTIES=1, the default `ddtree`
 # servers): greedy with each setting, every served token refereed in float32 in the penalised
 # distribution its own context gives (the reference engine on the CPU). The control for bf16
-# noise is the plain server without the overlap scheduler (`base_sync`): with it, SGLang 0.5.17
+# noise is the plain server without the overlap scheduler (`base_sync`): with it, SGLang
 # counts a request's output one token late (ScheduleBatch.cumulate_penalty_output_tokens runs
 # before the last token is processed), which the float32 referee would charge to the control.
 PENALTY_CASES = {
@@ -1271,7 +1271,7 @@ def _long_prompt_ids(base, count: int, context: int = 2048) -> list[list[int]]:
     return out
 
 
-TRACK_INTERVAL = 256  # SGLang 0.5.17's --mamba-track-interval default (the servers keep it)
+TRACK_INTERVAL = 256  # SGLang's --mamba-track-interval default (the servers keep it)
 
 
 @pytest.mark.parametrize("model", [m for m in MODELS if m != "qwen3"])  # the hybrid models
@@ -1407,7 +1407,7 @@ def test_a_configuration_that_does_not_fit_is_refused_before_any_graph(tmp_path)
     assert refusal is not None, log[-3000:]
     for flag in ("--max-mamba-cache-size", "--mem-fraction-static", "--max-running-requests"):
         assert flag in refusal, refusal
-    # SGLang 0.5.17 logs "Capture target verify CUDA graph begin." (and the draft's) at capture
+    # SGLang logs "Capture target verify CUDA graph begin." (and the draft's) at capture
     assert not re.search(r"(?i)capture[^\n]*cuda graph", log), log[-3000:]
     assert "out of memory" not in log.lower(), log[-3000:]
 

@@ -70,7 +70,7 @@ def test_a_mixed_soak_and_fuzzed_bad_requests_leave_ddtree_and_dflash_serving(se
         for i, (name, extra) in enumerate(flags.items())
     }
     reqs = soak.request_mix(REQUESTS, CONTEXT, seed=0)
-    # SGLang 0.5.17's DFLASH does not serve logprobs: it refuses them with a 400, except in a
+    # SGLang's DFLASH does not serve logprobs: it refuses them with a 400, except in a
     # streamed chat, where it fails with a 500 ("Internal server error:
     # 'output_token_logprobs_length'"), an SGLang bug that is not this soak's subject. Its
     # requests go without that option; every other request is DDTREE's.

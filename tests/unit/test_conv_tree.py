@@ -1,4 +1,4 @@
-"""sglang_ddtree.gdn.conv_tree: the tree conv1d with every node in parallel against SGLang 0.5.17's
+"""sglang_ddtree.gdn.conv_tree: the tree conv1d with every node in parallel against SGLang's
 own `causal_conv1d_update` tree path: the same outputs, intermediate windows and parent links.
 
 CPU: both kernels run under Triton's interpreter, in a child process (as test_gdn_tree_verify.py).

@@ -1,5 +1,5 @@
 """state/gdn_pool.py: the compact Gated DeltaNet verify scratch (DDTREE's GDN path, but
-under --enable-unified-memory) in SGLang 0.5.17's own Mamba pool and memory solver, run on the CPU. That DDTREE's verify
+under --enable-unified-memory) in SGLang's own Mamba pool and memory solver, run on the CPU. That DDTREE's verify
 and commit give SGLang's results through this scratch is tested under the Triton interpreter in
 test_gdn_tree_verify.py."""
 

@@ -1,5 +1,5 @@
 """sglang_ddtree.gdn.tree_verify: the path-parallel Gated DeltaNet tree verify and the replay
-commit against their plain-torch definitions, and against SGLang 0.5.17's own verify + commit.
+commit against their plain-torch definitions, and against SGLang's own verify + commit.
 
 CPU: the kernels run under Triton's interpreter, chosen before triton is imported, so those
 tests run in a child process (as in test_tree_build_triton.py).

@@ -1,5 +1,5 @@
-"""The SGLang plugin on CPU: registration, version gate, the spec class against 0.5.17's scheduler
-calls, flag validation and defaults, runtime hooks. Needs sglang 0.5.17's Python code installed
+"""The SGLang plugin on CPU: registration, version gate, the spec class against 0.5.23's scheduler
+calls, flag validation and defaults, runtime hooks. Needs sglang 0.5.23's Python code installed
 (--no-deps); no GPU."""
 
 from __future__ import annotations

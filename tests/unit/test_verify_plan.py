@@ -1,7 +1,7 @@
 """round/verify_plan.py: the verify's FlashInfer plan from host lengths (the default).
 
 The layout must be the one SGLang's EAGLE verify gives FlashInfer (qo / kv indptrs), the packed
-mask must read back bit for bit the way FlashInfer 0.6.15's kernel reads it (byte pointer +
+mask must read back bit for bit the way FlashInfer's kernel reads it (byte pointer +
 the plan's bit offsets, little-endian, attention/variants.cuh), and the hook must hand plan()
 host tensors and the packed mask only for a DDTREE verify with host lengths."""
 
@@ -218,7 +218,7 @@ def test_the_hook_target_has_the_parameters_the_hook_assumes():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_flashinfer_attends_the_same_with_the_host_plan_and_the_packed_mask():
-    """On the GPU, FlashInfer 0.6.15's masked paged prefill as SGLang plans the verify (device
+    """On the GPU, FlashInfer's masked paged prefill as SGLang plans the verify (device
     indptrs, the unpacked mask) and as the host plan does (host indptrs, the mask packed at the
     plan's bit offsets): the same outputs, bit for bit, for a batch of 3 trees."""
     flashinfer = pytest.importorskip("flashinfer")
