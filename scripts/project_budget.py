@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from sglang_ddtree.tree.budget import CHAIN, CostTable, choose_width
+from sglang_ddtree.round.widths import CHAIN, CostTable, choose_width
 
 
 def _one_sitting(rows: list[dict], sitting: int | None) -> list[dict]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from sglang_ddtree import simulation
@@ -349,3 +350,42 @@ def cache_home() -> Path:
 def deterministic_cublas() -> None:
     """cuBLAS's deterministic workspace (training), unless the caller set one."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
+# --- the widths an automatic server chooses among (round/widths.py chooses) -------------------
+
+
+def verify_widths(
+    block_size: int,
+    num_nodes: int,
+    given: Sequence[int] | None = None,
+) -> tuple[int, ...]:
+    """The verify widths a server runs, increasing, the largest N = num_nodes: `given` (each in
+    [B, N]; N is added), else B, 2B, 4B, ... below N, and N. Widths start at the DFlash block B:
+    a B-node DDTree holds at least the chain's expected tokens (the best B-node tree, which the
+    chain is one of) at the chain's verify width, so the chain itself is not a separate choice."""
+    B, N = block_size, num_nodes
+    if given is None:
+        widths = {N}
+        w = B
+        while w < N:
+            widths.add(w)
+            w *= 2
+        return tuple(sorted(widths))
+    bad = [w for w in given if not B <= w <= N]
+    if bad:
+        raise ValueError(
+            f"SGLANG_DDTREE_WIDTHS {list(given)}: every width must be in [B, N] = "
+            f"[{B}, {N}] (--speculative-dflash-block-size, "
+            f"--speculative-num-draft-tokens); {bad} are not."
+        )
+    return tuple(sorted({*given, N}))
+
+
+def automatic_widths(
+    width: str, block_size: int, num_nodes: int, given: Sequence[int] | None = None
+) -> tuple[int, ...]:
+    """The verify widths a server chooses among per round: `verify_widths` with
+    SGLANG_DDTREE_WIDTH=auto (`width`) and several of them; () where every round runs at N."""
+    widths = verify_widths(block_size, num_nodes, given)
+    return widths if width == "auto" and len(widths) > 1 else ()

@@ -18,8 +18,8 @@ from sglang_ddtree.config import (
     DDTreeConfig,
     DDTreeConfigError,
     Options,
+    automatic_widths,
 )
-from sglang_ddtree.tree.budget import automatic_widths
 
 logger = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ import dataclasses
 
 from sglang_ddtree.config import DDTreeConfig, Options
 from sglang_ddtree.round.penalties import PenaltyTable
+from sglang_ddtree.round.widths import WidthPolicy
 from sglang_ddtree.state import gdn
-from sglang_ddtree.tree.budget import WidthPolicy
 
 
 @dataclasses.dataclass(eq=False)

@@ -31,17 +31,16 @@ from sglang.srt.speculative.draft_worker_common import (
 from sglang.srt.utils import get_available_gpu_memory
 
 from sglang_ddtree.adapter import compat
-from sglang_ddtree.config import DDTreeConfig, Options
+from sglang_ddtree.config import DDTreeConfig, Options, automatic_widths
 from sglang_ddtree.round import round as stages
 from sglang_ddtree.round.draft_head import DraftTreeHead, VocabShard
 from sglang_ddtree.round.penalties import PenaltyTable
 from sglang_ddtree.round.round import Round
 from sglang_ddtree.round.round_dump import RoundDump
 from sglang_ddtree.round.runtime import Runtime
-from sglang_ddtree.round.widths import RankWidths, RoundReadings, VerifyWidths
+from sglang_ddtree.round.widths import RankWidths, RoundReadings, VerifyWidths, WidthPolicy
 from sglang_ddtree.simulation import World
 from sglang_ddtree.state import round_memory
-from sglang_ddtree.tree.budget import WidthPolicy, automatic_widths
 
 logger = logging.getLogger(__name__)
 

@@ -260,7 +260,7 @@ def test_no_script_imports_one_that_imports_it():
 
 
 def test_bench_round_reads_the_automatic_widths_cost_table():
-    from sglang_ddtree.tree.budget import WidthPolicy
+    from sglang_ddtree.round.widths import WidthPolicy
 
     bench = _script("bench_round")
     assert bench.width_table("no table here") is None

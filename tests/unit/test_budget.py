@@ -8,16 +8,9 @@ import math
 import pytest
 import torch
 
+from sglang_ddtree.round.widths import CHAIN, Calibration, CostTable, choose_width
 from sglang_ddtree.tree import build_tree_reference
-from sglang_ddtree.tree.budget import (
-    CHAIN,
-    Calibration,
-    CostTable,
-    chain_expected_tokens,
-    choose_width,
-    expected_tokens,
-    truncate,
-)
+from sglang_ddtree.tree.budget import chain_expected_tokens, expected_tokens, truncate
 from sglang_ddtree.tree.testing import random_build_inputs
 
 

@@ -1,5 +1,5 @@
 """Budget by load in the server: the verify widths, the per-round policy
-(tree/budget.WidthPolicy), its lagged readings (round/widths.RoundReadings) and the two
+(round/widths.WidthPolicy), its lagged readings (round/widths.RoundReadings) and the two
 switches (SGLANG_DDTREE_WIDTH / _WIDTHS). The server side runs in tests/gpu."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sglang_ddtree.config import Options
-from sglang_ddtree.tree.budget import WidthPolicy, automatic_widths, expected_tokens, verify_widths
+from sglang_ddtree.config import Options, automatic_widths, verify_widths
+from sglang_ddtree.round.widths import WidthPolicy
+from sglang_ddtree.tree.budget import expected_tokens
 
 WIDTHS = (16, 32, 64)
 
