@@ -30,6 +30,7 @@ import math
 import re
 from collections.abc import Callable
 
+from sglang_ddtree.front_door.json_bodies import refuse
 from sglang_ddtree.front_door.values import show
 
 REDACTED = "<redacted>"
@@ -167,7 +168,7 @@ class AdminGate:
         if route is not None:
             refusal = self._refusal(scope, route)
             if refusal is not None:
-                return await _answer(send, *refusal)
+                return await refuse(send, *refusal)
             if route in VALIDATORS:
                 return await self._judged(scope, receive, send, VALIDATORS[route])
         if _route_path(scope) in INFO_PATHS:
@@ -213,7 +214,7 @@ class AdminGate:
                 break
             size += len(message.get("body", b""))
             if size > MAX_ADMIN_BODY:
-                return await _answer(send, 413, f"an admin body over {MAX_ADMIN_BODY} bytes")
+                return await refuse(send, 413, f"an admin body over {MAX_ADMIN_BODY} bytes")
             if not message.get("more_body", False):
                 break
         body = b"".join(m.get("body", b"") for m in seen if m.get("type") == "http.request")
@@ -223,7 +224,7 @@ class AdminGate:
             parsed = None  # SGLang's own parse answers it
         fault = validator(parsed) if isinstance(parsed, dict) else None
         if fault is not None:
-            return await _answer(send, 400, f"{_route_path(scope)}: {fault}")
+            return await refuse(send, 400, f"{_route_path(scope)}: {fault}")
 
         async def replay():
             return seen.pop(0) if seen else await receive()
@@ -274,24 +275,6 @@ def _redacting(send):
 def _route_path(scope) -> str:
     path, root = scope.get("path", ""), scope.get("root_path", "")
     return path[len(root) :] if root and path.startswith(root) else path
-
-
-async def _answer(send, status: int, message: str) -> None:
-    kinds = {400: "BadRequestError", 401: "Unauthorized", 403: "Forbidden", 413: "TooLarge"}
-    body = json.dumps(
-        {"object": "error", "message": message, "type": kinds[status], "code": status}
-    ).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
 
 
 def add_to(app, admin_key: str | None) -> bool:

@@ -58,7 +58,7 @@ class JsonBodies:
             return await self.app(scope, receive, send)
         declared = dict(scope.get("headers") or ()).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.limit:
-            return await _refuse(send, 413, self._too_large(int(declared)))
+            return await refuse(send, 413, self._too_large(int(declared)))
         seen, size = [], 0  # the messages as they came, replayed; the body joined only to judge
         while True:
             message = await receive()
@@ -67,7 +67,7 @@ class JsonBodies:
                 break
             size += len(message.get("body", b""))
             if size > self.limit:
-                return await _refuse(send, 413, self._too_large(size))
+                return await refuse(send, 413, self._too_large(size))
             if not message.get("more_body", False):
                 break
         path = _path(scope)
@@ -75,7 +75,7 @@ class JsonBodies:
             body = b"".join(m.get("body", b"") for m in seen if m.get("type") == "http.request")
             refusal = self._judge(path, body)
             if refusal is not None:
-                return await _refuse(send, 400, refusal)
+                return await refuse(send, 400, refusal)
 
         async def replay():
             return seen.pop(0) if seen else await receive()
@@ -131,10 +131,24 @@ def _path(scope) -> str:
     return path
 
 
-async def _refuse(send, status: int, message: str) -> None:
-    kind = "BadRequestError" if status == 400 else "RequestTooLarge"
+ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "Unauthorized",
+    403: "Forbidden",
+    413: "RequestTooLarge",
+}
+
+
+async def refuse(send, status: int, message: str) -> None:
+    """Answer the request at once with an OpenAI-shaped error of `status` (ERROR_TYPES)."""
     body = json.dumps(
-        {"object": "error", "message": message, "type": kind, "param": None, "code": status}
+        {
+            "object": "error",
+            "message": message,
+            "type": ERROR_TYPES[status],
+            "param": None,
+            "code": status,
+        }
     ).encode()
     await send(
         {
