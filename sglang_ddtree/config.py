@@ -147,7 +147,6 @@ def _positive_int(value: object, flag: str) -> int | None:
 # The switches a user sets, all of them (README, "Tune it"); tests/unit/test_plugin.py fails on a
 # ninth. Debugging aids are test tooling (tests/gpu/server_debug), not switches.
 SWITCHES = (
-    "SGLANG_DDTREE_GDN",
     "SGLANG_DDTREE_WIDTH",
     "SGLANG_DDTREE_WIDTHS",
     "SGLANG_DDTREE_PENALTIES",
@@ -162,8 +161,6 @@ class Options:
     """Every DDTREE environment switch (SWITCHES), typed, validated together, and what the
     server's flags decide beside them.
 
-    gdn           SGLANG_DDTREE_GDN           ddtree | sglang (SGLang's own GDN tree verify,
-                                              commit, conv1d and per-node states)
     width         SGLANG_DDTREE_WIDTH         auto | fixed: auto verifies each round the width
                                               (of `widths`) with the most expected tokens per
                                               ms at the running batch (round/widths.py);
@@ -187,12 +184,11 @@ class Options:
     gdn_verify    chunk (the chunked verify; trees over 64 nodes take the root paths), or
                   paths (root paths, batch-invariant) under --enable-deterministic-inference
     gdn_scratch   compact (state/gdn_pool.py), or full where SGLang allocates the per-node
-                  states itself: --enable-unified-memory, SGLANG_DDTREE_GDN=sglang
+                  states itself: --enable-unified-memory
     Switches that were retired are refused at start-up, naming what replaced them
     (RETIRED_SWITCHES, DEBUG_SWITCHES).
     """
 
-    gdn: str = "ddtree"
     gdn_verify: str = "chunk"
     gdn_scratch: str = "compact"
     dump_rounds: str | None = None
@@ -219,11 +215,9 @@ class Options:
         every = env_value("SGLANG_DDTREE_DUMP_EVERY", "100")
         if not every.isdigit() or int(every) < 1:
             raise ValueError(f"SGLANG_DDTREE_DUMP_EVERY must be a whole number >= 1, got {every!r}")
-        ddtree_gdn = env_choice("SGLANG_DDTREE_GDN", ("ddtree", "sglang")) == "ddtree"
         opts = cls(
-            gdn="ddtree" if ddtree_gdn else "sglang",
-            gdn_verify="chunk" if ddtree_gdn and not deterministic else "paths",
-            gdn_scratch="compact" if ddtree_gdn and not unified_memory else "full",
+            gdn_verify="paths" if deterministic else "chunk",
+            gdn_scratch="full" if unified_memory else "compact",
             dump_rounds=env_value("SGLANG_DDTREE_DUMP_ROUNDS") or None,
             dump_every=int(every),
             width=_width_mode(deterministic, tensor_parallel),
@@ -236,8 +230,8 @@ class Options:
 
     @property
     def compact_scratch(self) -> bool:
-        """Whether the compact GDN verify scratch is in use (DDTREE's GDN path only)."""
-        return self.gdn == "ddtree" and self.gdn_scratch == "compact"
+        """Whether the compact GDN verify scratch is in use."""
+        return self.gdn_scratch == "compact"
 
     def _check(self) -> None:
         if self.widths is not None and self.width != "auto":
@@ -282,10 +276,12 @@ RETIRED_SWITCHES = {
     "there)",
     "SGLANG_DDTREE_GDN_PRECISION": "the chunked GDN verify's products run split "
     "(to debug: tests/gpu/server_debug, DDTREE_GDN_PRECISION there)",
-    "SGLANG_DDTREE_CONV": "DDTREE's tree conv1d serves; SGLANG_DDTREE_GDN=sglang runs SGLang's "
-    "whole GDN path",
+    "SGLANG_DDTREE_CONV": "DDTREE's tree conv1d serves",
     "SGLANG_DDTREE_GDN_SCRATCH": "the GDN scratch is compact, full where SGLang allocates the "
-    "per-node states (--enable-unified-memory, SGLANG_DDTREE_GDN=sglang)",
+    "per-node states (--enable-unified-memory)",
+    "SGLANG_DDTREE_GDN": "DDTREE's Gated DeltaNet tree verify, conv1d and commit always serve "
+    "(3-6x faster than SGLang's per-node verify at 27B head sizes, docs/results.md; SGLang's "
+    "kernels stay the reference in the tests and scripts/bench_gdn_tree.py)",
     "SGLANG_DDTREE_LOGPROBS": "logprobs are always served",
     "SGLANG_DDTREE_MASK_PACK": "the verify plan packs the mask from the tree",
     "SGLANG_DDTREE_VERIFY_PLAN": "the verify is planned from host lengths with the mask packed "

@@ -12,17 +12,16 @@ adapt SGLang's start-up (graphs, pools, rows) and /server_info to DDTREE.
 |                                         | draft runs B tokens, not N                            |
 | GDNKernelDispatcher.target_verify       | Gated DeltaNet tree verify without per-node states    |
 | HybridLinearAttnBackend                 | and the commit by replaying the accepted path         |
-|   .update_mamba_state_after_mtp_verify  | (state/gdn.py; SGLANG_DDTREE_GDN=sglang: off)   |
-| gdn_backend.causal_conv1d_update        | the tree conv1d, every node in parallel (off:         |
-|                                         | SGLANG_DDTREE_GDN=sglang)                             |
+|   .update_mamba_state_after_mtp_verify  | (state/gdn.py)                                       |
+| gdn_backend.causal_conv1d_update        | the tree conv1d, every node in parallel               |
 | kv_cache_configurator                   | req_to_token rows wide enough for DFlash v2's decode  |
 |   .get_req_to_token_extra_context_len,  | reserve (2N past the committed length): at the        |
 | init_unified_mamba_pools                |                                                       |
 |                                         | context limit it overran the rows (KV slots leaked,   |
 |                                         | the next row's first entries overwritten)             |
 | HybridReqToTokenPool._init_mamba_pool   | the compact GDN verify scratch and the Mamba pool     |
-| KVCacheConfigurator                     | sized for it (state/gdn_pool.py; off:           |
-|   ._handle_max_mamba_cache              | SGLANG_DDTREE_GDN=sglang, --enable-unified-memory)    |
+| KVCacheConfigurator                     | sized for it (state/gdn_pool.py; off:                 |
+|   ._handle_max_mamba_cache              | --enable-unified-memory)                              |
 | Scheduler.get_internal_state            | /server_info reports the resolved options, GDN path   |
 |                                         | and the DDTREE paths taken (Runtime.report)           |
 | FlashInferIndicesUpdaterPrefill         | the verify's masked plan from host lengths and a      |

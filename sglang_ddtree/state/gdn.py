@@ -23,9 +23,9 @@ DDTREE serves a tree (topk > 1):
   pool SGLang allocates itself: SGLang's N states per request, the full scratch).
 
 The accepted path comes from the same parent indices the verify used (the conv kernel fills
-`retrieve_parent_token` from the tree), so the committed state is the verified one.
-SGLANG_DDTREE_GDN=sglang keeps SGLang's own verify, commit, conv1d and per-node states (the
-comparison baseline).
+`retrieve_parent_token` from the tree), so the committed state is the verified one. SGLang's own
+verify, commit and conv1d remain the reference the tests and scripts/bench_gdn_tree.py compare
+with; a DDTREE server does not run them on a tree.
 """
 
 from __future__ import annotations
@@ -58,10 +58,8 @@ class GDNPath:
         return self.verify == "chunk" and nodes <= MAX_NODES
 
 
-def path_of(options: Options, block_size: int) -> GDNPath | None:
-    """The GDN path `options` ask for (None: SGLang's own); block_size: the DFlash block B."""
-    if options.gdn == "sglang":
-        return None
+def path_of(options: Options, block_size: int) -> GDNPath:
+    """The GDN path `options` ask for; block_size: the DFlash block B."""
     return GDNPath(
         max_path=block_size,
         verify=options.gdn_verify,
@@ -88,9 +86,9 @@ class Engaged:
 @dataclasses.dataclass(eq=False)
 class GDNState:
     """What the GDN hooks of one scheduler process share, made once by the worker factory: the
-    GDN path (None: SGLang's own), the engaged paths, and caches keyed by data pointers."""
+    GDN path, the engaged paths, and caches keyed by data pointers."""
 
-    path: GDNPath | None
+    path: GDNPath
     engaged: Engaged = dataclasses.field(default_factory=Engaged)
     first_conv_state: int | None = None  # data_ptr of the first GDN layer's conv state
     filled: int | None = None  # data_ptr of the parent buffer the last filling call wrote
@@ -106,7 +104,7 @@ def configure(opts: Options, cfg: DDTreeConfig) -> GDNState:
     (trees wider than it takes)."""
     path = path_of(opts, cfg.block_size)
     logger.info("sglang_ddtree: GDN path: %s", describe(path))
-    if path is not None and path.verify == "chunk" and not path.chunked(cfg.num_nodes):
+    if path.verify == "chunk" and not path.chunked(cfg.num_nodes):
         logger.warning(
             "sglang_ddtree: %d-node trees are wider than the chunked GDN verify takes: "
             "they use the root paths.",
@@ -115,10 +113,8 @@ def configure(opts: Options, cfg: DDTreeConfig) -> GDNState:
     return GDNState(path)
 
 
-def describe(path: GDNPath | None) -> str:
+def describe(path: GDNPath) -> str:
     """The startup log's words for a GDN path (tests/gpu checks them per server)."""
-    if path is None:
-        return "sglang (verify, commit, conv1d, per-node states)"
     return (
         f"ddtree (verify: {path.verify}; commit: replay; tree conv1d: ddtree; scratch: "
         f"{'compact' if path.compact else 'full'})"
@@ -128,7 +124,7 @@ def describe(path: GDNPath | None) -> str:
 def target_verify(state: GDNState, original, dispatcher, A_log, dt_bias, q, k, v, a, b, **kwargs):
     parents = kwargs.get("retrieve_parent_token")
     path = state.path
-    if path is None or parents is None:  # not DDTREE, or a chain / warm-up batch
+    if parents is None:  # a chain / warm-up batch
         _refuse_compact(kwargs.get("intermediate_states_buffer"))
         return original(dispatcher, A_log, dt_bias, q, k, v, a, b, **kwargs)
     from sglang_ddtree.gdn.chunk_tree import chunk_tree_verify
@@ -163,8 +159,8 @@ def target_verify(state: GDNState, original, dispatcher, A_log, dt_bias, q, k, v
         o = kernel(*args, max_path=path.max_path)
     except ValueError as exc:  # a pool layout the kernel does not take: name the way out
         raise RuntimeError(
-            f"DDTREE's Gated DeltaNet tree verify cannot run on this Mamba pool ({exc}); serve "
-            "with SGLANG_DDTREE_GDN=sglang to use SGLang's own."
+            f"DDTREE's Gated DeltaNet tree verify cannot run on this Mamba pool ({exc}); this "
+            "model's GDN layout is not one DDTREE serves: serve it with DFLASH."
         ) from exc
     return o.reshape(v.shape)
 
@@ -178,14 +174,15 @@ def conv_update(
     call, as it came, to SGLang's."""
     tree = all(kwargs.get(k) is not None for k in _CONV_TREE_ARGS)
     path = state.path
-    if path is None or not tree or rest or set(kwargs) - set(_CONV_TREE_ARGS):
-        if tree and path is not None and path.compact:
+    if not tree or rest or set(kwargs) - set(_CONV_TREE_ARGS):
+        if tree and path.compact:
             # SGLang's kernel would write per-node windows where the commit reads the nodes'
             # inputs (and roll the conv state): a wrong state, silently
             raise RuntimeError(
                 "A tree conv1d call DDTREE's conv does not cover (arguments "
                 f"{sorted(set(kwargs) - set(_CONV_TREE_ARGS))}, {len(rest)} more positional) "
-                "reached the compact GDN pool; serve with SGLANG_DDTREE_GDN=sglang."
+                "reached the compact GDN pool; serve with --enable-unified-memory (SGLang's "
+                "per-node windows)."
             )
         return original(x, conv_state, weight, bias, activation, *rest, **kwargs)
     from sglang_ddtree.gdn.conv_tree import conv_tree
@@ -241,7 +238,7 @@ def commit(
     parents = getattr(meta, "retrieve_parent_token", None)
     caches = linear.req_to_token_pool.get_speculative_mamba2_params_all_layers()
     path = state.path
-    if path is None or parents is None:
+    if parents is None:  # a chain / warm-up batch
         _refuse_compact(caches.intermediate_ssm)
         return original(
             backend,
@@ -302,8 +299,8 @@ def _refuse_compact(intermediate_ssm) -> None:
     if gdn_pool.is_compact(intermediate_ssm):
         raise RuntimeError(
             "A Gated DeltaNet verify without a DDTREE tree reached a Mamba pool sized by "
-            "DDTREE's compact scratch, which only DDTREE's verify can use; serve with "
-            "SGLANG_DDTREE_GDN=sglang."
+            "DDTREE's compact scratch, which only DDTREE's tree verify can use; serve with "
+            "--enable-unified-memory (SGLang's per-node states)."
         )
 
 

@@ -16,8 +16,8 @@ under --enable-unified-memory, whose pool SGLang allocates itself with its per-n
   speculative buffers as N extra states per request; we run its solver with the number of
   states that covers the compact buffers instead, so the memory goes to more requests.
 
-Only DDTREE's verify and commit can read a compact scratch, so it needs SGLANG_DDTREE_GDN=ddtree
-(checked at startup) and the GDN hooks refuse SGLang's own path on it (state/gdn.py).
+Only DDTREE's verify and commit can read a compact scratch: the GDN hooks refuse SGLang's own
+path on it (state/gdn.py).
 """
 
 from __future__ import annotations

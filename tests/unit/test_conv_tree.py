@@ -359,8 +359,6 @@ def test_conv_hook_target_exists_and_the_hook_passes_everything_else_through(mon
         return "sglang"
 
     tree = {k: object() for k in gdn._CONV_TREE_ARGS}
-    state = gdn.GDNState(None)  # SGLANG_DDTREE_GDN=sglang
-    assert gdn.conv_update(state, original, 1, 2, 3, None, "silu", **tree) == "sglang"
     state = gdn.GDNState(gdn.GDNPath(16, compact=False))
     single = {"conv_state_indices": object()}  # a decode step, not a tree
     assert gdn.conv_update(state, original, 1, 2, 3, None, "silu", **single) == "sglang"
@@ -371,10 +369,10 @@ def test_conv_hook_target_exists_and_the_hook_passes_everything_else_through(mon
     # on the compact pool the commit reads the nodes' inputs: a tree call SGLang's kernel would
     # take instead (its per-node windows) is refused, a non-tree call still passes
     state = gdn.GDNState(gdn.GDNPath(16))
-    with pytest.raises(RuntimeError, match="SGLANG_DDTREE_GDN=sglang"):
+    with pytest.raises(RuntimeError, match="compact GDN pool.*--enable-unified-memory"):
         gdn.conv_update(state, original, 1, 2, 3, None, "silu", **extra)
     assert gdn.conv_update(state, original, 1, 2, 3, None, "silu", **single) == "sglang"
-    assert len(calls) == 5
+    assert len(calls) == 4
 
 
 def test_the_conv_hook_stores_inputs_once_on_the_compact_pool_only(monkeypatch):

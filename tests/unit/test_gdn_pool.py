@@ -203,11 +203,11 @@ def test_the_solver_is_sglangs_own_unless_compact():
     assert solve(True, 0.01, opts=FULL) == solve(False, 0.01)
 
 
-def test_gdn_path_follows_the_servers_flags_and_the_one_switch(monkeypatch):
+def test_gdn_path_follows_the_servers_flags(monkeypatch):
     """Default: the chunked verify, the tree conv1d and the compact scratch; the root paths
     under --enable-deterministic-inference; the full scratch under --enable-unified-memory (SGLang's
-    pool allocates the per-node states); SGLANG_DDTREE_GDN=sglang: SGLang's own path. The hooks
-    are bound to the path the worker factory made from its options (gdn.configure)."""
+    pool allocates the per-node states). The hooks are bound to the path the worker factory made
+    from its options (gdn.configure). The retired SGLANG_DDTREE_GDN is refused, naming why."""
     from sglang_ddtree import config
 
     cfg = DDTreeConfig(block_size=16, num_nodes=32, topk=8)
@@ -236,12 +236,7 @@ def test_gdn_path_follows_the_servers_flags_and_the_one_switch(monkeypatch):
     det = config.Options.from_env(**gdn.compat.option_modes(flags))
     assert det.gdn_verify == "paths" and gdn.path_of(det, 16) == gdn.GDNPath(16, verify="paths")
     monkeypatch.setenv("SGLANG_DDTREE_GDN", "sglang")
-    sglang = config.Options.from_env()
-    assert (sglang.gdn_verify, sglang.gdn_scratch) == ("paths", "full")
-    assert path() is None and configured() is None
-    assert not config.Options.from_env().compact_scratch
-    monkeypatch.setenv("SGLANG_DDTREE_GDN", "triton")
-    with pytest.raises(ValueError, match="SGLANG_DDTREE_GDN must be"):
+    with pytest.raises(ValueError, match="SGLANG_DDTREE_GDN is no longer a switch.*always serve"):
         configured()
 
 
@@ -258,12 +253,12 @@ def test_sglangs_own_verify_and_commit_refuse_a_compact_scratch(monkeypatch):
     whole states per row past its end: the hooks raise instead of calling it."""
     N = 4
     scratch = torch.zeros(2, scratch_floats(N, HV, K, V))
-    state = gdn.GDNState(None)  # SGLang's own path
+    state = gdn.GDNState(gdn.GDNPath(N))  # a verify without a tree goes to SGLang's kernel
 
     def never(*args, **kwargs):
         raise AssertionError("SGLang's own path was called on a compact scratch")
 
-    with pytest.raises(RuntimeError, match="compact scratch.*SGLANG_DDTREE_GDN=sglang"):
+    with pytest.raises(RuntimeError, match="compact scratch.*--enable-unified-memory"):
         gdn.target_verify(
             state,
             never,
@@ -287,7 +282,7 @@ def test_sglangs_own_verify_and_commit_refuse_a_compact_scratch(monkeypatch):
             ),
         )
     )
-    with pytest.raises(RuntimeError, match="compact scratch.*SGLANG_DDTREE_GDN=sglang"):
+    with pytest.raises(RuntimeError, match="compact scratch.*--enable-unified-memory"):
         gdn.commit(state, never, backend, torch.zeros(1, dtype=torch.int64), None, None, model=None)
 
 
@@ -319,7 +314,7 @@ def test_options_are_parsed_once_and_the_factorys_reach_the_hooks(monkeypatch):
     monkeypatch.setenv("SGLANG_DDTREE_PENALTIES", "0")
     parsed = config.Options.from_env()
     assert parsed == config.Options(width="fixed", penalties=False)
-    assert parsed.describe().startswith("gdn=ddtree, gdn_verify=chunk, gdn_scratch=compact")
+    assert parsed.describe().startswith("gdn_verify=chunk, gdn_scratch=compact")
     runtime = Runtime.create(parsed, DDTreeConfig(16, 32, 8))
     monkeypatch.setenv("SGLANG_DDTREE_WIDTH", "auto")
     bound = hooks.bound_hooks(runtime)
