@@ -44,9 +44,12 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 [ "${1:-}" = soak-serving ] || python3 -m pip install -q --no-deps --no-build-isolation --no-index \
   -e . >"$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
 MODELS="qwen3 qwen35 pair"
-N_MODELS=$(wc -w <<< "$MODELS")
+# the runs `collect` waits for: one pytest per model, and the soak (tests/gpu/test_soak.py: the
+# mixed soak and the fuzz on servers of its own; SOAK=0 leaves it out)
+RUNS="$MODELS"; [ "${SOAK:-1}" = 0 ] || RUNS="$RUNS soak"
+N_RUNS=$(wc -w <<< "$RUNS")
 
-test_bg() {  # one detached pytest per model; ROOT/results/pytest_<model>.{log,rc}
+test_bg() {  # one detached pytest per model, and the soak; ROOT/results/pytest_<run>.{log,rc}
   mkdir -p "$ROOT/results"; rm -f "$ROOT"/results/pytest_*.rc
   for m in $MODELS; do
     DDTREE_GPU_ROOT="$ROOT" DDTREE_GPU_MODELS=$m DDTREE_GPU_WAIT=600 OMP_NUM_THREADS=4 \
@@ -54,18 +57,22 @@ test_bg() {  # one detached pytest per model; ROOT/results/pytest_<model>.{log,r
       'python3 -m pytest tests/gpu -m gpu -q -rA --durations=12 "$@" > "$0.log" 2>&1; echo $? > "$0.rc"' \
       "$ROOT/results/pytest_$m" "$@" < /dev/null > /dev/null 2>&1 &
   done
+  [ "${SOAK:-1}" = 0 ] && return
+  OMP_NUM_THREADS=4 OUT="$ROOT/results" setsid nohup bash -c \
+    'python3 -m pytest tests/gpu/test_soak.py -m soak -k "not long_soak" -q -rA > "$0.log" 2>&1
+     echo $? > "$0.rc"' "$ROOT/results/pytest_soak" < /dev/null > /dev/null 2>&1 &
 }
 
 collect() {  # wait up to $1 s for every background pytest; results to $OUT
   local t0=$SECONDS
   while [ $((SECONDS - t0)) -lt "$1" ]; do
     n=$(ls "$ROOT"/results/pytest_*.rc 2>/dev/null | wc -l)
-    [ "$n" -ge "$N_MODELS" ] && break
+    [ "$n" -ge "$N_RUNS" ] && break
     sleep 5
   done
   {
     echo "== server status"; cat "$ROOT/status.json" 2>/dev/null; echo
-    for m in $MODELS; do
+    for m in $RUNS; do
       echo "== pytest $m rc=$(cat "$ROOT/results/pytest_$m.rc" 2>/dev/null || echo running)"
       grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|^[0-9.]+s (call|setup)" \
         "$ROOT/results/pytest_$m.log" 2>/dev/null | tail -n 60
@@ -73,7 +80,7 @@ collect() {  # wait up to $1 s for every background pytest; results to $OUT
   } > "$OUT/summary.txt"
   cat "$OUT/summary.txt"
   tar czf "$OUT/results.tgz" -C "$ROOT" results logs launcher.log status.json 2>/dev/null
-  [ "$(ls "$ROOT"/results/pytest_*.rc 2>/dev/null | wc -l)" -ge "$N_MODELS" ] || return 3
+  [ "$(ls "$ROOT"/results/pytest_*.rc 2>/dev/null | wc -l)" -ge "$N_RUNS" ] || return 3
   ! grep -qv '^0$' "$ROOT"/results/pytest_*.rc
 }
 
