@@ -168,6 +168,9 @@ case "${1:-}" in
         OUT="$DIR/suite" bash scripts/gpu_session.sh start "$SUITE_WAIT" > "$DIR/suite.log" 2>&1
         python3 -m tests.gpu.servers stop "$ROOT"
         wait $unit
+        # a suite cut off at SUITE_WAIT: its tests and the servers they started go, so that
+        # the benchmarks below have the GPU to themselves
+        pkill -f "pytest tests/gpu"; sleep 3; pkill -f sglang.launch_server; sleep 10
         [ "$GDN_ARGS" = none ] || python3 scripts/bench_gdn_tree.py --out "$DIR/gdn" $GDN_ARGS \
           > "$DIR/gdn.log" 2>&1
         [ $# -gt 0 ] && python3 scripts/bench_round.py --out "$DIR/round" \
