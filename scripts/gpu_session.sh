@@ -170,7 +170,7 @@ case "${1:-}" in
         wait $unit
         # a suite cut off at SUITE_WAIT: its tests and the servers they started go, so that
         # the benchmarks below have the GPU to themselves
-        pkill -f "pytest tests/gpu"; sleep 3; pkill -f sglang.launch_server; sleep 10
+        pkill -f "[p]ytest tests/gpu"; sleep 3; pkill -f "[s]glang.launch_server"; sleep 10
         [ "$GDN_ARGS" = none ] || python3 scripts/bench_gdn_tree.py --out "$DIR/gdn" $GDN_ARGS \
           > "$DIR/gdn.log" 2>&1
         [ $# -gt 0 ] && python3 scripts/bench_round.py --out "$DIR/round" \
