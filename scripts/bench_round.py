@@ -17,7 +17,8 @@ requests of 1, `--tokens` / 2 and `--tokens` new tokens. Round time = the slope 
 latency against the request's decode rounds (spec_verify_ct, or new tokens - 1 for plain
 decoding). Dummy weights accept at random, so this is the cost of a round, not a speed-up;
 `--simulate` gives every server a world in which drafts are accepted as a real drafter's are
-(docs/simulation.md), and `--serving` measures end to end in it. Also recorded: the Gated DeltaNet
+(scripts/simworld, put on each server's PYTHONPATH with DDTREE_SIMULATE; docs/simulation.md),
+and `--serving` measures end to end in it. Also recorded: the Gated DeltaNet
 verify scratch the server allocated, the memory its weights took as SGLang logged it
 (`weights_gb`, target then draft: the check on the sizing's `weights_gib`), and (for `--profile`
 variants) GPU time per DDTREE part from SGLang's torch-profiler trace, using the worker's
@@ -41,6 +42,7 @@ from importlib.metadata import version as installed_version
 from pathlib import Path
 
 import harness  # beside this script (scripts/harness.py)
+import simworld  # beside this script (scripts/simworld: the simulated world)
 from harness import ADMIN_ARGS, bench_args, prompts_for, run_bench, timed_requests, write_dataset
 from round_trace import profile_parts
 
@@ -591,12 +593,10 @@ def gdn_scratch_gb(log: str) -> float | None:
     return float(m.group(1)) if m else None
 
 
-SIMULATE = "SGLANG_DDTREE_SIMULATE"
-
-
 def simulated(value: str) -> dict | None:
-    """The world --simulate names, as its rows record it (None: no simulation)."""
-    from sglang_ddtree.simulation import parse
+    """The world --simulate names, as its rows record it (None: no simulation); a bad value
+    stops here, before any server starts."""
+    from simworld.world import parse
 
     world = parse(value)
     return world.as_dict() if world else None
@@ -688,7 +688,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--simulate",
         default="",
         help="a simulated world for every server "
-        "(SGLANG_DDTREE_SIMULATE, sglang_ddtree/simulation.py: e.g. narrative), so "
+        "(scripts/simworld, DDTREE_SIMULATE on the servers: e.g. narrative), so "
         "that drafts are accepted as a real drafter's would be",
     )
     p.add_argument(
@@ -763,7 +763,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
             continue
         extra = [*common, "--cuda-graph-max-bs-decode", str(graph_bs), *table[name]]
-        env = {**variant_env(name), **({SIMULATE: args.simulate} if world else {})}
+        env = variant_env(name)
+        env = simworld.server_env(env, args.simulate) if world else env
         server = harness.Server(
             name, str(target), args.port_base + i, extra, env=env, log_dir=args.out
         )

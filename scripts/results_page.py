@@ -771,7 +771,7 @@ SECTIONS = (
         "the chain DFLASH verifies, over independent rounds of each simulated world "
         "(docs/simulation.md). Tokens per round = accepted drafts + the bonus; in "
         "parentheses, the tree's over the chain's. This is what a server sees "
-        "per round under SGLANG_DDTREE_SIMULATE; what each round costs comes from the GPU.",
+        "per round under DDTREE_SIMULATE; what each round costs comes from the GPU.",
         simulated_acceptance_table,
     ),
     Section(

@@ -1,13 +1,12 @@
-"""Tokens per round in the simulated worlds (sglang_ddtree/simulation.py), on the CPU: DDTREE's
-draft head and accept walk over many independent rounds of each regime, at each tree width, and
-the chain (the world's top-1 path, what DFLASH reads), beside the chain's calibrated value.
+"""Tokens per round in the simulated worlds (scripts/simworld), on the CPU: DDTREE's draft head
+and accept walk over many independent rounds of each regime, at each tree width, and the chain
+(the world's top-1 path, what DFLASH reads), beside the chain's calibrated value.
 
     python scripts/simulated_acceptance.py --out OUT [--rounds 20000] [--nodes 16,32,64]
 
-This is what a server sees per round under SGLANG_DDTREE_SIMULATE (the same head, the same
-world); a GPU benchmark then adds what each round costs. Output: OUT/simulated_acceptance.jsonl,
-one row per (regime, width): mean tokens per round (accepted drafts + the bonus) and its
-standard error.
+This is what a server sees per round under DDTREE_SIMULATE (the same head, the same world); a
+GPU benchmark then adds what each round costs. Output: OUT/simulated_acceptance.jsonl, one row
+per (regime, width): mean tokens per round (accepted drafts + the bonus) and its standard error.
 """
 
 from __future__ import annotations
@@ -18,10 +17,10 @@ import math
 from pathlib import Path
 
 import torch
+from simworld import world as simulation
+from simworld.server import SimulatedHead
 
-from sglang_ddtree import simulation
 from sglang_ddtree.config import DDTreeConfig
-from sglang_ddtree.round.draft_head import DraftTreeHead
 from sglang_ddtree.tree import accept_walk
 
 BLOCK, TOPK, VOCAB, BATCH = 16, 8, 4096, 2000
@@ -31,8 +30,8 @@ def tree_tau(world: simulation.World, nodes: int, rounds: int, seed: int) -> tup
     """Mean tokens per round of `rounds` independent rounds at tree width `nodes`, and its
     standard error."""
     cfg = DDTreeConfig(block_size=BLOCK, num_nodes=nodes, topk=TOPK)
-    head = DraftTreeHead(
-        lm_head_weight=torch.zeros(VOCAB, 1), vocab_size=VOCAB, cfg=cfg, max_bs=BATCH, world=world
+    head = SimulatedHead(
+        world, lm_head_weight=torch.zeros(VOCAB, 1), vocab_size=VOCAB, cfg=cfg, max_bs=BATCH
     )
     generator = torch.Generator().manual_seed(seed)
     taus = []

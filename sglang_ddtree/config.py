@@ -20,8 +20,6 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from sglang_ddtree import simulation
-from sglang_ddtree.simulation import World
 from sglang_ddtree.tree.inputs import MAX_TOPK, tree_capacity
 
 DEFAULT_TOPK = 8
@@ -152,7 +150,6 @@ SWITCHES = (
     "SGLANG_DDTREE_PENALTIES",
     "SGLANG_DDTREE_DUMP_ROUNDS",
     "SGLANG_DDTREE_DUMP_EVERY",
-    simulation.SWITCH,
 )
 
 
@@ -177,9 +174,6 @@ class Options:
                                               0 refuses them with 400 (the memory way out)
     dump_rounds   SGLANG_DDTREE_DUMP_ROUNDS   a JSON-lines file for sampled rounds; None: off
     dump_every    SGLANG_DDTREE_DUMP_EVERY    every how many rounds (100)
-    simulate      SGLANG_DDTREE_SIMULATE      a benchmark world (sglang_ddtree/simulation.py):
-                                              a regime's name, e.g. narrative; with
-                                              --load-format dummy only; None: off
     From the server's flags, not switches:
     gdn_verify    chunk (the chunked verify; trees over 64 nodes take the root paths), or
                   paths (root paths, batch-invariant) under --enable-deterministic-inference
@@ -196,7 +190,6 @@ class Options:
     width: str = "auto"
     widths: tuple[int, ...] | None = None
     penalties: bool = True
-    simulate: World | None = None
 
     @classmethod
     def from_env(
@@ -223,7 +216,6 @@ class Options:
             width=_width_mode(deterministic, tensor_parallel),
             widths=_widths("SGLANG_DDTREE_WIDTHS"),
             penalties=env_choice("SGLANG_DDTREE_PENALTIES", ("1", "0")) == "1",
-            simulate=simulated_world(),
         )
         opts._check()
         return opts
@@ -243,12 +235,6 @@ class Options:
     def describe(self) -> str:
         """One line of every resolved switch (the server logs it at startup)."""
         return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
-
-
-def simulated_world() -> World | None:
-    """The benchmark world SGLANG_DDTREE_SIMULATE names (sglang_ddtree/simulation.py; unset:
-    None). DFLASH's servers read it too (plugin.py), so that both servers see one world."""
-    return simulation.parse(env_value(simulation.SWITCH))
 
 
 def _widths(name: str) -> tuple[int, ...] | None:
@@ -287,6 +273,8 @@ RETIRED_SWITCHES = {
     "SGLANG_DDTREE_VERIFY_PLAN": "the verify is planned from host lengths with the mask packed "
     "from the tree (round/verify_plan.py), measured faster than SGLang's own plan",
     "SGLANG_DDTREE_ACCEPT_PATH": "round/accept_path.py always moves the accepted path",
+    "SGLANG_DDTREE_SIMULATE": "the simulated world is benchmark tooling (scripts/simworld, "
+    "DDTREE_SIMULATE there, which scripts/bench_round.py --simulate sets; docs/simulation.md)",
 }
 # debugging aids that were server switches: the check's SERVE and the perturbation change
 # served tokens, and the check reads back and saves on the decode thread

@@ -180,27 +180,6 @@ def tree_sampling_probs(transform):
         yield
 
 
-# eagle_sample's greedy tree verify, a global of the same module
-TREE_GREEDY = "verify_tree_greedy_func"
-
-
-@contextlib.contextmanager
-def tree_greedy_targets(targets):
-    """For the duration: SGLang's eagle_sample verifies its greedy tree against `targets`
-    [bs, width] (a simulated world's token at each node) instead of the argmax it computed."""
-
-    def wrap(original):
-        def verify(*args, target_predict, **kwargs):
-            # contiguous: a width below N slices each row, and the kernel takes dense rows only
-            picked = targets.reshape(target_predict.shape).to(target_predict.dtype).contiguous()
-            return original(*args, target_predict=picked, **kwargs)
-
-        return verify
-
-    with _eagle_sample_global(TREE_GREEDY, wrap):
-        yield
-
-
 @contextlib.contextmanager
 def _eagle_sample_global(name: str, wrap):
     """For the duration: the global `name` of eagle_sample's module (read by eagle_sample at
@@ -212,17 +191,6 @@ def _eagle_sample_global(name: str, wrap):
         yield
     finally:
         setattr(module, name, original)
-
-
-# DFLASH's worker, for a simulated world: its start-up (where dummy weights are required) and
-# its chain accept (where the world's drafts and target tokens replace the models')
-DFLASH_WORKER_INIT = "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2.__init__"
-DFLASH_CHAIN_ACCEPT = "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2._accept_block"
-
-
-def target_vocab_size(worker) -> int:
-    """The target's vocabulary size, from a DFlash-family worker."""
-    return int(worker.target_worker.model_runner.model_config.vocab_size)
 
 
 def unpatched_hook_targets(targets) -> list[str]:

@@ -29,17 +29,11 @@ def _register() -> None:
     from sglang.srt.speculative.spec_registry import get_spec
 
     from sglang_ddtree.adapter.spec import ALGORITHM, DDTreeSpec, validate_server_args
-    from sglang_ddtree.config import simulated_world
     from sglang_ddtree.front_door.checks import register_request_hook
 
     if get_spec(ALGORITHM) is not None:
         return
     register_request_hook()
-    world = simulated_world()
-    if world is not None:  # a benchmark's simulated world, for DFLASH's servers too
-        from sglang_ddtree.round.simulated import register_hooks
-
-        register_hooks(world)
     SpeculativeAlgorithm.register(
         ALGORITHM,
         supports_overlap=True,

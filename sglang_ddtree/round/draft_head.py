@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 
 from sglang_ddtree.config import DDTreeConfig
-from sglang_ddtree.simulation import World, depth_bound
 from sglang_ddtree.tree import DraftTree, build_tree, topk_logprobs_from_logits
 from sglang_ddtree.tree.budget import cut_links, expected_tokens, truncate
 from sglang_ddtree.tree.shard_topk import merge_topk, shard_topk
@@ -57,13 +56,11 @@ class DraftTreeHead:
         cfg: DDTreeConfig,
         max_bs: int,
         shard: VocabShard | None = None,  # None: the whole vocabulary (tp = 1)
-        world: World | None = None,  # a simulated world (sglang_ddtree/simulation.py)
     ):
         self.weight = lm_head_weight
         self.vocab_size = int(vocab_size)
         self.cfg = cfg
         self.shard = shard
-        self.world = world
         self.build = tree_builder(device=lm_head_weight.device)
         N, dev = cfg.num_nodes, lm_head_weight.device
         self.tokens = torch.zeros((max_bs, N), dtype=torch.int64, device=dev)
@@ -81,10 +78,6 @@ class DraftTreeHead:
         # per read width w < N: first_child and next_sibling of the first w nodes, links past
         # the cut -1 (tree.budget.truncate's), written with the tree (in the draft graph)
         self.cuts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        # a simulated world's target token at every node (the verify's target_predict)
-        self.simulated_picks = torch.zeros_like(self.tokens) if world is not None else None
-        # the world's per-depth means, made before any graph capture (the draws' `means`)
-        self.world_means = None if world is None else world.means_on(depth_bound(N) + 1, dev)
 
     def read_widths(self, widths) -> None:
         """From the next build on (before the draft graphs are captured, so that the graphs
@@ -112,23 +105,30 @@ class DraftTreeHead:
         input_ids: torch.Tensor,
         positions: torch.Tensor | None = None,
     ) -> None:
-        """hidden_states [bs * B, H] draft block outputs; input_ids [bs * B], column 0 = root;
-        positions [bs * B] (a simulated world's rounds are keyed by the root's)."""
+        """hidden_states [bs * B, H] draft block outputs; input_ids [bs * B], column 0 = root.
+        The draft graph's tail hands a head the block's positions [bs * B] too; this one builds
+        its tree from the drafter's top-K alone."""
+        del positions
         B = self.cfg.block_size
         bs = hidden_states.shape[0] // B
         hidden = hidden_states.view(bs, B, -1)[:, 1:, :]  # [bs, B-1, H]: draft positions 1..B-1
+        self.grow(input_ids.view(bs, B)[:, 0], *self.topk(hidden))
+
+    def topk(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[bs, B-1, H] draft hidden states -> the drafter's top-K per position: (ids
+        [bs, B-1, K] int64, log-probs [bs, B-1, K] float32) over the whole vocabulary."""
         logits = self.logits(hidden)
         if self.shard is None:
-            ids, logprobs = topk_logprobs_from_logits(logits.float(), self.cfg.topk)  # [bs, B-1, K]
-        else:  # every rank merges the same gathered bytes: the same top-K, the same tree
-            parts = shard_topk(logits, self.cfg.topk, self.shard.offset)
-            ids, logprobs = merge_topk(*(self.shard.gather(p) for p in parts), self.cfg.topk)
-        root = input_ids.view(bs, B)[:, 0]
-        if self.world is not None:  # the drafter's top-K from the world (its cost paid above)
-            position = positions.view(bs, B)[:, 0]
-            ids, logprobs = self.world.draft(
-                position, root, B - 1, self.cfg.topk, self.vocab_size, self.world_means
-            )
+            return topk_logprobs_from_logits(logits.float(), self.cfg.topk)
+        # every rank merges the same gathered bytes: the same top-K, the same tree
+        parts = shard_topk(logits, self.cfg.topk, self.shard.offset)
+        return merge_topk(*(self.shard.gather(p) for p in parts), self.cfg.topk)
+
+    def grow(self, root: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tensor) -> DraftTree:
+        """The tree of roots [bs] over the top-K (ids, logprobs [bs, B-1, K]) into the static
+        buffers, with the readings and the cut links of the read widths; returns the built
+        trees (the builder's, bs rows)."""
+        bs = root.shape[0]
         tree = self.build(root, ids, logprobs, self.cfg.budget)
         for name, value in tree._asdict().items():
             getattr(self, name)[:bs].copy_(value)
@@ -137,17 +137,7 @@ class DraftTreeHead:
         for w, (first_child, next_sibling) in self.cuts.items():
             first_child[:bs].copy_(cut_links(tree.first_child, w))
             next_sibling[:bs].copy_(cut_links(tree.next_sibling, w))
-        if self.world is not None:
-            picks = self.world.target_tokens(
-                position,
-                root,
-                tree.tokens,
-                tree.depth,
-                tree.visibility,
-                self.vocab_size,
-                self.world_means,
-            )
-            self.simulated_picks[:bs].copy_(picks)
+        return tree
 
     def write_readings(self, scores: torch.Tensor) -> None:
         """readings[:bs, :W] = the expected tokens at the W read widths of trees with these

@@ -150,15 +150,7 @@ class Round:
 
     # -- verify: the target over the tree; SGLang calls the stages below inside it ------------
     def verify(self, grammar_barrier):
-        """The target's tree verify, sampling, accept walk and state commit (run_eagle_verify);
-        under a simulated world, the world's target tokens in place of the target's argmax."""
-        picks = self.worker.tree_head.simulated_picks
-        if picks is None:
-            return self._run_eagle_verify(grammar_barrier)
-        with compat.tree_greedy_targets(picks[: self.bs, : self.width]):
-            return self._run_eagle_verify(grammar_barrier)
-
-    def _run_eagle_verify(self, grammar_barrier):
+        """The target's tree verify, sampling, accept walk and state commit (run_eagle_verify)."""
         # the verify plans its own window (eagle_prepare_for_verify: `width` slots from each
         # request's committed length, the block's B first)
         w = self.worker

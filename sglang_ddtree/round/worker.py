@@ -39,7 +39,6 @@ from sglang_ddtree.round.round import Round
 from sglang_ddtree.round.round_dump import RoundDump
 from sglang_ddtree.round.runtime import Runtime
 from sglang_ddtree.round.widths import RankWidths, RoundReadings, VerifyWidths, WidthPolicy
-from sglang_ddtree.simulation import World
 from sglang_ddtree.state import round_memory
 
 logger = logging.getLogger(__name__)
@@ -60,9 +59,7 @@ class _DropWidthMismatch(logging.Filter):
         return not record.getMessage().startswith("DFLASH block size mismatch")
 
 
-def tree_head(
-    lm_head, cfg: DDTreeConfig, max_bs: int, gather=None, world: World | None = None
-) -> DraftTreeHead:
+def tree_head(lm_head, cfg: DDTreeConfig, max_bs: int, gather=None) -> DraftTreeHead:
     """The draft head on the target's LM head: its real rows (`compat.lm_head_rows`); given the
     TP group's `gather` (a vocabulary-parallel head, tp > 1), a VocabShard that merges the
     ranks' top-K through it, so every rank builds the same tree. Start-up
@@ -76,7 +73,6 @@ def tree_head(
         cfg=cfg,
         max_bs=max_bs,
         shard=shard,
-        world=world,
     )
 
 
@@ -156,7 +152,7 @@ class DDTreeWorker(DFlashWorkerV2):
         max_bs = max(max(graph_bs), int(compat.max_running_requests() or 1))
         lm_head = self.target_worker.model_runner.model.lm_head
         gather = compat.tp_gather() if self._tp_size > 1 else None
-        return tree_head(lm_head, self.cfg, max_bs, gather, self.options.simulate)
+        return tree_head(lm_head, self.cfg, max_bs, gather)
 
     def init_cuda_graphs(self):
         capture = get_exec().graph.cuda_graph_config.decode.backend != Backend.DISABLED

@@ -231,6 +231,54 @@ def test_bench_round_rows_carry_the_card(tmp_path, monkeypatch):
         assert "--speculative-draft-model-quantization unquant" in flags
 
 
+def test_bench_round_puts_its_servers_in_the_simulated_world(tmp_path, monkeypatch):
+    """--simulate REGIME: every server starts with scripts/simworld first on PYTHONPATH and
+    DDTREE_SIMULATE=REGIME beside its variant's switches, and every row records the world; a
+    bad value stops before any server starts."""
+    bench = _script("bench_round")
+    started = []
+
+    class Server:
+        def __init__(self, name, model, port, args, env=None, log_dir=None):
+            self.name, self.env = name, env
+            started.append(self)
+
+        def start(self):
+            pass
+
+        def wait_healthy(self, timeout):
+            return 1.0
+
+        def log_text(self):
+            return ""
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(bench, "card_info", lambda: H100)
+    monkeypatch.setattr(bench, "free_bytes", lambda: 70 * 2**30)
+    monkeypatch.setattr(bench.harness, "Server", Server)
+    measured = {"round_ms": 20.0, "tokens_per_s": 100.0, "accept_len": 1.0}
+    monkeypatch.setattr(bench, "measure", lambda server, bs, tokens: {"bs": bs, **measured})
+    monkeypatch.setattr(bench, "plot", lambda rows, path, card: None)
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    out = tmp_path / "out"
+    argv = ["--out", str(out), "--work", str(tmp_path / "work"), "--batch", "1"]
+    argv += ["--variants", "dflash,ddtree32", "--profile", ""]
+    assert bench.main([*argv, "--simulate", "code:seed=3"]) == 0
+    folder = ROOT / "scripts" / "simworld"
+    for server in started:
+        assert server.env["DDTREE_SIMULATE"] == "code:seed=3"
+        assert server.env["PYTHONPATH"].split(os.pathsep)[0] == str(folder)
+    assert started[1].env["SGLANG_DDTREE_WIDTH"] == "fixed"
+    rows = [json.loads(x) for x in (out / "round_cost_27b.jsonl").read_text().splitlines()]
+    assert {(r["simulate"]["name"], r["simulate"]["seed"]) for r in rows} == {("code", 3)}
+    started.clear()
+    with pytest.raises(ValueError, match="unknown regime 'fast'"):
+        bench.main([*argv, "--simulate", "fast"])
+    assert started == []
+
+
 def test_no_script_imports_one_that_imports_it():
     """bench_round and bench_serving share the load generator's and the trace's helpers through
     scripts/harness.py and scripts/round_trace.py; no script imports another that imports it back

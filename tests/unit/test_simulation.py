@@ -1,20 +1,42 @@
-"""The simulated world (sglang_ddtree/simulation.py) and its glue in a server
-(round/simulated.py): calibration, one world for the chain and the tree, and DDTREE's draft
-head and DFLASH's chain accept against the reference engine run on the same world."""
+"""The simulated world, benchmark tooling (scripts/simworld: world.py) and its patches in a server
+(server.py, installed by its sitecustomize.py): calibration, one world for the chain and the
+tree, and DDTREE's draft head and DFLASH's chain accept against the reference engine run on the
+same world."""
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from sglang_ddtree import simulation as sim
 from sglang_ddtree.config import DDTreeConfig
 from sglang_ddtree.reference.engine import generate, generate_chain
-from sglang_ddtree.round.draft_head import DraftTreeHead
 from sglang_ddtree.tree import accept_walk
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _simworld():
+    """scripts/simworld as the benchmark scripts import it (scripts/ first on the path)."""
+    scripts = str(REPO / "scripts")
+    if scripts not in sys.path:
+        sys.path.insert(0, scripts)
+    return (
+        importlib.import_module("simworld"),
+        importlib.import_module("simworld.world"),
+        importlib.import_module("simworld.server"),
+    )
+
+
+simworld, sim, simserver = _simworld()
 
 B, N, K, V = 16, 32, 8, 1024
 CFG = DDTreeConfig(block_size=B, num_nodes=N, topk=K)
@@ -138,8 +160,6 @@ def test_ddtrees_rounds_are_the_reference_engines_on_the_same_world(name):
 def test_dflashs_chain_accept_reads_the_world_as_the_reference_chain(name):
     """The DFLASH hook replaces the block's drafts with the world's top-1 path and the target's
     tokens with the world's; the chain's rounds then match the reference engine's K = 1 tree."""
-    from sglang_ddtree.round import simulated
-
     world = sim.REGIMES[name]
     reference = generate_chain(
         sim.SimulatedTarget(world, V), sim.SimulatedDrafter(world, B, V), PROMPT, 120
@@ -157,7 +177,7 @@ def test_dflashs_chain_accept_reads_the_world_as_the_reference_chain(name):
         seen.update(candidates=candidates.clone(), target=target_predict.clone(), kwargs=kwargs)
         return "accepted"
 
-    hook = simulated.ChainAccept(world)
+    hook = simserver.ChainAccept(world)
     tokens, lengths = [sim.FIRST_ID], []
     position, root = len(PROMPT), sim.FIRST_ID
     while len(tokens) < 120:
@@ -186,14 +206,13 @@ def test_dflashs_chain_accept_reads_the_world_as_the_reference_chain(name):
 
 
 def test_a_simulated_world_needs_dummy_weights():
-    from sglang_ddtree.round import simulated
-
+    simulated = simserver
     simulated.check_dummy_weights("dummy")
     for load_format in ("auto", "safetensors", None):
         with pytest.raises(RuntimeError, match="--load-format dummy"):
             simulated.check_dummy_weights(load_format)
     calls = []
-    with pytest.raises(RuntimeError, match="SGLANG_DDTREE_SIMULATE"):
+    with pytest.raises(RuntimeError, match="unset DDTREE_SIMULATE"):
         simulated.worker_init(
             sim.REGIMES["code"],
             lambda *a, **k: calls.append(a),
@@ -204,74 +223,183 @@ def test_a_simulated_world_needs_dummy_weights():
     assert calls == []  # refused before the worker is built
 
 
-def test_the_switch_names_a_regime_and_its_overrides(monkeypatch):
+def test_the_variable_names_a_regime_and_its_overrides():
     assert sim.parse(None) is None and sim.parse("") is None
     world = sim.parse("code:off_spine=0.5,seed=3")
     assert world.top1 == sim.REGIMES["code"].top1 and (world.off_spine, world.seed) == (0.5, 3)
     for bad, message in (
-        ("fast", "unknown regime"),
+        ("fast", "DDTREE_SIMULATE: unknown regime"),
         ("code:depth=3", "unknown parameter"),
         ("code:ratio=x", "not a number"),
         ("code:spread=2", "spread"),
     ):
         with pytest.raises(ValueError, match=message):
             sim.parse(bad)
-    monkeypatch.setenv(sim.SWITCH, "narrative")
-    from sglang_ddtree.config import Options, simulated_world
 
-    assert simulated_world() == sim.REGIMES["narrative"]
 
-    assert Options.from_env().simulate == sim.REGIMES["narrative"]
+def test_the_package_has_no_world_and_refuses_its_old_switch(monkeypatch):
+    """The world is benchmark tooling: the package neither ships nor reads it, and a server
+    started with the switch it once read is refused, naming the tooling."""
+    from sglang_ddtree import config
+    from sglang_ddtree.round.draft_head import DraftTreeHead
+
+    assert not (REPO / "sglang_ddtree" / "simulation.py").exists()
+    assert "world" not in inspect.signature(DraftTreeHead).parameters
+    assert "simulate" not in {f.name for f in config.dataclasses.fields(config.Options)}
+    monkeypatch.setenv("SGLANG_DDTREE_SIMULATE", "narrative")
+    with pytest.raises(ValueError, match=r"benchmark tooling \(scripts/simworld, DDTREE_"):
+        config.Options.from_env()
 
 
 def test_the_tree_verify_reads_the_worlds_tokens_for_the_call_only(monkeypatch):
-    """compat.tree_greedy_targets hands SGLang's greedy tree verify the world's tokens (the
-    global of eagle_sample's module, read at call time) and puts SGLang's function back."""
+    """tree_greedy_targets hands SGLang's greedy tree verify the world's tokens (the global of
+    eagle_sample's module, read at call time) and puts SGLang's function back."""
     from sglang_ddtree.adapter import compat
 
     module = pytest.importorskip(compat.TREE_SAMPLER_MODULE)
     seen = []
-    monkeypatch.setattr(module, compat.TREE_GREEDY, lambda **kw: seen.append(kw) or "walked")
-    original = getattr(module, compat.TREE_GREEDY)
+    monkeypatch.setattr(module, simserver.TREE_GREEDY, lambda **kw: seen.append(kw) or "walked")
+    original = getattr(module, simserver.TREE_GREEDY)
     picks = torch.arange(12).view(3, 4)[:2, :3]  # a slice, as the worker passes it
     argmax = torch.zeros(2, 3, dtype=torch.int64)
-    with compat.tree_greedy_targets(picks):
-        got = getattr(module, compat.TREE_GREEDY)(candidates="c", target_predict=argmax)
+    with simserver.tree_greedy_targets(picks):
+        got = getattr(module, simserver.TREE_GREEDY)(candidates="c", target_predict=argmax)
     assert got == "walked" and seen[0]["candidates"] == "c"
     assert torch.equal(seen[0]["target_predict"], picks)
     # SGLang's kernel checks its inputs are contiguous: a width below N slices every row
     assert not picks.is_contiguous() and seen[0]["target_predict"].is_contiguous()
-    assert getattr(module, compat.TREE_GREEDY) is original
+    assert getattr(module, simserver.TREE_GREEDY) is original
 
 
 def test_sglangs_eagle_sample_reads_the_greedy_verify_the_world_replaces():
     from sglang_ddtree.adapter import compat
 
     module = pytest.importorskip(compat.TREE_SAMPLER_MODULE)
-    assert compat.TREE_GREEDY in module.eagle_sample.__code__.co_names
-    assert compat.TREE_GREEDY not in module.eagle_sample.__code__.co_varnames
+    assert simserver.TREE_GREEDY in module.eagle_sample.__code__.co_names
+    assert simserver.TREE_GREEDY not in module.eagle_sample.__code__.co_varnames
     assert "target_predict=target_predict" in inspect.getsource(module.eagle_sample)
 
 
 def test_dflashs_accept_takes_the_keywords_the_chain_hook_reads():
     """The hook reads DFLASH's accept by keyword: were one renamed, the chain would silently
     read the dummy weights."""
-    dflash = pytest.importorskip("sglang.srt.speculative.dflash_worker_v2")
-    from sglang_ddtree.adapter import compat
-
-    module_name, _, qualified = compat.DFLASH_CHAIN_ACCEPT.rpartition(".")
-    assert module_name.endswith("DFlashWorkerV2") and qualified == "_accept_block"
+    dflash = pytest.importorskip(simserver.DFLASH_WORKER)
     params = inspect.signature(dflash.DFlashWorkerV2._accept_block).parameters
     for name in ("candidates", "next_token_logits", "target_predict", "prefix_lens"):
         assert params[name].kind is inspect.Parameter.KEYWORD_ONLY
     source = inspect.getsource(dflash.DFlashWorkerV2.forward_batch_generation)
     assert "prefix_lens = batch.seq_lens" in source  # the block's root sits at prefix_lens
     assert "self._accept_block(" in source
+    init = inspect.signature(dflash.DFlashWorkerV2.__init__).parameters
+    assert list(init)[:2] == ["self", "server_args"]  # worker_init reads server_args
 
 
-def _head(world, bs: int) -> DraftTreeHead:
+def test_the_patches_put_dflash_and_ddtree_in_the_world(monkeypatch):
+    """patch_dflash: DFlashWorkerV2's start-up is refused without dummy weights and its accept
+    reads the world; patch_ddtree: DDTREE's worker makes SimulatedHeads and its round's verify
+    hands SGLang the head's picks. Each module is patched once."""
+    world = sim.REGIMES["narrative"]
+    made, accepted = [], []
+
+    class DFlashWorkerV2:
+        def __init__(self, server_args, gpu_id):
+            made.append(gpu_id)
+
+        def _accept_block(self, *, candidates, next_token_logits, target_predict, prefix_lens):
+            accepted.append(target_predict)
+
+    dflash = types.ModuleType("dflash")
+    dflash.DFlashWorkerV2 = DFlashWorkerV2
+    simserver.apply(simserver.patch_dflash, world, dflash)
+    with pytest.raises(RuntimeError, match="--load-format dummy"):
+        DFlashWorkerV2(SimpleNamespace(load_format="auto"), 0)
+    worker = DFlashWorkerV2(SimpleNamespace(load_format="dummy"), 1)
+    assert made == [1]
+    worker.target_worker = SimpleNamespace(
+        model_runner=SimpleNamespace(model_config=SimpleNamespace(vocab_size=V))
+    )
+    position, root = _keys(2)
+    candidates = torch.zeros(2, B, dtype=torch.int64)
+    candidates[:, 0] = root
+    worker._accept_block(
+        candidates=candidates, next_token_logits=torch.randn(2 * B, V), prefix_lens=position
+    )
+    drafts, picks = world.chain(position, root, B, V)
+    assert torch.equal(candidates[:, 1:], drafts)
+    assert torch.equal(accepted[0].view(2, B), picks)
+    with pytest.raises(RuntimeError, match="patched already"):
+        simserver.apply(simserver.patch_dflash, world, dflash)
+
+    class Round:
+        def verify(self, grammar_barrier):
+            return grammar_barrier, picked
+
+    stages = types.ModuleType("round")
+    stages.Round = Round
+    monkeypatch.setitem(sys.modules, simserver.DDTREE_ROUND, stages)
+    ddtree = types.ModuleType("worker")
+    simserver.apply(simserver.patch_ddtree, world, ddtree)
+    head = ddtree.DraftTreeHead(lm_head_weight=torch.randn(V, 8), vocab_size=V, cfg=CFG, max_bs=3)
+    assert isinstance(head, simserver.SimulatedHead) and head.world == world
+    head.simulated_picks.copy_(torch.arange(3 * N).view(3, N))
+    picked = []
+    monkeypatch.setattr(simserver, "tree_greedy_targets", lambda t: _recording(picked, t))
+    rnd = Round()
+    rnd.worker, rnd.bs, rnd.width = SimpleNamespace(tree_head=head), 2, 16
+    assert rnd.verify("barrier")[0] == "barrier"
+    assert torch.equal(picked[0], head.simulated_picks[:2, :16])
+
+
+def _recording(seen: list, targets):
+    import contextlib
+
+    seen.append(targets)
+    return contextlib.nullcontext()
+
+
+def test_install_patches_a_module_once_it_is_imported(tmp_path, monkeypatch):
+    """AfterImport finds a pending module with the other finders and patches it after it ran;
+    modules it does not wait for import untouched."""
+    (tmp_path / "simworld_probe.py").write_text("VALUE = 1\n")
+    (tmp_path / "simworld_other.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    finder = simserver.AfterImport({"simworld_probe": lambda m: setattr(m, "VALUE", 2)})
+    monkeypatch.setattr(sys, "meta_path", [finder, *sys.meta_path])
+    for name in ("simworld_probe", "simworld_other"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    assert importlib.import_module("simworld_other").VALUE == 1
+    assert importlib.import_module("simworld_probe").VALUE == 2
+    assert finder not in sys.meta_path  # nothing left to wait for
+
+
+def test_a_server_gets_the_world_from_its_environment(tmp_path):
+    """server_env puts scripts/simworld first on PYTHONPATH with DDTREE_SIMULATE: a process
+    started so installs the world's patches (waiting for SGLang's and DDTREE's workers), one
+    with a bad value does not start, and a folder with its own sitecustomize is refused."""
+    env = simworld.server_env({"X": "1"}, "narrative", environ={"PYTHONPATH": str(REPO)})
+    assert env["X"] == "1" and env[simworld.VARIABLE] == "narrative"
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(simworld.FOLDER), str(REPO)]
+    probe = (
+        "import sys; from simworld import server; "
+        "f = [x for x in sys.meta_path if isinstance(x, server.AfterImport)]; "
+        "print(*sorted(f[0].pending))"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", probe], env={**os.environ, **env}, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == [simserver.DFLASH_WORKER, simserver.DDTREE_WORKER]
+    bad = {**os.environ, **env, simworld.VARIABLE: "fast"}
+    run = subprocess.run([sys.executable, "-c", "0"], env=bad, capture_output=True, text=True)
+    assert run.returncode != 0 and "DDTREE_SIMULATE: unknown regime 'fast'" in run.stderr
+    sampler = REPO / "scripts" / "host_sampler"
+    with pytest.raises(ValueError, match="already has one"):
+        simworld.server_env({"PYTHONPATH": str(sampler)}, "narrative")
+
+
+def _head(world, bs: int):
     weight = torch.randn(V, 8)
-    return DraftTreeHead(lm_head_weight=weight, vocab_size=V, cfg=CFG, max_bs=bs, world=world)
+    return simserver.SimulatedHead(world, lm_head_weight=weight, vocab_size=V, cfg=CFG, max_bs=bs)
 
 
 def _block(root: torch.Tensor) -> torch.Tensor:
@@ -292,8 +420,8 @@ def test_the_heads_world_replays_in_a_cuda_graph():
         pytest.skip("needs a GPU")
     dev, bs = torch.device("cuda"), 4
     world = sim.REGIMES["narrative"]
-    head = DraftTreeHead(
-        lm_head_weight=torch.randn(V, 8, device=dev), vocab_size=V, cfg=CFG, max_bs=bs, world=world
+    head = simserver.SimulatedHead(
+        world, lm_head_weight=torch.randn(V, 8, device=dev), vocab_size=V, cfg=CFG, max_bs=bs
     )
     hidden = torch.zeros(bs * B, 8, device=dev)
     position, root = _keys(bs)

@@ -737,19 +737,26 @@ def test_the_tp_cpu_group_is_sglangs(monkeypatch):
 def _world_rounds(rounds: int, num_nodes: int = 32, widths=(16, 32), seed: int = 2):
     """`rounds` independent rounds of the simulated narrative world through the server's draft
     head at N = num_nodes: its trees, their expected tokens at `widths` (the readings) and the
-    world's target token at every node."""
-    from sglang_ddtree import simulation
-    from sglang_ddtree.config import DDTreeConfig
-    from sglang_ddtree.round.draft_head import DraftTreeHead
+    world's target token at every node (scripts/simworld's head)."""
+    import importlib
+    import sys
+    from pathlib import Path
 
+    from sglang_ddtree.config import DDTreeConfig
+
+    scripts = str(Path(__file__).resolve().parents[2] / "scripts")
+    if scripts not in sys.path:
+        sys.path.insert(0, scripts)
+    simulation = importlib.import_module("simworld.world")
+    server = importlib.import_module("simworld.server")
     B, vocab = 16, 4096
     cfg = DDTreeConfig(block_size=B, num_nodes=num_nodes, topk=8)
-    head = DraftTreeHead(
+    head = server.SimulatedHead(
+        simulation.REGIMES["narrative"],
         lm_head_weight=torch.zeros(vocab, 1),
         vocab_size=vocab,
         cfg=cfg,
         max_bs=rounds,
-        world=simulation.REGIMES["narrative"],
     )
     head.read_widths(widths)
     g = torch.Generator().manual_seed(seed)

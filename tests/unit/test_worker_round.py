@@ -54,7 +54,6 @@ def _round_worker(monkeypatch, calls):
     tree = build_tree_reference(torch.tensor([5, 6]), logprobs, ids, N)
 
     class Head:
-        simulated_picks = None
         reading_widths = (N // 2, N)
 
         def tree(self, n, width):

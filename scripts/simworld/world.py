@@ -1,4 +1,5 @@
-"""A synthetic drafter and target, for benchmarks at real shapes with dummy weights.
+"""The simulated world: a synthetic drafter and target, for benchmarks at real shapes with dummy
+weights (benchmark tooling: the package does not import it; docs/simulation.md).
 
 Dummy weights give the real cost of every kernel, but their drafts are never accepted, so an
 end-to-end benchmark on them says nothing about speed. Under a simulated world two things, and
@@ -27,6 +28,8 @@ import math
 from dataclasses import dataclass, replace
 
 import torch
+
+from simworld import VARIABLE
 
 RANKS = 16  # the world's ranked tokens per depth (a tree may read up to this many)
 MASK32 = 0xFFFFFFFF
@@ -266,32 +269,26 @@ REGIMES = {
 MID_REGIME = "narrative"
 
 
-SWITCH = "SGLANG_DDTREE_SIMULATE"  # read by config.simulated_world
-
-
 def parse(value: str | None) -> World | None:
-    """SGLANG_DDTREE_SIMULATE's value: a regime's name, optionally with overrides,
-    `code:off_spine=0.5,seed=3`; empty or None: no simulation."""
+    """A world's name as DDTREE_SIMULATE (and bench_round.py's --simulate) gives it: a regime's
+    name, optionally with overrides, `code:off_spine=0.5,seed=3`; empty or None: no world."""
     if not value:
         return None
     name, _, rest = value.partition(":")
     if name not in REGIMES:
-        raise ValueError(
-            f"SGLANG_DDTREE_SIMULATE: unknown regime {name!r}; one of {', '.join(REGIMES)}"
-        )
+        raise ValueError(f"{VARIABLE}: unknown regime {name!r}; one of {', '.join(REGIMES)}")
     world = REGIMES[name]
     changes: dict = {}
     for item in filter(None, rest.split(",")):
         key, _, raw = item.partition("=")
         if key not in ("spread", "ratio", "off_spine", "seed"):
             raise ValueError(
-                f"SGLANG_DDTREE_SIMULATE: unknown parameter {key!r} (spread, "
-                "ratio, off_spine, seed)"
+                f"{VARIABLE}: unknown parameter {key!r} (spread, ratio, off_spine, seed)"
             )
         try:
             changes[key] = int(raw) if key == "seed" else float(raw)
         except ValueError:
-            raise ValueError(f"SGLANG_DDTREE_SIMULATE: {key}={raw!r} is not a number") from None
+            raise ValueError(f"{VARIABLE}: {key}={raw!r} is not a number") from None
     return replace(world, **changes)
 
 
