@@ -1,8 +1,9 @@
 """The GPU test server set, all on one GPU in small memory slices: per binary pair
 (attention-only Qwen3, hybrid Qwen3.5) a plain server and DDTREE with and without the overlap
-scheduler; for the trained pair (hybrid Qwen3.5, sglang_ddtree/assets/demo) a plain server and
-DDTREE, each also in SGLang's deterministic (batch-invariant) mode, plus SGLang's DFLASH and
-DDTREE at N=64 for the end-to-end benchmark (scripts/bench_e2e.py --attach).
+scheduler, and each again on an FP8 target (FP8 weights, then FP8 weights and KV cache); for the
+trained pair (hybrid Qwen3.5, sglang_ddtree/assets/demo) a plain server and DDTREE, each also in
+SGLang's deterministic (batch-invariant) mode. SGLang's DFLASH on the pair and DDTREE at N=64
+start only for the end-to-end benchmark (DDTREE_GPU_BENCH=1; scripts/bench_e2e.py --attach).
 
     python -m tests.gpu.servers launch ROOT      # write checkpoints, start a detached launcher
                                                  # (setsid) that starts every server, restarts
@@ -13,7 +14,7 @@ DDTREE at N=64 for the end-to-end benchmark (scripts/bench_e2e.py --attach).
 
 Then `DDTREE_GPU_ROOT=ROOT python -m pytest tests/gpu -m gpu` reuses the running servers
 (DDTREE_GPU_MODELS=qwen3 narrows it to one model, DDTREE_GPU_WAIT=S lets a test wait for its
-server to come up).
+server to come up). DDTREE_GPU_BENCH=1 at launch adds BENCH_ONLY's servers to the set.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ PAIR_NUM_NODES, PAIR_TOPK = 32, 8
 # Pools capped far below the memory fraction: each server measures the free memory before it
 # loads and needs all but 15% of it still free when it sizes its pools (a second later), so
 # neighbours that start at the same time (a few GiB each) cannot make that check fail, and all
-# the servers below fit on one GPU (13 of them used 32 GiB on the H200).
+# the servers below fit on one GPU (13 of them used 32 GiB on the H200; the 27 of the default
+# set, about 2.5 GiB each, are sized for one 80 GB H100).
 COMMON = [
     *ADMIN_ARGS,  # the tools' admin calls (/flush_cache, /start_profile)
     "--attention-backend",
@@ -77,6 +79,15 @@ ENV = {
 # Batch-invariant kernels (SGLang's --enable-deterministic-inference): the only mode in which a
 # bf16 server's greedy text does not depend on how many tokens share a forward pass.
 DETERMINISTIC = ["--enable-deterministic-inference"]
+# SGLang's online FP8 on the bf16 checkpoint: --quantization fp8 quantizes every linear layer at
+# load (on an H100 per output channel, activations per token at run time; the embedding and LM
+# head stay bf16), the target's KV cache in fp8_e4m3 with FP8_KV (scale 1.0: the checkpoints
+# carry none). The draft stays bf16: SGLang gives it the target's --quantization unless
+# --speculative-draft-model-quantization says otherwise (`unquant`: none); its KV cache follows
+# --kv-cache-dtype, as a user's would.
+FP8 = ["--quantization", "fp8"]
+FP8_KV = [*FP8, "--kv-cache-dtype", "fp8_e4m3"]
+DRAFT_BF16 = ["--speculative-draft-model-quantization", "unquant"]
 
 
 def tree_shape(model: str) -> tuple[int, int]:
@@ -118,19 +129,33 @@ VARIANTS = {
     "dflash_det": lambda model, draft: [*dflash_args(draft), *DETERMINISTIC],
     "ddtree64": lambda model, draft: ddtree_args(model, draft, nodes=64),
     # with VARIANT_ENV below, a switch's other value:
-    "ddtree_sglanggdn": ddtree_args,  # SGLang's own GDN tree verify and commit
     "ddtree_fixed": ddtree_args,  # every round at N (the default, auto, picks a width per round)
+    # the FP8 target: plain, and DDTREE (default options) beside it, with FP8 weights and with
+    # FP8 weights and KV cache (tests/gpu/test_fp8.py)
+    "base_fp8": lambda model, draft: [*FP8],
+    "ddtree_fp8": lambda model, draft: [*ddtree_args(model, draft), *FP8, *DRAFT_BF16],
+    "base_fp8kv": lambda model, draft: [*FP8_KV],
+    "ddtree_fp8kv": lambda model, draft: [*ddtree_args(model, draft), *FP8_KV, *DRAFT_BF16],
 }
 # Per-variant environment on top of ENV.
 VARIANT_ENV = {
-    "ddtree_sglanggdn": {"SGLANG_DDTREE_GDN": "sglang"},
     "ddtree_fixed": {"SGLANG_DDTREE_WIDTH": "fixed"},
 }
-# Which variants each model runs (22 servers in all). Launch order interleaves the models, plain
-# servers first, so each model's tests can begin while the others still start. SGLang's own
-# chain DFLASH runs beside DDTREE on every model as the control for numerics.
+FP8_VARIANTS = ("base_fp8", "ddtree_fp8", "base_fp8kv", "ddtree_fp8kv")
+# Which variants each model runs (27 servers by default, 29 with BENCH_ONLY's). Launch order
+# interleaves the models, plain servers first, so each model's tests can begin while the others
+# still start. SGLang's own chain DFLASH runs beside DDTREE on the binary pairs as the control
+# for numerics.
 MODEL_VARIANTS = {
-    "qwen3": ("base", "base_sync", "ddtree", "ddtree_fixed", "ddtree_sync", "dflash"),
+    "qwen3": (
+        "base",
+        "base_sync",
+        "ddtree",
+        "ddtree_fixed",
+        "ddtree_sync",
+        "dflash",
+        *FP8_VARIANTS,
+    ),
     "qwen35": (
         "base",
         "base_sync",
@@ -138,7 +163,7 @@ MODEL_VARIANTS = {
         "ddtree_fixed",
         "ddtree_sync",
         "dflash",
-        "ddtree_sglanggdn",
+        *FP8_VARIANTS,
     ),
     "pair": (
         "base",
@@ -152,7 +177,9 @@ MODEL_VARIANTS = {
         "ddtree64",
     ),
 }
-# Started for scripts/bench_e2e.py --attach, not tested by tests/gpu.
+# Started for scripts/bench_e2e.py --attach, only when the launch has DDTREE_GPU_BENCH=1; not
+# tested themselves by tests/gpu (a pytest with DDTREE_GPU_BENCH=1 takes pair-dflash as the
+# pair's DFLASH control, as it does the binary pairs' dflash).
 BENCH_ONLY = {("pair", "dflash"), ("pair", "ddtree64")}
 LAUNCH_GAP_S = 4.0
 
@@ -178,7 +205,8 @@ def write_pair(root: Path, model: str) -> tuple[Path, Path]:
 
 
 def server_set(root: Path) -> dict[str, Server]:
-    """Every server, in launch order (interleaved across models, plain servers first).
+    """Every server the suite defines, BENCH_ONLY's included (each keeps its port whichever are
+    started), in launch order (interleaved across models, plain servers first).
     DDTREE_GPU_SERVERS=name,name,...: only those (a partial rerun)."""
     root = Path(root)
     (root / "logs").mkdir(parents=True, exist_ok=True)
@@ -200,6 +228,14 @@ def server_set(root: Path) -> dict[str, Server]:
         return MODEL_VARIANTS[model].index(name.split("-", 1)[1]), MODELS.index(model)
 
     return dict(sorted(servers.items(), key=lambda kv: launch_order(kv[0])))
+
+
+def launched_set(root: Path) -> dict[str, Server]:
+    """The servers a launch starts and the tests use: server_set less BENCH_ONLY's, which
+    DDTREE_GPU_BENCH=1 adds (for scripts/bench_e2e.py --attach)."""
+    bench = os.environ.get("DDTREE_GPU_BENCH") == "1"
+    skipped = set() if bench else {f"{m}-{v}" for m, v in BENCH_ONLY}
+    return {n: s for n, s in server_set(root).items() if n not in skipped}
 
 
 def status_path(root: Path) -> Path:
@@ -224,7 +260,7 @@ def run_launcher(root: Path, timeout: float = 900) -> None:
     """Start every server LAUNCH_GAP_S apart, then watch them: one that dies is started again
     once, alone (after the others have settled, so no neighbour allocates while it sizes its
     pools). Keeps ROOT/status.json current."""
-    servers = server_set(root)
+    servers = launched_set(root)
     status = {}
     for name, s in servers.items():
         if s.is_healthy():
@@ -282,7 +318,7 @@ def launch(root: Path) -> None:
     session, so it outlives the calling command)."""
     root = Path(root)
     # writes the binary-pair checkpoints before anything starts
-    write_server_table(root, server_set(root))
+    write_server_table(root, launched_set(root))
     status_path(root).unlink(missing_ok=True)
     log = open(root / "launcher.log", "a")  # noqa: SIM115 - the launcher's stdout
     subprocess.Popen(
@@ -307,7 +343,7 @@ def wait(root: Path, timeout: float) -> dict[str, str]:
 
 def main(argv: list[str]) -> None:
     command, root = argv[0], Path(argv[1])
-    if command == "stop":
+    if command == "stop":  # every server the suite defines, whichever were launched
         models = argv[2:] or MODELS
         for name, s in server_set(root).items():
             if model_of(name) in models:
@@ -323,7 +359,7 @@ def main(argv: list[str]) -> None:
             return
     status = wait(root, float(argv[2]) if len(argv) > 2 else 900)
     print(json.dumps({"status": status, "after_s": round(time.time() - t0, 1)}))
-    servers = server_set(root)
+    servers = server_set(root)  # status.json names what was launched
     for name, v in status.items():
         if v != "healthy":
             print(f"NOT HEALTHY {name} ({v}): {servers[name].log_text()[-1500:]}")

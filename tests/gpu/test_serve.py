@@ -36,9 +36,9 @@ from tests.gpu.servers import (  # noqa: E402
     MODEL_VARIANTS,
     NEW_TOKENS,
     VARIANT_ENV,
+    launched_set,
     read_status,
     run_launcher,
-    server_set,
     status_path,
     tree_shape,
 )
@@ -49,13 +49,7 @@ from tests.gpu.servers import MODELS as ALL_MODELS  # noqa: E402
 MODELS = tuple(os.environ.get("DDTREE_GPU_MODELS", ",".join(ALL_MODELS)).split(","))
 assert set(MODELS) <= set(ALL_MODELS), MODELS
 WAIT_S = float(os.environ.get("DDTREE_GPU_WAIT", "0"))  # how long a test waits for its server
-SPEC_VARIANTS = (
-    "ddtree",
-    "ddtree_sync",
-    "ddtree_det",
-    "ddtree_sglanggdn",
-    "dflash",
-)  # dflash: a control
+SPEC_VARIANTS = ("ddtree", "ddtree_sync", "ddtree_det", "dflash")  # dflash: a control
 # DDTREE in deterministic mode (root-path GDN verify): the batch-invariance test
 DET_DDTREE = ("ddtree_det",)
 # reported beside them, not asserted (none now: the chunked verify in deterministic mode, whose
@@ -71,10 +65,11 @@ SPEC_SERVERS = [
 
 @pytest.fixture(scope="module")
 def servers():
-    """The server set of tests/gpu/servers.py: reused when already running, else started here.
-    A server that did not come up fails the tests that use it (`_up`), not the others."""
+    """The server set of tests/gpu/servers.py (its launched set): reused when already running,
+    else started here. A server that did not come up fails the tests that use it (`_up`), not
+    the others."""
     root = Path(os.environ.get("DDTREE_GPU_ROOT", tempfile.mkdtemp(prefix="ddtree-gpu-")))
-    started = server_set(root)
+    started = launched_set(root)
     # Launched by `python -m tests.gpu.servers launch` (status.json), or already up: reuse.
     reuse = status_path(root).exists() or any(s.is_healthy() for s in started.values())
     if not reuse:
@@ -214,16 +209,18 @@ def _control_holds(base, target, tokens, deficits, plain_deficits) -> bool:
 
 @pytest.fixture(scope="module")
 def plain_greedy(servers):
-    """Per model: the plain server's own greedy tokens and their teacher-forced deficits, the
-    control that measures how far prefill (teacher forcing) and decode numerics disagree."""
+    """Per model and plain variant (default `base`): the plain server's own greedy tokens and
+    their teacher-forced deficits, the control that measures how far prefill (teacher forcing)
+    and decode numerics disagree."""
     cache = {}
 
-    def get(model: str):
-        if model not in cache:
-            base = _up(servers, f"{model}-base")
-            tokens = _greedy_ids(base, 8)
-            cache[model] = (tokens, _deficits(base, tokens))
-        return cache[model]
+    def get(model: str, base: str = "base"):
+        name = f"{model}-{base}"
+        if name not in cache:
+            server = _up(servers, name)
+            tokens = _greedy_ids(server, 8)
+            cache[name] = (tokens, _deficits(server, tokens))
+        return cache[name]
 
     return get
 
@@ -263,25 +260,48 @@ def test_generate_greedy_is_the_targets_greedy(
     the same sequence's other tokens). A wrong token (a bug) sits nats below the argmax in both
     precisions, and a systematic one multiplies the off-argmax count, which may be at most
     twice the controls'."""
-    base = _up(servers, f"{model}-base")
-    spec_server = _up(servers, f"{model}-{variant}")
-    plain_tokens, plain_deficits = plain_greedy(model)
     if variant == "dflash":
-        spec, deficits = dflash_greedy(model, concurrency)
+        run, dflash = dflash_greedy(model, concurrency), None
     else:
-        spec = _greedy_ids(spec_server, concurrency)
-        deficits = _deficits(base, spec)
+        run, dflash = None, dflash_greedy(model, concurrency)
+    assert_targets_greedy(
+        servers, plain_greedy, fp32_pair, model, variant, concurrency, run, dflash
+    )
+
+
+def assert_targets_greedy(
+    servers,
+    plain_greedy,
+    fp32_pair,
+    model,
+    variant,
+    concurrency,
+    run=None,
+    dflash=None,
+    base="base",
+) -> None:
+    """test_generate_greedy_is_the_targets_greedy's check of `{model}-{variant}` against the
+    plain server `{model}-{base}`: its greedy tokens and their deficits `run` (default: asked of
+    the server now and teacher-forced on the plain one), the plain server's own greedy as the
+    control and DFLASH's (`dflash`: its tokens and deficits, or None) where it holds."""
+    base_server = _up(servers, f"{model}-{base}")
+    plain_tokens, plain_deficits = plain_greedy(model, base)
+    if run is None:
+        spec = _greedy_ids(_up(servers, f"{model}-{variant}"), concurrency)
+        run = spec, _deficits(base_server, spec)
+    spec, deficits = run
     assert all(len(t) == NEW_TOKENS for t in spec)
     controls = {"plain": plain_deficits}
-    dflash = None if variant == "dflash" else dflash_greedy(model, concurrency)
-    if dflash is not None and _control_holds(base, fp32_pair(model)[0], *dflash, plain_deficits):
+    target = fp32_pair(model)[0]
+    if dflash is not None and _control_holds(base_server, target, *dflash, plain_deficits):
         controls["dflash"] = dflash[1]
     tol = max(TIE_TOL, *(max(c) for c in controls.values()))
     control_off = max(sum(d > 0 for d in c) for c in controls.values())
     identical = sum(a == b for a, b in zip(spec, plain_tokens, strict=True))
     off_argmax = sum(d > 0 for d in deficits)
     print(
-        f"{model}-{variant} c={concurrency}: identical to plain {identical}/{len(spec)}; "
+        f"{model}-{variant} c={concurrency} against {base}: identical to plain "
+        f"{identical}/{len(spec)}; "
         f"off-argmax tokens {off_argmax}/{len(deficits)}, max deficit {max(deficits):.3f}; "
         + "; ".join(
             f"{k}: {sum(d > 0 for d in c)} off-argmax, max {max(c):.3f}"
@@ -294,7 +314,7 @@ def test_generate_greedy_is_the_targets_greedy(
     assert max(plain_deficits) <= CONTROL_MAX or "dflash" in controls or variant == "dflash", (
         "control: teacher forcing disagrees with decode"
     )
-    beyond = _beyond_tol_refereed(base, fp32_pair(model)[0], spec, deficits, tol)
+    beyond = _beyond_tol_refereed(base_server, target, spec, deficits, tol)
     print(f"beyond tol (prompt, position, bf16 deficit, float32 deficit, bf16 error): {beyond}")
     verdicts = [harness.referee_verdict(row, TIE_TOL, bound=2 * tol) for row in beyond]
     print(f"referee: {verdicts}")
@@ -358,7 +378,8 @@ def test_deterministic_mode_is_token_identical(servers):
 
 
 @pytest.mark.parametrize(
-    "model,variant", [(m, v) for m in MODELS for v in ("ddtree_fixed", "dflash")]
+    "model,variant",
+    [(m, v) for m in MODELS for v in ("ddtree_fixed", "dflash") if (m, v) not in BENCH_ONLY],
 )
 def test_chat_goes_through_the_same_decode(servers, model, variant):
     """/v1/chat/completions on DDTREE equals /generate on the chat-templated prompt (one request
@@ -423,17 +444,19 @@ def _samples(
 
 @pytest.fixture(scope="module")
 def sampled(servers):
-    """(model, variant, seeded, draw) -> (the plain server's seeded samples, the speculative
-    server's samples); each draw is a fresh, independent sample of both."""
+    """(model, variant, seeded, draw, base) -> (the plain server `{model}-{base}`'s seeded
+    samples, the speculative server's samples); each draw is a fresh, independent sample of
+    both."""
     cache = {}
 
-    def get(model: str, variant: str, seeded: bool = True, draw: int = 0):
-        if (model, draw) not in cache:
-            cache[model, draw] = _samples(_up(servers, f"{model}-base"), SAMPLES, True, draw)
+    def get(model: str, variant: str, seeded: bool = True, draw: int = 0, base: str = "base"):
+        plain = f"{model}-{base}", draw
+        if plain not in cache:
+            cache[plain] = _samples(_up(servers, plain[0]), SAMPLES, True, draw)
         key = model, variant, seeded, draw
         if key not in cache:
             cache[key] = _samples(_up(servers, f"{model}-{variant}"), SAMPLES, seeded, draw)
-        return cache[model, draw], cache[key]
+        return cache[plain], cache[key]
 
     return get
 
@@ -452,12 +475,18 @@ def test_sampling_distribution_matches(sampled, model, variant, seeded):
     independent draw of both servers at CONFIRM_ALPHA: a real difference rejects again, a false
     alarm (probability 3e-3) does so with probability 1e-2.
     """
-    p_values = _chi2_p_values(*sampled(model, variant, seeded))
-    print(f"{model}-{variant} seeded={seeded}: p per position {p_values}")
+    assert_same_distribution(sampled, model, variant, seeded)
+
+
+def assert_same_distribution(sampled, model, variant, seeded, base="base") -> None:
+    """test_sampling_distribution_matches's chi-square of `{model}-{variant}` against the plain
+    server `{model}-{base}`, a rejection confirmed by a fresh draw of both."""
+    p_values = _chi2_p_values(*sampled(model, variant, seeded, base=base))
+    print(f"{model}-{variant} against {base}, seeded={seeded}: p per position {p_values}")
     rejected = [pos for pos, p in enumerate(p_values) if p <= 1e-3]
     if not rejected:
         return
-    base_samples, spec_samples = sampled(model, variant, seeded, draw=1)
+    base_samples, spec_samples = sampled(model, variant, seeded, draw=1, base=base)
     again = _chi2_p_values(base_samples, spec_samples)
     print(f"rejected at {rejected}; a fresh draw gives {again}")
     for pos in rejected:
@@ -603,7 +632,12 @@ def test_bad_requests_get_4xx_and_server_stays_up(servers, model):
 
 @pytest.mark.parametrize("model,variant", SPEC_SERVERS)
 def test_pools_return_to_idle_and_no_host_sync(servers, model, variant):
-    server = _up(servers, f"{model}-{variant}")
+    assert_idle_and_no_host_sync(_up(servers, f"{model}-{variant}"))
+
+
+def assert_idle_and_no_host_sync(server) -> None:
+    """After its tests: no leak, host sync or traceback in the server's log, and its KV pool
+    idle once the radix cache is flushed."""
     _flush(server)
     status, loads = harness.get(server.url + "/v1/loads")
     assert status == 200, loads
@@ -650,23 +684,15 @@ def _engaged(verify: str = "chunk", width: str = "auto") -> tuple:
     return (line, WIDTH[width], *uses, CONV, *COMPACT)
 
 
-DEFAULT_DDTREE = ("ddtree", "ddtree_sync")
+DEFAULT_DDTREE = ("ddtree", "ddtree_sync", "ddtree_fp8", "ddtree_fp8kv")
 ENGAGED = {
     **{v: _engaged() for v in DEFAULT_DDTREE},
     "ddtree_fixed": _engaged(width="fixed"),
     # the deterministic mode's defaults: root-path verify, fixed width
     "ddtree_det": _engaged(verify="paths", width="fixed"),
-    "ddtree_sglanggdn": (
-        "GDN path: sglang (verify, commit, conv1d, per-node states)",
-        WIDTH["auto"],
-        HOSTPLAN,
-        MASKPACK,
-        *ACCEPT,
-    ),
 }
 # what must not be in a log: the other verify kernel, hooks that are off
 NOT_ENGAGED = {
-    "ddtree_sglanggdn": (PATHS, CHUNK, COMMIT, CONV, *COMPACT),
     **{v: (PATHS, WIDTH["fixed"]) for v in DEFAULT_DDTREE},
     "ddtree_fixed": (PATHS, WIDTH["auto"]),
     "ddtree_det": (CHUNK,),
@@ -936,6 +962,57 @@ def test_logprobs_are_the_plain_servers(servers, model):
     above the 5th is in DDTREE's top 5. Then the OpenAI shape: chat with logprobs and
     top_logprobs=3 has one entry per completion token."""
     server, base = _up(servers, f"{model}-ddtree"), _up(servers, f"{model}-base")
+    agreed, worst, tol = assert_logprobs_are_plains(server, base)
+    print(
+        f"{model}: logprobs on {agreed} agreeing tokens, worst gap "
+        f"{abs(worst[2] - worst[3]):.3f} (tolerance {tol:.3f})"
+    )
+
+    # batched, half the requests asking for logprobs: each gets one per token, aligned
+    def one(i):
+        body = {
+            "text": harness.PROMPTS[i],
+            "return_logprob": i % 2 == 0,
+            "top_logprobs_num": 2,
+            "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True},
+        }
+        status, out = harness.post(server.url + "/generate", body)
+        assert status == 200, out
+        return i, out
+
+    for i, out in harness.run_all(one, range(8), 8):
+        if i % 2 == 0:
+            meta_b = out["meta_info"]
+            assert len(meta_b["output_token_logprobs"]) == len(out["output_ids"]), (i, meta_b)
+            for j, token in enumerate(out["output_ids"]):
+                _assert_greedy_logprob(
+                    token,
+                    meta_b["output_token_logprobs"][j],
+                    meta_b["output_top_logprobs"][j],
+                    (i, j),
+                )
+    chat = harness.chat(
+        server,
+        harness.PROMPTS[0],
+        max_tokens=16,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        ignore_eos=True,
+    )
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert len(content) == chat["usage"]["completion_tokens"] == 16, content
+    # top_logprobs are keyed by token text: two tokens of one text count once; greedy: the
+    # chosen token is the best of them
+    for c in content:
+        assert 1 <= len(c["top_logprobs"]) <= 3, c
+        assert abs(max(t["logprob"] for t in c["top_logprobs"]) - c["logprob"]) < 1e-5, c
+
+
+def assert_logprobs_are_plains(server, base) -> tuple[int, tuple, float]:
+    """test_logprobs_are_the_plain_servers's comparison of `server` with the plain server
+    `base` (6 prompts x 32 greedy tokens, top 5, one request at a time from a flushed cache):
+    returns (tokens compared, the worst (prompt, index, logprob, plain's), the tolerance)."""
     agreed, control, pairs = 0, 0.0, []
     for prompt in harness.PROMPTS[:6]:
         payload = {
@@ -981,50 +1058,7 @@ def test_logprobs_are_the_plain_servers(servers, model):
     tol = max(TIE_TOL, 2 * control)
     worst = max(pairs, key=lambda r: abs(r[2] - r[3]))
     assert abs(worst[2] - worst[3]) <= tol, (worst, tol)
-
-    # batched, half the requests asking for logprobs: each gets one per token, aligned
-    def one(i):
-        body = {
-            "text": harness.PROMPTS[i],
-            "return_logprob": i % 2 == 0,
-            "top_logprobs_num": 2,
-            "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True},
-        }
-        status, out = harness.post(server.url + "/generate", body)
-        assert status == 200, out
-        return i, out
-
-    for i, out in harness.run_all(one, range(8), 8):
-        if i % 2 == 0:
-            meta_b = out["meta_info"]
-            assert len(meta_b["output_token_logprobs"]) == len(out["output_ids"]), (i, meta_b)
-            for j, token in enumerate(out["output_ids"]):
-                _assert_greedy_logprob(
-                    token,
-                    meta_b["output_token_logprobs"][j],
-                    meta_b["output_top_logprobs"][j],
-                    (i, j),
-                )
-    chat = harness.chat(
-        server,
-        harness.PROMPTS[0],
-        max_tokens=16,
-        temperature=0,
-        logprobs=True,
-        top_logprobs=3,
-        ignore_eos=True,
-    )
-    content = chat["choices"][0]["logprobs"]["content"]
-    assert len(content) == chat["usage"]["completion_tokens"] == 16, content
-    # top_logprobs are keyed by token text: two tokens of one text count once; greedy: the
-    # chosen token is the best of them
-    for c in content:
-        assert 1 <= len(c["top_logprobs"]) <= 3, c
-        assert abs(max(t["logprob"] for t in c["top_logprobs"]) - c["logprob"]) < 1e-5, c
-    print(
-        f"{model}: logprobs on {agreed} agreeing tokens, worst gap "
-        f"{abs(worst[2] - worst[3]):.3f} (tolerance {tol:.3f})"
-    )
+    return agreed, worst, tol
 
 
 def _stream(url: str, payload: dict) -> list[dict]:
