@@ -51,15 +51,25 @@ N_RUNS=$(wc -w <<< "$RUNS")
 
 test_bg() {  # one detached pytest per model, and the soak; ROOT/results/pytest_<run>.{log,rc}
   mkdir -p "$ROOT/results"; rm -f "$ROOT"/results/pytest_*.rc
+  # each model's servers stop once its tests are done (memory for the rest); the soak's own
+  # three servers start once every suite server has settled with 12 GB of GPU memory and 16 GB
+  # of host memory to spare, or else once the first model's servers have stopped
   for m in $MODELS; do
     DDTREE_GPU_ROOT="$ROOT" DDTREE_GPU_MODELS=$m DDTREE_GPU_WAIT=600 OMP_NUM_THREADS=4 \
       OUT="$ROOT/results" setsid nohup bash -c \
-      'python3 -m pytest tests/gpu -m gpu -q -rA --durations=12 "$@" > "$0.log" 2>&1; echo $? > "$0.rc"' \
+      'python3 -m pytest tests/gpu -m gpu -q -rA --durations=12 "$@" > "$0.log" 2>&1; rc=$?
+       python3 -m tests.gpu.servers stop "$DDTREE_GPU_ROOT" "$DDTREE_GPU_MODELS"; echo $rc > "$0.rc"' \
       "$ROOT/results/pytest_$m" "$@" < /dev/null > /dev/null 2>&1 &
   done
   [ "${SOAK:-1}" = 0 ] && return
-  OMP_NUM_THREADS=4 OUT="$ROOT/results" setsid nohup bash -c \
-    'python3 -m pytest tests/gpu/test_soak.py -m soak -k "not long_soak" -q -rA > "$0.log" 2>&1
+  ROOT=$ROOT OMP_NUM_THREADS=4 OUT="$ROOT/results" setsid nohup bash -c \
+    'room() {
+       [ -s "$ROOT/status.json" ] && ! grep -q starting "$ROOT/status.json" &&
+         [ "$(nvidia-smi --query-gpu=memory.free --format=csv,noheader,nounits | head -n 1)" -gt 12000 ] &&
+         [ "$(free -m | awk "/^Mem:/ {print \$7}")" -gt 16000 ]
+     }
+     until ls "$(dirname "$0")"/pytest_*.rc > /dev/null 2>&1 || room; do sleep 5; done
+     python3 -m pytest tests/gpu/test_soak.py -m soak -k "not long_soak" -q -rA > "$0.log" 2>&1
      echo $? > "$0.rc"' "$ROOT/results/pytest_soak" < /dev/null > /dev/null 2>&1 &
 }
 
