@@ -288,13 +288,10 @@ def free_bytes() -> int:
     return torch.cuda.mem_get_info()[0]
 
 
-# SGLang's SSM-state dtype (SGLANG_MAMBA_SSM_DTYPE; float32 by default): the `_bf16ssm` variants
-# halve the scratch, which is what lets N = 64 run 8 requests.
-# `_sglanggdn`: DDTREE with SGLang's own GDN tree verify, conv1d and commit (per-node states)
-# instead of sglang_ddtree.gdn's (and its compact scratch, which lets 16 requests run at any N).
+# SGLang's SSM-state dtype (SGLANG_MAMBA_SSM_DTYPE; float32 by default): the `_bf16ssm` variant
+# halves DFLASH's verify scratch (per-position states).
 VARIANT_ENV = {
     "_bf16ssm": {"SGLANG_MAMBA_SSM_DTYPE": "bfloat16"},
-    "_sglanggdn": {"SGLANG_DDTREE_GDN": "sglang"},
     "_auto": {"SGLANG_DDTREE_WIDTH": "auto"},
 }
 # DDTREE's default picks a verify width per round (SGLANG_DDTREE_WIDTH=auto); the `ddtreeN`
@@ -391,13 +388,6 @@ def variants(draft: Path, sizing: Sizing, cap: int = 16) -> dict[str, list[str]]
             *width,
             *requests(cap),
         ]
-        out[f"ddtree{n}_sglanggdn"] = [*width, *running(n)]  # N states per request
-    out["ddtree64_sglanggdn_bf16ssm"] = [
-        *dd,
-        "--speculative-num-draft-tokens",
-        "64",
-        *running(64, 2),
-    ]
     return out
 
 

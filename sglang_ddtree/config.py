@@ -142,8 +142,8 @@ def _positive_int(value: object, flag: str) -> int | None:
 # --- the environment: the package reads os.environ here and nowhere else ---------------------
 
 
-# The switches a user sets, all of them (README, "Tune it"); tests/unit/test_plugin.py fails on a
-# ninth. Debugging aids are test tooling (tests/gpu/server_debug), not switches.
+# The switches a user sets, all of them (README, "Tune it"); tests/unit/test_plugin.py fails on
+# one more. Debugging aids are test tooling (tests/gpu/server_debug), not switches.
 SWITCHES = (
     "SGLANG_DDTREE_WIDTH",
     "SGLANG_DDTREE_WIDTHS",

@@ -81,30 +81,17 @@ def test_bench_round_server_commands_parse(tmp_path):
             # an fp8 target's draft stays bf16 (SGLang's `unquant`: no quantization)
             draft_quant = "unquant" if card == H100 and name != "none" else None
             assert ns.speculative_draft_model_quantization == draft_quant, (card, name)
-            if name == "ddtree128_sglanggdn" and card == H100:
-                assert ns.max_running_requests == 0  # one request's 36 GiB: main starts none
-                continue
             if name.startswith("ddtree"):
                 nodes = int(name[6:].split("_")[0])
                 assert ns.speculative_algorithm == "DDTREE"
                 assert ns.speculative_num_draft_tokens == nodes
                 assert 1 <= ns.max_running_requests <= 16
-                # the verify scratch SGLang reserves fits the budget the script plans for; the
-                # compact one (a few states' worth per request) lets 16 requests run at every N
-                state = 2 if "_bf16ssm" in name else 4
-                scratch_mib = (
-                    bench.GDN_STATE_MIB * state / 4 * nodes * (ns.max_running_requests + 1)
-                )
-                compact = "_sglanggdn" not in name
-                assert (
-                    (ns.max_running_requests == 16)
-                    if compact
-                    else scratch_mib <= sizing.scratch_gib * 1024
-                )
+                # the compact scratch (a few states' worth per request) lets 16 requests run
+                # at every N
+                assert ns.max_running_requests == 16
                 assert ns.max_mamba_cache_size >= 5 * ns.max_running_requests
                 env = bench.variant_env(name)
-                assert env.get("SGLANG_DDTREE_GDN") == ("sglang" if "_sglanggdn" in name else None)
-                assert env.get("SGLANG_MAMBA_SSM_DTYPE") == ("bfloat16" if state == 2 else None)
+                assert "SGLANG_MAMBA_SSM_DTYPE" not in env
                 assert env["SGLANG_DDTREE_WIDTH"] == ("auto" if "_auto" in name else "fixed")
 
 
@@ -137,10 +124,8 @@ def test_bench_round_sizes_itself_from_the_card():
             name: int(bench.flag_value(flags, "--max-running-requests"))
             for name, flags in bench.variants(Path("d"), bench.size_for("H200", gib)).items()
         }
-        assert (table["dflash"], table["nextn"], table["ddtree16_sglanggdn"]) == (16, 16, 16)
-        assert (table["ddtree32_sglanggdn"], table["ddtree64_sglanggdn"]) == (9, 4)
-        assert (table["ddtree128_sglanggdn"], table["ddtree64_sglanggdn_bf16ssm"]) == (1, 9)
-        assert table["ddtree64"] == table["none"] == 16
+        assert (table["dflash"], table["nextn"]) == (16, 16)
+        assert table["ddtree64"] == table["ddtree128"] == table["none"] == 16
     # the H100's: DFLASH's float32 scratch at width 16 (2.25 GiB a request, and one more)
     # holds 7 requests in 19 GiB; the compact DDTREE scratch runs 16
     table = {
@@ -148,8 +133,6 @@ def test_bench_round_sizes_itself_from_the_card():
         for name, flags in bench.variants(Path("d"), h100).items()
     }
     assert (table["dflash"], table["dflash_bf16ssm"], table["nextn"]) == (7, 15, 15)
-    assert (table["ddtree32_sglanggdn"], table["ddtree64_sglanggdn"]) == (3, 1)
-    assert table["ddtree128_sglanggdn"] == 0
     assert table["ddtree64"] == table["ddtree32_auto"] == table["none"] == 16
     # --max-running beyond what the card holds is capped to it (live states of 6 slots each)
     assert (h200.most_running, h100.most_running) == (55, 29)
@@ -206,11 +189,11 @@ def test_bench_round_rows_carry_the_card(tmp_path, monkeypatch):
     )
     out = tmp_path / "out"
     argv = ["--out", str(out), "--work", str(tmp_path / "work"), "--batch", "1,8"]
-    argv += ["--variants", "dflash,ddtree32_auto,ddtree128_sglanggdn", "--profile", ""]
+    argv += ["--variants", "dflash,ddtree32_auto", "--profile", ""]
     assert bench.main([*argv, "--serving", "4", "--serving-variants", "dflash"]) == 0
     rows = [json.loads(x) for x in (out / "round_cost_27b.jsonl").read_text().splitlines()]
     served = [json.loads(x) for x in (out / "serving_simulated_27b.jsonl").read_text().splitlines()]
-    assert len(rows) == 6 and len(served) == 1
+    assert len(rows) == 4 and len(served) == 1
     for row in rows + served:
         assert row["card"] == "NVIDIA H100 80GB HBM3" and row["card_gib"] == 79.6
         assert row["target_dtype"] == "fp8" and row["mem_fraction_static"] == 0.84
@@ -220,10 +203,8 @@ def test_bench_round_rows_carry_the_card(tmp_path, monkeypatch):
     assert got["dflash", 1]["weights_gb"] == [27.52, 3.25]
     assert got["dflash", 8]["error"] == "does not fit: at most 7 running requests"
     assert got["ddtree32_auto", 8]["max_running"] == 16 and "error" not in got["ddtree32_auto", 8]
-    assert got["ddtree128_sglanggdn", 1]["max_running"] == 0
-    assert "exceeds the 19 GiB budget" in got["ddtree128_sglanggdn", 1]["error"]
     assert served[0]["variant"] == "dflash" and served[0]["max_running"] == 7
-    assert [s.name for s in started] == ["dflash", "ddtree32_auto"]  # not ddtree128_sglanggdn
+    assert [s.name for s in started] == ["dflash", "ddtree32_auto"]
     assert plots == ["one NVIDIA H100 80GB HBM3 (fp8)"]
     for server in started:
         flags = " ".join(server.args)

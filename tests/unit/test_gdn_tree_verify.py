@@ -507,9 +507,7 @@ def test_hooks_commit_the_state_sglangs_own_tree_verify_and_commit_would(
     )
     args = (case.A_log, case.dt_bias, case.q[None], case.k[None], case.v[None], case.a, case.b)
     kernel = TritonGDNKernel()
-    o_sglang = gdn.target_verify(
-        gdn.GDNState(None), type(kernel).target_verify, kernel, *args, **kwargs
-    )
+    o_sglang = type(kernel).target_verify(kernel, *args, **kwargs)  # SGLang's own, the reference
     last = torch.tensor([N - 1, 3])
     expected = inter[0, torch.arange(bs), last].clone()  # what SGLang's commit copies
     track_node = torch.tensor([-1, root_path(parents, 1, 3)[1]])

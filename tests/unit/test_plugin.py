@@ -320,8 +320,8 @@ def test_logprobs_are_served_with_penalties_switched_off(monkeypatch):
 
 
 def test_the_package_parses_its_switches_and_refuses_the_retired(monkeypatch):
-    """The SGLANG_DDTREE_* names Options.from_env reads are the six a user sets (config.SWITCHES)
-    and the retired ones it refuses; a seventh switch fails here. Every such name the package's
+    """The SGLANG_DDTREE_* names Options.from_env reads are the five a user sets (config.SWITCHES)
+    and the retired ones it refuses; a sixth switch fails here. Every such name the package's
     source mentions is one of those."""
     import os
     import pathlib
@@ -341,7 +341,7 @@ def test_the_package_parses_its_switches_and_refuses_the_retired(monkeypatch):
     config.Options.from_env(unified_memory=True, deterministic=True, tensor_parallel=True)
     retired = set(config.RETIRED_SWITCHES) | set(config.DEBUG_SWITCHES)
     parsed = {name for name in read if name.startswith("SGLANG_DDTREE_")} - retired
-    assert len(config.SWITCHES) == 6 and parsed == set(config.SWITCHES)
+    assert len(config.SWITCHES) == 5 and parsed == set(config.SWITCHES)
     source = pathlib.Path(config.__file__).parent
     named = {
         m
