@@ -6,11 +6,13 @@ end-to-end benchmark on them says nothing about speed. Under a simulated world t
 nothing else, come from here instead of the models:
 
 - the drafter's per-position distributions (what DFlash's one block pass proposes): at depth d a
-  top-1 probability p_d drawn around the regime's mean m_d, then ranks 2.. geometric in `ratio`;
-- the target's token at each verified node: drawn from the drafter's own distribution at the
-  next depth (a calibrated drafter), its match probabilities multiplied by `off_spine` below a
-  node that is not the drafter's top-1 (a drafter conditioned on the top-1 path is right less
-  often off it).
+  top-1 probability p_d drawn around the regime's mean m_d (with probability `shared` the round's
+  one draw, a difficulty carried across depths), then ranks 2.. geometric in `ratio`;
+- the target's token at each verified node: rank 1 of the next depth with the drafter's p_d (a
+  calibrated top-1), ranks 2.. geometric in `miss_ratio` (by default the drafter's `ratio`: a
+  drafter calibrated past rank 1), its match probabilities multiplied by `off_spine` below a node
+  that is not the drafter's top-1 (a drafter conditioned on the top-1 path is right less often
+  off it).
 
 Every draw is a hash of (seed, the round's root position, the root token, what is drawn), so a
 round is a pure function of where it starts; the chain (DFLASH) and the tree (DDTREE) read the
@@ -18,8 +20,9 @@ same world, and the same rounds of the reference engine (`SimulatedDrafter`, `Si
 give the same trees and the same accepted paths. All functions are static-shape tensor code
 without host synchronisation, so they run inside CUDA graphs.
 
-Chain acceptance: the top-1 path accepts depth d with probability E[p_1 ... p_d] = m_1 ... m_d
-(independent depths), so the regimes are calibrated by their means alone (`chain_acceptance`).
+Chain acceptance: the top-1 path accepts depth d with probability E[p_1 ... p_d], which is
+m_1 ... m_d for independent depths (shared 0) and a polynomial's integral over the round's draw
+otherwise (`chain_acceptance`), so the regimes are calibrated by their means.
 """
 
 from __future__ import annotations
@@ -40,9 +43,13 @@ FIRST_ID = 16  # token ids are drawn from [FIRST_ID, vocab): clear of the lowest
 class World:
     """A regime: `top1` the mean top-1 probability at depths 1, 2, ... (the last repeats for
     deeper ones); p_d is uniform on m_d +- h_d, h_d = spread * min(m_d, 1 - m_d) or less where
-    that would let p_d fall to `top1_floor`; rank r >= 2 holds
-    (1 - p_d)(1 - ratio) ratio^(r - 2); every match probability below a node that is not the
-    top-1 of its depth is multiplied by off_spine."""
+    that would let p_d fall to `top1_floor` (tail > 0: p_d = 1 - (1 - m_d)(1 + tail) u^tail
+    instead, mostly near 1 with a tail of hard positions, spread unused), its uniform u the
+    round's own (one per round) with probability `shared`, else the depth's; the drafter's rank r >= 2 holds
+    (1 - p_d)(1 - ratio) ratio^(r - 2), the target's (1 - p_d)(1 - m) m^(r - 2) with
+    m = miss_ratio (None: ratio); every match probability below a node that is not the top-1
+    of its depth is multiplied by off_spine. tail 0, shared 0 and miss_ratio None are the world
+    before any of them existed, draw for draw."""
 
     name: str
     top1: tuple[float, ...]
@@ -50,14 +57,24 @@ class World:
     ratio: float = 0.5
     off_spine: float = 0.3
     seed: int = 0
+    shared: float = 0.0
+    miss_ratio: float | None = None
+    tail: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.top1 or not all(0.0 < m < 1.0 for m in self.top1):
             raise ValueError(f"top1 means must lie in (0, 1), got {self.top1}")
-        for name in ("spread", "ratio", "off_spine"):
+        for name in ("spread", "ratio", "off_spine", "shared", "miss_ratio"):
             value = getattr(self, name)
-            if not 0.0 <= value <= 1.0:
+            if value is not None and not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name} must lie in [0, 1], got {value}")
+        if self.tail < 0.0:
+            raise ValueError(f"tail must be >= 0, got {self.tail}")
+        if self.tail and min(self.top1) <= self.least_mean:
+            raise ValueError(
+                f"tail {self.tail} lets p_d fall to 1 - (1 - m)(1 + tail) <= "
+                f"{self.top1_floor:.3f} at the least mean {min(self.top1)}: lower it"
+            )
         if min(self.top1) <= self.top1_floor:
             raise ValueError(
                 f"top-1 means must exceed (1 - ratio) / (2 - ratio) = "
@@ -70,14 +87,24 @@ class World:
         (1 - p_d)(1 - ratio)): the draws around m_d stay above it."""
         return (1.0 - self.ratio) / (2.0 - self.ratio)
 
+    @property
+    def least_mean(self) -> float:
+        """The least top-1 mean this world's draws allow: above top1_floor, and under a tail
+        with 1 - (1 - m)(1 + tail) above it too."""
+        return 1.0 - (1.0 - self.top1_floor) / (1.0 + self.tail)
+
     def means(self, depths: int) -> list[float]:
         return [self.top1[min(d, len(self.top1) - 1)] for d in range(depths)]
 
     def describe(self) -> str:
         means = ", ".join(f"{m:.3f}" for m in self.top1)
+        extra = f", tail {self.tail}" if self.tail else ""
+        extra += f", shared {self.shared}" if self.shared else ""
+        if self.miss_ratio is not None:
+            extra += f", miss ratio {self.miss_ratio}"
         return (
             f"{self.name}: top-1 means {means} (the last repeats), spread {self.spread}, "
-            f"ratio {self.ratio}, off-spine {self.off_spine}, seed {self.seed}"
+            f"ratio {self.ratio}, off-spine {self.off_spine}{extra}, seed {self.seed}"
         )
 
     def as_dict(self) -> dict:
@@ -88,7 +115,16 @@ class World:
             "ratio": self.ratio,
             "off_spine": self.off_spine,
             "seed": self.seed,
+            "shared": self.shared,
+            "miss_ratio": self.miss_ratio,
+            "tail": self.tail,
         }
+
+    def half_widths(self, means: torch.Tensor) -> torch.Tensor:
+        """h_d per mean: spread * min(m, 1 - m), narrowed to keep p_d above top1_floor."""
+        return torch.minimum(
+            self.spread * torch.minimum(means, 1.0 - means), means - self.top1_floor
+        )
 
     # -- the draws -----------------------------------------------------------------------------
     def keys(self, position: torch.Tensor, root: torch.Tensor) -> torch.Tensor:
@@ -103,19 +139,42 @@ class World:
     def probabilities(
         self, keys: torch.Tensor, depths: int, means: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """[bs, depths, RANKS] float32: rank probabilities per depth (their sum is below 1 by
-        the mass past RANKS); `means` from means_on, at least `depths` long (None: made here)."""
+        """[bs, depths, RANKS] float32: the drafter's rank probabilities per depth (their sum
+        is below 1 by the mass past RANKS); `means` from means_on, at least `depths` long
+        (None: made here)."""
+        return self._ranked(self.top1_draws(keys, depths, means), self.ratio)
+
+    def target_probabilities(
+        self, keys: torch.Tensor, depths: int, means: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """[bs, depths, RANKS] float32: the target's rank probabilities per depth, the
+        drafter's top-1 and, past it, ranks geometric in miss_ratio (None: the drafter's)."""
+        p1 = self.top1_draws(keys, depths, means)
+        return self._ranked(p1, self.ratio if self.miss_ratio is None else self.miss_ratio)
+
+    def top1_draws(
+        self, keys: torch.Tensor, depths: int, means: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """[bs, depths] float32 p_d: uniform on m_d +- h_d (tail > 0: 1 - (1 - m_d)(1 + tail)
+        u^tail, mean m_d), the uniform u the round's own with probability `shared` (a coin per
+        depth), else the depth's."""
         if means is None:
             means = self.means_on(depths, keys.device)
         means = means[:depths]
-        half = torch.minimum(
-            self.spread * torch.minimum(means, 1.0 - means), means - self.top1_floor
-        )
         depth = torch.arange(depths, device=keys.device)
         u = _uniform(keys[:, None], depth[None, :], 0x51ED)  # [bs, depths]
-        p1 = means + half * (2.0 * u - 1.0)
-        ranks = torch.arange(RANKS - 1, device=keys.device, dtype=torch.float32)
-        tail = (1.0 - self.ratio) * self.ratio**ranks  # ranks 2..RANKS, shares of 1 - p1
+        coin = _uniform(keys[:, None], depth[None, :], 0x5A4E)  # [bs, depths]
+        own = _uniform(keys, torch.zeros_like(keys), 0x40E7)  # [bs]: the round's draw
+        u = torch.where(coin < self.shared, own[:, None], u)  # shared 0: every depth its own
+        if self.tail:
+            return 1.0 - (1.0 - means) * (1.0 + self.tail) * u**self.tail
+        return means + self.half_widths(means) * (2.0 * u - 1.0)
+
+    @staticmethod
+    def _ranked(p1: torch.Tensor, ratio: float) -> torch.Tensor:
+        """[bs, depths, RANKS]: p1 [bs, depths], then ranks 2..RANKS (1 - p1)(1 - ratio) ratio^k."""
+        ranks = torch.arange(RANKS - 1, device=p1.device, dtype=torch.float32)
+        tail = (1.0 - ratio) * ratio**ranks  # ranks 2..RANKS, shares of 1 - p1
         rest = (1.0 - p1)[..., None] * tail
         return torch.cat([p1[..., None], rest], dim=-1)
 
@@ -163,12 +222,13 @@ class World:
     ) -> torch.Tensor:
         """The target's token at each node of trees [bs, N] (node 0 the root; visibility
         [bs, N, N] ancestors-or-self): drawn at the depth below the node among that depth's
-        ranked tokens, match probabilities times off_spine below a node off the top-1 path."""
+        ranked tokens by the target's rank probabilities, times off_spine below a node off the
+        top-1 path."""
         keys = self.keys(position, root)
         depth = depth.long()
         depths = depth_bound(tokens.shape[1])
         ids = self.token_ids(keys, depths + 1, vocab)  # [bs, depths + 1, RANKS + 1]
-        probs = self.probabilities(keys, depths + 1, means)  # [bs, depths + 1, RANKS]
+        probs = self.target_probabilities(keys, depths + 1, means)  # [bs, depths + 1, RANKS]
         bs, n = tokens.shape
         # a node is on the spine when it and each ancestor is its depth's top-1 (the root is)
         at = depth.clamp(min=1) - 1  # the node's own depth, 0-based (the root reads depth 1)
@@ -247,8 +307,46 @@ def _per_depth(cumulative: tuple[float, ...]) -> tuple[float, ...]:
 
 
 def chain_acceptance(world: World, depths: int) -> list[float]:
-    """P(the chain accepts depth d) for d = 1..depths: the product of the means."""
-    return [math.prod(world.means(d)) for d in range(1, depths + 1)]
+    """P(the chain accepts depth d) for d = 1..depths: E[p_1 ... p_d]. Given the round's own
+    uniform u the depths are independent with E[p_e | u] = m_e + shared b_e y, where y = 2u - 1
+    and b_e = h_e (E[y^k] = 1 / (k + 1) for even k, else 0) or, under a tail, y = u^tail and
+    b_e = -(1 - m_e)(1 + tail) (E[y^k] = 1 / (tail k + 1)): the mean of a polynomial in y, exact
+    from its coefficients (shared 0: the product of the means)."""
+    means = world.means(depths)
+    if not world.shared:
+        return [math.prod(means[:d]) for d in range(1, depths + 1)]
+    if world.tail:
+        slopes = [-(1.0 - m) * (1.0 + world.tail) for m in means]
+        moments = [1.0 / (world.tail * k + 1.0) for k in range(depths + 1)]
+    else:
+        slopes = world.half_widths(torch.tensor(means, dtype=torch.float64)).tolist()
+        moments = [1.0 / (k + 1.0) if k % 2 == 0 else 0.0 for k in range(depths + 1)]
+    poly, out = [1.0], []  # coefficients of y^0, y^1, ...
+    for m, slope in zip(means, slopes, strict=True):
+        # E[p | u] = a + b y: the uniform draw m + h y; the tail's 1 - (1 - m)(1 + tail) y
+        a = m + world.shared * (1.0 - m) if world.tail else m
+        b = world.shared * slope
+        poly = [c * a + (poly[k - 1] * b if k else 0.0) for k, c in enumerate([*poly, 0.0])]
+        out.append(sum(c * moments[k] for k, c in enumerate(poly)))
+    return out
+
+
+def matching_means(world: World, survival: tuple[float, ...]) -> tuple[float, ...]:
+    """Per-depth means whose chain accepts depth d with probability survival[d - 1] under this
+    world's spread, shared and ratio, depth by depth by bisection (E[p_1 ... p_d] rises with
+    m_d), to 4 decimals."""
+    means: list[float] = []
+    for target in survival:
+        lo, hi = world.least_mean + 1e-6, 1.0 - 1e-6
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            trial = replace(world, top1=(*means, mid))
+            if chain_acceptance(trial, len(means) + 1)[-1] < target:
+                lo = mid
+            else:
+                hi = mid
+        means.append(round((lo + hi) / 2, 4))
+    return tuple(means)
 
 
 def chain_tau(world: World, depths: int) -> float:
@@ -266,7 +364,34 @@ REGIMES = {
     # code and math: chain tau near 8 at block 16 (z-lab's Qwen3.5-27B DFlash card: 7-9)
     "code": World("code", (_constant(8.0),)),
 }
+# The DDTree paper's (Ringel & Romano, arXiv 2604.12989) Figure 4 chain histogram, Qwen3-8B
+# MATH-500 at T = 0, block 16: the fraction of rounds at accepted lengths 1..16, bonus included
+# (docs/data/ddtree_paper_acceptance.jsonl); the `ddtree_paper` world's chain accepts each depth
+# as it does, under the parameters scripts/simworld/fit.py fitted to the tree's Figures 3 and 4.
+PAPER_CHAIN_HISTOGRAM = tuple(
+    x / 100
+    for x in (10.253, 11.887, 9.966, 8.212, 6.968, 5.525, 4.52, 4.066)
+    + (3.628, 3.301, 2.966, 2.782, 2.607, 2.352, 2.344, 18.624)
+)
+PAPER_FIT = {"tail": 4.0, "shared": 0.3, "ratio": 0.6, "miss_ratio": 0.05, "off_spine": 0.8}
+
+
+def chain_survival(histogram: tuple[float, ...]) -> tuple[float, ...]:
+    """P(the chain accepts depth d), d = 1..len - 1, from a histogram of accepted lengths."""
+    total = sum(histogram)
+    return tuple(sum(histogram[k:]) / total for k in range(1, len(histogram)))
+
+
+def histogram_world(name: str, histogram: tuple[float, ...], **params) -> World:
+    """A world with these parameters whose chain accepts each depth as the histogram of its
+    accepted lengths says (the means matched under these parameters)."""
+    draft = World(name, (0.9,), **params)
+    return replace(draft, top1=matching_means(draft, chain_survival(histogram)))
+
+
+REGIMES["ddtree_paper"] = histogram_world("ddtree_paper", PAPER_CHAIN_HISTOGRAM, **PAPER_FIT)
 MID_REGIME = "narrative"
+PARAMETERS = ("spread", "ratio", "off_spine", "seed", "shared", "miss_ratio", "tail")
 
 
 def parse(value: str | None) -> World | None:
@@ -281,10 +406,8 @@ def parse(value: str | None) -> World | None:
     changes: dict = {}
     for item in filter(None, rest.split(",")):
         key, _, raw = item.partition("=")
-        if key not in ("spread", "ratio", "off_spine", "seed"):
-            raise ValueError(
-                f"{VARIABLE}: unknown parameter {key!r} (spread, ratio, off_spine, seed)"
-            )
+        if key not in PARAMETERS:
+            raise ValueError(f"{VARIABLE}: unknown parameter {key!r} ({', '.join(PARAMETERS)})")
         try:
             changes[key] = int(raw) if key == "seed" else float(raw)
         except ValueError:
