@@ -571,6 +571,181 @@ def simulated_acceptance_table(rows: list[dict]) -> str:
     return shown(rows, note + "\n\n" + table(header, body))
 
 
+def paper_acceptance_table(rows: list[dict]) -> str:
+    """The DDTree paper's tokens per round: Figure 3's budget sweep (one cell), then Table 1's
+    chain and best-budget tree per model, dataset and temperature."""
+    rows = latest(rows)
+    sweep = [r for r in rows if r["where"].startswith("Figure 3")]
+    chain = next(r for r in sweep if r["method"] == "dflash")
+    trees = sorted((r for r in sweep if r["method"] == "ddtree"), key=lambda r: r["budget"])
+    first = table(
+        ["budget", *[str(r["budget"]) for r in trees]],
+        [
+            ["tokens per round", *[f"{r['acceptance_length']:.3f}" for r in trees]],
+            [
+                "over the chain",
+                *[f"{r['acceptance_length'] / chain['acceptance_length']:.3f}" for r in trees],
+            ],
+        ],
+    )
+    cells: dict = {}
+    for r in rows:
+        if r["where"].startswith("Table 1"):
+            key = (r["model"], r["dataset"], r["temperature"])
+            cells.setdefault(key, {})[r["method"]] = r["acceptance_length"]
+    body = [
+        [
+            m,
+            d,
+            f"{t:g}",
+            f"{c['dflash']:.2f}",
+            f"{c['ddtree']:.2f}",
+            f"{c['ddtree'] / c['dflash']:.2f}",
+        ]
+        for (m, d, t), c in cells.items()
+        if "dflash" in c and "ddtree" in c
+    ]
+    second = table(["model", "dataset", "T", "chain", "tree (best budget)", "tree / chain"], body)
+    others = len(rows) - len(sweep) - sum(r["where"].startswith("Table 1") for r in rows)
+    head = (
+        f"Figure 3: {chain['model']} on {chain['dataset']}, T = {chain['temperature']:g}, block "
+        f"{chain['block_size']}; the chain {chain['acceptance_length']:.3f} tokens per round."
+    )
+    tail = (
+        f"Table 1: the best-speedup budget per cell (which one is not published). The file's "
+        f"other {others} rows (Figure 4's histograms, Lucebox's budget sweeps, an independent "
+        "vLLM port's sibling statistics) name their sources and are read by scripts/simworld/fit.py "
+        "and docs/simulation.md."
+    )
+    return shown(rows, "\n\n".join([prose(head), first, prose(tail), second]))
+
+
+def world_fit_table(rows: list[dict]) -> str:
+    """The fitted world's tokens per round by budget beside the paper's, both histograms
+    beside the paper's, the parameters and the loss."""
+    rows = latest(rows)
+    taus = [r for r in rows if r["kind"] == "tokens_per_round"]
+    chain = next(r for r in taus if r["verify"] == "chain")
+    body = [
+        [
+            "chain",
+            f"{chain['paper_tau']:.3f}",
+            "",
+            f"{chain['tau']:.3f} ± {chain['tau_stderr']:.3f}",
+            "",
+            "",
+        ]
+    ]
+    for r in (r for r in taus if r["verify"] == "tree"):
+        paper = r.get("paper_tau")
+        body.append(
+            [
+                str(r["budget"]),
+                f"{paper:.3f}" if paper else "",
+                f"{r['paper_ratio']:.3f}" if paper else "",
+                f"{r['tau']:.3f} ± {r['tau_stderr']:.3f}",
+                f"{r['ratio']:.3f}",
+                "yes" if r["fitted"] else "no",
+            ]
+        )
+    first = table(
+        [
+            "budget",
+            "paper tokens/round",
+            "paper / chain",
+            "world tokens/round",
+            "world / chain",
+            "in the loss",
+        ],
+        body,
+    )
+    hists = {r["verify"]: r for r in rows if r["kind"] == "histogram"}
+    tree = hists["tree"]
+    body = [
+        [
+            str(k + 1),
+            f"{100 * hists['chain']['paper_fraction_of_rounds'][k]:.2f}",
+            f"{100 * hists['chain']['fraction_of_rounds'][k]:.2f}",
+            f"{100 * tree['paper_fraction_of_rounds'][k]:.2f}",
+            f"{100 * tree['fraction_of_rounds'][k]:.2f}",
+        ]
+        for k in range(len(tree["fraction_of_rounds"]))
+    ]
+    b = tree["budget"]
+    second = table(
+        [
+            "accepted length",
+            "paper chain %",
+            "world chain %",
+            f"paper tree {b} %",
+            f"world tree {b} %",
+        ],
+        body,
+    )
+    fit = next(r for r in rows if r["kind"] == "fit")
+    w, loss = fit["world"], fit["loss"]
+    params = ", ".join(f"{k} {fit['parameters'][k]:g}" for k in fit["parameters"])
+    head = (
+        f"The `{w['name']}` world: {params}; top-1 means by depth "
+        f"{', '.join(f'{m:.3f}' for m in w['top1'])} (the paper's chain histogram). Block "
+        f"{fit['block']}, K = {fit['topk']}, budgets are draft nodes (root excluded); "
+        f"{fit['rounds']} independent rounds per cell (the search: {fit['search_rounds']} per "
+        f"evaluation, {fit['evaluations']} evaluations). Loss at these rounds "
+        f"{loss['total']:.4f}: ratios {loss['ratios']:.4f}, tree histogram "
+        f"{loss['tree_hist']:.4f}, chain histogram {loss['chain_hist']:.4f}."
+    )
+    return shown(rows, "\n\n".join([prose(head), first, second]))
+
+
+def world_sensitivity_table(rows: list[dict], costs: list[dict] | None = None) -> str:
+    """Tokens per round in the fitted world and with one parameter moved, and the DDTREE /
+    DFLASH ratio they project with the newest round costs: (tree tokens / chain tokens) x
+    (DFLASH ms / DDTREE ms) at a batch."""
+    rows = latest(rows)
+    costs = latest(read_rows("round_cost_27b") if costs is None else costs)
+    ms = {(r["variant"], r["bs"]): r["round_ms"] for r in costs if (r.get("round_ms") or 0) > 0}
+    card = next((r for r in costs if r.get("card")), {})
+    nodes = list(rows[0]["tree_tau"])
+    batches = (1, 4, 16)
+    body = []
+    for r in rows:
+        cells = [
+            f"{r['tree_tau'][n]:.2f} ({r['tree_tau'][n] / r['chain_tau']:.2f}x)" for n in nodes
+        ]
+        projected = []
+        for bs in batches:
+            tree, chain = ms.get(("ddtree32", bs)), ms.get(("dflash", bs))
+            if tree and chain and "32" in r["tree_tau"]:
+                projected.append(f"{r['tree_tau']['32'] / r['chain_tau'] * chain / tree:.2f}")
+            else:
+                projected.append("no DFLASH round cost" if tree else "no DDTREE N=32 round cost")
+        value = "" if r["value"] is None else f"{r['value']:g}"
+        body.append([r["varied"], value, f"{r['chain_tau']:.2f}", *cells, *projected])
+    header = [
+        "parameter",
+        "value",
+        "chain tokens/round",
+        *[f"tree N={n}" for n in nodes],
+        *[f"projected N=32 / DFLASH at c={bs}" for bs in batches],
+    ]
+    missing = sorted({str(bs) for bs in batches if ("dflash", bs) not in ms})
+    head = (
+        "Projected, not measured end to end: simulated acceptance (this CPU run) times "
+        f"measured round costs (docs/data/round_cost_27b.jsonl, its newest sitting: one "
+        f"{card.get('card', 'card')}, {card.get('target_dtype', '?')} target, one run, "
+        f"{costs[0]['date'] if costs else '?'}; `ddtree32` and `dflash` at c requests in a "
+        "batch). Every row but the first moves one parameter of the fitted world, the others "
+        f"kept and the means matched to the paper's chain again; {rows[0]['rounds']} rounds "
+        "per cell, trees of N nodes root included (the servers' widths)."
+    )
+    if missing:
+        head += (
+            f" No DFLASH round at batch {', '.join(missing)} in that sitting (its float32 verify "
+            "scratch did not fit), so no projection there."
+        )
+    return shown(rows, prose(head) + "\n\n" + table(header, body))
+
+
 def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
 
@@ -773,6 +948,43 @@ SECTIONS = (
         "parentheses, the tree's over the chain's. This is what a server sees "
         "per round under DDTREE_SIMULATE; what each round costs comes from the GPU.",
         simulated_acceptance_table,
+    ),
+    Section(
+        "ddtree_paper_acceptance",
+        "Published tree acceptance",
+        "Tokens per round published for DDTree and chain DFlash, not measured here: the DDTree "
+        "paper (Ringel & Romano, arXiv 2604.12989; Figures 3 and 4 decoded from its vector "
+        "plots), Lucebox's budget sweeps and an independent vLLM port's sibling statistics. "
+        "Each row names its source and where in it; `commit` is the commit of this repository "
+        "that recorded it. The simulated `ddtree_paper` world is fitted to the Figure 3 and 4 "
+        "rows (the next section).",
+        paper_acceptance_table,
+    ),
+    Section(
+        "world_fit",
+        "The fitted world against the paper's table",
+        "`scripts/simworld/fit.py` on the CPU: the `ddtree_paper` world (docs/simulation.md) "
+        "fitted to the DDTree paper's Qwen3-8B MATH-500 cell at T = 0 (Figure 3's tree over "
+        "chain tokens per round by budget, Figure 4's accepted-length histograms) by a "
+        "seeded pattern search, each evaluation DDTREE's own draft head, tree build and "
+        "accept walk over the same rounds. Tokens per round = accepted drafts + the bonus. "
+        "The paper's Figure 3 averages each response's mean and its histograms pool rounds, "
+        "so its chain reads 7.789 there and 7.60 in the histogram; the world's chain follows "
+        "the histogram. One paper cell at T = 0: the fit says nothing of other data sets or "
+        "temperatures.",
+        world_fit_table,
+    ),
+    Section(
+        "world_sensitivity",
+        "Projected DDTREE over DFLASH in the fitted world, by parameter",
+        "`scripts/simworld/fit.py --sensitivity`: tokens per round of the chain and of trees "
+        "of 16, 32 and 64 nodes in the fitted world and with each parameter moved alone, and "
+        "the end-to-end ratio they would give with the newest measured round costs: (tree "
+        "tokens per round / chain tokens per round) x (DFLASH ms per round / DDTREE ms per "
+        "round at that batch). A projection from simulated acceptance and measured round "
+        "costs, not an end-to-end measurement. shared 0.5 and 1 have no row: at tail 4 the means "
+        "matched to the paper's chain would fall below the least the tail allows.",
+        world_sensitivity_table,
     ),
     Section(
         "fresh_clone",

@@ -458,3 +458,125 @@ def test_the_docs_state_each_regimes_parameters():
         f"off-spine {sim.REGIMES['code'].off_spine}",
     ):
         assert value in text
+
+
+# -- the fitted regime (ddtree_paper) and the draws it adds: tail, shared, miss_ratio ----------
+
+# sha256 (first 16 hex) of the trees, their target tokens and the chain of 512 seeded rounds in
+# each regime, taken before tail, shared and miss_ratio existed: their defaults draw the same
+GOLDEN = {
+    "fine_tune": "5c4b93437be004b5",
+    "narrative": "8a808056a13e105a",
+    "code": "3a0b13ec554acc76",
+}
+
+
+def _digest(world, bs: int = 512) -> str:
+    import hashlib
+
+    g = torch.Generator().manual_seed(7)
+    position = torch.randint(0, 1 << 20, (bs,), generator=g)
+    root = torch.randint(sim.FIRST_ID, V, (bs,), generator=g)
+    head = simserver.SimulatedHead(
+        world, lm_head_weight=torch.zeros(V, 1), vocab_size=V, cfg=CFG, max_bs=bs
+    )
+    ids = torch.zeros(bs, B, dtype=torch.int64)
+    ids[:, 0] = root
+    head(torch.zeros(bs * B, 1), ids.flatten(), (position[:, None] + torch.arange(B)).flatten())
+    drafts, picks = world.chain(position, root, B, V)
+    h = hashlib.sha256()
+    for t in (head.tokens, head.simulated_picks, drafts, picks):
+        h.update(t.numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN))
+def test_the_pessimistic_regimes_draw_as_before(name):
+    world = sim.REGIMES[name]
+    assert (world.tail, world.shared, world.miss_ratio) == (0.0, 0.0, None)
+    assert _digest(world) == GOLDEN[name]
+
+
+def _fit():
+    sys.path.insert(0, str(REPO / "scripts" / "simworld"))
+    return importlib.import_module("simworld.fit")
+
+
+def test_the_fitted_regime_is_the_fits_and_its_chain_the_papers_histogram():
+    import json
+
+    fit = _fit()
+    rows = [json.loads(x) for x in (REPO / "docs/data/world_fit.jsonl").read_text().splitlines()]
+    params = next(r for r in rows if r["kind"] == "fit")["parameters"]
+    world = sim.REGIMES["ddtree_paper"]
+    assert world == fit.paper_world(**params)
+    assert sim.PAPER_CHAIN_HISTOGRAM == tuple(fit.paper_targets()["hist"]["dflash"])
+    want = sim.chain_survival(sim.PAPER_CHAIN_HISTOGRAM)
+    assert sim.chain_acceptance(world, B - 1) == pytest.approx(want, abs=2e-4)
+
+
+def test_the_new_parameters_parse_and_are_checked():
+    world = sim.parse("ddtree_paper:tail=1.5,shared=0.5,miss_ratio=0.2")
+    assert (world.tail, world.shared, world.miss_ratio) == (1.5, 0.5, 0.2)
+    assert world.top1 == sim.REGIMES["ddtree_paper"].top1
+    for bad in ("ddtree_paper:shared=2", "ddtree_paper:miss_ratio=-1", "ddtree_paper:tail=50"):
+        with pytest.raises(ValueError):
+            sim.parse(bad)
+
+
+@pytest.mark.parametrize(
+    "params", [{"shared": 0.6}, {"tail": 2.0}, {"tail": 2.0, "shared": 0.7, "miss_ratio": 0.2}]
+)
+def test_the_chains_acceptance_matches_its_exact_mean_under_the_new_draws(params):
+    world = sim.World("x", (0.85, 0.8, 0.9), **params)
+    drafts, picks = world.chain(*_keys(SAMPLES), B, V)
+    accepted = (picks[:, :-1] == drafts).long().cumprod(dim=1).float().mean(dim=0)
+    want = sim.chain_acceptance(world, B - 1)
+    assert max(abs(float(accepted[d]) - want[d]) for d in range(B - 1)) < TOLERANCE
+
+
+def test_the_new_draws_are_hash_deterministic_and_sync_free():
+    world = sim.REGIMES["ddtree_paper"]
+    keys = world.keys(*_keys(256))
+    first = world.target_probabilities(keys, B, world.means_on(B, "cpu"))
+    again = world.target_probabilities(keys.clone(), B, world.means_on(B, "cpu"))
+    assert torch.equal(first, again)
+    # the target's tail past rank 1 is its own, the top-1 the drafter's
+    stated = world.probabilities(keys, B)
+    assert torch.equal(first[..., 0], stated[..., 0]) and not torch.equal(first, stated)
+    if torch.cuda.is_available():
+        means = world.means_on(B, "cuda")
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            world.target_probabilities(keys.cuda(), B, means)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
+def test_the_fit_reproduces_its_committed_rows():
+    """The fit's evaluation at the committed world: a cheap subset (the first 500 rounds of
+    budgets 16 and 32) equals what the committed run's rounds give, and the tree of a budget is
+    the first nodes of a larger one's (what the fit's truncation reads)."""
+    fit = _fit()
+    world = sim.REGIMES["ddtree_paper"]
+    small = fit.evaluate(world, budgets=(16, 32), rounds=500)
+    large = fit.evaluate(world, budgets=(16, 32, 64), rounds=500)
+    for key in ("chain", 16, 32):
+        assert torch.equal(small[key], large[key]), key
+    again = fit.evaluate(world, budgets=(16, 32), rounds=500)
+    assert all(torch.equal(small[k], again[k]) for k in small)
+
+
+def test_the_committed_fit_rows_are_what_the_fit_gives():
+    """The committed run's chain and budget-16 tokens per round, recomputed (its rounds, its
+    seed: the tree of budget 16 is the first 17 nodes of any larger one)."""
+    import json
+
+    fit = _fit()
+    rows = [json.loads(x) for x in (REPO / "docs/data/world_fit.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if r["sitting"] == max(x["sitting"] for x in rows)]
+    chain = next(r for r in rows if r.get("verify") == "chain" and r["kind"] == "tokens_per_round")
+    tree = next(r for r in rows if r.get("budget") == 16 and r["kind"] == "tokens_per_round")
+    got = fit.evaluate(sim.REGIMES["ddtree_paper"], budgets=(16,), rounds=chain["rounds"])
+    assert float(got["chain"].double().mean()) == pytest.approx(chain["tau"], abs=1e-9)
+    assert float(got[16].double().mean()) == pytest.approx(tree["tau"], abs=1e-9)
