@@ -87,6 +87,15 @@ collect() {  # wait up to $1 s for every background pytest; results to $OUT
       grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|^[0-9.]+s (call|setup)" \
         "$ROOT/results/pytest_$m.log" 2>/dev/null | tail -n 60
     done
+    # each failure as tests/gpu/conftest.py recorded it when it happened
+    for f in "$ROOT"/results/reports_*.jsonl; do
+      [ -f "$f" ] && python3 -c 'import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    if r["outcome"] == "failed":
+        print("==", r["test"], r["when"], r["seconds"], "s")
+        print(r["detail"][-1500:])' "$f"
+    done
   } > "$OUT/summary.txt"
   cat "$OUT/summary.txt"
   tar czf "$OUT/results.tgz" -C "$ROOT" results logs launcher.log status.json 2>/dev/null

@@ -35,11 +35,14 @@ NEW_TOKENS = 128
 NUM_NODES, TOPK = 31, 4
 # The trained pair (sglang_ddtree/assets/demo): the default shape, budget 31, top-8.
 PAIR_NUM_NODES, PAIR_TOPK = 32, 8
-# Pools capped far below the memory fraction: each server measures the free memory before it
-# loads and needs all but 15% of it still free when it sizes its pools (a second later), so
-# neighbours that start at the same time (a few GiB each) cannot make that check fail, and all
-# the servers below fit on one GPU (13 of them used 32 GiB on the H200; the 27 of the default
-# set, about 2.5 GiB each, are sized for one 80 GB H100).
+# Pools capped far below the memory fraction (--max-total-tokens, --max-mamba-cache-size,
+# --max-running-requests), which only sets how much of the free memory a server measured before
+# it loaded may be gone when it sizes its pools: SGLang's budget is what is free then minus
+# (1 - fraction) of what was free before, and the neighbours that start at the same time take
+# their share in between. At 0.15 that tolerance was 15% (on one H100 with 27 servers starting,
+# 3 GiB: the late servers failed the check); at 0.5 it is half, while each server still holds
+# only its capped pools (13 servers used 32 GiB on the H200; the 27 of the default set, about
+# 2.5 GiB each, fit one 80 GB H100).
 COMMON = [
     *ADMIN_ARGS,  # the tools' admin calls (/flush_cache, /start_profile)
     "--attention-backend",
@@ -47,7 +50,7 @@ COMMON = [
     "--dtype",
     "bfloat16",
     "--mem-fraction-static",
-    "0.15",
+    "0.5",
     "--max-total-tokens",
     "65536",
     "--max-mamba-cache-size",
