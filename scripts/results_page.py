@@ -530,7 +530,9 @@ def gpu_suite_table(rows: list[dict]) -> str:
     ]
     header = ["suite", "passed", "failed", "skipped", "complete", "failures"]
     versions = ", ".join(f"{k} {rows[0][k]}" for k in ("sglang", "torch", "transformers"))
-    return shown(rows, f"On {versions}; servers: {rows[0]['servers']}.\n\n" + table(header, body))
+    card = f" on one {rows[0]['card']}" if rows[0].get("card") else ""
+    head = f"On {versions}{card}; servers: {rows[0]['servers']}."
+    return shown(rows, prose(head) + "\n\n" + table(header, body))
 
 
 def simulated_acceptance_table(rows: list[dict]) -> str:
@@ -930,7 +932,7 @@ SECTIONS = (
     Section(
         "gpu_suite",
         "The GPU suite",
-        "`tests/gpu` (docs/testing.md) on one H200: tiny checkpoints served by SGLang without "
+        "`tests/gpu` (docs/testing.md) on one GPU: tiny checkpoints served by SGLang without "
         "speculation, with DDTREE and with SGLang's DFLASH, each test's tokens checked against "
         "the target (greedy under the float32 referee, T > 0 by chi-square, logprobs, "
         "penalties, grammars, pools idle and no host sync, the context limit); `tests/unit -m "
