@@ -10,7 +10,9 @@ memory): the target runs bf16 where its weights leave room for a verify scratch 
 --mem-fraction-static, the verify-scratch budget the speculative variants' running requests are
 sized to (`max_requests`) and the most running requests follow from the card's memory. Every row
 records the card (`card`, `card_gib`), `target_dtype`, `mem_fraction_static`, `scratch_gib` and
-its variant's `max_running`.
+its variant's `max_running`. A variant named with `_fp8kv` (`dflash_fp8kv`, `ddtree32_auto_fp8kv`)
+serves with `--kv-cache-dtype fp8_e4m3` (target and draft KV in one byte a value) and is sized for
+it (`size_for`'s `kv_cache_dtype`); every row records its `kv_cache_dtype`.
 
 Per variant: one server (CUDA graphs on, FlashInfer), then for each batch size b: b concurrent
 requests of 1, `--tokens` / 2 and `--tokens` new tokens. Round time = the slope of request
@@ -129,6 +131,26 @@ CONV_STATE_MIB = (
     _GDN_LAYERS * (2 * _GDN_KEYS + _GDN_VALUES) * (QWEN36_TEXT["linear_conv_kernel_dim"] - 1) * 2
 ) / 2**20
 MAMBA_SLOTS_PER_REQ = 6  # >= SGLang's mamba slots per running request (3, +2 with overlap)
+# A running request's live GDN states: MAMBA_SLOTS_PER_REQ slots of 146.8 MiB, 0.86 GiB
+LIVE_STATES_GIB = MAMBA_SLOTS_PER_REQ * (GDN_STATE_MIB + CONV_STATE_MIB) / 1024
+
+
+def kv_kib_per_token(kv_bytes: int = 2) -> float:
+    """A token's KV cache, target and draft, in KiB at `kv_bytes` a value: the target's 16
+    full-attention layers (4 KV heads of 256) and the draft's 5 layers (8 KV heads of 128), a K
+    and a V each: 64 + 20 KiB in bf16, 32 + 10 KiB in fp8 (--kv-cache-dtype fp8_e4m3). The
+    draft's pool has a slot per target token (SGLang's DFLASH layout) whatever its window."""
+    full = QWEN36_TEXT["layer_types"].count("full_attention")
+    target = full * QWEN36_TEXT["num_key_value_heads"] * QWEN36_TEXT["head_dim"]
+    draft = DRAFT["num_hidden_layers"] * DRAFT["num_key_value_heads"] * DRAFT["head_dim"]
+    return 2 * (target + draft) * kv_bytes / 1024
+
+
+def kv_bytes(kv_cache_dtype: str) -> int:
+    """Bytes a KV value takes under --kv-cache-dtype `kv_cache_dtype` (`auto`: the model's
+    bf16)."""
+    return 1 if kv_cache_dtype.startswith("fp8") else 2
+
 
 # --- Sizing from the card -------------------------------------------------------------------
 # --mem-fraction-static is the share of the card SGLang's static memory takes: the weights and
@@ -149,18 +171,35 @@ SGLANG_RESERVE_GIB = (512 + 1.5 * 8192 + 128 + 2 * 32) / 1024
 # (MAMBA_SLOTS_PER_REQ slots of 146.8 MiB each: 13.8 GiB at 16 requests) and SGLang's multimodal
 # reservation (0.1 GiB). 17 GiB is what one H200 at 0.85 left beside the 48 GiB budget all its
 # rows were measured with (pools of 118.8 - 53.3 = 65.5 GiB), where DFLASH's 16 requests served
-# four 32K-token prompts (docs/data/round_cost_27b.jsonl, sitting 8).
+# four 32K-token prompts (docs/data/round_cost_27b.jsonl, sitting 8). Of it, the KV cache is what
+# 16 requests' live states (13.8 GiB) and the multimodal reservation leave: KV_RESERVED_GIB,
+# 3.1 GiB of bf16 KV (39K tokens at 84 KiB); with an fp8 KV cache the same tokens take half that
+# and the verify scratch gets the rest (kv_and_states_gib).
 KV_AND_STATES_GIB = 17.0
+MULTIMODAL_GIB = 0.1
+KV_RESERVED_GIB = KV_AND_STATES_GIB - 16 * LIVE_STATES_GIB - MULTIMODAL_GIB
 # The target runs bf16 where its pools hold that and one DFLASH request's scratch at width 16
 # (2 x 16 x 144 MiB); else fp8. On an H100 the bf16 pools are 13.6 GiB (measured there: the bf16
 # weights alone needed --mem-fraction-static above 0.866).
 MIN_SCRATCH_GIB = 2 * 16 * GDN_STATE_MIB / 1024
 # The most running requests a card starts any variant with (a ceiling on --max-running): each
 # takes MAMBA_SLOTS_PER_REQ live slots and up to COMPACT_GIB_PER_REQ of DDTREE's compact scratch
-# (6.6 GB for 32 requests at N = 64 on the H200), beside KV_FLOOR_GIB of KV cache (about 50K
-# tokens of target and draft KV at 64 + 20 KiB a token).
+# (6.6 GB for 32 requests at N = 64 on the H200), beside KV_FLOOR_GIB of bf16 KV cache (about
+# 50K tokens of target and draft KV at 64 + 20 KiB a token; the same tokens in half that with an
+# fp8 KV cache: kv_floor_gib).
 COMPACT_GIB_PER_REQ = 0.25
 KV_FLOOR_GIB = 4.0
+
+
+def kv_and_states_gib(kv_cache_dtype: str = "auto") -> float:
+    """KV_AND_STATES_GIB with its KV cache's tokens in `kv_cache_dtype`: 17.0 GiB in bf16,
+    15.4 in fp8."""
+    return KV_AND_STATES_GIB - KV_RESERVED_GIB * (1 - kv_bytes(kv_cache_dtype) / 2)
+
+
+def kv_floor_gib(kv_cache_dtype: str = "auto") -> float:
+    """KV_FLOOR_GIB's tokens in `kv_cache_dtype`: 4.0 GiB in bf16, 2.0 in fp8."""
+    return KV_FLOOR_GIB * kv_bytes(kv_cache_dtype) / 2
 
 
 def target_params(cfg: dict = QWEN36_TEXT) -> tuple[int, int]:
@@ -217,11 +256,19 @@ class Sizing:
     pools_gib: float  # the static memory less the weights: KV cache, live states, scratch
     scratch_gib: int  # the verify-scratch budget (max_requests)
     most_running: int  # the most running requests any variant is started with
+    kv_cache_dtype: str = "auto"  # --kv-cache-dtype: "auto" (the model's bf16) or "fp8_e4m3"
 
     def flags(self) -> list[str]:
         """The server flags of this sizing, beside COMMON."""
         fp8 = ["--quantization", "fp8"] if self.target_dtype == "fp8" else []
-        return ["--mem-fraction-static", str(self.mem_fraction_static), *fp8]
+        kv = [] if self.kv_cache_dtype == "auto" else ["--kv-cache-dtype", self.kv_cache_dtype]
+        return ["--mem-fraction-static", str(self.mem_fraction_static), *fp8, *kv]
+
+    def with_kv_cache_dtype(self, kv_cache_dtype: str) -> Sizing:
+        """The sizing on the same card with the KV cache in `kv_cache_dtype`."""
+        if kv_cache_dtype == self.kv_cache_dtype:
+            return self
+        return size_for(self.card, self.card_gib, kv_cache_dtype)
 
     def draft_flags(self) -> list[str]:
         """A speculative server's: its draft stays bf16 (SGLang gives the draft the target's
@@ -238,6 +285,7 @@ class Sizing:
             "target_dtype": self.target_dtype,
             "mem_fraction_static": self.mem_fraction_static,
             "scratch_gib": self.scratch_gib,
+            "kv_cache_dtype": self.kv_cache_dtype,
         }
 
 
@@ -247,30 +295,34 @@ def mem_fraction(card_gib: float) -> float:
     return min(MEM_FRACTION_MAX, math.floor(1000 * (1 - SGLANG_RESERVE_GIB / card_gib)) / 1000)
 
 
-def size_for(card: str, card_gib: float) -> Sizing:
-    """The sizing on a card named `card` of `card_gib` total memory: the target bf16 where its
-    pools hold KV_AND_STATES_GIB and MIN_SCRATCH_GIB, fp8 otherwise (SystemExit where neither
-    does), the verify-scratch budget (whole GiB) and the running-request ceiling.
-    One H200 (139.8 GiB): bf16, 0.85, 48 GiB, 55; one H100 (79.6 GiB): fp8, 0.840, 19 GiB, 29."""
+def size_for(card: str, card_gib: float, kv_cache_dtype: str = "auto") -> Sizing:
+    """The sizing on a card named `card` of `card_gib` total memory with the KV cache in
+    `kv_cache_dtype` ("auto": bf16, or "fp8_e4m3"): the target bf16 where its pools hold
+    kv_and_states_gib and MIN_SCRATCH_GIB, fp8 otherwise (SystemExit where neither does), the
+    verify-scratch budget (whole GiB) and the running-request ceiling.
+    One H200 (139.8 GiB): bf16, 0.85, 48 GiB, 55; one H100 (79.6 GiB): fp8, 0.840, 19 GiB, 29;
+    with an fp8 KV cache 50 GiB, 57 and 20 GiB, 30."""
     fraction = mem_fraction(card_gib)
+    kv_and_states = kv_and_states_gib(kv_cache_dtype)
     for dtype in ("bf16", "fp8"):
         pools = fraction * card_gib - weights_gib(dtype)
-        if pools >= KV_AND_STATES_GIB + MIN_SCRATCH_GIB:
+        if pools >= kv_and_states + MIN_SCRATCH_GIB:
             break
     else:
         raise SystemExit(
             f"{card} ({card_gib:.1f} GiB): the 27B target leaves too little memory for the "
             f"pools even in fp8 ({pools:.1f} GiB at --mem-fraction-static {fraction})"
         )
-    per_request = MAMBA_SLOTS_PER_REQ * (GDN_STATE_MIB + CONV_STATE_MIB) / 1024
+    per_request = LIVE_STATES_GIB + COMPACT_GIB_PER_REQ
     return Sizing(
         card=card,
         card_gib=card_gib,
         target_dtype=dtype,
         mem_fraction_static=fraction,
         pools_gib=round(pools, 2),
-        scratch_gib=int(pools - KV_AND_STATES_GIB),
-        most_running=int((pools - KV_FLOOR_GIB) / (per_request + COMPACT_GIB_PER_REQ)),
+        scratch_gib=int(pools - kv_and_states),
+        most_running=int((pools - kv_floor_gib(kv_cache_dtype)) / per_request),
+        kv_cache_dtype=kv_cache_dtype,
     )
 
 
@@ -289,7 +341,8 @@ def free_bytes() -> int:
 
 
 # SGLang's SSM-state dtype (SGLANG_MAMBA_SSM_DTYPE; float32 by default): the `_bf16ssm` variant
-# halves DFLASH's verify scratch (per-position states).
+# halves DFLASH's verify scratch (per-position states). `_fp8kv` (a suffix on any variant) serves
+# with an fp8 KV cache: kv_cache_dtype, Sizing.flags.
 VARIANT_ENV = {
     "_bf16ssm": {"SGLANG_MAMBA_SSM_DTYPE": "bfloat16"},
     "_auto": {"SGLANG_DDTREE_WIDTH": "auto"},
@@ -305,6 +358,15 @@ def max_requests(width: int, scratch_gib: float, state_bytes: int = 4, cap: int 
     fits `scratch_gib`: at most cap; 0 where not even one does."""
     per_request_mib = GDN_STATE_MIB * state_bytes / 4 * width
     return max(0, min(cap, int(scratch_gib * 1024 / per_request_mib) - 1))
+
+
+FP8_KV = "_fp8kv"
+
+
+def kv_cache_dtype(name: str) -> str:
+    """The --kv-cache-dtype variant `name` serves with: fp8_e4m3 with the `_fp8kv` suffix (SGLang
+    0.5.23 takes fp8_e4m3 and fp8_e5m2; the draft's KV follows it), else auto (the model's bf16)."""
+    return "fp8_e4m3" if name.endswith(FP8_KV) else "auto"
 
 
 def variant_env(name: str) -> dict[str, str]:
@@ -332,6 +394,15 @@ def width_table(log: str) -> dict | None:
 
 
 def variants(draft: Path, sizing: Sizing, cap: int = 16) -> dict[str, list[str]]:
+    """Server flags per variant on the card `sizing` is of, beside its sizing's flags (each
+    variant's: `sizing.with_kv_cache_dtype(kv_cache_dtype(name))`): every variant below and
+    the same with `_fp8kv`, sized for an fp8 KV cache."""
+    fp8kv = sizing.with_kv_cache_dtype("fp8_e4m3")
+    table = _variants(draft, sizing.with_kv_cache_dtype("auto"), cap)
+    return table | {name + FP8_KV: flags for name, flags in _variants(draft, fp8kv, cap).items()}
+
+
+def _variants(draft: Path, sizing: Sizing, cap: int = 16) -> dict[str, list[str]]:
     """Server flags per variant on the card `sizing` is of. Speculative variants size the Mamba
     pool explicitly (--max-mamba-cache-size) so SGLang's verify scratch is reserved for
     max_requests() requests of the card's scratch budget rather than solved from leftover
@@ -709,11 +780,13 @@ def main(argv: list[str] | None = None) -> int:
     graph_bs = args.graph_max_bs or max(int(b) for b in [*args.batch.split(","), *sizes])
     args.out.mkdir(parents=True, exist_ok=True)
     sizing = size_for(*card_info())
-    print(json.dumps({"sizing": dataclasses.asdict(sizing)}), flush=True)
+    specs = args.variants.split(",")
+    for kv in dict.fromkeys(kv_cache_dtype(spec.partition("@")[0]) for spec in specs):
+        print(json.dumps({"sizing": dataclasses.asdict(sizing.with_kv_cache_dtype(kv))}))
     target, draft = write_configs(args.work)
     table = variants(draft, sizing, args.max_running)
     lengths = [int(n) for n in args.long_context.split(",") if n]
-    common = [*COMMON, *sizing.flags()]
+    common = list(COMMON)  # and each variant's sizing's flags
     if lengths:
         common[common.index("--context-length") + 1] = str(max(lengths) + 1024)
     baseline = free_bytes()  # free before any server (others may share the GPU)
@@ -728,18 +801,20 @@ def main(argv: list[str] | None = None) -> int:
     release = installed_version("sglang")
 
     def emit(row: dict, kind: str = "round_cost_27b") -> None:
-        row = {**row, **sizing.row(), "sglang": release, **({"simulate": world} if world else {})}
+        card = sizing.with_kv_cache_dtype(kv_cache_dtype(row["variant"])).row()
+        row = {**row, **card, "sglang": release, **({"simulate": world} if world else {})}
         if kind == "round_cost_27b":
             rows.append(row)
         print(json.dumps(row), flush=True)
         with open(args.out / f"{kind}.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
 
-    for i, spec in enumerate(args.variants.split(",")):
+    for i, spec in enumerate(specs):
         # NAME@B+B: that variant at those batch sizes only
         name, _, only = spec.partition("@")
         batches = [int(b) for b in (only.split("+") if only else args.batch.split(","))]
         max_req = int(flag_value(table[name], "--max-running-requests"))
+        own = sizing.with_kv_cache_dtype(kv_cache_dtype(name))  # this variant's KV cache
         if max_req == 0:  # not one request's verify scratch fits the card's budget: no server
             for bs in batches:
                 emit(
@@ -748,11 +823,11 @@ def main(argv: list[str] | None = None) -> int:
                         "bs": bs,
                         "max_running": 0,
                         "error": "does not fit: one request's verify scratch exceeds the "
-                        f"{sizing.scratch_gib} GiB budget of this card",
+                        f"{own.scratch_gib} GiB budget of this card",
                     }
                 )
             continue
-        extra = [*common, "--cuda-graph-max-bs-decode", str(graph_bs), *table[name]]
+        extra = [*common, *own.flags(), "--cuda-graph-max-bs-decode", str(graph_bs), *table[name]]
         env = variant_env(name)
         env = simworld.server_env(env, args.simulate) if world else env
         server = harness.Server(

@@ -63,13 +63,19 @@ def test_bench_round_server_commands_parse(tmp_path):
     _, draft = bench.write_configs(tmp_path)
     for card in (H200, H100):
         sizing = bench.size_for(*card)
-        for name, extra in bench.variants(draft, sizing).items():
+        table = bench.variants(draft, sizing)
+        # every variant has an `_fp8kv` twin
+        base = [n for n in table if not n.endswith("_fp8kv")]
+        assert sorted(table) == sorted([*base, *(f"{n}_fp8kv" for n in base)])
+        assert {"dflash_fp8kv", "ddtree32_auto_fp8kv"} <= set(table)
+        for name, extra in table.items():
+            own = sizing.with_kv_cache_dtype(bench.kv_cache_dtype(name))
             ns = _parse_cli(
                 [
                     "--model-path",
                     "x",
                     *bench.COMMON,
-                    *sizing.flags(),
+                    *own.flags(),
                     "--cuda-graph-max-bs-decode",
                     "8",
                     *extra,
@@ -79,8 +85,12 @@ def test_bench_round_server_commands_parse(tmp_path):
             assert ns.mem_fraction_static == sizing.mem_fraction_static
             assert ns.quantization == ("fp8" if card == H100 else None)
             # an fp8 target's draft stays bf16 (SGLang's `unquant`: no quantization)
-            draft_quant = "unquant" if card == H100 and name != "none" else None
+            draft_quant = "unquant" if card == H100 and not name.startswith("none") else None
             assert ns.speculative_draft_model_quantization == draft_quant, (card, name)
+            # `_fp8kv`: target and draft KV in fp8_e4m3 (the draft's follows --kv-cache-dtype)
+            fp8kv = name.endswith("_fp8kv")
+            assert ns.kv_cache_dtype == ("fp8_e4m3" if fp8kv else "auto"), name
+            assert ns.speculative_draft_kv_cache_dtype is None
             if name.startswith("ddtree"):
                 nodes = int(name[6:].split("_")[0])
                 assert ns.speculative_algorithm == "DDTREE"
@@ -144,11 +154,53 @@ def test_bench_round_sizes_itself_from_the_card():
         bench.size_for("NVIDIA A100-SXM4-40GB", 39.4)
 
 
+def test_bench_round_sizes_an_fp8_kv_cache_at_one_byte_a_value():
+    """`--kv-cache-dtype fp8_e4m3` keeps a token's KV (target and draft) in 32 + 10 KiB instead
+    of 64 + 20: the same reserved KV tokens take half the memory and the verify scratch gets the
+    rest; the card's fraction and target dtype do not change."""
+    bench = _script("bench_round")
+    assert (bench.kv_kib_per_token(), bench.kv_kib_per_token(1)) == (84.0, 42.0)
+    assert bench.kv_bytes("auto") == 2 and bench.kv_bytes("fp8_e4m3") == 1
+    # the KV share of the 17 GiB: what 16 requests' live states (and 0.1 GiB) leave, ~39K tokens
+    assert bench.KV_RESERVED_GIB == pytest.approx(3.14, abs=0.01)
+    assert bench.KV_RESERVED_GIB * 2**20 / 84 == pytest.approx(39_150, rel=0.01)
+    assert bench.kv_and_states_gib() == bench.KV_AND_STATES_GIB == 17.0
+    assert bench.kv_and_states_gib("fp8_e4m3") == pytest.approx(17.0 - 3.14 / 2, abs=0.01)
+    assert (bench.kv_floor_gib(), bench.kv_floor_gib("fp8_e4m3")) == (4.0, 2.0)
+    for card, (scratch, most) in ((H200, (50, 57)), (H100, (20, 30))):
+        bf16 = bench.size_for(*card)
+        fp8 = bench.size_for(*card, "fp8_e4m3")
+        assert bf16.kv_cache_dtype == "auto" and fp8.kv_cache_dtype == "fp8_e4m3"
+        assert (fp8.scratch_gib, fp8.most_running) == (scratch, most), card
+        assert (fp8.target_dtype, fp8.mem_fraction_static) == (
+            bf16.target_dtype,
+            bf16.mem_fraction_static,
+        )
+        assert bf16.with_kv_cache_dtype("auto") is bf16
+        assert bf16.with_kv_cache_dtype("fp8_e4m3") == fp8
+        assert fp8.flags() == [*bf16.flags(), "--kv-cache-dtype", "fp8_e4m3"]
+        assert bf16.row()["kv_cache_dtype"] == "auto"
+        assert fp8.row()["kv_cache_dtype"] == "fp8_e4m3"
+    assert bench.kv_cache_dtype("ddtree32_auto_fp8kv") == "fp8_e4m3"
+    assert bench.kv_cache_dtype("dflash") == bench.kv_cache_dtype("ddtree32_auto") == "auto"
+    # an `_fp8kv` variant's switches are its twin's
+    assert bench.variant_env("ddtree32_auto_fp8kv") == bench.variant_env("ddtree32_auto")
+    assert bench.variant_env("ddtree32_fp8kv")["SGLANG_DDTREE_WIDTH"] == "fixed"
+    # on the H100: DFLASH's running requests stay 7 (20 GiB holds 8 x 2.25 GiB, one of them
+    # SGLang's padding); its bf16-state twin 16; DDTREE's ceiling 30 with --max-running 64
+    h100 = bench.size_for(*H100)
+    table = bench.variants(Path("d"), h100, cap=64)
+    running = {n: int(bench.flag_value(f, "--max-running-requests")) for n, f in table.items()}
+    assert (running["dflash_fp8kv"], running["dflash_bf16ssm_fp8kv"]) == (7, 16)
+    assert running["ddtree32_auto_fp8kv"] == 30 and running["ddtree32_auto"] == 29
+
+
 def test_bench_round_rows_carry_the_card(tmp_path, monkeypatch):
     """main on a mocked H100 (no GPU, no server): every row of round_cost_27b.jsonl and
-    serving_simulated_27b.jsonl names the card, its memory, the target's dtype and the
-    running-request cap; the servers get the fp8 target and the bf16 draft; a variant of which
-    not one request fits starts no server."""
+    serving_simulated_27b.jsonl names the card, its memory, the target's dtype, the KV cache's
+    and the running-request cap; the servers get the fp8 target and the bf16 draft, an `_fp8kv`
+    variant's an fp8 KV cache and its own scratch budget; a variant of which not one request
+    fits starts no server."""
     bench = _script("bench_round")
     started = []
     log = (
@@ -189,27 +241,32 @@ def test_bench_round_rows_carry_the_card(tmp_path, monkeypatch):
     )
     out = tmp_path / "out"
     argv = ["--out", str(out), "--work", str(tmp_path / "work"), "--batch", "1,8"]
-    argv += ["--variants", "dflash,ddtree32_auto", "--profile", ""]
+    argv += ["--variants", "dflash,ddtree32_auto,dflash_fp8kv@1", "--profile", ""]
     assert bench.main([*argv, "--serving", "4", "--serving-variants", "dflash"]) == 0
     rows = [json.loads(x) for x in (out / "round_cost_27b.jsonl").read_text().splitlines()]
     served = [json.loads(x) for x in (out / "serving_simulated_27b.jsonl").read_text().splitlines()]
-    assert len(rows) == 4 and len(served) == 1
+    assert len(rows) == 5 and len(served) == 1
     for row in rows + served:
         assert row["card"] == "NVIDIA H100 80GB HBM3" and row["card_gib"] == 79.6
         assert row["target_dtype"] == "fp8" and row["mem_fraction_static"] == 0.84
-        assert row["scratch_gib"] == 19 and "max_running" in row
+        fp8kv = row["variant"] == "dflash_fp8kv"
+        assert row["kv_cache_dtype"] == ("fp8_e4m3" if fp8kv else "auto")
+        assert row["scratch_gib"] == (20 if fp8kv else 19) and "max_running" in row
     got = {(r["variant"], r["bs"]): r for r in rows}
     assert got["dflash", 1]["max_running"] == 7 and got["dflash", 1]["round_ms"] == 20.0
     assert got["dflash", 1]["weights_gb"] == [27.52, 3.25]
     assert got["dflash", 8]["error"] == "does not fit: at most 7 running requests"
     assert got["ddtree32_auto", 8]["max_running"] == 16 and "error" not in got["ddtree32_auto", 8]
     assert served[0]["variant"] == "dflash" and served[0]["max_running"] == 7
-    assert [s.name for s in started] == ["dflash", "ddtree32_auto"]
+    assert got["dflash_fp8kv", 1]["max_running"] == 7
+    assert [s.name for s in started] == ["dflash", "ddtree32_auto", "dflash_fp8kv"]
     assert plots == ["one NVIDIA H100 80GB HBM3 (fp8)"]
     for server in started:
         flags = " ".join(server.args)
         assert "--mem-fraction-static 0.84" in flags and "--quantization fp8" in flags
         assert "--speculative-draft-model-quantization unquant" in flags
+        fp8kv = server.name == "dflash_fp8kv"
+        assert ("--kv-cache-dtype fp8_e4m3" in flags) == fp8kv
 
 
 def test_bench_round_puts_its_servers_in_the_simulated_world(tmp_path, monkeypatch):
@@ -1129,3 +1186,27 @@ def test_bench_round_reads_sglangs_startup_timings():
     assert got["scheduler_e2e"] == 30.15 and got["target_verify"] == 12.08
     assert got["draft_decode"] == 2.98 and got["tokenizer_e2e"] == 56.41
     assert bench.startup_timings("no such line") == {}
+
+
+def test_the_fp8_recipes_command_parses_with_sglangs_cli():
+    """docs/fp8.md's launch command, with and without its optional FP8 KV cache, parses into an
+    FP8-ready DDTREE server: the draft unquantized, bench_round's H100 fraction (a card of
+    79.2 GiB, as the H100 rows' own) and its 6 Mamba slots a request."""
+    pytest.importorskip("sglang.srt.server_args")
+    import shlex
+
+    bench = _script("bench_round")
+    text = (ROOT / "docs" / "fp8.md").read_text()
+    block = text.split("python -m sglang.launch_server", 1)[1].split("\n\n", 1)[0]
+    argv = shlex.split(block.replace("\\\n", " ").replace('"$DRAFT"', "draft"))
+    assert argv[-2:] == ["[--kv-cache-dtype", "fp8_e4m3]"]  # the optional flag
+    del argv[-2:]
+    for extra in ([], ["--kv-cache-dtype", "fp8_e4m3"]):
+        ns = _parse_cli([*argv, *extra])
+        assert ns.model_path == "Qwen/Qwen3.6-27B-FP8" and ns.quantization is None
+        assert ns.speculative_algorithm == "DDTREE" and ns.attention_backend == "flashinfer"
+        assert ns.speculative_draft_model_quantization == "unquant"
+        assert ns.kv_cache_dtype == ("fp8_e4m3" if extra else "auto")
+        h100 = bench.size_for("NVIDIA H100 80GB HBM3", 79.2)
+        assert ns.mem_fraction_static == h100.mem_fraction_static == 0.839
+        assert ns.max_mamba_cache_size == bench.MAMBA_SLOTS_PER_REQ * ns.max_running_requests
