@@ -37,6 +37,7 @@ from collections.abc import Sequence
 import torch
 
 from sglang_ddtree.adapter import compat
+from sglang_ddtree.state import round_memory
 
 logger = logging.getLogger(__name__)
 
@@ -128,8 +129,14 @@ class WidthPolicy:
       median of the last `window` rounds per (batch bucket, width), the bucket being the
       CUDA-graph batch size a batch pads to. A median, not a mean: the events also time the
       host's stalls inside a round, and on a host-bound server one stall reads 10x a round
-      (the GPU suite's tables). A bucket first runs every width `explore` times
-      (the calibration: a few rounds per bucket). After it, a width the policy is not
+      (the GPU suite's tables).
+    - Calibration, narrowest first: a bucket runs its narrowest width `explore` times, then the
+      next, and goes on widening only while the widest width it has measured is the best by
+      rate (`known`, `_to_explore`). A width is chosen only among the bucket's measured ones, so
+      a wide tree at a large batch is never run blindly: where 32 already loses to 16 (the 27B
+      table at batch 8 and up) 64, 128 and 256 are never run there; should a refresh later find
+      the widest measured width best (the acceptance rose), the next one is explored then.
+      After it, a width the policy is not
       choosing is run again, for window // 2 + 1 rounds in a row (enough to move its median),
       once `refresh` rounds of that bucket times its shortfall over `tolerance` have passed
       without it: shortfall = 1 - its rate / the chosen width's, the interval at least
@@ -188,7 +195,7 @@ class WidthPolicy:
         self.chosen: collections.Counter = collections.Counter()  # width -> rounds
         self.eager: collections.Counter = collections.Counter()  # width -> rounds without graphs
         self.calibrated: list[int] = []  # buckets just calibrated (newly_calibrated)
-        self.announced: set[int] = set()
+        self.announced: set[tuple[int, int]] = set()  # (bucket, calibrated widths)
 
     def bucket(self, bs: int) -> int:
         """The batch bucket bs pads to: the smallest bucket >= bs, else the power of two >= bs
@@ -200,16 +207,15 @@ class WidthPolicy:
         self.rounds += 1
         b = self.bucket(bs)
         self.bucket_rounds[b] += 1
-        untried = [w for w in reversed(self.widths) if self.samples[b, w] < self.explore]
+        explore = self._to_explore(b)
         burst = self.burst.get(b)
-        if untried:  # calibration: the widest first (the configured N)
-            width = untried[0]
+        if explore is not None:  # calibration: narrowest first, wider while the widest pays
+            width = explore
         elif burst and burst[1] > 0:  # a refresh runs a few rounds, enough to move a median
             width, burst[1] = burst[0], burst[1] - 1
         else:
-            cost, tokens = self.costs(b), self.all_tokens()
-            rate = {w: tokens[w] / max(cost[w], 1e-6) for w in self.widths}
-            width = max(self.widths, key=lambda w: (rate[w], w))
+            rate = self.rates(b)
+            width = max(rate, key=lambda w: (rate[w], w))
             stale = self._overdue(b, rate, width)
             if stale is not None:  # keep the others' costs fresh, the closer ones more often
                 width = stale
@@ -223,7 +229,7 @@ class WidthPolicy:
         due): due once refresh x max(1, shortfall / tolerance) of the bucket's rounds have
         passed since it last ran, shortfall = 1 - its rate / best's."""
         now, due = self.bucket_rounds[bucket], []
-        for w in self.widths:
+        for w in rate:
             if w == best:
                 continue
             shortfall = 1.0 - rate[w] / max(rate[best], 1e-12)
@@ -233,14 +239,39 @@ class WidthPolicy:
                 due.append((overdue, w))
         return max(due)[1] if due else None
 
+    def known(self, bucket: int) -> tuple[int, ...]:
+        """The bucket's calibrated widths: its narrowest ones, each read `explore` times."""
+        n = 0
+        while n < len(self.widths) and self.samples[bucket, self.widths[n]] >= self.explore:
+            n += 1
+        return self.widths[:n]
+
+    def _to_explore(self, bucket: int) -> int | None:
+        """The width the bucket's calibration runs next (None: none): the narrowest unread one,
+        once its narrower neighbour is the best of the bucket's calibrated widths (or fewer
+        than two are calibrated, or it has begun)."""
+        known = self.known(bucket)
+        if len(known) == len(self.widths):
+            return None
+        nxt = self.widths[len(known)]
+        if len(known) < 2 or self.samples[bucket, nxt] > 0:
+            return nxt
+        rate = self.rates(bucket)
+        return nxt if max(rate, key=lambda w: (rate[w], w)) == known[-1] else None
+
+    def rates(self, bucket: int) -> dict[int, float]:
+        """Expected tokens per ms of each calibrated width of the bucket (`costs`, `tokens`)."""
+        cost, tokens = self.costs(bucket), self.all_tokens()
+        return {w: tokens[w] / max(cost[w], 1e-6) for w in cost}
+
     def costs(self, bucket: int) -> dict[int, float]:
-        """The bucket's measured costs made non-decreasing in the width (a wider tree verifies
-        the narrower one's nodes and more): neighbouring widths measured the other way round
-        are pooled to their mean (pool adjacent violators, equal weights), so a host-bound
-        server's noise (flat costs that read 4.2 ms at 32 and 6.0 at 16) cannot make the
-        narrower tree look cheaper than the wider."""
+        """The bucket's measured costs (its calibrated widths, `known`) made non-decreasing in
+        the width (a wider tree verifies the narrower one's nodes and more): neighbouring widths
+        measured the other way round are pooled to their mean (pool adjacent violators, equal
+        weights), so a host-bound server's noise (flat costs that read 4.2 ms at 32 and 6.0 at
+        16) cannot make the narrower tree look cheaper than the wider."""
         blocks: list[list] = []  # [mean, count, widths]
-        for w in self.widths:
+        for w in self.known(bucket):
             blocks.append([self.cost[bucket, w], 1, [w]])
             while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
                 (m1, n1, w1), (m2, n2, w2) = blocks.pop(-2), blocks.pop()
@@ -277,12 +308,13 @@ class WidthPolicy:
         self.cost[key] = statistics.median(recent)
         self.samples[key] += 1
         b = key[0]  # readings come late, so a width may pass `explore`: at least, once
-        if b not in self.announced and all(self.samples[b, w] >= self.explore for w in self.widths):
-            self.announced.add(b)
+        done = (b, len(self.known(b)))  # once per extent: a later widening announces again
+        if done[1] and done not in self.announced and self._to_explore(b) is None:
+            self.announced.add(done)
             self.calibrated.append(b)
 
     def newly_calibrated(self) -> list[int]:
-        """Buckets whose every width got its calibration rounds since the last call."""
+        """Buckets whose calibration (`_to_explore`) has stopped since the last call."""
         done, self.calibrated = self.calibrated, []
         return done
 
@@ -351,9 +383,12 @@ MIN_FREE_GB = 2.0  # an extra width's graphs are not captured with less GPU memo
 
 
 class VerifyWidths:
-    """The target's verify state (attention backend, CUDA-graph runner) at each width. A width
-    whose graphs cannot be captured (too little memory left, a capture that fails) is dropped
-    with a warning: the server serves the others (`widths` is what is left)."""
+    """The target's verify state (attention backend, CUDA-graph runner) at each width. Start-up
+    stops, naming the width, where the attention buffers SGLang allocates for a width's graphs
+    at the graphs' largest batch and the context length (round_memory.verify_graph_bytes) are
+    more than the memory free; a width whose graphs cannot be captured beyond that (under
+    MIN_FREE_GB left beside its buffers, a capture that runs out of memory) is dropped with a
+    warning: the server serves the others (`widths` is what is left)."""
 
     def __init__(
         self, model_runner, widths: tuple[int, ...], capture: bool = True, free_gb=None
@@ -361,47 +396,55 @@ class VerifyWidths:
         """free_gb: the GB free that decides whether a width is captured (default this GPU's;
         at tp > 1 the least of every rank's, compat.least_free_gb, so that all ranks capture
         the same widths: a capture runs the target's forward and its collectives)."""
-        free_gb = free_gb or _free_gb
         self.model_runner = model_runner
-        N = widths[-1]
+        self.widest = N = widths[-1]
         self.states = {N: compat.target_verify_state(model_runner)}
+        self.buckets = compat.graph_batch_sizes(self.states[N][1])
         graphs = capture and self.states[N][1] is not None
         for width in reversed(widths[:-1]):  # the widest first, as SGLang captures batches
-            if not graphs:  # no CUDA graphs: the one backend verifies every width
-                self.states[width] = self.states[N]
-                continue
-            tic, free = time.perf_counter(), free_gb()
-            if free < MIN_FREE_GB:
-                logger.warning(
-                    "DDTREE: width %d dropped: %.1f GB free for its verify graphs (needs %.1f)",
-                    width,
-                    free,
-                    MIN_FREE_GB,
-                )
-                continue
-            try:
-                state = compat.build_target_verify_state(model_runner, width)
-            except Exception as exc:
-                if "out of memory" not in f"{exc} {exc.__context__}".lower():
-                    raise  # anything but memory may have broken the CUDA context: stop here
-                logger.warning(
-                    "DDTREE: width %d dropped: its verify graphs did not fit (%s)",
-                    width,
-                    str(exc)[:300],
-                )
-                continue
-            if state is None:
-                self.states[width] = self.states[N]
-                continue
-            self.states[width] = state
-            logger.info(
-                "DDTREE: target verify graphs at width %d captured in %.1f s, %.2f GB",
-                width,
-                time.perf_counter() - tic,
-                free - _free_gb(),
-            )
+            state = self._capture(width, free_gb or _free_gb) if graphs else self.states[N]
+            if state is not None:
+                self.states[width] = state
         self.widths = tuple(sorted(self.states))
-        self.buckets = compat.graph_batch_sizes(self.states[N][1])
+
+    def graph_bytes(self, width: int) -> int:
+        """Bytes of the attention buffers of `width`'s verify graphs (SGLang's FlashInfer
+        backend's, at the graphs' largest batch and the model's context length)."""
+        backend = self.states[self.widest][0]
+        return round_memory.verify_graph_bytes(
+            max_bs=max(self.buckets, default=0),
+            width=width,
+            context_len=int(self.model_runner.model_config.context_len),
+            wrappers=int(getattr(backend, "num_wrappers", 1)),
+        )
+
+    def _capture(self, width: int, free_gb):
+        """The verify state at `width` (None: dropped), its graphs captured; RuntimeError where
+        their attention buffers do not fit in the memory free (round_memory.check_width)."""
+        tic, free = time.perf_counter(), free_gb()
+        need = self.graph_bytes(width)
+        round_memory.check_width(width, need, free, max(self.buckets, default=0))
+        if (spare := free - need / round_memory.GIB) < MIN_FREE_GB:
+            msg = "DDTREE: width %d dropped: %.1f GB free beside its graphs' buffers (needs %.1f)"
+            logger.warning(msg, width, spare, MIN_FREE_GB)
+            return None
+        try:
+            state = compat.build_target_verify_state(self.model_runner, width)
+        except Exception as exc:
+            if "out of memory" not in f"{exc} {exc.__context__}".lower():
+                raise  # anything but memory may have broken the CUDA context: stop here
+            msg = "DDTREE: width %d dropped: its verify graphs did not fit (%s)"
+            logger.warning(msg, width, str(exc)[:300])
+            return None
+        if state is None:
+            return self.states[self.widest]
+        logger.info(
+            "DDTREE: target verify graphs at width %d captured in %.1f s, %.2f GB",
+            width,
+            time.perf_counter() - tic,
+            free - _free_gb(),
+        )
+        return state
 
     def keep(self, widths: tuple[int, ...]) -> None:
         """Serve only `widths` (RankWidths.agree's: what every TP rank captured); N stays, and

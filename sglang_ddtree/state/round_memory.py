@@ -14,6 +14,13 @@ Per round, at the largest batch `max_bs`, the verify width N and the vocabulary 
   (penalize_tree_: a float32 and a bool per value; min_p_filter_ and block_stops_: a bool),
   worked a few requests at a time within TEMP_BYTES, one request at a time beyond it.
 
+Per width w the server may verify (round/widths.VerifyWidths, every width below N; N's are
+SGLang's own, allocated with its pools): the attention buffers SGLang's FlashInfer backend
+allocates for that width's verify CUDA graphs (`verify_graph_bytes`), checked against the memory
+free before the width is captured (`check_width`). The rest of a round's memory (the verify
+mask, the GDN scratch in the Mamba pool, the KV slots of the verified nodes) is allocated at N,
+the widest width, so that every narrower width fits where N does.
+
 The verify plan's offsets are int32 (verify_plan.HostPlan's mask offsets, and FlashInfer's own,
 which its plan derives from the same lengths): N x sum(S_b + N) mask bits must stay below 2^31.
 """
@@ -109,3 +116,24 @@ def check(memory: RoundMemory, free_gib: float | None) -> str | None:
             f"{free_gib - need:.2f} GiB free for the CUDA graphs"
         )
     return None
+
+
+def verify_graph_bytes(*, max_bs: int, width: int, context_len: int, wrappers: int = 1) -> int:
+    """Bytes SGLang's FlashInfer backend allocates for one width's verify CUDA graphs
+    (init_cuda_graph_state at max_num_tokens = max_bs x width): per wrapper the KV indices,
+    int32, and once the custom mask, a byte, each max_num_tokens x the context length."""
+    return max_bs * width * context_len * (4 * wrappers + 1)
+
+
+def check_width(width: int, need: int, free_gib: float, max_bs: int) -> None:
+    """Raise RuntimeError, in one line naming the width, the bytes and the limit, where a
+    width's verify-graph buffers (`need` bytes) are more than the `free_gib` left."""
+    free = int(free_gib * GIB) if free_gib != float("inf") else None
+    if free is None or need <= free:
+        return
+    raise RuntimeError(
+        f"DDTREE: verify width {width} needs {need} bytes ({need / GIB:.2f} GiB) for its CUDA "
+        f"graphs' attention buffers at {max_bs} running requests, past the {free} bytes "
+        f"({free_gib:.2f} GiB) free; leave {width} out of SGLANG_DDTREE_WIDTHS, or lower "
+        "--max-running-requests, --context-length or --speculative-num-draft-tokens."
+    )

@@ -93,3 +93,23 @@ def test_the_accounting_holds_the_temporaries_a_round_makes():
         largest = max(e.self_cpu_memory_usage for e in prof.events())  # one op's allocation
         assert 0 < largest <= 2 * per_request, (fn.__name__, largest)
     assert round_memory.TEMP_BYTES == TEMP_BYTES
+
+
+def test_the_check_at_n_covers_every_narrower_width_and_wide_trees_at_27b_sizes():
+    """Every width a server may verify is at most N, and DDTREE's own round memory (mask and
+    penalty temporaries) never shrinks as N grows, so the check at N holds for 16 to 256; at
+    16 running requests and a 262,144-token context the N = 256 mask is 1.08 GB (the int32
+    bound holds), and 32 running requests would pass it."""
+    sizes = [_memory(num_nodes=w) for w in (16, 32, 64, 128, 256)]
+    assert all(a.total <= b.total for a, b in zip(sizes, sizes[1:], strict=False))
+    assert sizes[-1].mask_bits == 256 * 16 * (262144 + 68 + 256) < INT32_LIMIT
+    assert check(sizes[-1], free_gib=100.0) is None
+    with pytest.raises(RuntimeError, match="past the 2\\^31"):
+        check(_memory(num_nodes=256, max_bs=32), free_gib=100.0)
+    # a width's verify-graph buffers: checked before its capture (round/widths.VerifyWidths)
+    need = round_memory.verify_graph_bytes(max_bs=16, width=256, context_len=262144)
+    assert need == 16 * 256 * 262144 * 5
+    round_memory.check_width(256, need, free_gib=float("inf"), max_bs=16)  # no GPU: no check
+    round_memory.check_width(256, need, free_gib=6.0, max_bs=16)
+    with pytest.raises(RuntimeError, match=f"verify width 256 needs {need} bytes"):
+        round_memory.check_width(256, need, free_gib=4.0, max_bs=16)

@@ -41,14 +41,15 @@ def _calibrated(policy: WidthPolicy, bs: int, ms: dict[int, float], predicted, a
         policy.observe_tokens(width, predicted, accepted[width])
 
 
-def test_the_calibration_runs_every_width_widest_first_then_the_best_rate_wins():
+def test_the_calibration_runs_the_narrowest_first_and_widens_while_the_widest_pays():
     policy = WidthPolicy(WIDTHS, buckets=(1, 2, 4, 8, 16), explore=2)
+    policy.observe_tokens(16, [2.4, 2.7, 3.0], 2.4)
     seen = []
     for _ in range(6):
         width = policy.choose(1)
         seen.append(width)
         policy.observe_cost(1, width, 20.0)
-    assert seen == [64, 64, 32, 32, 16, 16]
+    assert seen == [16, 16, 32, 32, 64, 64]
     # a flat cost: the widest tree, which predicts the most tokens
     policy.observe_tokens(64, [2.4, 2.7, 3.0], 3.0)
     assert policy.choose(1) == 64
@@ -66,7 +67,7 @@ def test_the_policy_takes_the_narrowest_width_when_cost_grows_steeply_with_width
     # batches pad to their bucket: 9..16 share batch 16's costs
     assert policy.bucket(9) == 16 and policy.choose(9) == 16
     assert policy.bucket(40) == 64  # beyond the graphs: the power of two, calibrated anew
-    assert policy.choose(40) == 64  # (the calibration's first width)
+    assert policy.choose(40) == 16  # (the calibration's first width)
     assert WidthPolicy(WIDTHS).bucket(5) == 8  # no graphs at all: powers of two
 
 
@@ -98,30 +99,38 @@ def test_a_wider_width_never_reads_fewer_tokens_or_a_lower_cost_than_a_narrower_
     assert "(as calibrated: 16: 1.63 32: 1.55)" in policy.table()  # the raw ratios stay visible
     assert policy.costs(4) == {16: pytest.approx(5.1), 32: pytest.approx(5.1)}
     assert policy.choose(4) == 32
-    # measured the right way round, costs are kept as they are, and a steep one decides
+    # measured the right way round, costs are kept as they are, and a steep one decides: 32
+    # loses to 16, so 64 is never run at this batch
     policy = WidthPolicy((16, 32, 64), buckets=(4,))
     _calibrated(policy, 4, {16: 5.0, 32: 9.0, 64: 8.0}, [2.0, 2.1, 2.2], {16: 2, 32: 2.1, 64: 2.2})
-    assert policy.costs(4) == {16: 5.0, 32: pytest.approx(8.5), 64: pytest.approx(8.5)}
+    assert policy.costs(4) == {16: 5.0, 32: 9.0} and policy.samples[4, 64] == 0
     assert policy.choose(4) == 16
+    # 32 pays, so 64 is run, and the two measured the wrong way round are pooled
+    policy = WidthPolicy((16, 32, 64), buckets=(4,))
+    _calibrated(policy, 4, {16: 5.0, 32: 5.4, 64: 5.2}, [2.0, 2.2, 2.3], {16: 2, 32: 2.2, 64: 2.3})
+    assert policy.costs(4) == {16: 5.0, 32: pytest.approx(5.3), 64: pytest.approx(5.3)}
+    assert policy.choose(4) == 64
 
 
 def test_a_close_width_is_measured_again_every_refresh_rounds_a_far_slower_one_rarely():
     """After the calibration a width the policy is not choosing runs again, for window // 2 + 1
     = 3 rounds in a row (enough to move a median of 5), once refresh x max(1, shortfall /
-    tolerance) of the bucket's rounds have passed since it last ran: 32 is 1% slower than 16
-    (every 10 rounds), 64 two thirds slower (every 10 x 0.667 / 0.02 = 333 rounds)."""
-    ms = {16: 10.0, 32: 10.1, 64: 30.0}
+    tolerance) of the bucket's rounds have passed since it last ran: 16 is 1% slower than 32
+    (every 10 rounds), 64 two thirds slower (every 10 x 0.663 / 0.02 = 332 rounds)."""
+    ms = {16: 10.0, 32: 10.0, 64: 30.0}
+    tokens = {16: 2.0, 32: 2.02, 64: 2.04}
     policy = WidthPolicy(WIDTHS, buckets=(1,), refresh=10, explore=2)
-    _calibrated(policy, 1, ms, [2.0, 2.0, 2.0], {16: 2, 32: 2, 64: 2})  # rounds 1-6: 64, 32, 16
+    _calibrated(policy, 1, ms, list(tokens.values()), tokens)  # rounds 1-6: 16, 32, 64
     picks = {}
     for i in range(7, 407):  # the bucket's rounds
         width = policy.choose(1)
         picks.setdefault(width, []).append(i)
         policy.observe_cost(1, width, ms[width])
-        policy.observe_tokens(width, [2.0, 2.0, 2.0], 2.0)
-    # 32 last ran at round 4: due at 14, then 10 rounds after each burst's last round
-    assert picks[32][:9] == [14, 15, 16, 26, 27, 28, 38, 39, 40], picks[32][:9]
-    assert picks[64] == [336, 337, 338]  # last ran at 2: due after 333.3 rounds
+        policy.observe_tokens(width, list(tokens.values()), tokens[width])
+    # 16 last ran at round 2: due at 12, then 10 rounds after each burst's last round
+    assert picks[16][:9] == [12, 13, 14, 24, 25, 26, 36, 37, 38], picks[16][:9]
+    # last ran at 6: due after 331.7 rounds, at 338, which 16's burst of 336-338 holds
+    assert picks[64] == [339, 340, 341]
     with pytest.raises(ValueError, match="tolerance"):
         WidthPolicy(WIDTHS, tolerance=0.0)
 
@@ -150,6 +159,36 @@ def test_the_automatic_width_is_within_half_a_percent_of_the_best_fixed_one_at_2
             got, spent = got + tokens[width], spent + ms[width]
         best = max(tokens[w] / ms[w] for w in (16, 32))
         assert got / spent >= 0.995 * best, (bs, got / spent / best, policy.chosen)
+
+
+def test_widths_16_to_256_are_run_only_where_the_measured_table_says_they_pay():
+    """N = 256 gives widths 16 to 256. Tokens per round: the fitted ddtree_paper world's
+    (docs/data/world_fit.jsonl: 8.10, 9.12, 9.66, 10.07, 10.39); ms per round: the 27B table
+    above at 16 and 32, wider widths extended in proportion to the verified tokens, and above
+    64 nodes the root-path GDN verify's extra (48 layers x its ms per layer less the chunked
+    one's at the same nodes, scaled from docs/results.md's kernel table: 0.17 ms at 128 nodes
+    and batch 1). At batch 1 the policy widens to 128, finds it slower than 64, and stops:
+    256 never runs; at batch 32, where 32 already loses to 16, nothing above 32 runs."""
+    assert verify_widths(16, 256) == (16, 32, 64, 128, 256)
+    tokens = {16: 8.10, 32: 9.12, 64: 9.66, 128: 10.07, 256: 10.39}
+    table = {
+        1: {16: 21.91, 32: 22.43, 64: 23.47, 128: 25.55 + 48 * 0.076, 256: 29.71 + 48 * 0.16},
+        32: {16: 67.15, 32: 114.66, 64: 209.7, 128: 399.7 + 48 * 2.6, 256: 779.8 + 48 * 5.4},
+    }
+    for bs, ms in table.items():
+        policy = WidthPolicy(tuple(tokens), buckets=(1, 2, 4, 8, 16, 24, 32))
+        got = spent = 0.0
+        for _ in range(4000):
+            width = policy.choose(bs)
+            policy.observe_cost(bs, width, ms[width])
+            policy.observe_tokens(width, list(tokens.values()), tokens[width])
+            got, spent = got + tokens[width], spent + ms[width]
+        best = max(tokens, key=lambda w: tokens[w] / ms[w])
+        assert got / spent >= 0.99 * tokens[best] / ms[best], (bs, policy.chosen)
+        assert max(policy.chosen, key=policy.chosen.get) == best
+        never = {1: (256,), 32: (64, 128, 256)}[bs]
+        assert all(policy.samples[bs, w] == 0 for w in never), (bs, policy.chosen)
+        assert policy.known(bs) == tuple(w for w in tokens if w not in never)
 
 
 def test_the_table_names_every_width_and_what_was_chosen():
@@ -424,7 +463,7 @@ def test_the_worker_at_tensor_parallel_takes_rank_0s_width(monkeypatch, kept):
             if self.is_source:
                 shared.append(width)
                 return width
-            return 16
+            return 64
 
     built = []
 
@@ -457,10 +496,10 @@ def test_the_worker_at_tensor_parallel_takes_rank_0s_width(monkeypatch, kept):
         elif is_source:
             assert w._widths.widths == (16, 64) and set(w._widths.states) == {16, 64}
             assert w._readings.policy.widths == (16, 64)
-            assert shared == [64] and width == 64  # the policy calibrates the widest first
+            assert shared == [16] and width == 16  # the policy calibrates the narrowest first
         else:
             assert w._widths.widths == (16, 64) and w._readings is None
-            assert width == 16 and w.speculative_num_draft_tokens == 16
+            assert width == 64 and w.speculative_num_draft_tokens == 64
 
 
 @pytest.mark.parametrize(
@@ -563,7 +602,7 @@ def test_the_worker_serves_one_width_when_fixed_or_given_only_n(monkeypatch, env
 
 def test_the_worker_chooses_among_the_widths_without_graphs(monkeypatch):
     """auto without decode CUDA graphs: every width verifies through the one backend, and the
-    policy's first choice is the widest (its calibration); /server_info's report counts the
+    policy's first choice is the narrowest (its calibration); /server_info's report counts the
     rounds per width."""
     from sglang_ddtree import config
     from sglang_ddtree.round.runtime import Runtime
@@ -583,8 +622,8 @@ def test_the_worker_chooses_among_the_widths_without_graphs(monkeypatch):
     assert w._widths.widths == (16, 32, 64)
     assert w.tree_head.reading_widths == (16, 32, 64)
     assert {w._widths.states[x] for x in (16, 32, 64)} == {("backend N", None)}
-    assert w._choose_width(3) == 64 and w.speculative_num_draft_tokens == 64
-    assert w.runtime.report()["widths_chosen"] == {"64": 1}
+    assert w._choose_width(3) == 16 and w.speculative_num_draft_tokens == 16
+    assert w.runtime.report()["widths_chosen"] == {"16": 1}
 
 
 def RoundReadingsOnCpu(policy, buffer, widths):  # noqa: N802 - stands in for the class
@@ -612,7 +651,11 @@ def test_a_width_that_does_not_fit_is_dropped_and_any_other_failure_stops_startu
     from sglang_ddtree.adapter import compat
     from sglang_ddtree.round import widths
 
-    runner = SimpleNamespace(attn_backend="backend N", decode_cuda_graph_runner="runner N")
+    runner = SimpleNamespace(
+        attn_backend="backend N",
+        decode_cuda_graph_runner="runner N",
+        model_config=SimpleNamespace(context_len=8192),
+    )
     built = []
 
     def build(model_runner, width):
@@ -636,6 +679,41 @@ def test_a_width_that_does_not_fit_is_dropped_and_any_other_failure_stops_startu
     monkeypatch.setattr(compat, "build_target_verify_state", broken)
     with pytest.raises(RuntimeError, match="illegal memory access"):
         widths.VerifyWidths(runner, (16, 64))
+
+
+def test_start_up_refuses_a_width_whose_graph_buffers_do_not_fit(monkeypatch):
+    """Widths 16 to 256 at 16 running requests and a 262,144-token context: SGLang's FlashInfer
+    backend gives each width's verify graphs max_bs x width x context x 5 bytes (int32 KV
+    indices, a byte of mask), 2.5 GiB at 128 and 5 GiB at 256 (N's are SGLang's own). With
+    2 GB free the server does not start, in one line naming the width, the bytes and the
+    limit; with room every width is captured, the widest first."""
+    from sglang_ddtree.adapter import compat
+    from sglang_ddtree.round import widths
+    from sglang_ddtree.state.round_memory import verify_graph_bytes
+
+    runner = SimpleNamespace(
+        attn_backend=SimpleNamespace(num_wrappers=1),
+        decode_cuda_graph_runner="runner N",
+        model_config=SimpleNamespace(context_len=262144),
+    )
+    built = []
+    monkeypatch.setattr(compat, "build_target_verify_state", lambda r, w: built.append(w) or (w, w))
+    monkeypatch.setattr(compat, "graph_batch_sizes", lambda runner: (1, 2, 4, 8, 16))
+    wide = (16, 32, 64, 128, 256)
+    assert verify_graph_bytes(max_bs=16, width=128, context_len=262144) == 2684354560
+    with pytest.raises(RuntimeError) as refused:
+        widths.VerifyWidths(runner, wide, free_gb=lambda: 2.0)
+    message = str(refused.value)
+    assert "\n" not in message and built == []
+    assert "verify width 128 needs 2684354560 bytes (2.50 GiB)" in message
+    assert "past the 2147483648 bytes (2.00 GiB) free" in message
+    assert "SGLANG_DDTREE_WIDTHS" in message and "--max-running-requests" in message
+    kept = widths.VerifyWidths(runner, wide, free_gb=lambda: 100.0)
+    assert kept.widths == wide and built == [128, 64, 32, 16]
+    assert kept.graph_bytes(16) == 16 * 16 * 262144 * 5
+    # buffers that fit with under MIN_FREE_GB to spare: dropped with a warning, as before
+    built.clear()
+    assert widths.VerifyWidths(runner, wide, free_gb=lambda: 4.0).widths == (16, 32, 64, 256)
 
 
 def test_a_verify_without_cuda_graphs_is_warned_once_per_width_and_counted(monkeypatch, caplog):
