@@ -65,6 +65,15 @@ def tree_head(lm_head, cfg: DDTreeConfig, max_bs: int, gather=None) -> DraftTree
     ranks' top-K through it, so every rank builds the same tree. Start-up
     still refuses --tp-size > 1 (adapter/spec.py) until a multi-GPU run has verified the
     rest."""
+    if lm_head.weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        # the head's matmul reads the weight as it is: a quantized LM head would give garbage
+        method = type(getattr(lm_head, "quant_method", None)).__name__
+        raise ValueError(
+            "DDTREE drafts through the target's LM head, which this checkpoint quantizes "
+            f"(lm_head.weight is {lm_head.weight.dtype}, {method}); serve a checkpoint that "
+            "keeps lm_head unquantized (ModelOpt exclude_modules, compressed-tensors ignore: "
+            "lm_head). Qwen's FP8 checkpoints and --quantization fp8 keep it in bf16."
+        )
     offset, rows = compat.lm_head_rows(lm_head)
     shard = VocabShard(offset=offset, gather=gather) if gather is not None else None
     return DraftTreeHead(

@@ -3,6 +3,7 @@ draft head that builds trees inside the draft graph; pure torch on CPU."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from sglang_ddtree.config import DDTreeConfig
@@ -172,6 +173,10 @@ def test_the_worker_gives_each_rank_of_a_sharded_lm_head_its_rows_and_the_same_t
 
     single = tree_head(lm_head(weight, 0, V), cfg, bs)
     assert single.shard is None and single.vocab_size == V  # the padding rows are not tokens
+    quantized = lm_head(weight, 0, V)
+    quantized.weight = quantized.weight.to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"quantizes \(lm_head.weight is torch.float8_e4m3fn"):
+        tree_head(quantized, cfg, bs)
     whole = DraftTreeHead(lm_head_weight=weight, vocab_size=V, cfg=cfg, max_bs=bs)
     single(hidden, input_ids)
     whole(hidden, input_ids)
