@@ -28,6 +28,16 @@ runs). --first-token N adds one-at-a-time requests of 1-3 new tokens (OUT/first_
 with --host-profile, host samples of the one-token requests too). --host-profile also writes
 host_profile.py's tables of every sampled run, the servers side by side
 (OUT/host/report_RUN.md). Output: OUT/serving_pair.jsonl (one row per run), OUT/table.md.
+
+--steady-state: runs in which decode rounds, not prefills, fill the time. Per temperature a
+probe run (the short run above, not recorded) per concurrency and server, c = 1 included,
+measures a lone request's prefill (its median TTFT at c = 1, P) and the TPOT at c; each cell
+then runs R requests per client of T new tokens (harness.steady_state, the largest any server
+asks): T >= c x P x (1 - s) / (s x TPOT) and R >= 1 / (2 s), s = --prefill-share (0.05), so
+that c prefills per wave and the first wave's ramp and the last one's tail each stay under s
+of the run. Two runs per cell (--runs); each row records R, T, P and the prefill share it
+measured (completed x P / duration), OUT/steady_summary.jsonl each cell's runs' tokens/s and
+their spread, (max - min) / median.
 """
 
 from __future__ import annotations
@@ -107,6 +117,8 @@ def summarize(rows: list[dict]) -> list[dict]:
                 "concurrency": c,
                 "server": name,
                 "runs": len(runs),
+                "runs_tok_s": tps,
+                "spread": (max(tps) - min(tps)) / med[t, c, name] if med[t, c, name] else None,
                 "median_tok_s": med[t, c, name],
                 "min_tok_s": min(tps),
                 "max_tok_s": max(tps),
@@ -405,6 +417,78 @@ def sampling(server, folder: Path, settle: float = 2.0):
     (folder / "meta.json").write_text(json.dumps(meta))
 
 
+RESULT_KEYS = (
+    "output_throughput",
+    "accept_length",
+    "median_tpot_ms",
+    "mean_tpot_ms",
+    "median_ttft_ms",
+    "mean_ttft_ms",
+    "completed",
+    "total_output_tokens",
+    "duration",
+)
+
+
+def default_plan(args) -> dict[int, dict]:
+    """Per concurrency the run's requests per client and new tokens: the flags'."""
+    cs = {int(x) for x in args.concurrency.split(",")}
+    return {c: {"requests_per_client": args.requests_per_client, "tokens": args.tokens} for c in cs}
+
+
+def measure(server, run: int, t: float, c: int, cell: dict, dataset: Path, args) -> dict:
+    """One sglang.bench_serving run of `cell`'s requests per client and tokens: its row."""
+    raw = args.out / f"raw_{server.name}.jsonl"
+    n = prompts_for(c, cell["requests_per_client"])
+    res = run_bench(bench_args(server, dataset, args.target, n, c, t, cell["tokens"], raw))
+    row = {"run": run, "server": server.name, "temperature": t, "concurrency": c}
+    row.update({k: res.get(k) for k in RESULT_KEYS})
+    if "prefill_ms" in cell:  # a steady-state cell: its plan and the share its prefills took
+        row.update(mode="steady", **cell)
+        row["prefill_ms"] = cell["prefill_ms"][server.name]
+        row["prefill_share"] = harness.prefill_share(
+            row["completed"] or 0, row["prefill_ms"], row["duration"] or 0.0
+        )
+    return row
+
+
+def steady_plan(servers: list, t: float, args, probe) -> dict[int, dict]:
+    """--steady-state's cells at temperature t: a probe run (the flags' short run, not
+    recorded) per concurrency and server, c = 1 first, gives each server's prefill time (its
+    median TTFT at c = 1, a lone request's) and TPOT at c; each cell takes the largest R and T
+    harness.steady_state asks of any server, so that the servers of a cell do the same work.
+    probe(server, run, t, c, cell) -> a row."""
+    cs = sorted({1, *(int(x) for x in args.concurrency.split(","))})
+    short = {"requests_per_client": args.requests_per_client, "tokens": args.tokens}
+    rows = {(s.name, c): probe(s, 0, t, c, short) for c in cs for s in servers}
+    prefill = {s.name: rows[s.name, 1]["median_ttft_ms"] for s in servers}
+    plan = {}
+    for c in cs:
+        sizes = [
+            harness.steady_state(
+                c,
+                prefill[s.name],
+                rows[s.name, c]["median_tpot_ms"],
+                args.prefill_share,
+                args.tokens,
+                args.requests_per_client,
+            )
+            for s in servers
+        ]
+        R, T = max(r for r, _ in sizes), max(n for _, n in sizes)
+        plan[c] = {"requests_per_client": R, "tokens": T, "prefill_ms": prefill}
+        print(json.dumps({"steady_state": c, "temperature": t, "R": R, "T": T}), flush=True)
+    return plan
+
+
+def write_spread(summary: list[dict], path: Path) -> None:
+    """--steady-state's summary rows, each with its runs' tokens/s and their one-run spread,
+    (max - min) / median."""
+    with open(path, "a") as f:
+        for s in summary:
+            f.write(json.dumps(s) + "\n")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, required=True)
@@ -413,7 +497,7 @@ def main() -> int:
     p.add_argument("--servers", default="ddtree,ddtree16,ddtree32,dflash,none")
     p.add_argument("--concurrency", default="1,4,16,32")
     p.add_argument("--temperatures", default="0,1")
-    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--runs", type=int, default=None, help="runs per cell (3; --steady-state 2)")
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument(
         "--requests-per-client",
@@ -461,7 +545,19 @@ def main() -> int:
         "the prefill alone, then one and two decode rounds behind it, as "
         "rows of OUT/first_token_pair.jsonl",
     )
+    p.add_argument(
+        "--steady-state",
+        action="store_true",
+        help="runs long enough that decode rounds dominate: per temperature, a probe run per "
+        "concurrency and server measures the lone request's TTFT and the TPOT, then each "
+        "cell runs R requests per client of T tokens (harness.steady_state: prefills under "
+        "--prefill-share of the run), --runs 2 unless given; rows carry R, T and the "
+        "measured prefill share, OUT/steady_summary.jsonl both runs and their spread",
+    )
+    p.add_argument("--prefill-share", type=float, default=harness.STEADY_PREFILL_SHARE)
     args = p.parse_args()
+    if args.runs is None:
+        args.runs = 2 if args.steady_state else 3
     args.out.mkdir(parents=True, exist_ok=True)
     table_ = server_table(args.draft)
     names = args.servers.split(",")
@@ -501,7 +597,10 @@ def main() -> int:
         os.sched_setaffinity(0, set(cpus[-1]))
     concurrencies = [int(x) for x in args.concurrency.split(",")]
     concurrencies += [int(x) for x in args.host_concurrency.split(",")]
-    requests = max(prompts_for(c, args.requests_per_client) for c in concurrencies)
+    per_client = args.requests_per_client
+    if args.steady_state:  # the plan's R (harness.steady_state), the same for every c
+        per_client = max(per_client, harness.steady_state(1, 1.0, 1.0, args.prefill_share)[0])
+    requests = max(prompts_for(c, per_client) for c in concurrencies)
     dataset = write_dataset(args.out / "heldout.jsonl", requests)
     rows_path = args.out / "serving_pair.jsonl"
     rows = []
@@ -515,34 +614,13 @@ def main() -> int:
         snapshot_interrupts(args.out / "interrupts_start.txt")
         # every temperature's runs complete before the next one's begin
         for t in (float(x) for x in args.temperatures.split(",")):
+            plan = default_plan(args)
+            if args.steady_state:
+                plan = steady_plan(servers, t, args, lambda *a: measure(*a, dataset, args))
             for run in range(1, args.runs + 1):
                 for c in (int(x) for x in args.concurrency.split(",")):
                     for server in run_order(servers, run):
-                        raw = args.out / f"raw_{server.name}.jsonl"
-                        n = prompts_for(c, args.requests_per_client)
-                        res = run_bench(
-                            bench_args(server, dataset, args.target, n, c, t, args.tokens, raw)
-                        )
-                        row = {
-                            "run": run,
-                            "server": server.name,
-                            "temperature": t,
-                            "concurrency": c,
-                            **{
-                                k: res.get(k)
-                                for k in (
-                                    "output_throughput",
-                                    "accept_length",
-                                    "median_tpot_ms",
-                                    "mean_tpot_ms",
-                                    "median_ttft_ms",
-                                    "mean_ttft_ms",
-                                    "completed",
-                                    "total_output_tokens",
-                                    "duration",
-                                )
-                            },
-                        }
+                        row = measure(server, run, t, c, plan[c], dataset, args)
                         if cpus:
                             row["pinned"], row["cpus"] = True, len(server.cpus)
                         rows.append(row)
@@ -550,6 +628,8 @@ def main() -> int:
                         with open(rows_path, "a") as f:
                             f.write(json.dumps(row) + "\n")
         snapshot_interrupts(args.out / "interrupts_end.txt")
+        if args.steady_state:
+            write_spread(summarize(rows), args.out / "steady_summary.jsonl")
         text = table(summarize(rows))  # before the profiles: the measured runs' table
         (args.out / "table.md").write_text(text + "\n")
         print(text, flush=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import math
 import os
 import signal
 import socket
@@ -335,6 +336,38 @@ def timed_requests(server: Server, bs: int, tokens: int, temperature: float = 0.
 def prompts_for(concurrency: int, per_client: int) -> int:
     """Requests per load-generator run: `per_client` per client, at least 16."""
     return max(16, per_client * concurrency)
+
+
+STEADY_PREFILL_SHARE = 0.05  # of a steady-state run's time, at most, spent in prefills
+
+
+def steady_state(
+    concurrency: int,
+    prefill_ms: float,
+    tpot_ms: float,
+    share: float = STEADY_PREFILL_SHARE,
+    tokens: int = 128,
+    per_client: int = 2,
+) -> tuple[int, int]:
+    """(requests per client R, new tokens per request T) of a steady-state run: decode rounds,
+    not prefills nor the first wave's ramp and the last one's tail, fill all but `share` of it.
+    A wave of c requests spends about c x prefill_ms in prefills (each holds the batch's decode:
+    the measured time to first token of a lone request) and T x tpot_ms decoding, so
+    T >= c x prefill_ms x (1 - share) / (share x tpot_ms); the ramp and the tail take about half
+    a request's time each of the R a client sends, so R >= 1 / (2 x share). At least `tokens`
+    and `per_client` (the short run's)."""
+    if not 0 < share < 1 or min(prefill_ms, tpot_ms) <= 0:
+        raise ValueError(
+            f"need 0 < share < 1 and positive times, got {share}, {prefill_ms}, {tpot_ms}"
+        )
+    T = math.ceil(concurrency * prefill_ms * (1 - share) / (share * tpot_ms))
+    return max(per_client, math.ceil(1 / (2 * share))), max(tokens, T)
+
+
+def prefill_share(completed: int, prefill_ms: float, duration_s: float) -> float:
+    """The share of a run's `duration_s` its `completed` requests' prefills took, at
+    `prefill_ms` each (a lone request's time to first token: an upper bound under batching)."""
+    return completed * prefill_ms / (1e3 * duration_s) if duration_s > 0 else float("nan")
 
 
 def write_dataset(path: Path, n: int) -> Path:
