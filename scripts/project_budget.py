@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Projected DDTREE / DFLASH decode speed when tree/budget.py's policy picks the width per batch
+"""Projected DDTREE / DFLASH decode speed when accept/budget.py's policy picks the width per batch
 size: measured round costs (bench_round.py rows) x measured acceptance (acceptance_table.py rows).
 
     python scripts/project_budget.py --rounds docs/data/round_cost_27b.jsonl \

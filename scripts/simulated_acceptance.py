@@ -20,8 +20,8 @@ import torch
 from simworld import world as simulation
 from simworld.server import SimulatedHead
 
+from sglang_ddtree.accept import accept_walk
 from sglang_ddtree.config import DDTreeConfig
-from sglang_ddtree.tree import accept_walk
 
 BLOCK, TOPK, VOCAB, BATCH = 16, 8, 4096, 2000
 

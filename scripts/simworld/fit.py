@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: `simworld` imports
+from sglang_ddtree.accept import accept_walk  # noqa: E402
+from sglang_ddtree.accept.budget import truncate  # noqa: E402
 from sglang_ddtree.config import DDTreeConfig  # noqa: E402
-from sglang_ddtree.tree import accept_walk  # noqa: E402
-from sglang_ddtree.tree.budget import truncate  # noqa: E402
 from simworld import world as simulation  # noqa: E402
 from simworld.server import SimulatedHead  # noqa: E402
 

@@ -25,18 +25,17 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from sglang_ddtree.accept import accept_walk, sample_target_tokens
+from sglang_ddtree.accept.penalties import Penalties, PenaltyState
 from sglang_ddtree.front_door.request_limits import MAX_TEMPERATURE, TOP_K_ALL
 from sglang_ddtree.reference.base import DraftRunner, TargetRunner
 from sglang_ddtree.tree import (
     AcceptResult,
     DraftTree,
-    accept_walk,
     build_tree,
-    sample_target_tokens,
     topk_logprobs_from_logits,
     tree_capacity,
 )
-from sglang_ddtree.tree.penalties import Penalties, PenaltyState
 
 
 @dataclass

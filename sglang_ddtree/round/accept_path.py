@@ -48,7 +48,7 @@ def finalize_hook(
             token_to_kv_pool_allocator=token_to_kv_pool_allocator,
             num_draft_tokens=num_draft_tokens,
         )
-    from sglang_ddtree.tree.accept_path_triton import compact_path
+    from sglang_ddtree.accept.path_triton import compact_path
 
     runtime.engaged.first_use("accepted path moved to the front by round/accept_path.py")
     out, kv_dst, kv_src, rows = compact_path(

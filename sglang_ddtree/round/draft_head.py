@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from sglang_ddtree.accept.budget import cut_links, expected_tokens, truncate
 from sglang_ddtree.config import DDTreeConfig
 from sglang_ddtree.tree import DraftTree, build_tree, topk_logprobs_from_logits
-from sglang_ddtree.tree.budget import cut_links, expected_tokens, truncate
 from sglang_ddtree.tree.shard_topk import merge_topk, shard_topk
 
 

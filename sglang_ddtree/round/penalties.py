@@ -26,8 +26,8 @@ from functools import partial
 
 import torch
 
+from sglang_ddtree.accept.penalties import block_stops_, min_p_filter_, penalize_tree_
 from sglang_ddtree.adapter import compat
-from sglang_ddtree.tree.penalties import block_stops_, min_p_filter_, penalize_tree_
 
 # the penalties applied per node and their neutral values (the sampling-parameter names; min_p,
 # the other option applied here, acts on the probabilities, `tree.penalties.min_p_filter_`)

@@ -42,11 +42,11 @@ from sglang.srt.speculative.dflash_info_v2 import DFlashDraftInputV2
 from sglang.srt.speculative.eagle_worker_common import run_eagle_verify
 from torch.profiler import record_function
 
+from sglang_ddtree.accept.budget import accepted_at_widths
 from sglang_ddtree.adapter import compat
 from sglang_ddtree.round import accept_path, penalties, verify_plan
 from sglang_ddtree.round.verify_input import make_verify_input
 from sglang_ddtree.state import gdn
-from sglang_ddtree.tree.budget import accepted_at_widths
 from sglang_ddtree.tree.types import DraftTree
 
 

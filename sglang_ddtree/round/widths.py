@@ -5,7 +5,7 @@ target has verify CUDA graphs for (config.automatic_widths lists them from the o
   width) and the drafter's predictions, scaled by what the target accepted (`Calibration`);
   `CostTable` and `choose_width` are the same choice on a given cost table (the projections of
   scripts/project_budget.py). The tree's part (truncation, predictions, the accepted tokens at
-  each width) is tree/budget.py.
+  each width) is accept/budget.py.
 
 - `VerifyWidths`: per extra width, the target's own attention backend and a DecodeCudaGraphRunner
   captured at that width (as SGLang's adaptive EAGLE builds one per step count,

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from sglang_ddtree.tree.penalties import TEMP_BYTES, requests_at_once
+from sglang_ddtree.accept.penalties import TEMP_BYTES, requests_at_once
 
 INT32_LIMIT = 1 << 31
 GIB = 1 << 30

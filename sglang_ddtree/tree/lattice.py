@@ -18,7 +18,7 @@ row of its own candidate, not by one row per depth.
 
 Both return the project's DraftTree (scores = log Q of each root path), so the verify layout,
 the accept walk and the target sampling take it unchanged. Acceptance is the target-only walk
-(tree/accept.py with tree/sampling.py): lossless for any tree fixed before the target samples,
+(accept/walk.py with accept/sampling.py): lossless for any tree fixed before the target samples,
 the proposal probabilities are never read (docs/dflash2.md, "Losslessness").
 """
 

@@ -889,7 +889,7 @@ def _penalised_deficits(target, prompt_ids, tokens, setting, stops) -> list[floa
     blocking `stops`."""
     import torch
 
-    from sglang_ddtree.tree.penalties import penalize
+    from sglang_ddtree.accept.penalties import penalize
 
     logits, _ = target.prefill(torch.tensor(prompt_ids + tokens))
     rows = logits[len(prompt_ids) - 1 : len(prompt_ids) - 1 + len(tokens)].float()

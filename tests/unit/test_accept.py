@@ -12,17 +12,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
+from sglang_ddtree.accept import accept_walk, accept_walk_reference, sample_target_tokens
+from sglang_ddtree.accept.sampling import filtered_probs
 from sglang_ddtree.tree import (
     AcceptResult,
     DraftTree,
-    accept_walk,
-    accept_walk_reference,
     build_tree,
-    sample_target_tokens,
     topk_logprobs_from_logits,
     tree_capacity,
 )
-from sglang_ddtree.tree.sampling import filtered_probs
 from sglang_ddtree.tree.testing import (
     LOGPROB_MODES,
     assert_static_graph,

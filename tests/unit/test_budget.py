@@ -1,4 +1,4 @@
-"""tree/budget.py: the prefix property the policy rests on, the predicted acceptance, and the
+"""accept/budget.py: the prefix property the policy rests on, the predicted acceptance, and the
 policy's choices against cost tables."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
+from sglang_ddtree.accept.budget import chain_expected_tokens, expected_tokens, truncate
 from sglang_ddtree.round.widths import CHAIN, Calibration, CostTable, choose_width
 from sglang_ddtree.tree import build_tree_reference
-from sglang_ddtree.tree.budget import chain_expected_tokens, expected_tokens, truncate
 from sglang_ddtree.tree.testing import random_build_inputs
 
 

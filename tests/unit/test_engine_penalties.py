@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sglang_ddtree.accept.penalties import Penalties, PenaltyState
 from sglang_ddtree.reference import engine
 from sglang_ddtree.reference.engine import generate, generate_plain
 from sglang_ddtree.reference.oracle import OracleDrafter
-from sglang_ddtree.tree.penalties import Penalties, PenaltyState
 from tests.fixtures import shared_penalties_for_every_node, tiny_pairs
 
 ARCHS = ("qwen3", "qwen35")

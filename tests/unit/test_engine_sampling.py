@@ -21,12 +21,12 @@ import torch
 from scipy.stats import chisquare
 from transformers import Qwen3ForCausalLM
 
+from sglang_ddtree.accept.penalties import Penalties, PenaltyState
 from sglang_ddtree.checkpoints.tiny import write_tiny_qwen3
 from sglang_ddtree.reference import engine
 from sglang_ddtree.reference.engine import RoundTrace, generate
 from sglang_ddtree.reference.oracle import OracleDrafter
 from sglang_ddtree.reference.target import HFTargetRunner
-from sglang_ddtree.tree.penalties import Penalties, PenaltyState
 from tests.fixtures import shared_penalties_for_every_node
 
 PROMPT = [100, 200, 300, 400]

@@ -1,5 +1,5 @@
 """Losslessness of lattice trees (docs/dflash2.md, "Losslessness"): the target-only walk
-(tree/sampling.py + tree/accept.py, unchanged) over a tree built from DFlash2-style chain
+(accept/sampling.py + accept/walk.py, unchanged) over a tree built from DFlash2-style chain
 conditionals emits the target's distribution at T > 0 and its greedy continuation at T = 0.
 
 Negative control: recursive rejection over the siblings with the chain conditionals as the
@@ -18,7 +18,8 @@ import pytest
 import torch
 from scipy import stats
 
-from sglang_ddtree.tree import DraftTree, accept_walk, sample_target_tokens
+from sglang_ddtree.accept import accept_walk, sample_target_tokens
+from sglang_ddtree.tree import DraftTree
 from sglang_ddtree.tree.lattice import build_lattice_tree, lattice_chain_logprobs
 
 torch.set_num_threads(1)
@@ -28,7 +29,7 @@ V, L, K, BUDGET, M, TRIALS, START = 6, 3, 3, 8, 3, 20000, 0
 
 def target_rows(table: torch.Tensor, t: float, top_k: int) -> torch.Tensor:
     """[V, V] float64 next-token distribution given the previous token: temperature, then top-k
-    (ties to the lower id, as tree/sampling.py)."""
+    (ties to the lower id, as accept/sampling.py)."""
     probs = torch.softmax(table.double() / t, dim=-1)
     if 0 < top_k < V:
         keep = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :top_k]

@@ -1,4 +1,4 @@
-"""tree/penalties.py: each node's penalties exactly as its own path gives them, against a plain
+"""accept/penalties.py: each node's penalties exactly as its own path gives them, against a plain
 per-node loop that builds the node's context and counts it."""
 
 from __future__ import annotations
@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_ddtree.tree import build_tree_reference
-from sglang_ddtree.tree.penalties import (
+from sglang_ddtree.accept.penalties import (
     penalize,
     penalize_tree,
     penalize_tree_,
     suppress_eos_before_min_tokens,
 )
+from sglang_ddtree.tree import build_tree_reference
 from sglang_ddtree.tree.testing import random_build_inputs
 
 
@@ -170,7 +170,7 @@ def test_the_in_place_tree_penalties_are_penalize_tree(monkeypatch):
             logits.clone(), tree.tokens, tree.visibility, counts, f, p, r, temp_bytes=budget
         )
         assert torch.equal(chunked, got), budget
-    from sglang_ddtree.tree import penalties as module
+    from sglang_ddtree.accept import penalties as module
 
     sizes = []
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sglang_ddtree.accept.penalties import TEMP_BYTES, requests_at_once
 from sglang_ddtree.round import verify_plan
 from sglang_ddtree.state import round_memory
 from sglang_ddtree.state.round_memory import GIB, INT32_LIMIT, at_maximum, check
-from sglang_ddtree.tree.penalties import TEMP_BYTES, requests_at_once
 
 
 def _memory(**overrides):
@@ -76,7 +76,7 @@ def test_the_accounting_holds_the_temporaries_a_round_makes():
     earlier forms took three float32 ones); each op's allocation as torch's profiler records it."""
     from torch.profiler import ProfilerActivity, profile
 
-    from sglang_ddtree.tree.penalties import block_stops_, min_p_filter_
+    from sglang_ddtree.accept.penalties import block_stops_, min_p_filter_
 
     bs, N, V = 6, 8, 4096
     per_request = N * V  # one bool

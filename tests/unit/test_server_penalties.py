@@ -10,10 +10,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from sglang_ddtree.accept.penalties import block_stops_, min_p_filter_, penalize
 from sglang_ddtree.round import penalties
 from sglang_ddtree.round.penalties import PenaltyTable
 from sglang_ddtree.tree import build_tree_reference
-from sglang_ddtree.tree.penalties import block_stops_, min_p_filter_, penalize
 from sglang_ddtree.tree.testing import random_build_inputs
 
 V = 29

@@ -17,9 +17,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from sglang_ddtree.accept import accept_walk
 from sglang_ddtree.config import DDTreeConfig
 from sglang_ddtree.reference.engine import generate, generate_chain
-from sglang_ddtree.tree import accept_walk
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from sglang_ddtree.accept.budget import expected_tokens
 from sglang_ddtree.config import Options, automatic_widths, verify_widths
 from sglang_ddtree.round.widths import WidthPolicy
-from sglang_ddtree.tree.budget import expected_tokens
 
 WIDTHS = (16, 32, 64)
 
@@ -258,9 +258,9 @@ def test_the_draft_head_computes_the_expected_tokens_in_its_build():
 def test_the_draft_head_cuts_the_trees_at_the_read_widths_as_truncate_does():
     """head.tree(bs, w) at a read width: the links cut in the build; at any other width: cut
     then. Both are truncate(head.tree(bs), w), field by field (links past the cut are -1)."""
+    from sglang_ddtree.accept.budget import truncate
     from sglang_ddtree.config import DDTreeConfig
     from sglang_ddtree.round.draft_head import DraftTreeHead
-    from sglang_ddtree.tree.budget import truncate
 
     torch.manual_seed(1)
     cfg = DDTreeConfig(block_size=4, num_nodes=12, topk=3)
@@ -849,8 +849,8 @@ def test_a_round_at_one_width_gives_what_each_narrower_width_would_have_accepted
     """accepted_at_widths from a round's emitted tokens equals the accept walk of the truncated
     tree at every narrower width, for rounds run at N and at a narrower width, and under an
     accept length cut short (a stop or max_tokens): the cut applies to every width."""
-    from sglang_ddtree.tree import accept_walk
-    from sglang_ddtree.tree.budget import accepted_at_widths, truncate
+    from sglang_ddtree.accept import accept_walk
+    from sglang_ddtree.accept.budget import accepted_at_widths, truncate
 
     head, _, picks = _world_rounds(600, num_nodes=32)
     widths = (16, 24, 32)
@@ -880,8 +880,8 @@ def test_a_round_at_one_width_gives_what_each_narrower_width_would_have_accepted
 def test_the_worker_reads_the_accepted_tokens_at_each_width_from_the_rounds_result():
     """Round.accepted_at_widths: the round's emitted tokens (SGLang's next_token_ids, the
     accepted drafts then the bonus, per request) and accept lengths, through the round's tree."""
-    from sglang_ddtree.tree import accept_walk
-    from sglang_ddtree.tree.budget import truncate
+    from sglang_ddtree.accept import accept_walk
+    from sglang_ddtree.accept.budget import truncate
 
     worker_mod, w = _worker(N=32)
     head, _, picks = _world_rounds(5, num_nodes=32)
@@ -911,8 +911,8 @@ def test_a_width_the_policy_is_not_choosing_keeps_an_unbiased_reading_at_batch_1
     it stays), and each width's ratio read on its own rounds alone let a lucky burst of 16 win."""
     import random
 
-    from sglang_ddtree.tree import accept_walk
-    from sglang_ddtree.tree.budget import truncate
+    from sglang_ddtree.accept import accept_walk
+    from sglang_ddtree.accept.budget import truncate
 
     rounds = 4000
     head, predicted, picks = _world_rounds(rounds, num_nodes=32)
@@ -948,8 +948,9 @@ def test_a_width_the_policy_is_not_choosing_keeps_an_unbiased_reading_at_batch_1
 def test_the_accepted_tokens_at_widths_take_no_host_sync_on_cuda():
     """What RoundReadings.finish gets every round, on the device without a host sync, and the
     same numbers as on the CPU."""
-    from sglang_ddtree.tree import DraftTree, accept_walk
-    from sglang_ddtree.tree.budget import accepted_at_widths
+    from sglang_ddtree.accept import accept_walk
+    from sglang_ddtree.accept.budget import accepted_at_widths
+    from sglang_ddtree.tree import DraftTree
     from sglang_ddtree.tree.testing import no_host_sync
 
     head, _, picks = _world_rounds(64, num_nodes=32)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from .inputs import check_accept_inputs
-from .types import AcceptResult, DraftTree
+from sglang_ddtree.tree.inputs import check_accept_inputs
+from sglang_ddtree.tree.types import AcceptResult, DraftTree
 
 
 def accepted_nodes(tree: DraftTree, target_tokens: torch.Tensor) -> torch.Tensor:

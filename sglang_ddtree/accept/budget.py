@@ -25,8 +25,9 @@ from collections.abc import Sequence
 
 import torch
 
-from .accept import accepted_nodes
-from .types import DraftTree
+from sglang_ddtree.tree.types import DraftTree
+
+from .walk import accepted_nodes
 
 
 def expected_tokens(scores: torch.Tensor, widths: Sequence[int]) -> torch.Tensor:

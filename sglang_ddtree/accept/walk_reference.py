@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .inputs import check_accept_inputs
-from .types import AcceptResult, DraftTree
+from sglang_ddtree.tree.inputs import check_accept_inputs
+from sglang_ddtree.tree.types import AcceptResult, DraftTree
 
 
 def _walk_one(tokens: list[int], parents: list[int], target: list[int]) -> list[int]:
