@@ -13,7 +13,8 @@
 #   bash scripts/gpu_session.sh stop
 #   bash scripts/gpu_session.sh train [MINUTES [TOTAL]]  start scripts/train_pair.py detached (it shares
 #                                                the GPU with the test servers), log in ROOT
-#   bash scripts/gpu_session.sh bench-e2e [ARGS]    scripts/bench_e2e.py on the shipped pair
+#   bash scripts/gpu_session.sh bench-e2e [ARGS]    scripts/bench_e2e.py on the shipped pair (its servers
+#                                                started with DDTREE_GPU_BENCH=1)
 #   bash scripts/gpu_session.sh bench-round [ARGS]  scripts/bench_round.py (27B-shaped, dummy)
 #   [ROUND=name] bash scripts/gpu_session.sh bench-round-bg [ARGS] / collect-round [WAIT_S]  the same,
 #                                                detached (several at once under distinct ROUNDs)
@@ -125,7 +126,8 @@ case "${1:-}" in
     setsid nohup python3 scripts/train_pair.py --out "$ROOT/pair" --device cuda \
       --minutes "${2:-10}" --total-minutes "${3:-${2:-10}}" > "$ROOT/train.log" 2>&1 < /dev/null &
     sleep 20; tail -n 5 "$ROOT/train.log" ;;
-  bench-e2e)  # on the pair servers of the test set (plain, DFLASH, DDTREE N=32 and 64)
+  bench-e2e)  # on the pair servers of the test set (plain, DFLASH, DDTREE N=32 and 64; DFLASH
+    # and N=64 start only when the set was launched with DDTREE_GPU_BENCH=1)
     shift
     python3 -m tests.gpu.servers stop "$ROOT" qwen3 qwen35  # the GPU and CPUs to the pair
     python3 scripts/bench_e2e.py --out "$OUT/e2e" --attach "$ROOT" "$@"  # the shipped pair
