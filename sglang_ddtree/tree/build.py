@@ -130,7 +130,13 @@ def build_tree(
     bs, L, K = check_build_inputs(root, topk_ids, topk_logprobs, budget)
     lp = preprocess_logprobs(topk_logprobs)  # [bs, L, K] f32
     score, token, parent_slot, depth = _flatten_beams(_beams(lp, budget), topk_ids)  # [bs, T]
-    T = score.shape[1]
+    return select_nodes(root, score, token, parent_slot, depth, budget, min(L, budget))
+
+
+def select_nodes(root, score, token, parent_slot, depth, budget: int, max_depth: int) -> DraftTree:
+    """The first `budget` candidate slots by (score, slot order) as a DraftTree: score, token,
+    parent_slot (-1: the root), depth [bs, T] per slot; max_depth bounds the visibility."""
+    bs, T = score.shape
     sel = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :budget]  # [bs, B]
 
     # node_of[:, s + 1] = tree index of slot s (0 if unselected); column 0 is the root.
@@ -151,6 +157,6 @@ def build_tree(
         depth=with_root(torch.zeros_like(minus_one), depth.gather(1, sel)),
         first_child=first_child,
         next_sibling=next_sibling,
-        visibility=tree_visibility(parents, min(L, budget)),
+        visibility=tree_visibility(parents, max_depth),
         scores=with_root(torch.zeros_like(score[:, :1]), score.gather(1, sel)),
     )

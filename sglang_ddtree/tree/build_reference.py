@@ -100,7 +100,11 @@ def build_tree_reference(
     bs, _, _ = check_build_inputs(root, topk_ids, topk_logprobs, budget)
     roots, ids, lps = root.tolist(), topk_ids.tolist(), topk_logprobs.tolist()
     trees = [_one_tree(roots[b], ids[b], lps[b], budget) for b in range(bs)]
-    device = root.device
+    return stack_trees(trees, root.device)
+
+
+def stack_trees(trees: list[dict], device) -> DraftTree:
+    """Per-request host trees ({field: list}, as `_one_tree` returns them) as one DraftTree."""
 
     def field(name: str, dtype: torch.dtype) -> torch.Tensor:
         if name == "scores":

@@ -30,8 +30,8 @@ import math
 import numpy as np
 import torch
 
-from .build import tree_links, tree_visibility
-from .build_reference import sibling_links
+from .build import select_nodes
+from .build_reference import sibling_links, stack_trees
 from .inputs import LOGPROB_FLOOR, beam_widths, check_build_inputs
 from .types import DraftTree
 
@@ -164,23 +164,7 @@ def build_lattice_tree_reference(
     bs, _, _ = check_lattice_inputs(root, candidate_ids, cond_logprobs, budget)
     roots, ids, cond = root.tolist(), candidate_ids.tolist(), cond_logprobs.tolist()
     trees = [_one_tree(roots[b], ids[b], cond[b], budget) for b in range(bs)]
-    device = root.device
-
-    def field(name: str, dtype: torch.dtype) -> torch.Tensor:
-        if name == "scores":
-            array = np.array([t[name] for t in trees], dtype=np.float32)
-            return torch.from_numpy(array).to(device)
-        return torch.tensor([t[name] for t in trees], dtype=dtype, device=device)
-
-    return DraftTree(
-        tokens=field("tokens", torch.int64),
-        parents=field("parents", torch.int64),
-        depth=field("depth", torch.int64),
-        first_child=field("first_child", torch.int64),
-        next_sibling=field("next_sibling", torch.int64),
-        visibility=field("visibility", torch.bool),
-        scores=field("scores", torch.float32),
-    )
+    return stack_trees(trees, root.device)
 
 
 def _sorted_rows_batched(cond_logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -239,30 +223,4 @@ def build_lattice_tree(
     score, token, parent_slot, depth = (
         torch.cat(x, dim=1) for x in (scores, tokens, parents, depths)
     )
-    return _select(root, score, token, parent_slot, depth, budget, min(L, budget))
-
-
-def _select(root, score, token, parent_slot, depth, budget: int, max_depth: int) -> DraftTree:
-    """The first `budget` slots by (score, slot order) as a DraftTree (tree/build.py's tail)."""
-    bs, T = score.shape
-    sel = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :budget]  # [bs, B]
-    node_of = torch.zeros(bs, T + 1, dtype=torch.int64, device=root.device)  # slot+1 -> node
-    node_ids = torch.arange(1, budget + 1, device=root.device).expand(bs, budget)
-    node_of.scatter_(1, sel + 1, node_ids)
-    parents = node_of.gather(1, parent_slot.gather(1, sel) + 1)  # [bs, B]
-
-    def with_root(head: torch.Tensor, rest: torch.Tensor) -> torch.Tensor:
-        return torch.cat([head.expand(bs, 1), rest], dim=1)  # [bs, N]
-
-    minus_one = torch.full((bs, 1), -1, dtype=torch.int64, device=root.device)
-    parents = with_root(minus_one, parents)
-    first_child, next_sibling = tree_links(parents)
-    return DraftTree(
-        tokens=with_root(root[:, None], token.gather(1, sel)),
-        parents=parents,
-        depth=with_root(torch.zeros_like(minus_one), depth.gather(1, sel)),
-        first_child=first_child,
-        next_sibling=next_sibling,
-        visibility=tree_visibility(parents, max_depth),
-        scores=with_root(torch.zeros_like(score[:, :1]), score.gather(1, sel)),
-    )
+    return select_nodes(root, score, token, parent_slot, depth, budget, min(L, budget))
