@@ -48,6 +48,9 @@ MODELS="qwen3 qwen35 pair"
 # the runs `collect` waits for: one pytest per model, and the soak (tests/gpu/test_soak.py: the
 # mixed soak and the fuzz on servers of its own; SOAK=0 leaves it out)
 RUNS="$MODELS"; [ "${SOAK:-1}" = 0 ] || RUNS="$RUNS soak"
+# each model's test files in the order of its servers' launch (tests/gpu/servers.py starts the
+# FP8 servers last; test_limits starts servers of its own, so after the set has settled)
+SUITE_FILES="tests/gpu/test_serve.py tests/gpu/test_limits.py tests/gpu/test_fp8.py"
 N_RUNS=$(wc -w <<< "$RUNS")
 
 test_bg() {  # one detached pytest per model, and the soak; ROOT/results/pytest_<run>.{log,rc}
@@ -56,9 +59,9 @@ test_bg() {  # one detached pytest per model, and the soak; ROOT/results/pytest_
   # three servers start once every suite server has settled with 12 GB of GPU memory and 16 GB
   # of host memory to spare, or else once the first model's servers have stopped
   for m in $MODELS; do
-    DDTREE_GPU_ROOT="$ROOT" DDTREE_GPU_MODELS=$m DDTREE_GPU_WAIT=600 OMP_NUM_THREADS=4 \
+    SUITE_FILES="$SUITE_FILES" DDTREE_GPU_ROOT="$ROOT" DDTREE_GPU_MODELS=$m DDTREE_GPU_WAIT=600 OMP_NUM_THREADS=4 \
       OUT="$ROOT/results" setsid nohup bash -c \
-      'python3 -m pytest tests/gpu -m gpu -q -rA --durations=12 "$@" > "$0.log" 2>&1; rc=$?
+      'python3 -m pytest $SUITE_FILES -m gpu -q -rA --durations=12 "$@" > "$0.log" 2>&1; rc=$?
        python3 -m tests.gpu.servers stop "$DDTREE_GPU_ROOT" "$DDTREE_GPU_MODELS"; echo $rc > "$0.rc"' \
       "$ROOT/results/pytest_$m" "$@" < /dev/null > /dev/null 2>&1 &
   done

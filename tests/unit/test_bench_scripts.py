@@ -563,6 +563,49 @@ def test_launcher_restarts_a_failed_server_once_and_reports_status(tmp_path, mon
     assert mod.wait(tmp_path, timeout=1) == mod.read_status(tmp_path)
 
 
+def test_launcher_boots_at_most_max_booting_servers_at_once(tmp_path, monkeypatch):
+    """The launcher keeps at most MAX_BOOTING servers booting, starts the rest in launch order
+    as earlier ones come up, and settles every one."""
+    from tests.gpu import servers as mod
+
+    order, looks = [], {}
+
+    class Fake:
+        def __init__(self, name):
+            self.name, self.log_path = name, tmp_path / f"server_{name}.log"
+
+        def start(self, detach=False):
+            order.append(self.name)
+            looks[self.name] = 0
+
+        def is_healthy(self):
+            if self.name not in looks:
+                return False
+            looks[self.name] += 1
+            return looks[self.name] > 3  # up on the launcher's third look after its start
+
+        def is_alive(self):
+            return True
+
+    names = [f"s{i}" for i in range(7)]
+    monkeypatch.setattr(mod, "server_set", lambda root: {n: Fake(n) for n in names})
+    monkeypatch.setattr(mod, "LAUNCH_GAP_S", 0.0)
+    monkeypatch.setattr(mod, "MAX_BOOTING", 3)
+    monkeypatch.setattr(mod.time, "sleep", lambda s: None)
+    most = []
+    write = mod._write_status
+
+    def spy(root, status):
+        most.append(sum(n in looks and v == "starting" for n, v in status.items()))
+        write(root, status)
+
+    monkeypatch.setattr(mod, "_write_status", spy)
+    mod.run_launcher(tmp_path, timeout=5)
+    assert order == names
+    assert max(most) == 3
+    assert set(mod.read_status(tmp_path).values()) == {"healthy"}
+
+
 def test_fp32_referee_scores_greedy_tokens_zero_and_others_positive():
     """tests/gpu's float32 referee (harness.fp32_deficit) on the shipped pair: the reference
     engine's own greedy tokens score 0, any other token scores its gap to the argmax."""
