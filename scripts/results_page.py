@@ -535,6 +535,9 @@ def gpu_suite_table(rows: list[dict]) -> str:
     return shown(rows, prose(head) + "\n\n" + table(header, body))
 
 
+WORLD_KEYS = ("spread", "ratio", "off_spine", "shared", "miss_ratio", "tail")  # as rows name them
+
+
 def simulated_acceptance_table(rows: list[dict]) -> str:
     """Per regime: the chain's tokens per round (measured and calibrated) and the tree's at each
     width, with the tree over the chain."""
@@ -549,9 +552,13 @@ def simulated_acceptance_table(rows: list[dict]) -> str:
         trees = {
             r["nodes"]: r["tau"] for r in rows if r["regime"] == name and r["verify"] == "tree"
         }
+        params = ", ".join(
+            f"{k.replace('_', '-')} {world[k]:g}" for k in WORLD_KEYS if world.get(k) is not None
+        )
         body.append(
             [
                 name,
+                params,
                 means,
                 f"{chain['tau']:.2f} ({chain['chain_tau_calibrated']:.2f})",
                 *[f"{trees[n]:.2f} ({trees[n] / chain['tau']:.2f}x)" for n in widths],
@@ -559,16 +566,15 @@ def simulated_acceptance_table(rows: list[dict]) -> str:
         )
     header = [
         "regime",
+        "world",
         "top-1 means by depth",
         "chain (calibrated)",
         *[f"tree N={n}" for n in widths],
     ]
     first, tree = rows[0], next(r for r in rows if r["verify"] == "tree")
-    world = first["world"]
     note = (
-        f"Block {first['block']}, K = {tree['topk']}, spread {world['spread']}, ratio "
-        f"{world['ratio']}, off-spine {world['off_spine']}; {first['rounds']} independent "
-        "rounds per cell."
+        f"Block {first['block']}, K = {tree['topk']}; {first['rounds']} independent rounds per "
+        "cell; each world's parameters (docs/simulation.md) beside its name."
     )
     return shown(rows, note + "\n\n" + table(header, body))
 
