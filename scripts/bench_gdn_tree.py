@@ -1,16 +1,18 @@
 """One Gated DeltaNet layer's tree verify and commit at Qwen3.6-27B head sizes, on the GPU: SGLang's
 kernel (the N nodes walked one after another, every node's state stored, the commit a copy)
 against sglang_ddtree.gdn.tree_verify (one program per root path, no state stored, the commit a
-replay of the accepted path), on DDTrees from the builder. Also checks that both give the same
-outputs and committed state.
+replay of the accepted path) and gdn.chunk_tree.chunk_tree_verify (the chunked form, the default:
+one block of nodes up to 64, blocks of 64 up to MAX_NODES = 256), on DDTrees from the builder.
+Also checks that they give the same outputs and committed state.
 
-    python scripts/bench_gdn_tree.py [--nodes 16,32,64,128] [--bs 1,8] [--iters 50] [--out OUT]
+    python scripts/bench_gdn_tree.py [--nodes 16,32,64,128,256] [--bs 1,8] [--iters 50] [--out OUT]
 
 Each measured call is captured in a CUDA graph and replayed `iters` times between CUDA events
 (`bench_tree_build.gpu_ms`: GPU time, no launch overhead). Per (bs, N): SGLang's verify, its commit
-(copying the accepted node's state into the pool), our verify, our commit (one layer; in the
-server one launch commits all 48). A 27B round runs 48 such layers. The commit replays the
-deepest path of each tree (the longest a round can accept).
+(copying the accepted node's state into the pool), our root-path verify, the chunked verify
+(widths up to MAX_NODES), our commit (one layer; in the server one launch commits all 48). A 27B
+round runs 48 such layers. The commit replays the deepest path of each tree (the longest a round
+can accept).
 Output: JSON lines (OUT/gdn_tree_kernel.jsonl if --out) and a table.
 """
 
@@ -133,7 +135,7 @@ def run_one(
     def ours_commit():
         commit_paths(pool, slots, scratch, slots, parents_dev, ends, max_path=BLOCK)
 
-    chunked = nodes <= MAX_NODES
+    chunked = nodes <= MAX_NODES  # the chunked verify's widths: one block to 64, blocks to 256
 
     def chunk_verify(block_v=None, warps=None, precision="split"):
         def fn():

@@ -175,7 +175,7 @@ class Options:
     dump_rounds   SGLANG_DDTREE_DUMP_ROUNDS   a JSON-lines file for sampled rounds; None: off
     dump_every    SGLANG_DDTREE_DUMP_EVERY    every how many rounds (100)
     From the server's flags, not switches:
-    gdn_verify    chunk (the chunked verify; trees over 64 nodes take the root paths), or
+    gdn_verify    chunk (the chunked verify; trees over 256 nodes take the root paths), or
                   paths (root paths, batch-invariant) under --enable-deterministic-inference
     gdn_scratch   compact (state/gdn_pool.py), or full where SGLang allocates the per-node
                   states itself: --enable-unified-memory

@@ -8,8 +8,9 @@ DDTREE serves a tree (topk > 1):
 
 - `target_verify` (around GDNKernelDispatcher.target_verify, once per GDN layer, inside the
   verify CUDA graph): `gdn.chunk_tree.chunk_tree_verify`, every node at once in the chunked
-  form on tensor cores (N <= 64; wider trees, and --enable-deterministic-inference, take
-  `gdn.tree_verify.tree_verify`, one program per root path, whose tokens are batch-invariant).
+  form on tensor cores (N <= 256, in blocks of 64 nodes above 64; wider trees, and
+  --enable-deterministic-inference, take `gdn.tree_verify.tree_verify`, one program per root
+  path, whose tokens are batch-invariant).
   Each node's g, beta, k and v go to the request's scratch row, no state does.
 - `commit` (around HybridLinearAttnBackend.update_mamba_state_after_mtp_verify, once per round):
   `commit_paths` replays the accepted path into the pool for all GDN layers in one launch (and
@@ -45,14 +46,15 @@ class GDNPath:
     """How DDTREE's tree verify runs the Gated DeltaNet layers (`path_of` the options)."""
 
     max_path: int  # nodes on the longest root path: the bonus token + B - 1 drafted tokens
-    verify: str = "chunk"  # "chunk" (N <= 64) or "paths" (root paths; deterministic inference)
+    verify: str = "chunk"  # "chunk" (N <= 256) or "paths" (root paths; deterministic inference)
     # the compact scratch (state/gdn_pool.py): the tree conv1d stores each node's input
     # once and the commit builds the accepted window from them; full: SGLang's per-node windows
     # and its scatter
     compact: bool = True
 
     def chunked(self, nodes: int) -> bool:
-        """Whether an N-node tree verify runs the chunked kernel (wider trees: root paths)."""
+        """Whether an N-node tree verify runs the chunked kernel (up to chunk_tree.MAX_NODES;
+        wider trees: root paths)."""
         from sglang_ddtree.gdn.chunk_tree import MAX_NODES
 
         return self.verify == "chunk" and nodes <= MAX_NODES

@@ -376,7 +376,7 @@ def test_configure_says_when_the_chunked_verify_cannot_apply(monkeypatch, caplog
     from sglang_ddtree import config
 
     opts = config.Options()
-    for nodes, warned in ((32, False), (128, True)):
+    for nodes, warned in ((32, False), (256, False), (512, True)):
         caplog.clear()
         with caplog.at_level("INFO"):
             gdn.configure(opts, DDTreeConfig(block_size=16, num_nodes=nodes, topk=8))

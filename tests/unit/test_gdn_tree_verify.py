@@ -13,7 +13,7 @@ from functools import partial
 import pytest
 import torch
 
-from sglang_ddtree.gdn.chunk_tree import MAX_NODES, chunk_tree_verify
+from sglang_ddtree.gdn.chunk_tree import BLOCK_NODES, MAX_NODES, PRECISIONS, chunk_tree_verify
 from sglang_ddtree.gdn.reference import gdn_gating, max_path_len, root_path, tree_verify_reference
 from sglang_ddtree.gdn.tree_verify import as_scratch, commit_paths, scratch_floats, tree_verify
 from sglang_ddtree.tree import build_tree_reference
@@ -30,7 +30,7 @@ from tests.fixtures import (
 torch.set_num_threads(1)
 
 # the non-GPU tests the interpreter process runs (all but this one); it must pass all
-test_cpu_kernel_tests_under_triton_interpreter = interpreter_process_test(__file__, 21)
+test_cpu_kernel_tests_under_triton_interpreter = interpreter_process_test(__file__, 37)
 
 
 def random_parents(bs: int, N: int, gen: torch.Generator) -> torch.Tensor:
@@ -207,23 +207,25 @@ def test_chunk_tree_verify_matches_the_float64_recurrence_on_every_tree_shape(sh
 @interpreter_only
 def test_chunk_tree_verify_stays_exact_when_every_key_points_the_same_way():
     """The worst conditioning for the triangular solve: keys nearly parallel along a 16-deep
-    chain and a branching tree, so that A's entries approach beta * decay. Same float32
-    tolerance against float64."""
+    chain and branching trees (one of two blocks), so that A's entries approach beta * decay.
+    Same float32 tolerance against float64."""
     gen = torch.Generator().manual_seed(19)
-    for shape in ("chain", "builder"):
-        parents = tree_shapes(shape, 2, 16 if shape == "chain" else 32, gen)
+    for shape, N in (("chain", 16), ("builder", 32), ("builder", 128)):
+        parents = tree_shapes(shape, 2, N, gen)
         case = Case(parents, 1, 2, 32, 32, gen, ref_dtype=torch.float64, k_std=0.05)
         o = case.verify(max_path=16, kernel=chunk_tree_verify)
         torch.testing.assert_close(o.double(), case.o_ref, rtol=0, atol=2e-5)
 
 
 @interpreter_only
-def test_chunk_tree_verify_leaves_the_same_scratch_and_output_as_the_root_path_kernel():
+@pytest.mark.parametrize("N,HV,V", [(20, 6, 40), (72, 2, 16)], ids=["one_block", "blocks"])
+def test_chunk_tree_verify_leaves_the_same_scratch_and_output_as_the_root_path_kernel(N, HV, V):
     """Same contract as tree_verify: the commit's scratch words are identical, outputs agree to
-    float32 rounding, bf16 inputs and a bf16 pool included; more than MAX_NODES is refused."""
+    float32 rounding, bf16 inputs and a bf16 pool included, in one block of nodes and in two;
+    more than MAX_NODES is refused."""
     gen = torch.Generator().manual_seed(23)
-    parents = builder_parents(2, 20, 8, gen)
-    case = Case(parents, 2, 6, 16, 40, gen, dtype=torch.bfloat16, pool_dtype=torch.bfloat16)
+    parents = builder_parents(2, N, 8, gen)
+    case = Case(parents, 2, HV, 16, V, gen, dtype=torch.bfloat16, pool_dtype=torch.bfloat16)
     o_root = case.verify(max_path=8)
     scratch_root = case.scratch.clone()
     case.scratch.fill_(float("nan"))
@@ -235,6 +237,112 @@ def test_chunk_tree_verify_leaves_the_same_scratch_and_output_as_the_root_path_k
     case = Case(wide, 1, 1, 16, 16, gen)
     with pytest.raises(ValueError, match=f"at most {MAX_NODES} nodes"):
         case.verify(max_path=8, kernel=chunk_tree_verify)
+
+
+def wide_trees(name: str, N: int, gen: torch.Generator) -> torch.Tensor:
+    """[3, N] parent-first trees wider than one block, a different one per request: "chains"
+    (request r: node t's parent t - s_r for s = 1, 16, 5, chains that cross every block
+    boundary, the first one chain of all N nodes), "bush" (request r: parents among the first
+    2 + r nodes, depth 3 at most, most ancestors in block 0) or "mixed" (a builder DDTree of
+    block 16, a random tree, chains of stride 16)."""
+    t = torch.arange(N)
+
+    def chains(s):
+        return torch.where(t >= s, t - s, 0)
+
+    def bush(r):
+        return torch.randint(0, 2 + r, (N,), generator=gen).minimum((t - 1).clamp(min=0))
+
+    if name == "chains":
+        return torch.stack([chains(s) for s in (1, 16, 5)])
+    if name == "bush":
+        return torch.stack([bush(r) for r in range(3)])
+    builder = builder_parents(1, N, 16, gen)[0]
+    return torch.stack([builder, random_parents(1, N, gen)[0], chains(16)])
+
+
+def blocks_case(name: str, N: int, seed: int, **kwargs) -> tuple[Case, int]:
+    """(a Case of `wide_trees`: 2 key / 4 value heads of 16 x 80 (two V tiles), the last request
+    a CUDA-graph padding row, the float64 reference; its longest root path)."""
+    gen = torch.Generator().manual_seed(seed)
+    parents = wide_trees(name, N, gen)
+    case = Case(parents, 2, 4, 16, 80, gen, pad_last=True, ref_dtype=torch.float64, **kwargs)
+    return case, max_path_len(parents)
+
+
+@interpreter_only
+@pytest.mark.parametrize(
+    "N,shape",
+    [
+        (65, "chains"),
+        (65, "mixed"),
+        (100, "chains"),
+        (100, "bush"),
+        (128, "chains"),
+        (128, "bush"),
+        (128, "mixed"),
+        (256, "bush"),
+        (256, "mixed"),
+        pytest.param(256, "chains", marks=pytest.mark.slow),  # a 256-deep chain: 256-step walks
+    ],
+)
+def test_chunk_tree_verify_in_blocks_matches_the_float64_recurrence(N, shape):
+    """Trees of 2 to 4 blocks of BLOCK_NODES (the block back substitution, root paths crossing
+    blocks, a last block of one node at N = 65) against the node-by-node recurrence in float64,
+    three different trees per batch, the last a padding row. The one-block float32 tolerance:
+    2e-5 absolute at |o| < 1."""
+    assert BLOCK_NODES < N <= MAX_NODES
+    case, max_path = blocks_case(shape, N, seed=N)
+    o = case.verify(max_path=max_path, kernel=chunk_tree_verify)
+    assert o.dtype == torch.float32
+    torch.testing.assert_close(o.double(), case.o_ref, rtol=0, atol=2e-5)
+
+
+@interpreter_only
+@pytest.mark.parametrize("precision", [p for p in PRECISIONS if p != "split"])
+def test_chunk_tree_verify_in_blocks_runs_every_precision(precision):
+    """Every precision's code path through the blocks, at the same float32 tolerance: Triton's
+    interpreter runs each tl.dot in float32, so this checks their algebra; what tf32 costs in
+    accuracy is the GPU test's (test_chunk_tree_verify_precision_on_gpu)."""
+    case, max_path = blocks_case("mixed", 128, seed=41)
+    o = chunk_tree_verify(
+        case.q,
+        case.k,
+        case.v,
+        case.a,
+        case.b,
+        case.A_log,
+        case.dt_bias,
+        case.pool,
+        case.slots,
+        case.parents,
+        case.scratch,
+        case.scratch_slots,
+        max_path=max_path,
+        precision=precision,
+    )
+    torch.testing.assert_close(o.double(), case.o_ref, rtol=0, atol=2e-5)
+
+
+@interpreter_only
+@pytest.mark.parametrize("N", [128, 256])
+def test_chunk_tree_verify_in_blocks_stays_finite_on_a_garbage_padding_row(N):
+    """A warm-up or padding request's parents are whatever the buffer held (any int64, cycles,
+    parents after their children) and its gates can be steep: its outputs and scratch words
+    stay finite, and the other requests' outputs are still the recurrence's. (A parent past the
+    last node read as it, its own parent with a gate at softplus 85, overflowed exp(G_i - G_j)
+    without both the walk's clamp of a parent below its child and the cap of D at 1.)"""
+    case, max_path = blocks_case("mixed", N, seed=43)
+    gen = torch.Generator().manual_seed(44)
+    case.parents[2] = torch.randint(-(2**40), 2**40, (N,), generator=gen)
+    case.parents[2, ::3] = torch.randint(0, N, (len(range(0, N, 3)),), generator=gen)
+    case.a[2 * N :] *= 10  # softplus past its threshold: g down to -30 exp(A_log) a node
+    case.parents[2, -1], case.a[3 * N - 1] = N - 1, 85.0  # its own parent, and a steep gate
+    o = case.verify(max_path=max_path, kernel=chunk_tree_verify)
+    assert torch.isfinite(o).all()
+    assert torch.isfinite(case.scratch[int(case.scratch_slots[2])][:-5]).all()
+    ok = slice(0, 2 * N)
+    torch.testing.assert_close(o[ok].double(), case.o_ref[ok], rtol=0, atol=2e-5)
 
 
 @interpreter_only
@@ -310,8 +418,8 @@ def test_tree_verify_and_commit_equal_sglangs_own_verify_and_commit():
 @pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA")
 @pytest.mark.parametrize(
     "kernel,N",
-    [(tree_verify, 32), (chunk_tree_verify, 32), (chunk_tree_verify, 64)],
-    ids=["root_paths", "chunk32", "chunk64"],
+    [(tree_verify, 32), *((chunk_tree_verify, n) for n in (32, 64, 128, 256))],
+    ids=["root_paths", "chunk32", "chunk64", "chunk128", "chunk256"],
 )
 def test_tree_verify_and_commit_on_gpu_at_qwen36_head_sizes(kernel, N):
     """bf16 inputs, tf32 products in the chunked form: o within bf16 tolerance of the float32
@@ -334,12 +442,12 @@ def test_tree_verify_and_commit_on_gpu_at_qwen36_head_sizes(kernel, N):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA")
-@pytest.mark.parametrize("N", [32, 64])
+@pytest.mark.parametrize("N", [32, 64, 128, 256])
 def test_chunk_tree_verify_precision_on_gpu(N):
     """The chunked form's products on the H200 against the float64 recurrence, float32 inputs
     (the output is not rounded to bf16): "split" (the default, hi + lo tf32 parts) within 2e-5
     of max |o|, as close as the root-path kernel's float32 FMAs; one tf32 pass for comparison
-    (measured at 1.5e-3 there). Printed per precision."""
+    (measured at 1.5e-3 there at N <= 64). Printed per precision."""
     gen = torch.Generator().manual_seed(29)
     parents = builder_parents(2, N, 16, gen)
     case = Case(parents, 16, 48, 128, 128, gen, device="cuda", ref_dtype=torch.float64)
@@ -395,17 +503,19 @@ def test_chunk_and_root_paths_agree_in_bf16_at_the_binary_pairs_shapes():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA")
+@pytest.mark.parametrize("N", [32, 128, 256])
 @pytest.mark.parametrize("kernel", ["root_paths", "chunk", "chunk_tf32"])
-def test_tree_verify_is_batch_invariant_on_gpu(kernel):
+def test_tree_verify_is_batch_invariant_on_gpu(kernel, N):
     """A request's outputs and scratch words are bit-identical alone (bs 1) and as request 3 of
-    a batch of 8 (SGLang's deterministic mode asks this of every kernel in the round)."""
+    a batch of 8 (SGLang's deterministic mode asks this of every kernel in the round), in one
+    block of nodes and in blocks."""
     fn = {
         "root_paths": tree_verify,
         "chunk": chunk_tree_verify,
         "chunk_tf32": partial(chunk_tree_verify, precision="tf32"),
     }[kernel]
     gen = torch.Generator().manual_seed(31)
-    bs, N, r = 8, 32, 3
+    bs, r = 8, 3
     parents = builder_parents(bs, N, 16, gen)
     case = Case(parents, 16, 48, 128, 128, gen, dtype=torch.bfloat16, device="cuda")
 
