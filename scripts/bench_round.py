@@ -3,6 +3,7 @@ built-in MTP layer with its tree) and no speculation, side by side on one GPU.
 
     python scripts/bench_round.py --out OUT [--variants none,dflash,nextn,ddtree32,ddtree64]
         [--batch 1,4,8,16] [--tokens 96] [--profile ddtree64]
+        [--simulate WORLD --serving 1,8,16,32 [--steady-state [--max-cell-seconds 120]]]
 
 The script sizes itself from the GPU it finds (`size_for`, on `card_info`'s name and total
 memory): the target runs bf16 where its weights leave room for a verify scratch (one H200) and
@@ -20,13 +21,16 @@ latency against the request's decode rounds (spec_verify_ct, or new tokens - 1 f
 decoding). Dummy weights accept at random, so this is the cost of a round, not a speed-up;
 `--simulate` gives every server a world in which drafts are accepted as a real drafter's are
 (scripts/simworld, put on each server's PYTHONPATH with DDTREE_SIMULATE; docs/simulation.md),
-and `--serving` measures end to end in it. Also recorded: the Gated DeltaNet
-verify scratch the server allocated, the memory its weights took as SGLang logged it
-(`weights_gb`, target then draft: the check on the sizing's `weights_gib`), and (for `--profile`
-variants) GPU time per DDTREE part from SGLang's torch-profiler trace, using the worker's
-`ddtree.*` ranges (scripts/round_trace.py).
+and `--serving C,...` measures end to end in it with sglang.bench_serving
+(scripts/round_serving.py: short cells by default; `--steady-state` runs each cell long enough
+that decode rounds, not prefills, fill it, `--runs` 2 times, capped at `--max-cell-seconds`,
+with the runs' spread). Also recorded: the Gated DeltaNet verify scratch the server allocated,
+the memory its weights took as SGLang logged it (`weights_gb`, target then draft: the check on
+the sizing's `weights_gib`), and (for `--profile` variants) GPU time per DDTREE part from
+SGLang's torch-profiler trace, using the worker's `ddtree.*` ranges (scripts/round_trace.py).
 Output: OUT/round_cost_27b.jsonl (one row per measurement; docs/data/ keeps them, docs/results.md
-shows them), a table on stdout, OUT/bench_round.png. The unit tests check configs, variants,
+shows them), OUT/serving_simulated_27b.jsonl (--serving's rows: round_serving.py says their
+kinds), a table on stdout, OUT/bench_round.png. The unit tests check configs, variants,
 the sizing on an H100 and an H200 and the rows, on CPU.
 """
 
@@ -44,8 +48,9 @@ from importlib.metadata import version as installed_version
 from pathlib import Path
 
 import harness  # beside this script (scripts/harness.py)
+import round_serving  # beside this script: --serving's cells
 import simworld  # beside this script (scripts/simworld: the simulated world)
-from harness import ADMIN_ARGS, bench_args, prompts_for, run_bench, timed_requests, write_dataset
+from harness import ADMIN_ARGS, timed_requests
 from round_trace import profile_parts
 
 QWEN36_TEXT = dict(  # Qwen3.6-27B text sizes (ddtree.md §3)
@@ -663,48 +668,6 @@ def simulated(value: str) -> dict | None:
     return world.as_dict() if world else None
 
 
-def serve(
-    server, dataset: Path, tokenizer: str, concurrency: int, tokens: int, per_client: int, out: Path
-) -> dict:
-    """One sglang.bench_serving run at this concurrency (scripts/bench_serving.py's prompts and
-    arguments): tokens/s, TPOT, TTFT and SGLang's accept length. A first wave of `concurrency`
-    requests goes unmeasured: without it, each server's first run at 4 clients stalled one
-    request about 6 s before its first token (a first-seen prefill shape), a third of the run."""
-    prompts = prompts_for(concurrency, per_client)
-    run_bench(
-        bench_args(
-            server,
-            dataset,
-            tokenizer,
-            concurrency,
-            concurrency,
-            0.0,
-            tokens,
-            out / f"bench_serving_{server.name}_warmup.jsonl",
-        )
-    )
-    argv = bench_args(
-        server,
-        dataset,
-        tokenizer,
-        prompts,
-        concurrency,
-        0.0,
-        tokens,
-        out / f"bench_serving_{server.name}.jsonl",
-    )
-    result = run_bench(argv)
-    return {
-        "concurrency": concurrency,
-        "requests": prompts,
-        "tokens": tokens,
-        "output_tok_s": result["output_throughput"],
-        "median_tpot_ms": result.get("median_tpot_ms"),
-        "median_ttft_ms": result.get("median_ttft_ms"),
-        "accept_len": result.get("accept_length"),
-    }
-
-
 def loaded_weights_gb(log: str) -> list[float]:
     """The memory each model's weights took as SGLang logged it ("Load weight end. ... mem
     usage=X GB", GiB): the target's, then the draft's; the check on weights_gib."""
@@ -752,18 +715,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(scripts/simworld, DDTREE_SIMULATE on the servers: e.g. narrative), so "
         "that drafts are accepted as a real drafter's would be",
     )
-    p.add_argument(
-        "--serving",
-        default="",
-        help="after each variant's rounds, "
-        "sglang.bench_serving at these concurrencies (e.g. 1,8,16,32): "
-        "OUT/serving_simulated_27b.jsonl",
-    )
-    p.add_argument(
-        "--serving-variants", default="", help="the variants --serving runs on (default: every one)"
-    )
-    p.add_argument("--serving-tokens", type=int, default=256, help="new tokens per request")
-    p.add_argument("--requests-per-client", type=int, default=4)
+    round_serving.add_arguments(p)  # --serving and its --steady-state
     p.add_argument(
         "--long-context",
         default="",
@@ -771,7 +723,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "these token counts alone and 4 at once (e.g. 16384,32768); the context "
         "length becomes the largest + 1024",
     )
-    return p.parse_args(argv)
+    return round_serving.check_args(p.parse_args(argv))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -792,11 +744,8 @@ def main(argv: list[str] | None = None) -> int:
     baseline = free_bytes()  # free before any server (others may share the GPU)
     rows = []
     world = simulated(args.simulate)
-    concurrencies = [int(c) for c in args.serving.split(",") if c]
-    dataset = None
-    if concurrencies:
-        most = max(prompts_for(c, args.requests_per_client) for c in concurrencies)
-        dataset = write_dataset(args.out / "prompts.jsonl", most)
+    dataset = round_serving.write_prompts(args)  # None: no --serving
+    context = int(common[common.index("--context-length") + 1])
 
     release = installed_version("sglang")
 
@@ -866,19 +815,11 @@ def main(argv: list[str] | None = None) -> int:
                     row["width_table"] = width_table(server.log_text())
                 emit(row)
             serving = not args.serving_variants or name in args.serving_variants.split(",")
-            for concurrency in concurrencies if serving else []:
-                row = serve(
-                    server,
-                    dataset,
-                    str(target),
-                    concurrency,
-                    args.serving_tokens,
-                    args.requests_per_client,
-                    args.out,
-                )
+            cells = round_serving.cells if serving and dataset else lambda *a: ()
+            for row in cells(server, dataset, str(target), args, max_req, context):
                 row.update(variant=name, max_running=max_req)
-                if "_auto" in name:
-                    row["widths_rounds"] = widths_rounds(server)
+                if "_auto" in name and row.get("kind") != "spread":
+                    row["widths_rounds"] = widths_rounds(server)  # rounds per width so far
                 emit(row, "serving_simulated_27b")
             if lengths:
                 long_context = long_prompts(server, lengths, VOCAB)

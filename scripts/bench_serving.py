@@ -118,7 +118,7 @@ def summarize(rows: list[dict]) -> list[dict]:
                 "server": name,
                 "runs": len(runs),
                 "runs_tok_s": tps,
-                "spread": (max(tps) - min(tps)) / med[t, c, name] if med[t, c, name] else None,
+                "spread": harness.spread(tps),
                 "median_tok_s": med[t, c, name],
                 "min_tok_s": min(tps),
                 "max_tok_s": max(tps),
@@ -456,27 +456,14 @@ def steady_plan(servers: list, t: float, args, probe) -> dict[int, dict]:
     """--steady-state's cells at temperature t: a probe run (the flags' short run, not
     recorded) per concurrency and server, c = 1 first, gives each server's prefill time (its
     median TTFT at c = 1, a lone request's) and TPOT at c; each cell takes the largest R and T
-    harness.steady_state asks of any server, so that the servers of a cell do the same work.
-    probe(server, run, t, c, cell) -> a row."""
+    harness.steady_state asks of any server (harness.steady_plan), so that the servers of a
+    cell do the same work. probe(server, run, t, c, cell) -> a row."""
     cs = sorted({1, *(int(x) for x in args.concurrency.split(","))})
     short = {"requests_per_client": args.requests_per_client, "tokens": args.tokens}
     rows = {(s.name, c): probe(s, 0, t, c, short) for c in cs for s in servers}
-    prefill = {s.name: rows[s.name, 1]["median_ttft_ms"] for s in servers}
-    plan = {}
-    for c in cs:
-        sizes = [
-            harness.steady_state(
-                c,
-                prefill[s.name],
-                rows[s.name, c]["median_tpot_ms"],
-                args.prefill_share,
-                args.tokens,
-                args.requests_per_client,
-            )
-            for s in servers
-        ]
-        R, T = max(r for r, _ in sizes), max(n for _, n in sizes)
-        plan[c] = {"requests_per_client": R, "tokens": T, "prefill_ms": prefill}
+    plan = harness.steady_plan(rows, cs, args.prefill_share, args.tokens, args.requests_per_client)
+    for c, cell in plan.items():
+        R, T = cell["requests_per_client"], cell["tokens"]
         print(json.dumps({"steady_state": c, "temperature": t, "R": R, "T": T}), flush=True)
     return plan
 
@@ -598,8 +585,8 @@ def main() -> int:
     concurrencies = [int(x) for x in args.concurrency.split(",")]
     concurrencies += [int(x) for x in args.host_concurrency.split(",")]
     per_client = args.requests_per_client
-    if args.steady_state:  # the plan's R (harness.steady_state), the same for every c
-        per_client = max(per_client, harness.steady_state(1, 1.0, 1.0, args.prefill_share)[0])
+    if args.steady_state:  # the plan's R (harness.steady_per_client), the same for every c
+        per_client = harness.steady_per_client(args.prefill_share, per_client)
     requests = max(prompts_for(c, per_client) for c in concurrencies)
     dataset = write_dataset(args.out / "heldout.jsonl", requests)
     rows_path = args.out / "serving_pair.jsonl"

@@ -4,7 +4,8 @@ for `Server.tokenize`, SGLang for `run_bench`, the package for `write_dataset`, 
 where it is used). Every server writes its log under `log_dir`. The benchmarks' shared parts
 live here, so that no benchmark imports another: timed batches of requests (`timed_requests`)
 and SGLang's load generator, `sglang.bench_serving` (`write_dataset`, `bench_args`,
-`run_bench`); scripts/round_trace.py holds their profiler-trace readers.
+`run_bench`) with the steady-state rule of its runs (`steady_state`, `steady_plan`,
+`prefill_share`, `spread`); scripts/round_trace.py holds their profiler-trace readers.
 
 Scripts beside this file import it by name (`import harness`: `python scripts/NAME.py` puts
 scripts/ first on sys.path); tests import `scripts.harness` (the checkout on their path).
@@ -18,6 +19,7 @@ import math
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -361,7 +363,55 @@ def steady_state(
             f"need 0 < share < 1 and positive times, got {share}, {prefill_ms}, {tpot_ms}"
         )
     T = math.ceil(concurrency * prefill_ms * (1 - share) / (share * tpot_ms))
-    return max(per_client, math.ceil(1 / (2 * share))), max(tokens, T)
+    return steady_per_client(share, per_client), max(tokens, T)
+
+
+def steady_per_client(share: float = STEADY_PREFILL_SHARE, per_client: int = 2) -> int:
+    """steady_state's R: at least 1 / (2 x share) requests per client (the first wave's ramp
+    and the last one's tail take about half a request's time each), and `per_client`; what
+    sizes a steady-state benchmark's prompt file."""
+    return max(per_client, math.ceil(1 / (2 * share)))
+
+
+def steady_plan(
+    probes: dict[tuple[str, int], dict],
+    concurrencies: list[int],
+    share: float = STEADY_PREFILL_SHARE,
+    tokens: int = 128,
+    per_client: int = 2,
+    running: dict[str, int] | None = None,
+) -> dict[int, dict]:
+    """--steady-state's cells from probe runs: probes[name, c] is server `name`'s short run at
+    concurrency c (c = 1 among them), its median TTFT at c = 1 the server's prefill time P (a
+    lone request's) and its median TPOT at c the decode's. Per c, the largest R and T that
+    steady_state asks of any server, so that the servers of a cell do the same work:
+    {c: {"requests_per_client": R, "tokens": T, "prefill_ms": {name: P}}}. A wave holds
+    min(c, running[name]) requests where the server runs fewer than c at once (the rest
+    queue, and only the running ones' prefills hold its batch)."""
+    names = list(dict.fromkeys(name for name, _ in probes))
+    prefill = {n: probes[n, 1]["median_ttft_ms"] for n in names}
+    plan = {}
+    for c in concurrencies:
+        sizes = [
+            steady_state(
+                min(c, (running or {}).get(n, c)),
+                prefill[n],
+                probes[n, c]["median_tpot_ms"],
+                share,
+                tokens,
+                per_client,
+            )
+            for n in names
+        ]
+        R, T = max(r for r, _ in sizes), max(t for _, t in sizes)
+        plan[c] = {"requests_per_client": R, "tokens": T, "prefill_ms": prefill}
+    return plan
+
+
+def spread(values: list[float]) -> float | None:
+    """Runs' one-run spread, (max - min) / median (None: no runs, or a median of 0)."""
+    mid = statistics.median(values) if values else 0
+    return (max(values) - min(values)) / mid if mid else None
 
 
 def prefill_share(completed: int, prefill_ms: float, duration_s: float) -> float:

@@ -173,29 +173,17 @@ def round_cost_table(rows: list[dict]) -> str:
 def serving_simulated_table(rows: list[dict]) -> str:
     """Per concurrency: each server's output tok/s, DDTREE's over DFLASH's, TPOT, tokens per
     round, ms per round (TPOT x tokens per round), and the widths an automatic server chose
-    during that run (the server counts rounds per width since start-up: each run's share is the
-    difference from the run before; the first run's also holds the round-cost measurements
-    before it)."""
+    during that run (`_widths_per_run`). A --steady-state sitting has a table of its own
+    (steady_serving_table)."""
     rows = latest(rows)
+    if any(r.get("mode") == "steady" for r in rows):
+        return steady_serving_table(rows)
     variants = list(dict.fromkeys(r["variant"] for r in rows))
     trees = [v for v in variants if v.startswith("ddtree")]
     at = {(r["variant"], r["concurrency"]): r for r in rows}
-    # per run only where the server counted (/server_info); a log's table lags its rounds
-    auto = [
-        v
-        for v in variants
-        if "_auto" in v and all("widths_rounds" in r for r in rows if r["variant"] == v)
-    ]
-    logged = [v for v in variants if "_auto" in v and v not in auto]
-    chosen, before = {}, {}
-    for r in rows:  # in the order the runs were made
-        if r["variant"] in auto:
-            now = {int(w): n for w, n in (r["widths_rounds"] or {}).items()}
-            last = before.get(r["variant"], {})
-            chosen[(r["variant"], r["concurrency"])] = ", ".join(
-                f"{w} x {n - last.get(w, 0)}" for w, n in now.items() if n > last.get(w, 0)
-            )
-            before[r["variant"]] = now
+    auto, logged = _automatic(rows, variants)
+    per_run = _widths_per_run(rows, auto)
+    chosen = {(rows[i]["variant"], rows[i]["concurrency"]): _widths(n) for i, n in per_run.items()}
     header = [
         "c",
         *[f"{v} tok/s" for v in variants],
@@ -219,23 +207,139 @@ def serving_simulated_table(rows: list[dict]) -> str:
                 *ratios,
                 *[_ms(g.get("median_tpot_ms")) for g in got],
                 *[_ms(g.get("accept_len")) for g in got],
-                *[
-                    _ms(g["median_tpot_ms"] * g["accept_len"], 1)
-                    if g.get("median_tpot_ms") and g.get("accept_len")
-                    else ""
-                    for g in got
-                ],
+                *[_ms(_round_ms(g.get("median_tpot_ms"), g.get("accept_len")), 1) for g in got],
                 *[chosen.get((v, c), "") for v in auto],
             ]
         )
-    running = "; ".join(
-        f"{v} {n}" for v, n in {r["variant"]: r["max_running"] for r in rows}.items()
-    )
-    head = f"{conditions(rows)} Running requests at most: {running}."
+    head = f"{conditions(rows)} {_running(rows)}"
     for v in logged:  # the last table the server logged, over all of its runs
         last = [r for r in rows if r["variant"] == v][-1].get("widths_chosen") or "none logged"
         head += f" Widths {v} chose over all its runs, as its log last counted: {last}."
     return shown(rows, prose(head) + "\n\n" + table(header, body))
+
+
+def _automatic(rows: list[dict], variants: list[str]) -> tuple[list[str], list[str]]:
+    """The automatic-width servers whose every row counted its rounds per width (/server_info),
+    and those whose widths came from a log's table (which lags its rounds: no per-run share)."""
+    auto = [
+        v
+        for v in variants
+        if "_auto" in v and all("widths_rounds" in r for r in rows if r["variant"] == v)
+    ]
+    return auto, [v for v in variants if "_auto" in v and v not in auto]
+
+
+def _widths_per_run(rows: list[dict], auto: list[str]) -> dict[int, dict[int, int]]:
+    """Rounds per width of each run of the `auto` servers, by the run's index in `rows`: the
+    server counts them since start-up, so a run's share is the difference from the row before
+    (rows in the order the runs were made; the first run's also holds the round-cost
+    measurements before it)."""
+    per_run, before = {}, {}
+    for i, r in enumerate(rows):
+        if r["variant"] in auto and "widths_rounds" in r:
+            now = {int(w): n for w, n in (r["widths_rounds"] or {}).items()}
+            last = before.get(r["variant"], {})
+            per_run[i] = {w: n - last.get(w, 0) for w, n in now.items() if n > last.get(w, 0)}
+            before[r["variant"]] = now
+    return per_run
+
+
+def _widths(rounds: dict[int, int]) -> str:
+    return ", ".join(f"{w} x {n}" for w, n in rounds.items())
+
+
+def _round_ms(tpot_ms: float | None, accept: float | None) -> float | None:
+    """What a decode round cost while serving: TPOT x tokens per round."""
+    return tpot_ms * accept if tpot_ms and accept else None
+
+
+def _running(rows: list[dict]) -> str:
+    running = "; ".join(
+        f"{v} {n}" for v, n in {r["variant"]: r["max_running"] for r in rows}.items()
+    )
+    return f"Running requests at most: {running}."
+
+
+def steady_serving_table(rows: list[dict]) -> str:
+    """A --steady-state sitting (scripts/round_serving.py): per concurrency and server, the
+    median tok/s of the cell's runs, their spread (the cell's kind=spread row), the median
+    over DFLASH's, the medians of TPOT and tokens per round, ms per round, R x T ("capped":
+    lowered below the rule's ask), the prefill share the runs measured, and the widths an
+    automatic server chose over the cell's runs. The probe runs are not shown."""
+    timed = [r for r in rows if r.get("kind") != "spread"]  # probes and runs, in order
+    variants = list(dict.fromkeys(r["variant"] for r in timed if r.get("mode") == "steady"))
+    auto, _ = _automatic(timed, variants)
+    per_run = _widths_per_run(timed, auto)
+    cells: dict[tuple[int, str], list[tuple[dict, dict[int, int]]]] = {}
+    for i, r in enumerate(timed):
+        if r.get("mode") == "steady":
+            cells.setdefault((r["concurrency"], r["variant"]), []).append((r, per_run.get(i, {})))
+    spreads = {(r["concurrency"], r["variant"]): r for r in rows if r.get("kind") == "spread"}
+    body = []
+    for c, v in sorted(cells, key=lambda k: (k[0], variants.index(k[1]))):
+        chain = [r["output_tok_s"] for r, _ in cells.get((c, "dflash"), [])]
+        base = statistics.median(chain) if chain and v != "dflash" else None
+        runs = [r for r, _ in cells[c, v]]
+        line = _steady_cells(runs, spreads.get((c, v), {}).get("spread"), base)
+        body.append(line + ([_widths(_summed(n for _, n in cells[c, v]))] if auto else []))
+    header = ["c", "server", "runs", "tok/s median", "spread", "/ dflash", "TPOT ms"]
+    header += ["tokens/round", "ms/round", "R x T", "prefill share"]
+    header += ["widths x rounds"] if auto else []
+    return shown(rows, prose(_steady_head(rows)) + "\n\n" + table(header, body))
+
+
+def _steady_head(rows: list[dict]) -> str:
+    limit = next((r["prefill_share_limit"] for r in rows if r.get("prefill_share_limit")), None)
+    return (
+        f"{conditions(rows)} {_running(rows)} Steady state (`--steady-state`): each cell runs R "
+        "requests per client of T new tokens, sized from a probe run per concurrency (P, a "
+        "lone request's time to first token, and the TPOT at c) so that prefills take under "
+        f"{_share(limit)} of a run; the prefill share is completed x P / duration, as "
+        "measured (P bounds a batched prefill from above); spread = (max - min) / median of "
+        "the runs' tok/s; \"capped\": R, then T, came down below the rule's ask, so that one "
+        "run's estimate stays within --max-cell-seconds and T within the context's and the KV "
+        "cache's room."
+    )
+
+
+def _summed(counts) -> dict[int, int]:
+    """Rounds per width, summed over runs (in the order the widths first appear)."""
+    total: dict[int, int] = {}
+    for rounds in counts:
+        for w, n in rounds.items():
+            total[w] = total.get(w, 0) + n
+    return total
+
+
+def _steady_cells(cell: list[dict], spread: float | None, base: float | None) -> list[str]:
+    """One steady cell's columns before its widths (see steady_serving_table)."""
+    first = cell[0]
+    tps = statistics.median(r["output_tok_s"] for r in cell)
+    tpot = _median_of(cell, "median_tpot_ms")
+    accept = _median_of(cell, "accept_len")
+    size = f"{first['requests_per_client']} x {first['tokens']}"
+    return [
+        str(first["concurrency"]),
+        first["variant"],
+        str(len(cell)),
+        f"{tps:.0f}",
+        _share(spread),
+        _ms(tps / base) if base else "",
+        _ms(tpot),
+        _ms(accept),
+        _ms(_round_ms(tpot, accept), 1),
+        size + (" capped" if first.get("capped") else ""),
+        _share(_median_of(cell, "prefill_share")),
+    ]
+
+
+def _median_of(rows: list[dict], key: str) -> float | None:
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+def _share(x: float | None) -> str:
+    return "" if x is None else f"{100 * x:.1f}%"
 
 
 def _serving_cells(runs: list[dict], chain: dict[int, float]) -> list[str]:
@@ -802,8 +906,9 @@ SECTIONS = (
         "serving_simulated_27b",
         "End to end at Qwen3.6-27B shapes, simulated acceptance",
         "`scripts/bench_round.py --simulate REGIME --serving C,...`: SGLang's own load "
-        "generator (`sglang.bench_serving`, greedy, 128 new tokens, 2 requests per client and "
-        "at least 16) against one server at a time on one H200: a Qwen3.6-27B-shaped target "
+        "generator (`sglang.bench_serving`, greedy; the command gives the new tokens and the "
+        "requests per client, at least 16 a run) against one server at a time on one H200 (or "
+        "the card the line above the table names): a Qwen3.6-27B-shaped target "
         "(64 layers, 48 of them Gated DeltaNet) and a 5-layer DFlash-shaped draft with dummy "
         "weights, CUDA graphs, FlashInfer, the overlap scheduler. The weights are dummy, so "
         "every kernel costs what it costs at 27B; which drafts the target accepts comes from "
@@ -811,10 +916,13 @@ SECTIONS = (
         "same world for DFLASH's chain and DDTREE's tree. `ddtree32_auto` is DDTREE's default "
         "(N = 32, a width among 16 and 32 chosen each round). A server runs at most its "
         "running-request count (SGLang's per-node float32 verify scratch limits DFLASH to 16 "
-        "on one H200); clients beyond it queue. tokens/round is SGLang's accept length. One "
-        "run per cell: how much one run moves has not been measured at these shapes. ms/round = "
-        "median TPOT x tokens/round: what a decode round cost while serving, new requests' "
-        "prefills included.",
+        "on one H200); clients beyond it queue. tokens/round is SGLang's accept length. "
+        "ms/round = median TPOT x tokens/round: what a decode round cost while serving, new "
+        "requests' prefills included. A short cell (the default) is one run, and with few "
+        "requests and tokens its prefills fill much of it at low concurrency, so its tok/s "
+        "ratios are not the decode's; `--steady-state` cells run long enough that decode "
+        "rounds fill them (their table gives R x T and the prefill share measured), twice, "
+        "with the two runs' spread.",
         serving_simulated_table,
     ),
     Section(

@@ -235,9 +235,11 @@ def test_bench_round_rows_carry_the_card(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "measure", lambda server, bs, tokens: {"bs": bs, **measured})
     plots = []
     monkeypatch.setattr(bench, "plot", lambda rows, path, card: plots.append(card))
-    monkeypatch.setattr(bench, "write_dataset", lambda path, n: path)
+    monkeypatch.setattr(bench.round_serving, "write_dataset", lambda path, n: path)
     monkeypatch.setattr(
-        bench, "serve", lambda server, dataset, tok, c, *a: {"concurrency": c, "output_tok_s": 1.0}
+        bench.round_serving,
+        "serve",
+        lambda server, dataset, tok, c, *a: {"concurrency": c, "output_tok_s": 1.0},
     )
     out = tmp_path / "out"
     argv = ["--out", str(out), "--work", str(tmp_path / "work"), "--batch", "1,8"]
@@ -400,7 +402,7 @@ def test_bench_round_measures_the_round_as_the_slope_over_counted_rounds(monkeyp
 def test_bench_round_serving_warms_each_concurrency_before_measuring(tmp_path, monkeypatch):
     """One unmeasured wave of `concurrency` requests, then the measured run, whose row is what
     the result says."""
-    bench = _script("bench_round")
+    serving = _script("round_serving")
     calls = []
 
     def run_bench(argv):
@@ -412,9 +414,9 @@ def test_bench_round_serving_warms_each_concurrency_before_measuring(tmp_path, m
             "accept_length": 3.5,
         }
 
-    monkeypatch.setattr(bench, "run_bench", run_bench)
+    monkeypatch.setattr(serving, "run_bench", run_bench)
     server = type("S", (), {"name": "ddtree32_auto", "port": 32001})()
-    row = bench.serve(server, tmp_path / "p.jsonl", "tok", 4, 128, 2, tmp_path)
+    row = serving.serve(server, tmp_path / "p.jsonl", "tok", 4, 128, 2, tmp_path)
     prompts = [int(a[a.index("--num-prompts") + 1]) for a in calls]
     outs = [a[a.index("--output-file") + 1] for a in calls]
     assert prompts == [4, 16] and outs[0].endswith("_warmup.jsonl")

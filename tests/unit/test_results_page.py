@@ -225,6 +225,64 @@ def test_the_simulated_serving_table_gives_ratios_round_times_and_widths_per_run
     assert "as its log last counted: 16 x 7, 32 x 9" in " ".join(text.split())
 
 
+def test_a_steady_state_sitting_shows_r_x_t_the_prefill_share_and_the_spread():
+    """bench_round.py --steady-state rows: a line per (c, server) from its runs (the probes not
+    shown), tok/s the runs' median over DFLASH's, R x T ("capped" where the cap lowered it),
+    the median prefill share measured, the cell's spread row's spread, and an automatic
+    server's widths over its runs alone (the probes' rounds come off)."""
+    base = {"date": "2026-12-06", "commit": "abc1234", "sitting": 2, "sglang": "0.5.23"}
+    base |= {"command": "python scripts/bench_round.py --out OUT --steady-state"}
+
+    def run(variant, c, run, tok_s, share, capped=False, **extra):
+        return {
+            **base,
+            "mode": "steady",
+            "variant": variant,
+            "concurrency": c,
+            "run": run,
+            "output_tok_s": tok_s,
+            "median_tpot_ms": 10.0,
+            "accept_len": 4.0,
+            "max_running": 16,
+            "requests_per_client": 10,
+            "tokens": 900 if capped else 456,
+            "prefill_ms": 60.0,
+            "prefill_share": share,
+            "prefill_share_limit": 0.05,
+            "capped": capped,
+            **extra,
+        }
+
+    def spread(variant, c, value):
+        cell = {"variant": variant, "concurrency": c, "max_running": 16, "spread": value}
+        return {**base, "kind": "spread", "mode": "steady", **cell}
+
+    auto = "ddtree32_auto"
+    rows = [
+        {**run("dflash", 4, 0, 1.0, 0.2), "mode": "probe"},
+        run("dflash", 4, 1, 100.0, 0.04),
+        run("dflash", 4, 2, 110.0, 0.05),
+        spread("dflash", 4, 0.0952),
+        {**run(auto, 4, 0, 1.0, 0.2), "mode": "probe", "widths_rounds": {"16": 10}},
+        run(auto, 4, 1, 120.0, 0.04, capped=True, widths_rounds={"16": 30, "32": 5}),
+        run(auto, 4, 2, 130.0, 0.03, capped=True, widths_rounds={"16": 40, "32": 25}),
+        spread(auto, 4, 0.08),
+    ]
+    text = page.serving_simulated_table([{**r, "sitting": 1, "mode": None} for r in rows] + rows)
+    words = " ".join(text.split())
+    assert "Steady state (`--steady-state`)" in words and "under 5.0% of a run" in words
+    lines = [line.split(" | ") for line in text.splitlines() if line.startswith("| 4 ")]
+    assert [line[1] for line in lines] == ["dflash", auto]  # no probe line
+    dflash, tree = lines
+    assert dflash[2:6] == ["2", "105", "9.5%", ""] and dflash[9:11] == ["10 x 456", "4.5%"]
+    assert tree[3:6] == ["125", "8.0%", "1.19"] and tree[8] == "40.0"  # 125 / 105; TPOT x 4
+    assert tree[9] == "10 x 900 capped" and tree[10] == "3.5%"
+    assert tree[11].rstrip(" |") == "16 x 30, 32 x 25"  # 20 + 10 of 16, 5 + 20 of 32
+    # an older short sitting still renders as before
+    short = [{k: v for k, v in r.items() if k not in ("mode", "run")} for r in rows[1:2]]
+    assert "Steady state" not in page.serving_simulated_table(short)
+
+
 def test_the_round_cost_table_names_the_method_startup_and_what_did_not_fit():
     base = {"date": "2026-12-05", "commit": "abc1234", "sitting": 1, "sglang": "0.5.23"}
     start = {"healthy_s": 226.6, "target_verify": 40.17, "draft_decode": 38.53}
