@@ -324,12 +324,24 @@ def dflash_block_size() -> int:
     return int(get_spec().speculative_dflash_block_size)
 
 
-def draft_block_size_from_checkpoint(server_args: Any) -> int | None:
-    """The draft config's block size via SGLang's own DFlash config parser (None if unset)."""
+# SGLang's DFlash2 draft classes (models/dflash.py: DFlash2DraftModel and its aliases), which
+# its model registry picks by the checkpoint's `architectures`: the DFlash backbone plus a
+# CandidateSelector (docs/dflash2.md). tests/unit/test_dflash2_serving.py holds this list to
+# the installed release's EntryClass.
+DFLASH2_ARCHITECTURES = ("DFlash2DraftModel", "DFlash2BeamDraftModel", "MiniMaxDFlash2DraftModel")
+
+
+def draft_checkpoint(server_args: Any):
+    """The draft checkpoint's config as DDTREE reads it (config.DraftCheckpoint): its block
+    size through SGLang's own DFlash config parser, and whether it is a DFlash2 draft, as
+    SGLang decides it (the architecture its model registry loads; the selector's rank and K
+    from dflash_config)."""
     import json
 
     from sglang.srt.speculative.dflash_utils import parse_dflash_draft_config
     from sglang.srt.utils.hf_transformers_utils import get_config
+
+    from sglang_ddtree.config import DraftCheckpoint
 
     cfg = get_config(
         server_args.speculative_draft_model_path,
@@ -337,7 +349,16 @@ def draft_block_size_from_checkpoint(server_args: Any) -> int | None:
         revision=server_args.speculative_draft_model_revision,
         model_override_args=json.loads(server_args.json_model_override_args or "{}"),
     )
-    return parse_dflash_draft_config(draft_hf_config=cfg).resolve_block_size(default=None)
+    parsed = parse_dflash_draft_config(draft_hf_config=cfg)
+    architectures = list(getattr(cfg, "architectures", None) or [])
+    dflash2 = [a for a in architectures if a in DFLASH2_ARCHITECTURES]
+    return DraftCheckpoint(
+        block_size=parsed.resolve_block_size(default=None),
+        dflash2=bool(dflash2),
+        architecture=(dflash2 or architectures or ["DFlashDraftModel"])[0],
+        selector_rank=int(parsed.selector_rank or 0),
+        selector_top_k=int(parsed.selector_top_k or 0),
+    )
 
 
 # --- DFlashWorkerV2 internals that DDTREE's worker (a subclass) uses -----------------------------
