@@ -7,6 +7,7 @@ it (tests/gpu/test_dflash2.py)."""
 from __future__ import annotations
 
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -40,10 +41,10 @@ class StubDraft(torch.nn.Module):
 
     def __init__(self, weight: torch.Tensor, top_k: int, generator: torch.Generator):
         super().__init__()
-        V = weight.shape[0]
+        V, hidden_size = weight.shape
         self.weight = weight
         self.candidate_selector = _sglang_dflash().CandidateSelector(
-            hidden_size=H, vocab_size=V, state_rank=R, top_k=top_k
+            hidden_size=hidden_size, vocab_size=V, state_rank=R, top_k=top_k
         )
         with torch.no_grad():
             for p in self.candidate_selector.parameters():
@@ -55,7 +56,9 @@ class StubDraft(torch.nn.Module):
         return ids, values
 
 
-def _block(bs: int, V: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def _block(
+    bs: int, V: int, g: torch.Generator, B: int = B, H: int = H
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A draft block's outputs as the draft graph's tail gets them: hidden states [bs * B, H]
     and input ids [bs * B] (the root, then mask tokens)."""
     hidden = torch.randn(bs * B, H, generator=g)
@@ -140,3 +143,129 @@ def test_the_lattice_head_refuses_a_k_other_than_its_selectors():
     cfg = DDTreeConfig(block_size=B, num_nodes=8, topk=8)
     with pytest.raises(ValueError, match="scores 4 candidates per position.*K=8"):
         LatticeTreeHead(draft_model=draft, cfg=cfg, max_bs=2, device=torch.device("cpu"))
+
+
+# ------------------------------------------------------------------------------ the worker
+
+
+def _exec_config(bs=(1, 2, 4), backend=None):
+    """get_exec()'s graph config as the worker reads it: the decode graphs' batch sizes and
+    backend (default: captured)."""
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+
+    decode = SimpleNamespace(bs=list(bs), backend=backend or Backend.FULL)
+    return SimpleNamespace(graph=SimpleNamespace(cuda_graph_config=SimpleNamespace(decode=decode)))
+
+
+def _dflash2_worker(monkeypatch, V=40, K=4):
+    """A DDTreeWorker as DFlashWorkerV2's start-up leaves it on a DFlash2 draft (its selector
+    sampler not built, no chain sample), around a stand-in draft model and target LM head."""
+    from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
+
+    from sglang_ddtree.round import worker as worker_mod
+
+    def never(self):
+        raise AssertionError("DFLASH's selector sampler was built")
+
+    monkeypatch.setattr(DFlashWorkerV2, "_maybe_build_draft_sampler", never)
+    monkeypatch.setattr(worker_mod, "get_exec", _exec_config)
+    monkeypatch.setattr(compat, "max_running_requests", lambda: 3)
+    g = torch.Generator().manual_seed(7)
+    lm_head = torch.nn.Linear(H, V, bias=False)  # the target's (its weight [V, H])
+    draft = StubDraft(lm_head.weight.detach(), K, g)
+    draft.lm_head = None  # DFlash2DraftModel's until the worker points it at the target's
+    w = worker_mod.DDTreeWorker.__new__(worker_mod.DDTreeWorker)
+    w.cfg = DDTreeConfig(block_size=B, num_nodes=16, topk=K)
+    w.draft_model, w._tp_size = draft, 1
+    w._target_worker = SimpleNamespace(
+        model_runner=SimpleNamespace(model=SimpleNamespace(lm_head=lm_head))
+    )
+    w.draft_model_runner = SimpleNamespace(capture_tail_hooks=[])
+    w._draft_sampler = w._selector_sample = None  # as DFlashWorkerV2.__init__ leaves them
+    return w, worker_mod
+
+
+def test_the_worker_serves_a_dflash2_draft_through_the_lattice_head(monkeypatch):
+    """At start-up the DFlash2 draft gets the lattice head, at the largest batch, and its
+    lm_head is the target's before the draft graphs are captured; the capture folds DDTREE's
+    tail alone into them (DFLASH's selector sampler is never built), and that tail builds the
+    lattice tree; DFLASH's chain sample stays None."""
+    w, worker_mod = _dflash2_worker(monkeypatch)
+    head = w._build_tree_head()
+    assert isinstance(head, LatticeTreeHead) and head.max_bs == 4
+    assert w.draft_model.lm_head is w.target_worker.model_runner.model.lm_head
+    w.tree_head = head
+    captured = []
+    monkeypatch.setattr(w, "_free_gb", lambda: 10.0)
+    monkeypatch.setattr(w, "_ask_for_readings", lambda: None)
+    monkeypatch.setattr(w, "_init_widths", lambda capture: None)
+    monkeypatch.setattr(compat, "init_draft_cuda_graphs", lambda wk, cap: captured.append(cap))
+    monkeypatch.setattr(compat, "target_verify_state", lambda runner: (None, None))
+    w.init_cuda_graphs()
+    assert captured == [True] and len(w.draft_model_runner.capture_tail_hooks) == 1
+    assert w._draft_sampler is None and w._selector_sample is None
+    hidden, input_ids = _block(2, 40, torch.Generator().manual_seed(1))
+    tail = w.draft_model_runner.capture_tail_hooks[0]
+    with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+        tail(
+            None,
+            SimpleNamespace(hidden_states=hidden),
+            SimpleNamespace(input_ids=input_ids, positions=None),
+            None,
+        )
+        root = input_ids.view(2, B)[:, 0]
+        ids, cond = head.lattice(hidden.view(2, B, H)[:, 1:], root)
+    expected = build_lattice_tree_reference(root, ids, cond, w.cfg.budget)
+    _fields_equal(head.tree(2), expected)
+    assert w._selector_sample is None
+
+
+def test_a_dflash_draft_keeps_the_dflash_head(monkeypatch):
+    w, _ = _dflash2_worker(monkeypatch)
+    w.draft_model.candidate_selector = None  # SGLang's DFlashDraftModel
+    head = w._build_tree_head()
+    assert type(head) is DraftTreeHead and w.draft_model.lm_head is None
+
+
+def test_a_quantized_target_lm_head_is_refused_for_a_dflash2_draft(monkeypatch):
+    w, _ = _dflash2_worker(monkeypatch)
+    lm_head = w.target_worker.model_runner.model.lm_head
+    lm_head.weight = torch.nn.Parameter(lm_head.weight.detach().to(torch.int8), requires_grad=False)
+    with pytest.raises(ValueError, match="keeps lm_head unquantized"):
+        w._build_tree_head()
+
+
+def test_a_dflash2_decode_round_verifies_the_lattice_tree(monkeypatch):
+    """test_worker_round's decode round with the lattice head in the draft graph's tail: the
+    verify input is the lattice tree, and DFLASH's chain sample stays None (its chain accept
+    never runs)."""
+    from sglang_ddtree.round import round as round_mod
+    from sglang_ddtree.round import worker as worker_mod
+    from tests.unit import test_worker_round as rounds
+
+    calls = []
+    w, batch, *_ = rounds._round_worker(monkeypatch, calls)
+    g = torch.Generator().manual_seed(11)
+    draft = StubDraft(torch.randn(32, rounds.H, generator=g), rounds.K, g)
+    w.tree_head = LatticeTreeHead(
+        draft_model=draft, cfg=w.cfg, max_bs=2, device=torch.device("cpu")
+    )
+    w._selector_sample = None  # as DFlashWorkerV2.__init__ leaves it
+    hidden, input_ids = _block(2, 32, g, B=rounds.B, H=rounds.H)
+
+    def draft_replay(rnd):  # the draft graph: the block's forward, then DDTREE's tail
+        out = SimpleNamespace(hidden_states=hidden)
+        batch = SimpleNamespace(input_ids=input_ids, positions=None)
+        worker_mod.draft_tail(w.tree_head)(None, out, batch, None)
+        rnd.positions = torch.arange(2 * rounds.B).view(2, rounds.B) + 100
+        rnd.draft_slots = torch.arange(2 * rounds.B).view(2, rounds.B) + 1000
+
+    monkeypatch.setattr(round_mod.Round, "draft", draft_replay)
+    with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+        w.forward_batch_generation(batch)
+        root = input_ids.view(2, rounds.B)[:, 0]
+        ids, cond = w.tree_head.lattice(hidden.view(2, rounds.B, rounds.H)[:, 1:], root)
+    expected = build_lattice_tree_reference(root, ids, cond, w.cfg.budget)
+    verify_input = next(c for c in calls if c[0] == "verify_input")
+    assert torch.equal(verify_input[1], expected.tokens)
+    assert w._selector_sample is None
