@@ -269,3 +269,44 @@ def test_a_dflash2_decode_round_verifies_the_lattice_tree(monkeypatch):
     verify_input = next(c for c in calls if c[0] == "verify_input")
     assert torch.equal(verify_input[1], expected.tokens)
     assert w._selector_sample is None
+
+
+@pytest.mark.slow
+def test_sglangs_dflash2_model_gives_the_lattice_head_dflashs_own_lattice(tmp_path):
+    """The tiny DFlash2 checkpoint in SGLang's DFlash2DraftModel (CPU), its lm_head pointed at
+    the target's as the worker does: compat.selector_lattice gives exactly the lattice DFLASH's
+    worker draws its chain from (dflash_worker_v2._selector_lattice), and the lattice head's
+    tree over it is the heap's."""
+    from safetensors.torch import load_file
+    from sglang.srt.speculative.dflash_worker_v2 import _selector_lattice
+    from sglang.srt.utils.hf_transformers.config import get_config
+
+    from sglang_ddtree.checkpoints.tiny import write_tiny_dflash2, write_tiny_qwen3
+    from tests.fixtures import sglang_cpu_model_context
+
+    target = write_tiny_qwen3(tmp_path / "target", seed=0)
+    draft_dir = write_tiny_dflash2(tmp_path / "draft", target, seed=0, block_size=B)
+    head_weight = load_file(str(target / "model.safetensors"))["lm_head.weight"]
+    V, Hd = head_weight.shape
+    lm_head = SimpleNamespace(weight=head_weight, org_vocab_size=V, quant_method=None)
+    cfg = DDTreeConfig(block_size=B, num_nodes=24, topk=4)
+    g = torch.Generator().manual_seed(2)
+    with (
+        sglang_cpu_model_context(draft_dir),
+        torch.no_grad(),
+        torch.compiler.set_stance("force_eager"),
+    ):
+        model = _sglang_dflash().DFlash2DraftModel(get_config(str(draft_dir), False))
+        model.load_weights(list(load_file(str(draft_dir / "model.safetensors")).items()))
+        compat.attach_target_lm_head(model, lm_head)
+        head = LatticeTreeHead(draft_model=model, cfg=cfg, max_bs=3, device=torch.device("cpu"))
+        hidden, input_ids = _block(3, V, g, H=Hd)
+        head(hidden, input_ids)
+        slots, root = hidden.view(3, B, Hd)[:, 1:], input_ids.view(3, B)[:, 0]
+        ours = compat.selector_lattice(model, slots, root)
+        theirs = _selector_lattice(model, slots, root)
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.equal(a, b)
+    ids, scores = ours
+    expected = build_lattice_tree_reference(root, ids, lattice_chain_logprobs(scores), 23)
+    _fields_equal(head.tree(3), expected)
