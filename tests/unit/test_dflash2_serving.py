@@ -310,3 +310,34 @@ def test_sglangs_dflash2_model_gives_the_lattice_head_dflashs_own_lattice(tmp_pa
     ids, scores = ours
     expected = build_lattice_tree_reference(root, ids, lattice_chain_logprobs(scores), 23)
     _fields_equal(head.tree(3), expected)
+
+
+def test_the_gpu_suites_dflash2_servers_pass_ddtrees_start_up(tmp_path):
+    """tests/gpu/servers.py's DFlash2 servers, on the CPU: the binary pair's DFlash2 draft is
+    written beside its draft with the selector's K = the suite's TOPK, the DDTREE server's flags
+    pass DDTREE's start-up (B = 16, N = 31, K = 4), the control is SGLang's DFLASH on the same
+    draft."""
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    from sglang_ddtree.adapter import spec
+    from tests.gpu import servers as suite
+    from tests.unit.test_plugin import _server_args
+
+    target, draft = suite.write_pair(tmp_path, "qwen3")
+    dflash2 = suite.dflash2_draft(draft)
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    parsed = {}
+    for variant in suite.DFLASH2_VARIANTS:
+        args = [*suite.COMMON, *suite.VARIANTS[variant]("qwen3", draft)]
+        parsed[variant] = parser.parse_args(["--model-path", str(target), *args])
+        assert parsed[variant].speculative_draft_model_path == str(dflash2)
+    assert parsed["dflash_dflash2"].speculative_algorithm == "DFLASH"
+    ns = parsed["ddtree_dflash2"]
+    sa = _server_args(dflash2, **{k: v for k, v in vars(ns).items() if v is not None})
+    spec.validate_server_args(sa)
+    cfg = spec.apply_server_args(sa)
+    assert (cfg.block_size, cfg.num_nodes, cfg.topk) == (16, suite.NUM_NODES, suite.TOPK)
+    assert compat.draft_checkpoint(sa).selector_top_k == suite.TOPK
