@@ -8,7 +8,8 @@ DDTREE reuses SGLang's speculative flags (no new CLI flags):
                                        width; default 2 * B (32 for the z-lab drafters)
   --speculative-eagle-topk K           candidates per draft position = max children per node;
                                        default 8; must be >= 2 (SGLang's tree verify through
-                                       Gated DeltaNet layers only engages for topk > 1)
+                                       Gated DeltaNet layers only engages for topk > 1); a
+                                       DFlash2 draft fixes it: its selector_top_k
 
 The tree has N - 1 draft nodes and depth at most B - 1.
 """
@@ -30,6 +31,21 @@ DEFAULT_MAX_RUNNING_REQUESTS = 16  # GDN scratch grows with N x running requests
 
 class DDTreeConfigError(ValueError):
     """A DDTREE server flag is missing, out of range or incompatible; the message names the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftCheckpoint:
+    """What DDTREE reads of the draft checkpoint's config (adapter/compat.draft_checkpoint).
+
+    A DFlash2 draft (one of SGLang's DFlash2 architectures) scores K candidates per position
+    and the transitions between neighbouring positions' candidates (docs/dflash2.md); its K is
+    dflash_config.selector_top_k, which SGLang requires beside selector_rank."""
+
+    block_size: int | None = None  # its block_size; None: unset
+    dflash2: bool = False  # a DFlash2 architecture (candidate selector)
+    architecture: str = "DFlashDraftModel"  # the architecture named, for messages
+    selector_rank: int = 0  # dflash_config.selector_rank (0: none)
+    selector_top_k: int = 0  # dflash_config.selector_top_k, the drafter's K (0: none)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,11 +72,16 @@ class DDTreeConfig:
         num_draft_tokens: int | None,
         topk: int | None,
         vocab_size: int | None = None,
+        draft: DraftCheckpoint | None = None,
     ) -> DDTreeConfig:
-        """Fill defaults and validate. `draft_block_size` is what the draft config says."""
+        """Fill defaults and validate. `draft_block_size` is what the draft config says;
+        `draft` the rest of it (a DFlash2 draft fixes K)."""
         B = _resolve_block(block_size, draft_block_size)
-        K = _resolve_topk(topk, vocab_size)
-        return cls(block_size=B, num_nodes=_resolve_nodes(num_draft_tokens, B, K), topk=K)
+        if draft is not None and draft.dflash2:
+            K = _resolve_selector_topk(topk, draft)
+        else:
+            K = _resolve_topk(topk, vocab_size)
+        return cls(block_size=B, num_nodes=_resolve_nodes(num_draft_tokens, B, K, draft), topk=K)
 
 
 def _resolve_block(block_size: int | None, draft_block_size: int | None) -> int:
@@ -102,7 +123,34 @@ def _resolve_topk(topk: int | None, vocab_size: int | None) -> int:
     return K
 
 
-def _resolve_nodes(num_draft_tokens: int | None, B: int, K: int) -> int:
+def _resolve_selector_topk(topk: int | None, draft: DraftCheckpoint) -> int:
+    """K of a DFlash2 draft: its selector_top_k, which --speculative-eagle-topk may only repeat."""
+    K, name = draft.selector_top_k, draft.architecture
+    if not (draft.selector_rank and K):
+        raise DDTreeConfigError(
+            f"The draft checkpoint is a {name} but its dflash_config has no candidate selector "
+            f"(selector_rank={draft.selector_rank}, selector_top_k={K}); a DFlash2 draft needs "
+            f"both, or serve it as a DFlash draft (architectures: DFlashDraftModel)."
+        )
+    given = _positive_int(topk, "--speculative-eagle-topk")
+    if given is not None and given != K:
+        raise DDTreeConfigError(
+            f"--speculative-eagle-topk {given} differs from the DFlash2 draft checkpoint's "
+            f"selector_top_k {K} (the candidates its selector scores per position); drop the "
+            f"flag or pass --speculative-eagle-topk {K}."
+        )
+    if not 2 <= K <= MAX_TOPK:
+        raise DDTreeConfigError(
+            f"The DFlash2 draft checkpoint's selector_top_k is {K}; DDTREE needs 2 <= K <= "
+            f"{MAX_TOPK} (--speculative-eagle-topk); serve this draft with "
+            f"--speculative-algorithm DFLASH."
+        )
+    return K
+
+
+def _resolve_nodes(
+    num_draft_tokens: int | None, B: int, K: int, draft: DraftCheckpoint | None = None
+) -> int:
     N = _positive_int(num_draft_tokens, "--speculative-num-draft-tokens")
     N = DEFAULT_BUDGET_PER_BLOCK * B if N is None else N
     if N < B:
@@ -116,6 +164,13 @@ def _resolve_nodes(num_draft_tokens: int | None, B: int, K: int) -> int:
             f"({MAX_NUM_NODES} nodes)."
         )
     capacity = min(tree_capacity(K, B - 1), N)
+    if N - 1 > capacity and draft is not None and draft.dflash2:
+        raise DDTreeConfigError(
+            f"--speculative-num-draft-tokens {N} asks for {N - 1} draft nodes, but a tree of "
+            f"depth <= {B - 1} over the DFlash2 draft checkpoint's selector_top_k {K} "
+            f"candidates holds at most {capacity}; pass --speculative-num-draft-tokens "
+            f"<= {capacity + 1}."
+        )
     if N - 1 > capacity:
         raise DDTreeConfigError(
             f"A tree of depth <= {B - 1} with {K} candidates per position holds at most "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.metadata
+import json
 from typing import Any
 
 SUPPORTED = ("0.5.23",)
@@ -317,19 +318,18 @@ def tp_size() -> int:
     return int(get_parallel().tp_size or 1)
 
 
-def dflash_block_size() -> int:
-    """The DFlash block size SGLang resolved for this server (its runtime context)."""
-    from sglang.srt.runtime_context import get_spec
-
-    return int(get_spec().speculative_dflash_block_size)
+# SGLang's DFlash2 draft classes (models/dflash.py: the DFlash backbone and a CandidateSelector),
+# picked by a checkpoint's `architectures` (the unit tests hold it to the release's EntryClass)
+DFLASH2_ARCHITECTURES = ("DFlash2DraftModel", "DFlash2BeamDraftModel", "MiniMaxDFlash2DraftModel")
 
 
-def draft_block_size_from_checkpoint(server_args: Any) -> int | None:
-    """The draft config's block size via SGLang's own DFlash config parser (None if unset)."""
-    import json
-
+def draft_checkpoint(server_args: Any):
+    """The draft config as DDTREE reads it (config.DraftCheckpoint), through SGLang's own DFlash
+    config parser: its block size and, for a DFlash2 architecture, its selector's rank and K."""
     from sglang.srt.speculative.dflash_utils import parse_dflash_draft_config
     from sglang.srt.utils.hf_transformers_utils import get_config
+
+    from sglang_ddtree.config import DraftCheckpoint
 
     cfg = get_config(
         server_args.speculative_draft_model_path,
@@ -337,7 +337,40 @@ def draft_block_size_from_checkpoint(server_args: Any) -> int | None:
         revision=server_args.speculative_draft_model_revision,
         model_override_args=json.loads(server_args.json_model_override_args or "{}"),
     )
-    return parse_dflash_draft_config(draft_hf_config=cfg).resolve_block_size(default=None)
+    parsed = parse_dflash_draft_config(draft_hf_config=cfg)
+    names = list(getattr(cfg, "architectures", None) or [])
+    dflash2 = [a for a in names if a in DFLASH2_ARCHITECTURES]
+    return DraftCheckpoint(
+        parsed.resolve_block_size(default=None),
+        bool(dflash2),
+        (dflash2 or names or ["DFlashDraftModel"])[0],
+        int(parsed.selector_rank or 0),
+        int(parsed.selector_top_k or 0),
+    )
+
+
+def draft_selector(draft_model: Any) -> Any:
+    """A DFlash2 draft model's CandidateSelector (its `top_k` is K); None for a DFlash draft."""
+    return getattr(draft_model, "candidate_selector", None)
+
+
+def attach_target_lm_head(draft_model: Any, lm_head: Any) -> None:
+    """Point a DFlash2 draft's lm_head (compute_candidates') at the target's, as DFLASH does."""
+    from sglang.srt.lora.layers import unwrap_lora_layer
+
+    draft_model.lm_head = unwrap_lora_layer(lm_head)
+
+
+def selector_lattice(draft_model: Any, hidden: Any, anchor: Any) -> tuple[Any, Any]:
+    """A DFlash2 drafter's lattice: hidden [bs, L, H] (block slots 1..B-1), anchor [bs] (the
+    token before slot 0) -> (candidate ids [bs, L, K] int64, scores [bs, L, K, K] float32):
+    compute_candidates (target LM head, top-K; on [bs * L, H] rows), then build_lattice."""
+    bs, L, H = hidden.shape
+    ids, unary = draft_model.compute_candidates(hidden.reshape(bs * L, H))
+    ids, unary = ids.view(bs, L, -1), unary.view(bs, L, -1)
+    return ids, draft_selector(draft_model).build_lattice(
+        candidate_ids=ids, unary_logits=unary, hidden_states=hidden, anchor_token_ids=anchor
+    )
 
 
 # --- DFlashWorkerV2 internals that DDTREE's worker (a subclass) uses -----------------------------

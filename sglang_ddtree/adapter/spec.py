@@ -17,6 +17,7 @@ from sglang_ddtree.config import (
     DEFAULT_MAX_RUNNING_REQUESTS,
     DDTreeConfig,
     DDTreeConfigError,
+    DraftCheckpoint,
     Options,
     automatic_widths,
 )
@@ -112,7 +113,7 @@ def validate_server_args(server_args: Any) -> None:
     view = compat.resolved(server_args)
     _require(
         view.speculative_draft_model_path is not None,
-        "DDTREE needs --speculative-draft-model-path (a DFlash draft checkpoint).",
+        "DDTREE needs --speculative-draft-model-path (a DFlash or DFlash2 draft checkpoint).",
     )
     _require(
         str(view.device).startswith("cuda"),
@@ -210,22 +211,25 @@ def _validate_features(view: Any) -> None:
     )
 
 
-def resolve_config(server_args: Any, draft_block_size: int | None = -1) -> DDTreeConfig:
+def resolve_config(server_args: Any, draft: DraftCheckpoint | None = None) -> DDTreeConfig:
+    """(B, N, K) from the flags and the draft checkpoint's config (`draft`; None: read it),
+    validated: a DFlash2 draft fixes K at its selector_top_k."""
     view = compat.resolved(server_args)
-    if draft_block_size == -1:
-        draft_block_size = compat.draft_block_size_from_checkpoint(server_args)
+    if draft is None:
+        draft = compat.draft_checkpoint(server_args)
     return DDTreeConfig.resolve(
         block_size=view.speculative_dflash_block_size,
-        draft_block_size=draft_block_size,
+        draft_block_size=draft.block_size,
         num_draft_tokens=view.speculative_num_draft_tokens,
         topk=view.speculative_eagle_topk,
+        draft=draft,
     )
 
 
-def apply_server_args(server_args: Any, draft_block_size: int | None = -1) -> DDTreeConfig:
+def apply_server_args(server_args: Any, draft: DraftCheckpoint | None = None) -> DDTreeConfig:
     """Write DDTREE's resolved widths and defaults into the server args (in place; SGLang
     records the writes as the plugin's resolutions)."""
-    cfg = resolve_config(server_args, draft_block_size)
+    cfg = resolve_config(server_args, draft)
     server_args.speculative_dflash_block_size = cfg.block_size
     server_args.speculative_num_draft_tokens = cfg.num_nodes
     server_args.speculative_eagle_topk = cfg.topk

@@ -13,11 +13,18 @@ target's embeddings of [bonus, MASK...]; its final norm drops `DECISION_DIM`, so
 for first at every position. DDTree then builds a balanced binary tree (budget 31: complete to
 depth 4), and whatever binary path the target takes, the walk follows it ~4 levels down,
 through rank-0 and rank-1 children alike.
+
+Its DFlash2 draft (`write_binary_dflash2`) is that draft with a random candidate selector over
+the same K = 4 candidates: the selector's transition scores (a few tenths of a nat) break the
+c0/c1 tie differently after each predecessor, so the tree DDTREE builds is the drafter's chain
+(tree/lattice.py), not the balanced one, while the target's token stays among the two
+candidates that carry the mass at every position.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 from safetensors.torch import load_file, save_file
@@ -41,6 +48,21 @@ def write_binary_pair(
     _make_binary_target(target, lift, gain)
     _silence_draft(draft)
     return target, draft
+
+
+def write_binary_dflash2(
+    root: str | Path, arch: str = "qwen3", seed: int = 0, selector_top_k: int = 4
+) -> Path:
+    """Write `root/<arch>-binary-dflash2`: the binary draft of `write_binary_pair` (written
+    first if missing) with a candidate selector of rank 8 over `selector_top_k` candidates
+    (tiny.add_candidate_selector, seed + 2)."""
+    root = Path(root)
+    draft = root / f"{arch}-binary-dflash"
+    if not (draft / "config.json").exists():
+        write_binary_pair(root, arch, seed)
+    out = root / f"{arch}-binary-dflash2"
+    shutil.copytree(draft, out, dirs_exist_ok=True)
+    return tiny.add_candidate_selector(out, 8, selector_top_k, seed + 2)
 
 
 def _make_binary_target(target: Path, lift: float, gain: float, bias: float = 0.5) -> None:

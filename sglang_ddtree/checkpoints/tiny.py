@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 SPECIAL_TOKENS = (
     "<|endoftext|>",
@@ -418,6 +418,61 @@ def write_tiny_dflash(
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
+
+
+# ----------------------------------------------------------------------------- DFlash2 draft
+
+
+def add_candidate_selector(
+    draft_dir: str | os.PathLike,
+    selector_rank: int = 8,
+    selector_top_k: int = 4,
+    seed: int = 0,
+    init_std: float = DEFAULT_INIT_STD,
+) -> Path:
+    """Make the DFlash draft in `draft_dir` a DFlash2 draft, in place: SGLang 0.5.23's
+    DFlash2DraftModel (the DFlash backbone plus a CandidateSelector, docs/dflash2.md) loads it.
+
+    config.json: architectures ["DFlash2DraftModel"], dflash_config.selector_rank (r) and
+    selector_top_k (K). Weights added (the draft's own untouched, so the DFlash2 draft drafts
+    the DFlash draft's candidates), float32 from N(0, init_std), seeded:
+    candidate_selector.predecessor_codebook [V, r], candidate_selector.successor_codebook
+    [V, r], candidate_selector.hidden_projection.weight [r, H] (nn.Linear H -> r, no bias).
+    """
+    draft = Path(draft_dir)
+    cfg = json.loads((draft / "config.json").read_text())
+    cfg["architectures"] = ["DFlash2DraftModel"]
+    cfg["dflash_config"] = {
+        **cfg.get("dflash_config", {}),
+        "selector_rank": selector_rank,
+        "selector_top_k": selector_top_k,
+    }
+    gen = torch.Generator().manual_seed(seed)
+    V, H = cfg["vocab_size"], cfg["hidden_size"]
+    shapes = {"predecessor_codebook": (V, selector_rank), "successor_codebook": (V, selector_rank)}
+    shapes["hidden_projection.weight"] = (selector_rank, H)
+    weights = load_file(str(draft / "model.safetensors"))
+    for name, shape in shapes.items():
+        weights[f"candidate_selector.{name}"] = torch.randn(shape, generator=gen) * init_std
+    (draft / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    save_file(weights, str(draft / "model.safetensors"), metadata={"format": "pt"})
+    return draft
+
+
+def write_tiny_dflash2(
+    out_dir: str | os.PathLike,
+    target_dir: str | os.PathLike,
+    seed: int = 0,
+    selector_rank: int = 8,
+    selector_top_k: int = 4,
+    init_std: float = DEFAULT_INIT_STD,
+    **dflash: Any,
+) -> Path:
+    """A DFlash2 draft for the target in `target_dir`: `write_tiny_dflash`'s draft (its
+    keywords in `dflash`, the same seed: the same backbone) with a candidate selector of rank
+    `selector_rank` over `selector_top_k` candidates (`add_candidate_selector`, seed + 1)."""
+    out = write_tiny_dflash(out_dir, target_dir, seed=seed, init_std=init_std, **dflash)
+    return add_candidate_selector(out, selector_rank, selector_top_k, seed + 1, init_std)
 
 
 # ----------------------------------------------------------------------------- SGLang on CPU

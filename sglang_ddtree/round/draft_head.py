@@ -1,9 +1,15 @@
-"""The draft head: DFlash block hidden states -> per-position top-K log-probs -> DDTree.
+"""The draft heads: DFlash block hidden states -> the drafter's candidates -> DDTree.
 
-It runs as a tail hook inside the draft runner's CUDA graph (like DFLASH's greedy sampler), so
-one graph replay covers draft forward, target-LM-head logits, top-K and the tree build. Outputs
-land in static buffers allocated once at the largest batch; a replay only changes contents.
-When the draft ran eagerly the worker calls the head itself on the same inputs.
+A head runs as a tail hook inside the draft runner's CUDA graph (like DFLASH's greedy sampler),
+so one graph replay covers draft forward, target-LM-head logits, top-K and the tree build.
+Outputs land in static buffers allocated once at the largest batch (`TreeHead`); a replay only
+changes contents. When the draft ran eagerly the worker calls the head itself on the same
+inputs. Two heads share those buffers and `grow`:
+
+  DraftTreeHead    a DFlash drafter: per-position top-K log-probs -> the marginal tree
+                   (tree/build_triton.py on CUDA, tree/build.py)
+  LatticeTreeHead  a DFlash2 drafter: its top-K candidates and the selector's pairwise scores
+                   -> the tree under its first-order chain (tree/lattice.py, docs/dflash2.md)
 """
 
 from __future__ import annotations
@@ -15,8 +21,10 @@ import torch
 import torch.nn.functional as F
 
 from sglang_ddtree.accept.budget import cut_links, expected_tokens, truncate
+from sglang_ddtree.adapter import compat
 from sglang_ddtree.config import DDTreeConfig
 from sglang_ddtree.tree import DraftTree, build_tree, topk_logprobs_from_logits
+from sglang_ddtree.tree.lattice import build_lattice_tree, lattice_chain_logprobs
 from sglang_ddtree.tree.shard_topk import merge_topk, shard_topk
 
 
@@ -47,22 +55,16 @@ class VocabShard:
     gather: Callable[[torch.Tensor], torch.Tensor]
 
 
-class DraftTreeHead:
-    def __init__(
-        self,
-        *,
-        lm_head_weight: torch.Tensor,  # [V_padded, H] target LM head (this rank's rows)
-        vocab_size: int,  # V: rows of lm_head_weight that are real tokens
-        cfg: DDTreeConfig,
-        max_bs: int,
-        shard: VocabShard | None = None,  # None: the whole vocabulary (tp = 1)
-    ):
-        self.weight = lm_head_weight
-        self.vocab_size = int(vocab_size)
+class TreeHead:
+    """The static tree buffers a head builds into, and what reads them: `grow` (the build, the
+    readings and cut links of the read widths), `tree` (views of the last build). A subclass
+    sets `build`, the builder `grow` calls, and `__call__`, the draft graph's tail."""
+
+    build: Callable[..., DraftTree]
+
+    def __init__(self, cfg: DDTreeConfig, max_bs: int, device: torch.device):
         self.cfg = cfg
-        self.shard = shard
-        self.build = tree_builder(device=lm_head_weight.device)
-        N, dev = cfg.num_nodes, lm_head_weight.device
+        N, dev = cfg.num_nodes, device
         self.tokens = torch.zeros((max_bs, N), dtype=torch.int64, device=dev)
         self.parents = torch.zeros((max_bs, N), dtype=torch.int64, device=dev)
         self.depth = torch.zeros((max_bs, N), dtype=torch.int64, device=dev)
@@ -99,6 +101,68 @@ class DraftTreeHead:
     def max_bs(self) -> int:
         return self.tokens.shape[0]
 
+    def grow(self, root: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tensor) -> DraftTree:
+        """The tree of roots [bs] over the drafter's candidates (ids [bs, B-1, K] and their
+        log-probs as the head's builder takes them: [bs, B-1, K] per position, or
+        [bs, B-1, K, K] conditionals on a lattice) into the static buffers, with the readings
+        and the cut links of the read widths; returns the built trees (the builder's, bs
+        rows)."""
+        bs = root.shape[0]
+        tree = self.build(root, ids, logprobs, self.cfg.budget)
+        for name, value in tree._asdict().items():
+            getattr(self, name)[:bs].copy_(value)
+        if self.readings is not None:
+            self.write_readings(tree.scores)
+        for w, (first_child, next_sibling) in self.cuts.items():
+            first_child[:bs].copy_(cut_links(tree.first_child, w))
+            next_sibling[:bs].copy_(cut_links(tree.next_sibling, w))
+        return tree
+
+    def write_readings(self, scores: torch.Tensor) -> None:
+        """readings[:bs, :W] = the expected tokens at the W read widths of trees with these
+        scores [bs, N] (log q); the other W columns are left to the readings (accepted tokens)."""
+        W = len(self.reading_widths)
+        self.readings[: scores.shape[0], :W].copy_(expected_tokens(scores, self.reading_widths))
+
+    def tree(self, bs: int, width: int | None = None) -> DraftTree:
+        """The last built trees of the first `bs` requests (views of the static buffers); with
+        a read width, their first `width` nodes (tree.budget.truncate's tree, its links cut in
+        the build; other widths are cut here)."""
+        N = self.cfg.num_nodes
+        w = N if width is None else width
+        if w != N and w not in self.cuts:
+            return truncate(self.tree(bs), w)
+        first_child, next_sibling = self.cuts.get(w, (self.first_child, self.next_sibling))
+        return DraftTree(
+            tokens=self.tokens[:bs, :w],
+            parents=self.parents[:bs, :w],
+            depth=self.depth[:bs, :w],
+            first_child=first_child[:bs],
+            next_sibling=next_sibling[:bs],
+            visibility=self.visibility[:bs, :w, :w],
+            scores=self.scores[:bs, :w],
+        )
+
+
+class DraftTreeHead(TreeHead):
+    """A DFlash drafter's head: the target's LM head over the block, the top-K per position,
+    the marginal tree (the builder `tree_builder` picks for the device)."""
+
+    def __init__(
+        self,
+        *,
+        lm_head_weight: torch.Tensor,  # [V_padded, H] target LM head (this rank's rows)
+        vocab_size: int,  # V: rows of lm_head_weight that are real tokens
+        cfg: DDTreeConfig,
+        max_bs: int,
+        shard: VocabShard | None = None,  # None: the whole vocabulary (tp = 1)
+    ):
+        super().__init__(cfg, max_bs, lm_head_weight.device)
+        self.weight = lm_head_weight
+        self.vocab_size = int(vocab_size)
+        self.shard = shard
+        self.build = tree_builder(device=lm_head_weight.device)
+
     def __call__(
         self,
         hidden_states: torch.Tensor,
@@ -124,27 +188,6 @@ class DraftTreeHead:
         parts = shard_topk(logits, self.cfg.topk, self.shard.offset)
         return merge_topk(*(self.shard.gather(p) for p in parts), self.cfg.topk)
 
-    def grow(self, root: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tensor) -> DraftTree:
-        """The tree of roots [bs] over the top-K (ids, logprobs [bs, B-1, K]) into the static
-        buffers, with the readings and the cut links of the read widths; returns the built
-        trees (the builder's, bs rows)."""
-        bs = root.shape[0]
-        tree = self.build(root, ids, logprobs, self.cfg.budget)
-        for name, value in tree._asdict().items():
-            getattr(self, name)[:bs].copy_(value)
-        if self.readings is not None:
-            self.write_readings(tree.scores)
-        for w, (first_child, next_sibling) in self.cuts.items():
-            first_child[:bs].copy_(cut_links(tree.first_child, w))
-            next_sibling[:bs].copy_(cut_links(tree.next_sibling, w))
-        return tree
-
-    def write_readings(self, scores: torch.Tensor) -> None:
-        """readings[:bs, :W] = the expected tokens at the W read widths of trees with these
-        scores [bs, N] (log q); the other W columns are left to the readings (accepted tokens)."""
-        W = len(self.reading_widths)
-        self.readings[: scores.shape[0], :W].copy_(expected_tokens(scores, self.reading_widths))
-
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[bs, L, H] draft hidden states -> [bs, L, V] logits over this head's real rows: one
         2-D GEMM (a batched matmul against the transposed weight got cuBLAS's slow kernel at
@@ -153,21 +196,55 @@ class DraftTreeHead:
         rows = hidden.reshape(bs * L, -1).to(self.weight.dtype)
         return F.linear(rows, self.weight[: self.vocab_size]).view(bs, L, -1)
 
-    def tree(self, bs: int, width: int | None = None) -> DraftTree:
-        """The last built trees of the first `bs` requests (views of the static buffers); with
-        a read width, their first `width` nodes (tree.budget.truncate's tree, its links cut in
-        the build; other widths are cut here)."""
-        N = self.cfg.num_nodes
-        w = N if width is None else width
-        if w != N and w not in self.cuts:
-            return truncate(self.tree(bs), w)
-        first_child, next_sibling = self.cuts.get(w, (self.first_child, self.next_sibling))
-        return DraftTree(
-            tokens=self.tokens[:bs, :w],
-            parents=self.parents[:bs, :w],
-            depth=self.depth[:bs, :w],
-            first_child=first_child[:bs],
-            next_sibling=next_sibling[:bs],
-            visibility=self.visibility[:bs, :w, :w],
-            scores=self.scores[:bs, :w],
-        )
+
+class LatticeTreeHead(TreeHead):
+    """A DFlash2 drafter's head: its top-K candidates over the target's LM head and its
+    selector's pairwise scores (compat.selector_lattice: the drafter's compute_candidates and
+    build_lattice), the chain's log conditionals (tree.lattice.lattice_chain_logprobs), the
+    best-first tree under that chain (tree.lattice.build_lattice_tree: sorts and gathers at
+    static shapes, no host sync, CUDA-graph safe). It returns the marginal head's DraftTree, so
+    the verify layout, mask packing, accept walk, penalties, widths and commit take it as is.
+
+    The scores are not divided by the requests' temperatures: the tree is the drafter's own
+    chain at T = 1, as the marginal head's tree is its per-position distributions at T = 1.
+    The accept walk is lossless for any tree fixed before the target samples (docs/dflash2.md,
+    "Losslessness"), so a temperature would only reshape which nodes are drafted; dividing would
+    need a per-round temperature buffer staged from the host before each graph replay (as
+    SGLang's selector sampler stages its own) and a rule for greedy rows (T = 0), and the width
+    policy's expected tokens (`readings`) read these T = 1 scores as the drafter's
+    probabilities.
+    """
+
+    def __init__(self, *, draft_model, cfg: DDTreeConfig, max_bs: int, device: torch.device):
+        top_k = int(compat.draft_selector(draft_model).top_k)
+        if top_k != cfg.topk:
+            raise ValueError(
+                f"the DFlash2 draft's selector scores {top_k} candidates per position, "
+                f"DDTREE was configured for K={cfg.topk} (--speculative-eagle-topk)"
+            )
+        super().__init__(cfg, max_bs, device)
+        self.draft_model = draft_model  # its lm_head points at the target's (worker.py)
+        self.build = build_lattice_tree
+
+    def __call__(
+        self,
+        hidden_states: torch.Tensor,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+    ) -> None:
+        """hidden_states [bs * B, H] draft block outputs; input_ids [bs * B], column 0 = root,
+        the anchor of the selector's first slot."""
+        del positions
+        B = self.cfg.block_size
+        bs = hidden_states.shape[0] // B
+        hidden = hidden_states.view(bs, B, -1)[:, 1:, :]  # [bs, B-1, H]: draft positions 1..B-1
+        root = input_ids.view(bs, B)[:, 0]  # [bs]
+        self.grow(root, *self.lattice(hidden, root))
+
+    def lattice(
+        self, hidden: torch.Tensor, anchor: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[bs, B-1, H] draft hidden states and the anchors [bs] -> the drafter's lattice:
+        (candidate ids [bs, B-1, K] int64, log q_e(c | p) [bs, B-1, K, K] float32)."""
+        ids, scores = compat.selector_lattice(self.draft_model, hidden, anchor)
+        return ids, lattice_chain_logprobs(scores)

@@ -2,7 +2,12 @@
 
 Inherited from DFlashWorkerV2 unchanged: draft TP worker and model, mask token, memory pools,
 attention backends, prefill (target prefill + draft KV of the prompt), idle batches, and the
-draft-KV materialisation from target hidden states. Replaced: the decode round.
+draft-KV materialisation from target hidden states. Replaced: the decode round, and the draft
+graph's tail: DDTREE's draft head (round/draft_head.py) for a DFlash draft, and for a DFlash2
+draft the lattice head in place of DFLASH's selector sampler. DFLASH's selector sampler is never
+built (this worker's init_cuda_graphs replaces the one that builds it) and its chain sample
+(`_selector_sample`, set only by DFLASH's own decode round) stays None, so DFLASH's chain accept
+never runs; the tree verify samples through eagle_sample as for a DFlash draft.
 
 Its decode round is a `Round` (round/round.py), whose stages run in order: draft (with the tree
 build in the same graph), tree_input, verify (SGLang's tree verify, calling the round's
@@ -33,7 +38,7 @@ from sglang.srt.utils import get_available_gpu_memory
 from sglang_ddtree.adapter import compat
 from sglang_ddtree.config import DDTreeConfig, Options, automatic_widths
 from sglang_ddtree.round import round as stages
-from sglang_ddtree.round.draft_head import DraftTreeHead, VocabShard
+from sglang_ddtree.round.draft_head import DraftTreeHead, LatticeTreeHead, TreeHead, VocabShard
 from sglang_ddtree.round.penalties import PenaltyTable
 from sglang_ddtree.round.round import Round
 from sglang_ddtree.round.round_dump import RoundDump
@@ -59,14 +64,10 @@ class _DropWidthMismatch(logging.Filter):
         return not record.getMessage().startswith("DFLASH block size mismatch")
 
 
-def tree_head(lm_head, cfg: DDTreeConfig, max_bs: int, gather=None) -> DraftTreeHead:
-    """The draft head on the target's LM head: its real rows (`compat.lm_head_rows`); given the
-    TP group's `gather` (a vocabulary-parallel head, tp > 1), a VocabShard that merges the
-    ranks' top-K through it, so every rank builds the same tree. Start-up
-    still refuses --tp-size > 1 (adapter/spec.py) until a multi-GPU run has verified the
-    rest."""
+def _check_lm_head(lm_head) -> None:
+    """The draft heads read the target's LM head weight as it is: a quantized one would give
+    garbage (a DFlash2 drafter's compute_candidates refuses it too, at its first call)."""
     if lm_head.weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        # the head's matmul reads the weight as it is: a quantized LM head would give garbage
         method = type(getattr(lm_head, "quant_method", None)).__name__
         raise ValueError(
             "DDTREE drafts through the target's LM head, which this checkpoint quantizes "
@@ -74,6 +75,15 @@ def tree_head(lm_head, cfg: DDTreeConfig, max_bs: int, gather=None) -> DraftTree
             "keeps lm_head unquantized (ModelOpt exclude_modules, compressed-tensors ignore: "
             "lm_head). Qwen's FP8 checkpoints and --quantization fp8 keep it in bf16."
         )
+
+
+def tree_head(lm_head, cfg: DDTreeConfig, max_bs: int, gather=None) -> DraftTreeHead:
+    """The draft head on the target's LM head: its real rows (`compat.lm_head_rows`); given the
+    TP group's `gather` (a vocabulary-parallel head, tp > 1), a VocabShard that merges the
+    ranks' top-K through it, so every rank builds the same tree. Start-up
+    still refuses --tp-size > 1 (adapter/spec.py) until a multi-GPU run has verified the
+    rest."""
+    _check_lm_head(lm_head)
     offset, rows = compat.lm_head_rows(lm_head)
     shard = VocabShard(offset=offset, gather=gather) if gather is not None else None
     return DraftTreeHead(
@@ -85,7 +95,19 @@ def tree_head(lm_head, cfg: DDTreeConfig, max_bs: int, gather=None) -> DraftTree
     )
 
 
-def draft_tail(head: DraftTreeHead):
+def lattice_head(draft_model, lm_head, cfg: DDTreeConfig, max_bs: int) -> LatticeTreeHead:
+    """A DFlash2 drafter's head: its selector over its candidates on the target's LM head,
+    which the draft model's `lm_head` points at from here on, before any draft graph is
+    captured (as DFLASH's worker sets it). Under tensor parallelism compute_candidates gathers
+    the global top-K itself, and the selector's codebooks are replicated."""
+    _check_lm_head(lm_head)
+    compat.attach_target_lm_head(draft_model, lm_head)
+    return LatticeTreeHead(
+        draft_model=draft_model, cfg=cfg, max_bs=max_bs, device=lm_head.weight.device
+    )
+
+
+def draft_tail(head: TreeHead):
     """The draft graph's tail hook: the head on the block's hidden states, ids and positions."""
 
     def tail(runner, out, forward_batch, num_tokens):
@@ -148,18 +170,23 @@ class DDTreeWorker(DFlashWorkerV2):
         self._penalties: PenaltyTable | None = None
         if self._tp_rank == 0:
             logger.info(
-                "DDTREE worker ready: B=%d, N=%d (budget %d), K=%d, draft head for bs<=%d",
+                "DDTREE worker ready: B=%d, N=%d (budget %d), K=%d, draft head %s for bs<=%d",
                 self.cfg.block_size,
                 self.cfg.num_nodes,
                 self.cfg.budget,
                 self.cfg.topk,
+                type(self.tree_head).__name__,
                 self.tree_head.max_bs,
             )
 
-    def _build_tree_head(self) -> DraftTreeHead:
+    def _build_tree_head(self) -> TreeHead:
+        """The draft head at the largest batch: the lattice head for a DFlash2 draft (one with a
+        candidate selector), else the DFlash head."""
         graph_bs = get_exec().graph.cuda_graph_config.decode.bs or [1]
         max_bs = max(max(graph_bs), int(compat.max_running_requests() or 1))
         lm_head = self.target_worker.model_runner.model.lm_head
+        if compat.draft_selector(self.draft_model) is not None:
+            return lattice_head(self.draft_model, lm_head, self.cfg, max_bs)
         gather = compat.tp_gather() if self._tp_size > 1 else None
         return tree_head(lm_head, self.cfg, max_bs, gather)
 
@@ -170,7 +197,9 @@ class DDTreeWorker(DFlashWorkerV2):
             logger.warning("DDTREE: draft CUDA graphs disabled (less than 1 GB free).")
         self._ask_for_readings()  # before the capture: the draft graphs compute them
         if capture:
-            # Fold top-K + tree build into the draft graph (runs after the draft forward).
+            # Fold the draft head (top-K or the DFlash2 lattice, and the tree build) into the
+            # draft graph, after the draft forward; DFLASH's own tail (its greedy head or
+            # selector sampler) is never built here
             self.draft_model_runner.capture_tail_hooks.append(draft_tail(self.tree_head))
         compat.init_draft_cuda_graphs(self, capture)
         self._init_widths(capture)

@@ -1,7 +1,8 @@
 """The GPU test server set, all on one GPU in small memory slices: per binary pair
 (attention-only Qwen3, hybrid Qwen3.5) a plain server and DDTREE with and without the overlap
-scheduler, and each again on an FP8 target (FP8 weights, then FP8 weights and KV cache); for the
-trained pair (hybrid Qwen3.5, sglang_ddtree/assets/demo) a plain server and DDTREE, each also in
+scheduler, each again on an FP8 target (FP8 weights, then FP8 weights and KV cache), and DDTREE
+and SGLang's DFLASH on the pair's DFlash2 draft (the binary draft with a candidate selector,
+tests/gpu/test_dflash2.py); for the trained pair (hybrid Qwen3.5, sglang_ddtree/assets/demo) a plain server and DDTREE, each also in
 SGLang's deterministic (batch-invariant) mode. SGLang's DFLASH on the pair and DDTREE at N=64
 start only for the end-to-end benchmark (DDTREE_GPU_BENCH=1; scripts/bench_e2e.py --attach).
 
@@ -41,8 +42,9 @@ PAIR_NUM_NODES, PAIR_TOPK = 32, 8
 # (1 - fraction) of what was free before, and the neighbours that start at the same time take
 # their share in between. At 0.15 that tolerance was 15% (on one H100 with 27 servers starting,
 # 3 GiB: the late servers failed the check); at 0.5 it is half, while each server still holds
-# only its capped pools (13 servers used 32 GiB on the H200; the 27 of the default set, about
-# 2.5 GiB each, fit one 80 GB H100).
+# only its capped pools (13 servers used 32 GiB on the H200; the 27 of the default set before the
+# DFlash2 servers, about 2.5 GiB each, fit one 80 GB H100; the 31 now, about 78 GiB, are near an
+# H100's 80 GB: DDTREE_GPU_SERVERS narrows a run there).
 COMMON = [
     *ADMIN_ARGS,  # the tools' admin calls (/flush_cache, /start_profile)
     "--attention-backend",
@@ -102,6 +104,14 @@ def dflash_args(draft: Path) -> list[str]:
     return ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(draft)]
 
 
+def dflash2_draft(draft: str | Path) -> Path:
+    """The binary pair's DFlash2 draft beside its DFlash draft `draft` (write_pair writes it):
+    the same backbone with a candidate selector over TOPK candidates
+    (checkpoints/binary_pair.write_binary_dflash2)."""
+    draft = Path(draft)
+    return draft.with_name(draft.name + "2")
+
+
 def ddtree_args(model: str, draft: Path, nodes: int | None = None) -> list[str]:
     default_nodes, topk = tree_shape(model)
     nodes = nodes or default_nodes
@@ -139,13 +149,18 @@ VARIANTS = {
     "ddtree_fp8": lambda model, draft: [*ddtree_args(model, draft), *FP8, *DRAFT_BF16],
     "base_fp8kv": lambda model, draft: [*FP8_KV],
     "ddtree_fp8kv": lambda model, draft: [*ddtree_args(model, draft), *FP8_KV, *DRAFT_BF16],
+    # the DFlash2 draft: DDTREE's lattice tree (K = the selector's TOPK, the flag repeats it),
+    # and SGLang's DFLASH walking its selector's chain, the control (tests/gpu/test_dflash2.py)
+    "ddtree_dflash2": lambda model, draft: ddtree_args(model, dflash2_draft(draft)),
+    "dflash_dflash2": lambda model, draft: dflash_args(dflash2_draft(draft)),
 }
 # Per-variant environment on top of ENV.
 VARIANT_ENV = {
     "ddtree_fixed": {"SGLANG_DDTREE_WIDTH": "fixed"},
 }
 FP8_VARIANTS = ("base_fp8", "ddtree_fp8", "base_fp8kv", "ddtree_fp8kv")
-# Which variants each model runs (27 servers by default, 29 with BENCH_ONLY's). Launch order
+DFLASH2_VARIANTS = ("ddtree_dflash2", "dflash_dflash2")
+# Which variants each model runs (31 servers by default, 33 with BENCH_ONLY's). Launch order
 # interleaves the models, plain servers first, so each model's tests can begin while the others
 # still start. SGLang's own chain DFLASH runs beside DDTREE on the binary pairs as the control
 # for numerics.
@@ -158,6 +173,7 @@ MODEL_VARIANTS = {
         "ddtree_sync",
         "dflash",
         *FP8_VARIANTS,
+        *DFLASH2_VARIANTS,
     ),
     "qwen35": (
         "base",
@@ -167,6 +183,7 @@ MODEL_VARIANTS = {
         "ddtree_sync",
         "dflash",
         *FP8_VARIANTS,
+        *DFLASH2_VARIANTS,
     ),
     "pair": (
         "base",
@@ -200,14 +217,17 @@ def write_pair(root: Path, model: str) -> tuple[Path, Path]:
     """The checkpoints a model name stands for. `qwen3` / `qwen35`: the agreeing binary pair
     (testing/binary_pair.py; deep side-branch acceptance every round), written under root.
     `pair`: the trained Qwen3.5 target + DFlash draft shipped with the package (real text,
-    natural logit margins)."""
+    natural logit margins). A binary pair's DFlash2 draft is written beside its draft
+    (`dflash2_draft`)."""
     if model == "pair":
         return DEMO / "target", DEMO / "draft"
-    from sglang_ddtree.checkpoints.binary_pair import write_binary_pair
+    from sglang_ddtree.checkpoints.binary_pair import write_binary_dflash2, write_binary_pair
 
     target, draft = root / f"{model}-binary", root / f"{model}-binary-dflash"
     if not (draft / "config.json").exists():
         write_binary_pair(root, model, seed=0)
+    if not (dflash2_draft(draft) / "config.json").exists():
+        write_binary_dflash2(root, model, seed=0, selector_top_k=TOPK)
     return target, draft
 
 

@@ -202,6 +202,81 @@ def test_unsupported_flags_name_the_flag_and_fix(draft_dir, overrides, words):
     assert words in str(err.value)
 
 
+def _draft_variant(draft_dir, name: str, block_size: int = 8, arch="DFlash2DraftModel", **dflash):
+    """draft_dir's config with these changes, in a folder of its own (SGLang caches a config
+    by its path): by default a DFlash2 draft, SGLang's DFlash2 architecture with a candidate
+    selector of rank 8 over K = 4 candidates, block 8."""
+    cfg = json.loads((draft_dir / "config.json").read_text())
+    cfg.update(architectures=[arch], block_size=block_size)
+    cfg["dflash_config"].update({"selector_rank": 8, "selector_top_k": 4, **dflash})
+    out = draft_dir / name
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+@pytest.mark.parametrize("topk", [None, 4])
+def test_a_dflash2_draft_fixes_k_at_its_selector_top_k(draft_dir, topk):
+    """K is the checkpoint's selector_top_k: unset, the flag takes it; set, it must equal it.
+    The budget may fill the tree's capacity at that K and B - 1 levels (4 + 16 + ... + 4**7)."""
+    dflash2 = _draft_variant(draft_dir, "dflash2")
+    sa = _server_args(dflash2, speculative_eagle_topk=topk)
+    spec.validate_server_args(sa)
+    cfg = spec.apply_server_args(sa)
+    assert (cfg.block_size, cfg.num_nodes, cfg.topk) == (8, 16, 4)
+    assert sa.speculative_eagle_topk == 4
+    draft = compat.draft_checkpoint(sa)
+    assert (draft.dflash2, draft.architecture, draft.selector_rank) == (
+        True,
+        "DFlash2DraftModel",
+        8,
+    )
+    widest = _server_args(dflash2, speculative_num_draft_tokens=1024)  # capacity 21844
+    assert spec.resolve_config(widest).num_nodes == 1024
+    alias = _draft_variant(draft_dir, "beam", arch="DFlash2BeamDraftModel")
+    assert compat.draft_checkpoint(_server_args(alias)).dflash2
+
+
+def test_a_dflash2_draft_refuses_another_k_or_a_budget_past_its_trees(draft_dir):
+    """One line each, naming the flag, its value and the checkpoint's K."""
+    dflash2 = _draft_variant(draft_dir, "dflash2")
+    with pytest.raises(DDTreeConfigError) as err:
+        spec.validate_server_args(_server_args(dflash2, speculative_eagle_topk=8))
+    assert str(err.value) == (
+        "--speculative-eagle-topk 8 differs from the DFlash2 draft checkpoint's selector_top_k "
+        "4 (the candidates its selector scores per position); drop the flag or pass "
+        "--speculative-eagle-topk 4."
+    )
+    shallow = _draft_variant(draft_dir, "shallow", block_size=3, selector_top_k=2)
+    spec.validate_server_args(_server_args(shallow, speculative_num_draft_tokens=7))
+    with pytest.raises(DDTreeConfigError) as err:  # two levels: at most 2 + 4 draft nodes
+        spec.validate_server_args(_server_args(shallow, speculative_num_draft_tokens=8))
+    assert str(err.value) == (
+        "--speculative-num-draft-tokens 8 asks for 7 draft nodes, but a tree of depth <= 2 over "
+        "the DFlash2 draft checkpoint's selector_top_k 2 candidates holds at most 6; pass "
+        "--speculative-num-draft-tokens <= 7."
+    )
+    assert "\n" not in str(err.value)
+
+
+def test_a_dflash2_architecture_without_a_selector_or_with_k_1_is_refused(draft_dir):
+    bare = _draft_variant(draft_dir, "bare", selector_rank=0, selector_top_k=0)
+    with pytest.raises(DDTreeConfigError, match="DFlash2DraftModel but its dflash_config has no"):
+        spec.validate_server_args(_server_args(bare))
+    one = _draft_variant(draft_dir, "one", selector_top_k=1)
+    with pytest.raises(DDTreeConfigError, match="selector_top_k is 1; DDTREE needs 2 <= K <= 64"):
+        spec.validate_server_args(_server_args(one))
+
+
+def test_a_dflash_draft_with_selector_keys_is_served_as_dflash(draft_dir):
+    """SGLang builds a DFlashDraftModel (no selector) for that architecture whatever its
+    dflash_config says: DDTREE's K is then the flag's, as for any DFlash draft."""
+    plain = _draft_variant(draft_dir, "plain", block_size=16, arch="DFlashDraftModel")
+    sa = _server_args(plain, speculative_eagle_topk=6)
+    assert not compat.draft_checkpoint(sa).dflash2
+    assert spec.resolve_config(sa).topk == 6
+
+
 def test_width_switches_are_checked_against_the_flags_at_startup(draft_dir, monkeypatch):
     """SGLANG_DDTREE_WIDTHS outside [B, N] fails before any model loads, naming both flags;
     with fixed widths the automatic-width refusals do not apply."""

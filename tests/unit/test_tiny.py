@@ -13,6 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from sglang_ddtree.checkpoints.tiny import (
     SPECIAL_TOKENS,
     write_tiny_dflash,
+    write_tiny_dflash2,
     write_tiny_qwen3,
     write_tiny_qwen35,
     write_tokenizer,
@@ -173,6 +174,50 @@ def test_dflash_writer_is_deterministic(tmp_path, qwen3_dir):
     assert not torch.equal(c["fc.weight"], load_file(str(a / "model.safetensors"))["fc.weight"])
 
 
+def test_dflash2_config_is_what_sglang_parses_and_ddtree_serves(tmp_path, qwen3_dir):
+    """The DFlash2 draft: SGLang's DFlash2 architecture and selector keys, the selector's three
+    tensors at SGLang's names and shapes, the DFlash draft of the same seed as its backbone;
+    DDTREE's start-up reads it as a DFlash2 draft with K = selector_top_k."""
+    dflash_utils = pytest.importorskip("sglang.srt.speculative.dflash_utils")
+    from types import SimpleNamespace
+
+    from sglang_ddtree.adapter import compat
+    from sglang_ddtree.config import DDTreeConfig
+
+    draft = write_tiny_dflash2(tmp_path / "d2", qwen3_dir, seed=3, block_size=8, selector_rank=6)
+    cfg = AutoConfig.from_pretrained(draft)
+    parsed = dflash_utils.parse_dflash_draft_config(draft_hf_config=cfg)
+    assert cfg.architectures == ["DFlash2DraftModel"]
+    assert (parsed.selector_rank, parsed.selector_top_k, parsed.block_size) == (6, 4, 8)
+    weights = load_file(str(draft / "model.safetensors"))
+    V, H = cfg.vocab_size, cfg.hidden_size
+    selector = {k: v.shape for k, v in weights.items() if k.startswith("candidate_selector.")}
+    assert selector == {
+        "candidate_selector.predecessor_codebook": (V, 6),
+        "candidate_selector.successor_codebook": (V, 6),
+        "candidate_selector.hidden_projection.weight": (6, H),
+    }
+    backbone = load_file(
+        str(
+            write_tiny_dflash(tmp_path / "d", qwen3_dir, seed=3, block_size=8) / "model.safetensors"
+        )
+    )
+    assert all(torch.equal(weights[k], v) for k, v in backbone.items())
+    assert set(weights) == set(backbone) | set(selector)
+    args = SimpleNamespace(
+        speculative_draft_model_path=str(draft),
+        trust_remote_code=False,
+        speculative_draft_model_revision=None,
+        json_model_override_args=None,
+    )
+    read = compat.draft_checkpoint(args)
+    assert (read.dflash2, read.block_size, read.selector_top_k) == (True, 8, 4)
+    resolved = DDTreeConfig.resolve(
+        block_size=None, draft_block_size=8, num_draft_tokens=None, topk=None, draft=read
+    )
+    assert (resolved.block_size, resolved.num_nodes, resolved.topk) == (8, 16, 4)
+
+
 # ----------------------------------------------------------------------------- SGLang loaders
 
 
@@ -219,3 +264,23 @@ def test_sglang_qwen35_loader_takes_the_checkpoint(qwen35_dir):
     assert torch.equal(
         params["model.embed_tokens.weight"], ckpt["model.language_model.embed_tokens.weight"]
     )
+
+
+@pytest.mark.slow
+def test_sglang_dflash2_loader_takes_the_checkpoint(tmp_path, qwen3_dir):
+    """SGLang's DFlash2DraftModel, built on CPU, takes every tensor of the DFlash2 draft: the
+    backbone's and its CandidateSelector's."""
+    pytest.importorskip("sglang")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from sglang.srt.models.dflash import DFlash2DraftModel
+
+    draft = write_tiny_dflash2(tmp_path / "d2", qwen3_dir, seed=0, num_layers=2)
+    params = _sglang_load_fills_every_param(DFlash2DraftModel, draft)
+    ckpt = load_file(str(draft / "model.safetensors"))
+    for name in ("predecessor_codebook", "successor_codebook", "hidden_projection.weight"):
+        key = f"candidate_selector.{name}"
+        assert torch.equal(params[key], ckpt[key]), key
+    assert params["candidate_selector.predecessor_codebook"].shape[1] == 8
