@@ -639,9 +639,6 @@ def gpu_suite_table(rows: list[dict]) -> str:
     return shown(rows, prose(head) + "\n\n" + table(header, body))
 
 
-WORLD_KEYS = ("spread", "ratio", "off_spine", "shared", "miss_ratio", "tail")  # as rows name them
-
-
 def simulated_acceptance_table(rows: list[dict]) -> str:
     """Per regime: the chain's tokens per round (measured and calibrated) and the tree's at each
     width, with the tree over the chain."""
@@ -657,7 +654,9 @@ def simulated_acceptance_table(rows: list[dict]) -> str:
             r["nodes"]: r["tau"] for r in rows if r["regime"] == name and r["verify"] == "tree"
         }
         params = ", ".join(
-            f"{k.replace('_', '-')} {world[k]:g}" for k in WORLD_KEYS if world.get(k) is not None
+            f"{k.replace('_', '-')} {v:g}"
+            for k, v in world.items()
+            if k not in ("name", "top1", "seed") and v is not None
         )
         body.append(
             [

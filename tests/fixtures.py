@@ -10,6 +10,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -172,3 +173,52 @@ def conv_window_reference(inputs, history, parents, node: int):
         cols.append(inputs[cur] if cur >= 0 else history[:, km1 + cur])
         cur = int(parents[cur]) if cur > 0 else cur - 1
     return torch.stack(cols[::-1], dim=-1)
+
+
+def chi_square_pvalue(counts, probs) -> float:
+    """Goodness of fit of counts [cells] to probs [cells] (numpy arrays); zero-probability cells
+    must be empty; cells expected < 5 are pooled."""
+    from scipy import stats
+
+    assert counts[probs == 0].sum() == 0, "a token outside the support was drawn"
+    expected = probs * counts.sum()
+    big = expected >= 5
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    keep = exp > 0
+    return float(stats.chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue)
+
+
+H100 = ("NVIDIA H100 80GB HBM3", 79.6)  # torch's name and total memory (GiB) of one card
+
+
+def offline_bench_round(monkeypatch, bench, log: str = "") -> list:
+    """scripts/bench_round.py (`bench`, as load_script gives it) with no GPU and no server: one
+    H100 with 70 GiB free, servers that start at once and whose log reads `log`, rounds of
+    20 ms, no plot. Returns the servers started, in order (each keeps name, port, args, env)."""
+    started = []
+
+    class Server:
+        def __init__(self, name, model, port, args, env=None, log_dir=None):
+            self.name, self.port, self.args, self.env = name, port, args, env
+            started.append(self)
+
+        def start(self):
+            pass
+
+        def wait_healthy(self, timeout):
+            return 1.0
+
+        def log_text(self):
+            return log
+
+        def stop(self):
+            pass
+
+    measured = {"round_ms": 20.0, "tokens_per_s": 100.0, "accept_len": 1.0}
+    monkeypatch.setattr(bench, "card_info", lambda: H100)
+    monkeypatch.setattr(bench, "free_bytes", lambda: 70 * 2**30)
+    monkeypatch.setattr(bench.harness, "Server", Server)
+    monkeypatch.setattr(bench, "measure", lambda server, bs, tokens: {"bs": bs, **measured})
+    monkeypatch.setattr(bench, "plot", lambda rows, path, card: None)
+    return started

@@ -79,7 +79,12 @@ def _links_and_visibility(parents: list[int]) -> tuple[list[int], list[int], lis
 
 def _one_tree(root: int, ids: list[list[int]], lp_rows: list[list[float]], budget: int) -> dict:
     lp = [plain_logprobs(row) for row in lp_rows]
-    nodes = _best_first(lp, budget)
+    return host_tree(root, ids, _best_first(lp, budget))
+
+
+def host_tree(root: int, ids: list[list[int]], nodes: list[tuple]) -> dict:
+    """One request's host tree ({field: list}, as `stack_trees` takes it) from its best-first
+    nodes, each (parent, depth, index into ids[depth - 1], score), root first."""
     parents = [-1] + [p for p, _, _, _ in nodes]
     first_child, next_sibling, visibility = _links_and_visibility(parents)
     return {

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from .build import select_nodes
-from .build_reference import sibling_links, stack_trees
+from .build_reference import host_tree, stack_trees
 from .inputs import LOGPROB_FLOOR, beam_widths, check_build_inputs
 from .types import DraftTree
 
@@ -134,23 +134,7 @@ def _best_first(values: list, cands: list, budget: int) -> list[tuple[int, int, 
 
 
 def _one_tree(root: int, ids: list[list[int]], cond: list, budget: int) -> dict:
-    nodes = _best_first(*_sorted_rows(cond), budget)
-    parents = [-1] + [p for p, _, _, _ in nodes]
-    first_child, next_sibling = sibling_links(parents)
-    visibility = [[False] * len(parents) for _ in parents]
-    for i in range(len(parents)):
-        j = i
-        while j != -1:
-            visibility[i][j], j = True, parents[j]
-    return {
-        "tokens": [root] + [ids[d - 1][c] for _, d, c, _ in nodes],
-        "parents": parents,
-        "depth": [0] + [d for _, d, _, _ in nodes],
-        "first_child": first_child,
-        "next_sibling": next_sibling,
-        "visibility": visibility,
-        "scores": [f32(0.0)] + [s for _, _, _, s in nodes],
-    }
+    return host_tree(root, ids, _best_first(*_sorted_rows(cond), budget))
 
 
 def build_lattice_tree_reference(

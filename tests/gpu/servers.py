@@ -289,10 +289,8 @@ def run_launcher(root: Path, timeout: float = 1500) -> None:
     alone (after the others have settled, so no neighbour allocates while it sizes its pools).
     Keeps ROOT/status.json current."""
     servers = launched_set(root)
-    status = {name: "starting" for name in servers}
-    queue = [name for name, s in servers.items() if not s.is_healthy()]
-    for name in set(servers) - set(queue):
-        status[name] = "healthy"
+    status = {name: "healthy" if s.is_healthy() else "starting" for name, s in servers.items()}
+    queue = [name for name, v in status.items() if v == "starting"]
     booting: list[str] = []
     dead: list[str] = []  # died on their first start, waiting for their one retry
     retried, t0 = set(), time.time()

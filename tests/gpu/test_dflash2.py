@@ -27,10 +27,11 @@ from tests.gpu import harness  # noqa: E402
 from tests.gpu import test_serve as serve  # noqa: E402
 
 # test_serve's fixtures, under their names here
-servers, fp32_pair, plain_greedy, sampled = (
+servers, fp32_pair, plain_greedy, dflash_greedy, sampled = (
     serve.servers,
     serve.fp32_pair,
     serve.plain_greedy,
+    serve.dflash_greedy,
     serve.sampled,
 )
 
@@ -38,23 +39,6 @@ pytestmark = pytest.mark.gpu
 
 DDTREE, DFLASH = "ddtree_dflash2", "dflash_dflash2"
 DFLASH2_MODELS = [m for m in serve.MODELS if m != "pair"]  # the binary pairs
-
-
-@pytest.fixture(scope="module")
-def chain_greedy(servers):
-    """Per (model, concurrency): the DFLASH control's greedy tokens and their teacher-forced
-    deficits on the plain server (test_serve's dflash_greedy, on the DFlash2 draft)."""
-    cache = {}
-
-    def get(model: str, concurrency: int):
-        key = model, concurrency
-        if key not in cache:
-            base = serve._up(servers, f"{model}-base")
-            tokens = serve._greedy_ids(serve._up(servers, f"{model}-{DFLASH}"), concurrency)
-            cache[key] = (tokens, serve._deficits(base, tokens))
-        return cache[key]
-
-    return get
 
 
 @pytest.mark.parametrize("model", DFLASH2_MODELS)
@@ -75,7 +59,7 @@ def test_the_dflash2_servers_served_the_selector(servers, model):
 @pytest.mark.parametrize("concurrency", [1, 8])
 @pytest.mark.parametrize("model", DFLASH2_MODELS)
 def test_dflash2_greedy_is_the_targets_greedy(
-    servers, plain_greedy, chain_greedy, fp32_pair, model, concurrency
+    servers, plain_greedy, dflash_greedy, fp32_pair, model, concurrency
 ):
     """test_serve's greedy check of the DDTREE server on the DFlash2 draft against the plain
     server: every token within the tolerance of the target's own greedy choice under teacher
@@ -88,7 +72,7 @@ def test_dflash2_greedy_is_the_targets_greedy(
         model,
         DDTREE,
         concurrency,
-        dflash=chain_greedy(model, concurrency),
+        dflash=dflash_greedy(model, concurrency, DFLASH),
     )
 
 

@@ -227,19 +227,19 @@ def plain_greedy(servers):
 
 @pytest.fixture(scope="module")
 def dflash_greedy(servers):
-    """Per (model, concurrency): SGLang's own DFLASH greedy tokens and their teacher-forced
-    deficits, the second control (its verify pass runs the same target kernels as DDTREE's), or
-    None where the model has no DFLASH server."""
+    """Per (model, concurrency, DFLASH variant, default `dflash`): SGLang's own DFLASH greedy
+    tokens and their teacher-forced deficits, the second control (its verify pass runs the same
+    target kernels as DDTREE's), or None where the model has no such DFLASH server."""
     cache = {}
 
-    def get(model: str, concurrency: int):
-        key = model, concurrency
+    def get(model: str, concurrency: int, variant: str = "dflash"):
+        key = model, concurrency, variant
         if key not in cache:
-            if f"{model}-dflash" not in servers:
+            if f"{model}-{variant}" not in servers:
                 cache[key] = None
             else:
                 base = _up(servers, f"{model}-base")
-                tokens = _greedy_ids(_up(servers, f"{model}-dflash"), concurrency)
+                tokens = _greedy_ids(_up(servers, f"{model}-{variant}"), concurrency)
                 cache[key] = (tokens, _deficits(base, tokens))
         return cache[key]
 

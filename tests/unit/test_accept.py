@@ -10,7 +10,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from scipy import stats
 
 from sglang_ddtree.accept import accept_walk, accept_walk_reference, sample_target_tokens
 from sglang_ddtree.accept.sampling import filtered_probs
@@ -27,6 +26,7 @@ from sglang_ddtree.tree.testing import (
     no_host_sync,
     random_build_inputs,
 )
+from tests.fixtures import chi_square_pvalue
 
 torch.set_num_threads(1)
 
@@ -151,17 +151,6 @@ def plain_filtered(logits: list[float], t: float, top_p: float, top_k: int) -> n
     out = np.zeros(V)
     out[final] = q[final] / q[final].sum()
     return out
-
-
-def chi_square_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
-    """Goodness of fit; zero-probability cells must be empty; cells expected < 5 are pooled."""
-    assert counts[probs == 0].sum() == 0, "a token outside the support was sampled"
-    expected = probs * counts.sum()
-    big = expected >= 5
-    obs = np.append(counts[big], counts[~big].sum())
-    exp = np.append(expected[big], expected[~big].sum())
-    keep = exp > 0
-    return float(stats.chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue)
 
 
 def _fill(bs: int, value, dtype) -> torch.Tensor:

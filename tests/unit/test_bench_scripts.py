@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures import H100, offline_bench_round
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -53,7 +55,6 @@ def test_bench_round_configs_have_qwen36_27b_shapes(tmp_path):
     assert dcfg.num_hidden_layers == 5 and dcfg.hidden_size == 5120
 
 
-H100 = ("NVIDIA H100 80GB HBM3", 79.6)  # torch's name and total memory (GiB) of one card
 H200 = ("NVIDIA H200", 139.8)
 
 
@@ -202,7 +203,6 @@ def test_bench_round_rows_carry_the_card(tmp_path, monkeypatch):
     variant's an fp8 KV cache and its own scratch budget; a variant of which not one request
     fits starts no server."""
     bench = _script("bench_round")
-    started = []
     log = (
         "[x] Load weight end. elapsed=3.1 s, type=Qwen3_5ForConditionalGeneration, "
         "avail mem=50.10 GB, mem usage=27.52 GB.\n"
@@ -210,29 +210,7 @@ def test_bench_round_rows_carry_the_card(tmp_path, monkeypatch):
         "avail mem=46.80 GB, mem usage=3.25 GB.\n"
         "[x] intermediate_ssm_state_cache size: 18.00GB intermediate_conv_window_cache size\n"
     )
-
-    class Server:
-        def __init__(self, name, model, port, args, env=None, log_dir=None):
-            self.name, self.args, self.env = name, args, env
-            started.append(self)
-
-        def start(self):
-            pass
-
-        def wait_healthy(self, timeout):
-            return 1.0
-
-        def log_text(self):
-            return log
-
-        def stop(self):
-            pass
-
-    monkeypatch.setattr(bench, "card_info", lambda: H100)
-    monkeypatch.setattr(bench, "free_bytes", lambda: 70 * 2**30)
-    monkeypatch.setattr(bench.harness, "Server", Server)
-    measured = {"round_ms": 20.0, "tokens_per_s": 100.0, "accept_len": 1.0}
-    monkeypatch.setattr(bench, "measure", lambda server, bs, tokens: {"bs": bs, **measured})
+    started = offline_bench_round(monkeypatch, bench, log)
     plots = []
     monkeypatch.setattr(bench, "plot", lambda rows, path, card: plots.append(card))
     monkeypatch.setattr(bench.round_serving, "write_dataset", lambda path, n: path)
@@ -276,31 +254,7 @@ def test_bench_round_puts_its_servers_in_the_simulated_world(tmp_path, monkeypat
     DDTREE_SIMULATE=REGIME beside its variant's switches, and every row records the world; a
     bad value stops before any server starts."""
     bench = _script("bench_round")
-    started = []
-
-    class Server:
-        def __init__(self, name, model, port, args, env=None, log_dir=None):
-            self.name, self.env = name, env
-            started.append(self)
-
-        def start(self):
-            pass
-
-        def wait_healthy(self, timeout):
-            return 1.0
-
-        def log_text(self):
-            return ""
-
-        def stop(self):
-            pass
-
-    monkeypatch.setattr(bench, "card_info", lambda: H100)
-    monkeypatch.setattr(bench, "free_bytes", lambda: 70 * 2**30)
-    monkeypatch.setattr(bench.harness, "Server", Server)
-    measured = {"round_ms": 20.0, "tokens_per_s": 100.0, "accept_len": 1.0}
-    monkeypatch.setattr(bench, "measure", lambda server, bs, tokens: {"bs": bs, **measured})
-    monkeypatch.setattr(bench, "plot", lambda rows, path, card: None)
+    started = offline_bench_round(monkeypatch, bench)
     monkeypatch.delenv("PYTHONPATH", raising=False)
     out = tmp_path / "out"
     argv = ["--out", str(out), "--work", str(tmp_path / "work"), "--batch", "1"]

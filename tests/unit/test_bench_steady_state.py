@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.fixtures import load_script
+from tests.fixtures import load_script, offline_bench_round
 
 
 def test_the_rule_keeps_prefills_ramp_and_tail_under_the_share():
@@ -248,29 +248,8 @@ def test_bench_round_main_writes_steady_runs_and_spreads_beside_the_probes(tmp_p
     and the card; an automatic server's runs and probes count their widths, its spread rows
     do not; the prompt file holds the rule's R per client at the largest c."""
     bench = load_script("bench_round")
-
-    class Server:
-        def __init__(self, name, model, port, args, env=None, log_dir=None):
-            self.name, self.port = name, port
-
-        def start(self):
-            pass
-
-        def wait_healthy(self, timeout):
-            return 1.0
-
-        def log_text(self):
-            return "[x] max_total_num_tokens=400000, max_running_requests=16\n"
-
-        def stop(self):
-            pass
-
-    monkeypatch.setattr(bench, "card_info", lambda: ("NVIDIA H100 80GB HBM3", 79.6))
-    monkeypatch.setattr(bench, "free_bytes", lambda: 70 * 2**30)
-    monkeypatch.setattr(bench.harness, "Server", Server)
-    measured = {"round_ms": 20.0, "tokens_per_s": 100.0, "accept_len": 1.0}
-    monkeypatch.setattr(bench, "measure", lambda server, bs, tokens: {"bs": bs, **measured})
-    monkeypatch.setattr(bench, "plot", lambda rows, path, card: None)
+    log = "[x] max_total_num_tokens=400000, max_running_requests=16\n"
+    offline_bench_round(monkeypatch, bench, log)
     monkeypatch.setattr(bench, "widths_rounds", lambda server: {"16": 1})
     sizes = []
     monkeypatch.setattr(

@@ -105,7 +105,8 @@ class Case:
             *cpu, parents.cpu(), scale=K**-0.5, dtype=ref_dtype
         )
 
-    def verify(self, max_path, kernel=tree_verify):
+    def verify(self, max_path, kernel=tree_verify, **options):
+        """`kernel` on these inputs; options (e.g. a chunk_tree_verify precision) pass on."""
         return kernel(
             self.q,
             self.k,
@@ -120,6 +121,7 @@ class Case:
             self.scratch,
             self.scratch_slots,
             max_path=max_path,
+            **options,
         )
 
 
@@ -305,22 +307,7 @@ def test_chunk_tree_verify_in_blocks_runs_every_precision(precision):
     interpreter runs each tl.dot in float32, so this checks their algebra; what tf32 costs in
     accuracy is the GPU test's (test_chunk_tree_verify_precision_on_gpu)."""
     case, max_path = blocks_case("mixed", 128, seed=41)
-    o = chunk_tree_verify(
-        case.q,
-        case.k,
-        case.v,
-        case.a,
-        case.b,
-        case.A_log,
-        case.dt_bias,
-        case.pool,
-        case.slots,
-        case.parents,
-        case.scratch,
-        case.scratch_slots,
-        max_path=max_path,
-        precision=precision,
-    )
+    o = case.verify(max_path=max_path, kernel=chunk_tree_verify, precision=precision)
     torch.testing.assert_close(o.double(), case.o_ref, rtol=0, atol=2e-5)
 
 
@@ -454,22 +441,7 @@ def test_chunk_tree_verify_precision_on_gpu(N):
     scale = float(case.o_ref.abs().max())
     errors = {}
     for precision in ("split", "tf32", "ieee"):
-        o = chunk_tree_verify(
-            case.q,
-            case.k,
-            case.v,
-            case.a,
-            case.b,
-            case.A_log,
-            case.dt_bias,
-            case.pool,
-            case.slots,
-            case.parents,
-            case.scratch,
-            case.scratch_slots,
-            max_path=16,
-            precision=precision,
-        )
+        o = case.verify(max_path=16, kernel=chunk_tree_verify, precision=precision)
         errors[precision] = float((o.double().cpu() - case.o_ref).abs().max()) / scale
     errors["root_paths"] = (
         float((case.verify(max_path=16).double().cpu() - case.o_ref).abs().max()) / scale

@@ -16,11 +16,11 @@ import math
 import numpy as np
 import pytest
 import torch
-from scipy import stats
 
 from sglang_ddtree.accept import accept_walk, sample_target_tokens
 from sglang_ddtree.tree import DraftTree
 from sglang_ddtree.tree.lattice import build_lattice_tree, lattice_chain_logprobs
+from tests.fixtures import chi_square_pvalue
 
 torch.set_num_threads(1)
 
@@ -85,17 +85,6 @@ def exact_sequence_probs(P: torch.Tensor) -> np.ndarray:
         seq = [START] + [code // V ** (M - 1 - m) % V for m in range(M)]
         probs[code] = math.prod(float(P[a, b]) for a, b in zip(seq, seq[1:], strict=False))
     return probs
-
-
-def chi_square_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
-    """Goodness of fit; zero-probability cells must be empty; cells expected < 5 are pooled."""
-    assert counts[probs == 0].sum() == 0, "a token outside the support was emitted"
-    expected = probs * counts.sum()
-    big = expected >= 5
-    obs = np.append(counts[big], counts[~big].sum())
-    exp = np.append(expected[big], expected[~big].sum())
-    keep = exp > 0
-    return float(stats.chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue)
 
 
 def gather_trees(trees: DraftTree, root: torch.Tensor) -> DraftTree:
