@@ -58,7 +58,8 @@ class VocabShard:
 class TreeHead:
     """The static tree buffers a head builds into, and what reads them: `grow` (the build, the
     readings and cut links of the read widths), `tree` (views of the last build). A subclass
-    sets `build`, the builder `grow` calls, and `__call__`, the draft graph's tail."""
+    sets `build`, the builder `grow` calls, and `candidates`, what `__call__` (the draft graph's
+    tail) hands it."""
 
     build: Callable[..., DraftTree]
 
@@ -96,6 +97,29 @@ class TreeHead:
         for w in (w for w in widths if w < self.scores.shape[1]):
             links = torch.zeros((2, self.max_bs, w), dtype=torch.int64, device=self.scores.device)
             self.cuts[w] = (links[0], links[1])
+
+    def __call__(
+        self,
+        hidden_states: torch.Tensor,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+    ) -> None:
+        """hidden_states [bs * B, H] draft block outputs; input_ids [bs * B], column 0 = root.
+        The draft graph's tail hands a head the block's positions [bs * B] too; the heads build
+        their trees from the drafter's candidates alone (`candidates`)."""
+        del positions
+        B = self.cfg.block_size
+        bs = hidden_states.shape[0] // B
+        hidden = hidden_states.view(bs, B, -1)[:, 1:, :]  # [bs, B-1, H]: draft positions 1..B-1
+        root = input_ids.view(bs, B)[:, 0]  # [bs]
+        self.grow(root, *self.candidates(hidden, root))
+
+    def candidates(
+        self, hidden: torch.Tensor, root: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[bs, B-1, H] draft hidden states and the roots [bs] -> (ids, log-probs) as `build`
+        takes them."""
+        raise NotImplementedError
 
     @property
     def max_bs(self) -> int:
@@ -163,20 +187,9 @@ class DraftTreeHead(TreeHead):
         self.shard = shard
         self.build = tree_builder(device=lm_head_weight.device)
 
-    def __call__(
-        self,
-        hidden_states: torch.Tensor,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor | None = None,
-    ) -> None:
-        """hidden_states [bs * B, H] draft block outputs; input_ids [bs * B], column 0 = root.
-        The draft graph's tail hands a head the block's positions [bs * B] too; this one builds
-        its tree from the drafter's top-K alone."""
-        del positions
-        B = self.cfg.block_size
-        bs = hidden_states.shape[0] // B
-        hidden = hidden_states.view(bs, B, -1)[:, 1:, :]  # [bs, B-1, H]: draft positions 1..B-1
-        self.grow(input_ids.view(bs, B)[:, 0], *self.topk(hidden))
+    def candidates(self, hidden: torch.Tensor, root: torch.Tensor):
+        del root  # the marginal tree reads the drafter's top-K alone
+        return self.topk(hidden)
 
     def topk(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[bs, B-1, H] draft hidden states -> the drafter's top-K per position: (ids
@@ -226,20 +239,8 @@ class LatticeTreeHead(TreeHead):
         self.draft_model = draft_model  # its lm_head points at the target's (worker.py)
         self.build = build_lattice_tree
 
-    def __call__(
-        self,
-        hidden_states: torch.Tensor,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor | None = None,
-    ) -> None:
-        """hidden_states [bs * B, H] draft block outputs; input_ids [bs * B], column 0 = root,
-        the anchor of the selector's first slot."""
-        del positions
-        B = self.cfg.block_size
-        bs = hidden_states.shape[0] // B
-        hidden = hidden_states.view(bs, B, -1)[:, 1:, :]  # [bs, B-1, H]: draft positions 1..B-1
-        root = input_ids.view(bs, B)[:, 0]  # [bs]
-        self.grow(root, *self.lattice(hidden, root))
+    def candidates(self, hidden: torch.Tensor, root: torch.Tensor):
+        return self.lattice(hidden, root)  # the root: the anchor of the selector's first slot
 
     def lattice(
         self, hidden: torch.Tensor, anchor: torch.Tensor
