@@ -36,12 +36,7 @@ def tree_tau(world: simulation.World, nodes: int, rounds: int, seed: int) -> tup
     generator = torch.Generator().manual_seed(seed)
     taus = []
     for _ in range(math.ceil(rounds / BATCH)):
-        position = torch.randint(0, 1 << 30, (BATCH,), generator=generator)
-        root = torch.randint(simulation.FIRST_ID, VOCAB, (BATCH,), generator=generator)
-        ids = torch.zeros(BATCH, BLOCK, dtype=torch.int64)
-        ids[:, 0] = root
-        positions = position[:, None] + torch.arange(BLOCK)
-        head(torch.zeros(BATCH * BLOCK, 1), ids.flatten(), positions.flatten())
+        head.random_rounds(BATCH, generator)
         accept = accept_walk(head.tree(BATCH), head.simulated_picks[:BATCH], BLOCK - 1)
         taus.append(accept.num_accepted.double() + 1)
     tau = torch.cat(taus)[:rounds]

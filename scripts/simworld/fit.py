@@ -91,12 +91,7 @@ def evaluate(
     generator = torch.Generator().manual_seed(seed)
     lengths: dict = {"chain": [], **{b: [] for b in budgets}}
     for _ in range(math.ceil(rounds / batch)):
-        position = torch.randint(0, 1 << 30, (batch,), generator=generator)
-        root = torch.randint(simulation.FIRST_ID, VOCAB, (batch,), generator=generator)
-        ids = torch.zeros(batch, BLOCK, dtype=torch.int64)
-        ids[:, 0] = root
-        positions = position[:, None] + torch.arange(BLOCK)
-        head(torch.zeros(batch * BLOCK, 1), ids.flatten(), positions.flatten())
+        position, root = head.random_rounds(batch, generator)
         tree, picks = head.tree(batch), head.simulated_picks[:batch]
         for b in budgets:
             walk = accept_walk(truncate(tree, b + 1), picks[:, : b + 1], BLOCK - 1)

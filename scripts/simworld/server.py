@@ -29,7 +29,7 @@ import torch
 
 from sglang_ddtree.round.draft_head import DraftTreeHead
 from simworld import VARIABLE
-from simworld.world import World, depth_bound, parse
+from simworld.world import FIRST_ID, World, depth_bound, parse
 
 logger = logging.getLogger("simworld")
 
@@ -68,6 +68,19 @@ class SimulatedHead(DraftTreeHead):
             position, root, tree.tokens, tree.depth, tree.visibility, V, self.world_means
         )
         self.simulated_picks[:bs].copy_(picks)
+
+    def random_rounds(self, batch: int, generator: torch.Generator) -> tuple[torch.Tensor, ...]:
+        """One call on `batch` independent rounds, each at a random position with a random root
+        token (and zero hidden states): their trees and simulated picks, as a server's round
+        would leave them. Returns (position [batch], root [batch])."""
+        B = self.cfg.block_size
+        position = torch.randint(0, 1 << 30, (batch,), generator=generator)
+        root = torch.randint(FIRST_ID, self.vocab_size, (batch,), generator=generator)
+        ids = torch.zeros(batch, B, dtype=torch.int64)
+        ids[:, 0] = root
+        positions = position[:, None] + torch.arange(B)
+        self(torch.zeros(batch * B, self.weight.shape[1]), ids.flatten(), positions.flatten())
+        return position, root
 
 
 @contextlib.contextmanager
