@@ -44,7 +44,8 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # editable installs at once could race)
 [ "${1:-}" = soak-serving ] || python3 -m pip install -q --no-deps --no-build-isolation --no-index \
   -e . >"$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
-MODELS="qwen3 qwen35 pair"
+# SUITE_MODELS="qwen3 pair" narrows the suite (its servers and tests) to those models
+MODELS=${SUITE_MODELS:-qwen3 qwen35 pair}
 # the runs `collect` waits for: one pytest per model, and the soak (tests/gpu/test_soak.py: the
 # mixed soak and the fuzz on servers of its own; SOAK=0 leaves it out)
 RUNS="$MODELS"; [ "${SOAK:-1}" = 0 ] || RUNS="$RUNS soak"
@@ -111,7 +112,7 @@ for line in open(sys.argv[1]):
 case "${1:-}" in
   start)
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
-    python3 -m tests.gpu.servers launch "$ROOT" || exit 1
+    DDTREE_GPU_MODELS=$(tr ' ' , <<< "$MODELS") python3 -m tests.gpu.servers launch "$ROOT" || exit 1
     wait_s=${2:-500}; shift 2 2>/dev/null || shift
     test_bg "$@"
     collect "$wait_s" ;;
@@ -253,7 +254,24 @@ case "${1:-}" in
     for f in unit_gpu.log gdn.log suite/summary.txt round.log soak_driver.log serving/table.md; do
       [ -f "$dir/$f" ] && { echo "== $f"; tail -n 40 "$dir/$f" | cut -c1-400; }
     done
-    tar czf "$OUT/$2.tgz" -C "$dir" --exclude='trace_*' . 2>/dev/null
+    # a suite still running: its progress and each failure so far (tests/gpu/conftest.py's
+    # reports), and the servers' state
+    [ -f "$dir/suite/summary.txt" ] || {
+      echo "== servers: $(python3 -c 'import collections, json, sys
+print(dict(collections.Counter(json.load(open(sys.argv[1])).values())))' "$ROOT/status.json" 2>&1)"
+      for f in "$ROOT"/results/pytest_*.log; do
+        [ -f "$f" ] && echo "== $(basename "$f"): $(grep -E '^[.FEsx]+' "$f" | tr -d '\n' | cut -c1-200)"
+      done
+      for f in "$ROOT"/results/reports_*.jsonl; do
+        [ -f "$f" ] && python3 -c 'import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    if r["outcome"] == "failed":
+        print("==", r["test"], r["when"], r["seconds"], "s:", r["detail"][-600:])' "$f"
+      done
+    }
+    tar czf "$OUT/$2.tgz" -C "$ROOT" --exclude='trace_*' "$2" results logs launcher.log \
+      status.json 2>/dev/null
     [ -e "$dir/done" ] && echo "all $2: done" || echo "all $2: still running" ;;
   bench-round)
     shift

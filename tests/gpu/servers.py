@@ -259,10 +259,13 @@ def server_set(root: Path) -> dict[str, Server]:
 
 def launched_set(root: Path) -> dict[str, Server]:
     """The servers a launch starts and the tests use: server_set less BENCH_ONLY's, which
-    DDTREE_GPU_BENCH=1 adds (for scripts/bench_e2e.py --attach)."""
+    DDTREE_GPU_BENCH=1 adds (for scripts/bench_e2e.py --attach); DDTREE_GPU_MODELS=m,m narrows
+    it to those models' servers (a suite run one model at a time)."""
     bench = os.environ.get("DDTREE_GPU_BENCH") == "1"
     skipped = set() if bench else {f"{m}-{v}" for m, v in BENCH_ONLY}
-    return {n: s for n, s in server_set(root).items() if n not in skipped}
+    models = os.environ.get("DDTREE_GPU_MODELS")
+    models = models.split(",") if models else MODELS
+    return {n: s for n, s in server_set(root).items() if n not in skipped and model_of(n) in models}
 
 
 def status_path(root: Path) -> Path:
