@@ -263,9 +263,11 @@ def launched_set(root: Path) -> dict[str, Server]:
     it to those models' servers (a suite run one model at a time)."""
     bench = os.environ.get("DDTREE_GPU_BENCH") == "1"
     skipped = set() if bench else {f"{m}-{v}" for m, v in BENCH_ONLY}
+    servers = {n: s for n, s in server_set(root).items() if n not in skipped}
     models = os.environ.get("DDTREE_GPU_MODELS")
-    models = models.split(",") if models else MODELS
-    return {n: s for n, s in server_set(root).items() if n not in skipped and model_of(n) in models}
+    if models:
+        servers = {n: s for n, s in servers.items() if model_of(n) in models.split(",")}
+    return servers
 
 
 def status_path(root: Path) -> Path:
