@@ -61,6 +61,14 @@ COMMON = [
     "16",
     "--cuda-graph-max-bs-decode",
     "16",
+    # five captured batch sizes, not twelve (a batch between them replays the next one up,
+    # padded, as in production): each capture runs once per width and server, 31 servers at once
+    "--cuda-graph-bs-decode",
+    "1",
+    "2",
+    "4",
+    "8",
+    "16",
     "--context-length",
     "2048",
     # SGLang captures prefill graphs by default (about 70 s of each start-up); the decode
