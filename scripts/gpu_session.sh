@@ -79,6 +79,18 @@ test_bg() {  # one detached pytest per model, and the soak; ROOT/results/pytest_
      echo $? > "$0.rc"' "$ROOT/results/pytest_soak" < /dev/null > /dev/null 2>&1 &
 }
 
+failures() {  # each failure as tests/gpu/conftest.py recorded it when it happened, the last $1
+  # characters of its report
+  for f in "$ROOT"/results/reports_*.jsonl; do
+    [ -f "$f" ] && python3 -c 'import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    if r["outcome"] == "failed":
+        print("==", r["test"], r["when"], r["seconds"], "s")
+        print(r["detail"][-int(sys.argv[2]):])' "$f" "$1"
+  done
+}
+
 collect() {  # wait up to $1 s for every background pytest; results to $OUT
   local t0=$SECONDS
   while [ $((SECONDS - t0)) -lt "$1" ]; do
@@ -93,15 +105,7 @@ collect() {  # wait up to $1 s for every background pytest; results to $OUT
       grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|^[0-9.]+s (call|setup)" \
         "$ROOT/results/pytest_$m.log" 2>/dev/null | tail -n 60
     done
-    # each failure as tests/gpu/conftest.py recorded it when it happened
-    for f in "$ROOT"/results/reports_*.jsonl; do
-      [ -f "$f" ] && python3 -c 'import json, sys
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    if r["outcome"] == "failed":
-        print("==", r["test"], r["when"], r["seconds"], "s")
-        print(r["detail"][-1500:])' "$f"
-    done
+    failures 1500
   } > "$OUT/summary.txt"
   cat "$OUT/summary.txt"
   tar czf "$OUT/results.tgz" -C "$ROOT" results logs launcher.log status.json 2>/dev/null
@@ -262,13 +266,7 @@ print(dict(collections.Counter(json.load(open(sys.argv[1])).values())))' "$ROOT/
       for f in "$ROOT"/results/pytest_*.log; do
         [ -f "$f" ] && echo "== $(basename "$f"): $(grep -E '^[.FEsx]+' "$f" | tr -d '\n' | cut -c1-200)"
       done
-      for f in "$ROOT"/results/reports_*.jsonl; do
-        [ -f "$f" ] && python3 -c 'import json, sys
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    if r["outcome"] == "failed":
-        print("==", r["test"], r["when"], r["seconds"], "s:", r["detail"][-600:])' "$f"
-      done
+      failures 600
     }
     tar czf "$OUT/$2.tgz" -C "$ROOT" --exclude='trace_*' "$2" results logs launcher.log \
       status.json 2>/dev/null
