@@ -154,3 +154,24 @@ def with_steps(recipe: Recipe, target_steps: int | None, draft_steps: int | None
     if draft_steps is not None:
         dt = replace(dt, steps=draft_steps)
     return replace(recipe, target_train=tt, draft_train=dt)
+
+
+@dataclass(frozen=True)
+class SelectorRecipe:
+    """The DFlash2 drafter's candidate selector (training/selector.py), trained on a pair."""
+
+    name: str
+    rank: int  # r: the codebooks' and the hidden projection's width
+    top_k: int  # K: candidates per slot (DDTREE's --speculative-eagle-topk default)
+    train: StageHParams
+    nodes: tuple[int, ...] = (16, 32, 64)  # the offline table's tree sizes, root included
+
+
+def h200_selector() -> SelectorRecipe:
+    """The draft stage's batches and schedule; 2 x 8192 x 32 + 32 x 256 parameters (1 MiB bf16)."""
+    return SelectorRecipe(name="h200", rank=32, top_k=8, train=h200_recipe().draft_train)
+
+
+def toy_selector() -> SelectorRecipe:
+    hp = replace(toy_recipe().draft_train, steps=30)
+    return SelectorRecipe(name="toy", rank=8, top_k=8, train=hp, nodes=(16, 32))

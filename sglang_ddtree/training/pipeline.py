@@ -144,7 +144,7 @@ def check_planned_size(target_params: int, draft_params: int, tok_bytes: int, li
     return planned
 
 
-def _versions() -> dict:
+def versions() -> dict:
     import tokenizers
     import transformers
 
@@ -156,7 +156,7 @@ def _versions() -> dict:
     }
 
 
-def _device_name(device: torch.device) -> str:
+def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"cpu ({torch.get_num_threads()} threads)"
@@ -262,8 +262,8 @@ def _run(args: RunArgs, recipe: Recipe, device: torch.device) -> dict:
     report = {
         "args": {**asdict(args), "out": str(args.out)},
         "recipe": asdict(recipe),
-        "versions": _versions(),
-        "device": _device_name(device),
+        "versions": versions(),
+        "device": device_name(device),
         "corpus": prep.corpus.describe(),
         "tokens": {
             "vocab_size": prep.vocab,
