@@ -78,23 +78,36 @@ TOPK = 8
 NODES = 32  # the pair's default tree: N = 2B
 
 
-def server_table(draft: str) -> dict[str, tuple[list[str], dict[str, str]]]:
-    """name -> (server flags, environment)."""
-    spec = ["--speculative-draft-model-path", draft]
-    dd = ["--speculative-algorithm", "DDTREE", *spec, "--speculative-eagle-topk", str(TOPK)]
+def server_table(
+    draft: str, dflash2: str | None = None
+) -> dict[str, tuple[list[str], dict[str, str]]]:
+    """name -> (server flags, environment). With a DFlash2 draft (scripts/train_dflash2.py's,
+    the same backbone as `draft`): SGLang's DFLASH on it (upstream's chain) and DDTREE on it
+    (the lattice tree), beside `dflash` and `ddtree` on the DFlash draft (its marginals)."""
+
+    def dd(path: str) -> list[str]:
+        spec = ["--speculative-draft-model-path", path, "--speculative-eagle-topk", str(TOPK)]
+        return ["--speculative-algorithm", "DDTREE", *spec]
 
     def nodes(n: int) -> list[str]:
         return ["--speculative-num-draft-tokens", str(n)]
 
+    def dflash(path: str) -> list[str]:
+        return ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", path]
+
     fixed = {"SGLANG_DDTREE_WIDTH": "fixed"}
-    return {
+    table = {
         "none": ([], {}),
-        "dflash": (["--speculative-algorithm", "DFLASH", *spec], {}),
-        "ddtree": ([*dd, *nodes(NODES)], {}),  # automatic widths among 16 and 32
-        "ddtree64": ([*dd, *nodes(64)], {}),  # automatic among 16, 32 and 64
-        "ddtree16": ([*dd, *nodes(16)], fixed),
-        "ddtree32": ([*dd, *nodes(32)], fixed),
+        "dflash": (dflash(draft), {}),
+        "ddtree": ([*dd(draft), *nodes(NODES)], {}),  # automatic widths among 16 and 32
+        "ddtree64": ([*dd(draft), *nodes(64)], {}),  # automatic among 16, 32 and 64
+        "ddtree16": ([*dd(draft), *nodes(16)], fixed),
+        "ddtree32": ([*dd(draft), *nodes(32)], fixed),
     }
+    if dflash2 is not None:
+        table["dflash_dflash2"] = (dflash(dflash2), {})
+        table["ddtree_dflash2"] = ([*dd(dflash2), *nodes(NODES)], {})
+    return table
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -481,6 +494,12 @@ def main() -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--target", default=str(DEMO_PAIR_DIR / "target"))
     p.add_argument("--draft", default=str(DEMO_PAIR_DIR / "draft"))
+    p.add_argument(
+        "--dflash2",
+        help="a DFlash2 draft of the same pair (scripts/train_dflash2.py's OUT/draft_dflash2): "
+        "adds the servers dflash_dflash2 (SGLang's chain on it) and ddtree_dflash2 (the "
+        "lattice tree)",
+    )
     p.add_argument("--servers", default="ddtree,ddtree16,ddtree32,dflash,none")
     p.add_argument("--concurrency", default="1,4,16,32")
     p.add_argument("--temperatures", default="0,1")
@@ -546,7 +565,7 @@ def main() -> int:
     if args.runs is None:
         args.runs = 2 if args.steady_state else 3
     args.out.mkdir(parents=True, exist_ok=True)
-    table_ = server_table(args.draft)
+    table_ = server_table(args.draft, args.dflash2)
     names = args.servers.split(",")
     unknown = [n for n in names if n not in table_]
     if unknown:

@@ -32,6 +32,11 @@
 #                                                meanwhile), then
 #                                                bench_serving.py on the pair
 #   bash scripts/gpu_session.sh soak-serving DIR   the soak and fuzz on DIR's bench_serving servers
+#   bash scripts/gpu_session.sh dflash2 NAME [MINUTES [ARGS]]  detached, into ROOT/NAME: a DFlash2
+#                                                drafter for the shipped pair (train_dflash2.py,
+#                                                MINUTES of training), then bench_serving.py's
+#                                                four-way servers on it (ARGS replace its
+#                                                defaults); collect-all NAME gathers it
 #   bash scripts/gpu_session.sh bench-tree [ARGS]   scripts/bench_tree_build.py (no server)
 #   bash scripts/gpu_session.sh bench-gdn [ARGS]    scripts/bench_gdn_tree.py (no server)
 # Background processes (servers, tests) run in their own sessions; `collect` gathers their
@@ -252,10 +257,22 @@ case "${1:-}" in
     # fuzz is tests/gpu/test_soak.py's, on servers of its own)
     python3 scripts/fuzz_requests.py "$(url ddtree)" --context 4096 --out "$dir/fuzz_ddtree.json"
     echo "fuzz ddtree rc=$?" ;;
+  dflash2)  # dflash2 NAME [MINUTES [BENCH_SERVING ARGS]]: detached, into ROOT/NAME
+    name=$2; minutes=${3:-3}; shift 3 2>/dev/null || shift $#; dir="$ROOT/$name"; mkdir -p "$dir"
+    [ $# -gt 0 ] || set -- --concurrency 1,8,32 --temperatures 0,1 --runs 3
+    DIR=$dir MINUTES=$minutes setsid nohup bash -c '
+        python3 scripts/train_dflash2.py --pair sglang_ddtree/assets/demo --out "$DIR/dflash2" \
+          --device cuda --minutes "$MINUTES" > "$DIR/dflash2.log" 2>&1 &&
+        python3 scripts/bench_serving.py --out "$DIR/serving" \
+          --dflash2 "$DIR/dflash2/draft_dflash2" \
+          --servers dflash,dflash_dflash2,ddtree,ddtree_dflash2,none "$@" > "$DIR/serving.log" 2>&1
+        touch "$DIR/done"' dflash2 "$@" < /dev/null > /dev/null 2>&1 &
+    sleep 2; echo "dflash2 $name started in $dir" ;;
   collect-all)  # collect-all NAME [WAIT_S]: wait for `all NAME` (up to WAIT_S), results to $OUT
     dir="$ROOT/$2"; t0=$SECONDS
     while [ ! -e "$dir/done" ] && [ $((SECONDS - t0)) -lt "${3:-540}" ]; do sleep 5; done
-    for f in unit_gpu.log gdn.log suite/summary.txt round.log soak_driver.log serving/table.md; do
+    for f in unit_gpu.log gdn.log suite/summary.txt round.log soak_driver.log dflash2.log \
+        serving/table.md; do
       [ -f "$dir/$f" ] && { echo "== $f"; tail -n 40 "$dir/$f" | cut -c1-400; }
     done
     # a suite still running: its progress and each failure so far (tests/gpu/conftest.py's
@@ -277,6 +294,6 @@ print(dict(collections.Counter(json.load(open(sys.argv[1])).values())))' "$ROOT/
     python3 scripts/bench_round.py --out "$OUT/round" "$@"
     rc=$?; tar czf "$OUT/round_logs.tgz" -C "$OUT/round" --remove-files \
       $(cd "$OUT/round" && ls server_*.log 2>/dev/null); exit $rc ;;
-  *) echo "usage: gpu_session.sh start|collect|test-bg|wait|test|stop|train|bench-e2e|bench-tree|bench-gdn|bench-round[-bg]|chain|collect-round|all|collect-all" >&2
+  *) echo "usage: gpu_session.sh start|collect|test-bg|wait|test|stop|train|bench-e2e|bench-tree|bench-gdn|bench-round[-bg]|chain|collect-round|all|collect-all|dflash2" >&2
      exit 2 ;;
 esac

@@ -383,6 +383,41 @@ def serving_table(rows: list[dict]) -> str:
     return shown(rows, table(header, body))
 
 
+DRAFTERS = {
+    "dflash_chain": "DFlash chain (DFLASH)",
+    "dflash2_chain": "DFlash2 chain (DFLASH, upstream's walk)",
+    "ddtree_marginal": "DDTREE, marginal tree",
+    "ddtree_lattice": "DDTREE, lattice tree",
+}
+
+
+def dflash2_offline_table(rows: list[dict]) -> str:
+    """Greedy tokens per round by drafter and tree size, over the DFlash chain's."""
+    rows = latest(rows)
+    first = rows[0]
+    base = next(r["tokens_per_round"] for r in rows if r["drafter"] == "dflash_chain")
+    body = [
+        [
+            DRAFTERS.get(r["drafter"], r["drafter"]),
+            "" if r["nodes"] is None else str(r["nodes"]),
+            f"{r['tokens_per_round']:.3f}",
+            f"{r['tokens_per_round'] / base:.3f}",
+        ]
+        for r in rows
+    ]
+    loss = first["heldout_loss"]
+    head = (
+        f"On {first['device']}: a selector of rank {first['selector_rank']} over "
+        f"K = {first['selector_top_k']} candidates, {first['selector_steps']} steps of "
+        f"{first['selector_batch']} sequences; {first['blocks']} held-out blocks. Held-out "
+        f"cross-entropy over the K candidates (the label among them in "
+        f"{loss['label_in_top_k']:.0%} of slots): selector {loss['selector']:.3f} nats, "
+        f"marginal {loss['marginal']:.3f}."
+    )
+    header = ["drafter", "tree nodes", "tokens/round", "/ DFlash chain"]
+    return shown(rows, prose(head) + "\n\n" + table(header, body))
+
+
 def first_token_table(rows: list[dict]) -> str:
     rows = latest(rows)
     body = [
@@ -952,6 +987,30 @@ SECTIONS = (
         "by the host, not the GPU: it shows DDTREE's acceptance and host cost on a real "
         "model, and one run moves by 15-30%. It does not show what a large model gains: there "
         "plain decoding would not win, as it does here.",
+        serving_table,
+    ),
+    Section(
+        "dflash2_offline_pair",
+        "DFlash2 trees on the shipped pair, offline",
+        "`scripts/train_dflash2.py --pair sglang_ddtree/assets/demo`: a DFlash2 drafter for "
+        "the shipped pair, its DFlash draft frozen and a candidate selector trained on the "
+        "pair's data (docs/training.md), then four drafters scored on the held-out packages' "
+        "text at temperature 0: a round accepts the longest prefix of the target's own greedy "
+        "continuation that the proposal holds, plus the bonus. The trees are built by the "
+        "builders DDTREE serves with (K = 8; N counts the root). Both drafters share one "
+        "backbone, so DDTREE's marginal tree is the same for either, and the lattice tree "
+        "and the DFlash2 chain differ from it only by the selector. No server runs: this is "
+        "acceptance, not speed.",
+        dflash2_offline_table,
+    ),
+    Section(
+        "serving_dflash2_pair",
+        "DFlash2 trees on the shipped pair, end to end",
+        "`scripts/bench_serving.py --dflash2 DIR`: as the table above it, with the DFlash2 "
+        "drafter of the offline table: `dflash` (SGLang's DFLASH on the DFlash drafter), "
+        "`dflash_dflash2` (SGLang's DFLASH on the DFlash2 drafter, upstream's chain), `ddtree` "
+        "(DDTREE's marginal tree, the same for either drafter) and `ddtree_dflash2` (DDTREE's "
+        "lattice tree). accept is SGLang's accept length, tokens per round.",
         serving_table,
     ),
     Section(

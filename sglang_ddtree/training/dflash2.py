@@ -1,4 +1,5 @@
-"""A DFlash2 drafter for a trained pair: PAIR/{target,draft} -> OUT/draft_dflash2, OUT/report.json.
+"""A DFlash2 drafter for a trained pair: PAIR/{target,draft} -> OUT/draft_dflash2, OUT/report.json
+and OUT/dflash2_offline_pair.jsonl.
 
 The data are the pair's own: the same corpus (build_corpus with the pair's seed, on the same
 machine's Python), encoded with the pair's tokenizer and framed as the pair's run did; the
@@ -31,6 +32,7 @@ from sglang_ddtree.training.selector import (
 from sglang_ddtree.training.target import load_target
 
 DRAFT_DIR = "draft_dflash2"
+ROWS = "dflash2_offline_pair.jsonl"
 
 
 @dataclass(frozen=True)
@@ -120,4 +122,27 @@ def _run(args: DFlash2Args, device: torch.device) -> dict:
         },
     }
     (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    rows = "".join(json.dumps(r) + "\n" for r in offline_rows(report))
+    (out / ROWS).write_text(rows)
     return report
+
+
+def offline_rows(report: dict) -> list[dict]:
+    """The four-way table as rows (OUT/dflash2_offline_pair.jsonl): one per drafter and tree
+    size, each naming the device, the selector's steps and batch, and the held-out losses."""
+    acc, train = report["acceptance"], report["selector"]["train"]
+    common = {
+        "device": report["device"],
+        "selector_rank": report["dflash_config"]["selector_rank"],
+        "selector_top_k": report["dflash_config"]["selector_top_k"],
+        "selector_steps": report["train"]["steps"],
+        "selector_batch": train["batch"],
+        "blocks": acc["blocks"],
+        "heldout_loss": acc["heldout_loss"],
+    }
+    rows = []
+    for drafter, values in acc["tokens_per_round"].items():
+        sizes = acc["nodes"] if drafter.startswith("ddtree") else [None]
+        for nodes, tokens in zip(sizes, values, strict=True):
+            rows.append({"drafter": drafter, "nodes": nodes, "tokens_per_round": tokens, **common})
+    return rows

@@ -759,6 +759,31 @@ def test_bench_gdn_tree_parses_its_sweeps_before_any_gpu_work():
         bench.conv_tilings("t4w4")
 
 
+def test_bench_serving_dflash2_servers_pass_start_up(tmp_path):
+    """--dflash2: SGLang's DFLASH and DDTREE's lattice tree on the DFlash2 draft, beside the
+    DFlash draft's servers; DDTREE's flags pass its start-up on a DFlash2 checkpoint with the
+    K that scripts/train_dflash2.py trains (8)."""
+    pytest.importorskip("sglang")
+    from sglang_ddtree.adapter import spec
+    from sglang_ddtree.checkpoints.tiny import write_tiny_dflash2, write_tiny_qwen3
+    from tests.unit.test_plugin import _server_args
+
+    bench = _script("bench_serving")
+    target = write_tiny_qwen3(tmp_path / "target", seed=0)
+    d2 = write_tiny_dflash2(tmp_path / "d2", target, seed=0, selector_top_k=8, block_size=16)
+    table = bench.server_table("draft", str(d2))
+    assert "ddtree_dflash2" not in bench.server_table("draft")
+    for name in ("dflash_dflash2", "ddtree_dflash2", "dflash", "ddtree"):
+        ns = _parse_cli(["--model-path", str(target), *bench.COMMON, *table[name][0]])
+        want = str(d2) if name.endswith("dflash2") else "draft"
+        assert ns.speculative_draft_model_path == want, name
+    ns = _parse_cli(["--model-path", str(target), *bench.COMMON, *table["ddtree_dflash2"][0]])
+    assert ns.speculative_algorithm == "DDTREE"
+    spec.validate_server_args(
+        _server_args(d2, **{k: v for k, v in vars(ns).items() if v is not None})
+    )
+
+
 def test_bench_serving_servers_dataset_and_summary(tmp_path):
     """scripts/bench_serving.py: its server commands parse, its custom dataset is what
     sglang.bench_serving's loader reads (two turns per row), and the summary is the median and

@@ -278,3 +278,21 @@ def test_train_dflash2_cli_refuses_bad_arguments(tmp_path):
             cli.parse_args(["--pair", str(tmp_path), "--out", "x", *bad])
     with pytest.raises(SystemExit):
         cli.parse_args(["--pair", str(tmp_path / "nowhere"), "--out", "x"])
+
+
+@pytest.mark.slow
+def test_the_toy_runs_rows_render_on_the_results_page(toy):
+    from sglang_ddtree.training.dflash2 import ROWS
+    from tests.fixtures import load_script
+
+    _, out, report = toy
+    rows = [json.loads(line) for line in (out / ROWS).read_text().splitlines()]
+    acc = report["acceptance"]
+    assert len(rows) == 2 + 2 * len(acc["nodes"])
+    page = load_script("results_page")
+    stamped = [{**r, "date": "d", "commit": "c", "sitting": 1} for r in rows]
+    text = page.dflash2_offline_table(stamped)
+    assert "DDTREE, lattice tree" in text and f"{report['train']['steps']} steps" in text
+    chain = acc["tokens_per_round"]["dflash_chain"][0]
+    lattice32 = acc["tokens_per_round"]["ddtree_lattice"][1]
+    assert f"| DDTREE, lattice tree | 32 | {lattice32:.3f} | {lattice32 / chain:.3f} |" in text
