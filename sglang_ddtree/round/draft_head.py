@@ -9,7 +9,8 @@ inputs. Two heads share those buffers and `grow`:
   DraftTreeHead    a DFlash drafter: per-position top-K log-probs -> the marginal tree
                    (tree/build_triton.py on CUDA, tree/build.py)
   LatticeTreeHead  a DFlash2 drafter: its top-K candidates and the selector's pairwise scores
-                   -> the tree under its first-order chain (tree/lattice.py, docs/dflash2.md)
+                   -> the tree under its first-order chain (tree/build_triton.py's lattice
+                   kernel on CUDA, tree/lattice.py; docs/dflash2.md)
 """
 
 from __future__ import annotations
@@ -28,19 +29,23 @@ from sglang_ddtree.tree.lattice import build_lattice_tree, lattice_chain_logprob
 from sglang_ddtree.tree.shard_topk import merge_topk, shard_topk
 
 
-def tree_builder(name: str | None = None, device: torch.device | None = None):
-    """The tree builder the head uses: "triton" (`tree.build_triton`, one program per request:
+def tree_builder(
+    name: str | None = None, device: torch.device | None = None, lattice: bool = False
+):
+    """The tree builder a head uses: "triton" (`tree.build_triton`, one program per request:
     the default on CUDA, 0.01-0.08 ms per round on the H200 against 0.35-0.8 ms for the batched
     torch builder, docs/results.md) or "torch" (`tree.build_tree`, the default elsewhere, and
-    the Triton builder's reference). `name` picks one explicitly (scripts/bench_tree_build.py)."""
+    the Triton builder's reference); `lattice`: the DFlash2 head's builders of the same two
+    kinds (`build_lattice_tree_triton`, `tree.lattice.build_lattice_tree`). `name` picks one
+    explicitly (scripts/bench_tree_build.py)."""
     if name is None:
         name = "triton" if device is not None and device.type == "cuda" else "torch"
     if name == "torch":
-        return build_tree
+        return build_lattice_tree if lattice else build_tree
     if name == "triton":
-        from sglang_ddtree.tree.build_triton import build_tree_triton
+        from sglang_ddtree.tree.build_triton import build_lattice_tree_triton, build_tree_triton
 
-        return build_tree_triton
+        return build_lattice_tree_triton if lattice else build_tree_triton
     raise ValueError(f"the tree builder must be 'torch' or 'triton', got {name!r}")
 
 
@@ -214,8 +219,9 @@ class LatticeTreeHead(TreeHead):
     """A DFlash2 drafter's head: its top-K candidates over the target's LM head and its
     selector's pairwise scores (compat.selector_lattice: the drafter's compute_candidates and
     build_lattice), the chain's log conditionals (tree.lattice.lattice_chain_logprobs), the
-    best-first tree under that chain (tree.lattice.build_lattice_tree: sorts and gathers at
-    static shapes, no host sync, CUDA-graph safe). It returns the marginal head's DraftTree, so
+    best-first tree under that chain (on CUDA tree.build_triton's lattice kernel, one program
+    per request; elsewhere tree.lattice.build_lattice_tree, its reference: both bit-equal to
+    the heap, no host sync, CUDA-graph safe). It returns the marginal head's DraftTree, so
     the verify layout, mask packing, accept walk, penalties, widths and commit take it as is.
 
     The scores are not divided by the requests' temperatures: the tree is the drafter's own
@@ -237,7 +243,7 @@ class LatticeTreeHead(TreeHead):
             )
         super().__init__(cfg, max_bs, device)
         self.draft_model = draft_model  # its lm_head points at the target's (worker.py)
-        self.build = build_lattice_tree
+        self.build = tree_builder(device=device, lattice=True)
 
     def candidates(self, hidden: torch.Tensor, root: torch.Tensor):
         return self.lattice(hidden, root)  # the root: the anchor of the selector's first slot

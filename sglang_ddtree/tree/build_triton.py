@@ -16,6 +16,9 @@ Kernel 1, `_tree_search_kernel`, one program per request:
      other pop is the next sibling of the parent's previously popped child.
 Kernel 2, `_visibility_kernel`, one program per (request, block of rows): ancestor-or-self rows
 by walking `parents` up min(L, budget) steps.
+`_lattice_search_kernel` is kernel 1 over a DFlash2 lattice (`build_lattice_tree_triton`, against
+`lattice.build_lattice_tree_reference`): its rows come sorted from torch, each emitted node keeps
+its candidate index, and a node's children and siblings read the rows of their parent's candidate.
 
 Keys: scores are <= 0 and never -0.0 (they are sums of values in [floor, 0] starting from +0.0),
 so the float32 bits of |score| order like -score. One int64 holds the whole key
@@ -36,6 +39,7 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 from .inputs import LOGPROB_FLOOR, MAX_TOPK, check_build_inputs
+from .lattice import check_lattice_inputs, sorted_rows_batched
 from .types import DraftTree
 
 MAX_BUDGET = 1024  # depth and parent fields of the packed key hold values < 2**12
@@ -185,6 +189,83 @@ def _visibility_kernel(
     tl.store(vis_ptr + b * N * N + rows[:, None] * N + cols[None, :], seen.to(tl.uint8), mask=ok)
 
 
+@triton.jit
+def _lattice_search_kernel(
+    root_ptr,  # [bs] int64
+    root_s,
+    ids_ptr,  # [bs, L, K] int64: the candidates of each slot
+    ids_s0,
+    ids_s1,
+    ids_s2,
+    vals_ptr,  # [bs, L, K, K] float32, contiguous: each row cleaned and sorted, descending
+    order_ptr,  # [bs, L, K, K] int64, contiguous: the candidate index at each rank of a row
+    tokens_ptr,  # [bs, N] int64 outputs, contiguous ...
+    parents_ptr,
+    depth_ptr,
+    first_child_ptr,
+    next_sibling_ptr,
+    scores_ptr,  # [bs, N] float32
+    L,
+    K,
+    budget,
+    NP: tl.constexpr,
+):
+    """`_tree_search_kernel` over a DFlash2 lattice (tree/lattice.py's heap): a node's
+    children are the ranks of its own candidate's row, so each emitted node keeps its
+    candidate index (the root's row is 0) and a sibling reads its parent's row."""
+    b = tl.program_id(0).to(tl.int64)
+    N = budget + 1
+    vals_row = vals_ptr + b * L * K * K  # this request's [L, K, K]
+    order_row = order_ptr + b * L * K * K
+    ids_row = ids_ptr + b * ids_s0
+    out_row = b * N
+
+    slots = tl.arange(0, NP)  # [NP] node index; slot p = candidate child of node p
+    frontier = tl.where(slots == 0, _pack_key(tl.load(vals_row), 1, 0, 0), _EMPTY)
+    node_score = tl.zeros([NP], dtype=tl.float32)  # [NP] score of each emitted node; root 0
+    node_cand = tl.zeros([NP], dtype=tl.int32)  # [NP] candidate index at its slot; root 0
+    last_child = tl.full([NP], -1, dtype=tl.int32)
+    first_child = tl.full([NP], -1, dtype=tl.int32)
+    next_sibling = tl.full([NP], -1, dtype=tl.int32)
+
+    for j in range(1, budget + 1):
+        score, depth, parent, rank = _unpack_key(tl.min(frontier, axis=0))
+        at_parent = slots == parent
+        parent_score = tl.min(tl.where(at_parent, node_score, 1.0), axis=0)  # scores <= 0
+        row = tl.max(tl.where(at_parent, node_cand, -1), axis=0)  # the parent's candidate
+        previous = tl.max(tl.where(at_parent, last_child, -1), axis=0)
+        row_at = (depth - 1) * K * K + row * K  # the parent's row at this node's slot
+        cand = tl.load(order_row + row_at + rank).to(tl.int32)
+
+        token = tl.load(ids_row + (depth - 1) * ids_s1 + cand * ids_s2)
+        tl.store(tokens_ptr + out_row + j, token)
+        tl.store(parents_ptr + out_row + j, parent)
+        tl.store(depth_ptr + out_row + j, depth)
+        tl.store(scores_ptr + out_row + j, score)
+        node_score = tl.where(slots == j, score, node_score)
+        node_cand = tl.where(slots == j, cand, node_cand)
+        first_child = tl.where(at_parent & (rank == 0), j, first_child)
+        next_sibling = tl.where(slots == previous, j, next_sibling)
+        last_child = tl.where(at_parent, j, last_child)
+
+        has_sibling = rank + 1 < K
+        sibling_lp = tl.load(vals_row + row_at + rank + 1, mask=has_sibling, other=0.0)
+        sibling = _pack_key(parent_score + sibling_lp, depth, parent, rank + 1)
+        frontier = tl.where(at_parent, tl.where(has_sibling, sibling, _EMPTY), frontier)
+        has_child = depth < L
+        child_lp = tl.load(vals_row + depth * K * K + cand * K, mask=has_child, other=0.0)
+        child = _pack_key(score + child_lp, depth + 1, j, 0)
+        frontier = tl.where((slots == j) & has_child, child, frontier)
+
+    tl.store(tokens_ptr + out_row, tl.load(root_ptr + b * root_s))
+    tl.store(parents_ptr + out_row, -1)
+    tl.store(depth_ptr + out_row, 0)
+    tl.store(scores_ptr + out_row, 0.0)
+    in_tree = slots < N
+    tl.store(first_child_ptr + out_row + slots, first_child.to(tl.int64), mask=in_tree)
+    tl.store(next_sibling_ptr + out_row + slots, next_sibling.to(tl.int64), mask=in_tree)
+
+
 def _check_limits(root: torch.Tensor, K: int, budget: int) -> None:
     if budget > MAX_BUDGET:
         raise ValueError(f"build_tree_triton supports budget <= {MAX_BUDGET}, got budget={budget}")
@@ -202,6 +283,33 @@ def _search_warps(NP: int) -> int:
     return max(1, min(8, NP // 256))
 
 
+def _outputs(bs: int, N: int, device: torch.device) -> DraftTree:
+    """Uninitialised DraftTree buffers for bs trees of N nodes."""
+
+    def empty(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    return DraftTree(
+        tokens=empty(bs, N),
+        parents=empty(bs, N),
+        depth=empty(bs, N),
+        first_child=empty(bs, N),
+        next_sibling=empty(bs, N),
+        visibility=empty(bs, N, N, dtype=torch.bool),
+        scores=empty(bs, N, dtype=torch.float32),
+    )
+
+
+def _fill_visibility(tree: DraftTree, L: int, budget: int) -> None:
+    bs, N = tree.tokens.shape
+    NP = triton.next_power_of_2(N)
+    rows = max(1, _VIS_TILE // NP)
+    _visibility_kernel[(bs, triton.cdiv(N, rows))](
+        tree.parents, tree.visibility.view(torch.uint8), N, min(L, budget),
+        ROWS=rows, NP=NP, num_warps=4,
+    )  # fmt: skip
+
+
 def build_tree_triton(
     root: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, budget: int
 ) -> DraftTree:
@@ -216,34 +324,40 @@ def build_tree_triton(
     NP = triton.next_power_of_2(N)
     KP = triton.next_power_of_2(K)
     LT = min(triton.next_power_of_2(L), _LP_TILE // KP)
-    device = root.device
-
-    def empty(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        return torch.empty(shape, dtype=dtype, device=device)
-
-    lp_buf = empty(bs, L, K, dtype=torch.float32)
-    tokens, parents, depth, first_child, next_sibling = (empty(bs, N) for _ in range(5))
-    scores = empty(bs, N, dtype=torch.float32)
-    visibility = empty(bs, N, N, dtype=torch.bool)
+    tree = _outputs(bs, N, root.device)
     if bs > 0:
+        lp_buf = torch.empty(bs, L, K, dtype=torch.float32, device=root.device)
         _tree_search_kernel[(bs,)](
             root, root.stride(0),
             topk_ids, *topk_ids.stride(),
             topk_logprobs, *topk_logprobs.stride(),
-            lp_buf, tokens, parents, depth, first_child, next_sibling, scores,
-            L, K, budget,
+            lp_buf, tree.tokens, tree.parents, tree.depth, tree.first_child, tree.next_sibling,
+            tree.scores, L, K, budget,
             NP=NP, LT=LT, KP=KP, num_warps=_search_warps(NP),
         )  # fmt: skip
-        rows = max(1, _VIS_TILE // NP)
-        _visibility_kernel[(bs, triton.cdiv(N, rows))](
-            parents, visibility.view(torch.uint8), N, min(L, budget), ROWS=rows, NP=NP, num_warps=4
-        )
-    return DraftTree(
-        tokens=tokens,
-        parents=parents,
-        depth=depth,
-        first_child=first_child,
-        next_sibling=next_sibling,
-        visibility=visibility,
-        scores=scores,
-    )
+        _fill_visibility(tree, L, budget)
+    return tree
+
+
+def build_lattice_tree_triton(
+    root: torch.Tensor, candidate_ids: torch.Tensor, cond_logprobs: torch.Tensor, budget: int
+) -> DraftTree:
+    """Same contract and result as `lattice.build_lattice_tree`: the rows cleaned and sorted
+    by torch (`lattice.sorted_rows_batched`, one sort), then one search program per request
+    and the visibility kernel. Limits as `build_tree_triton`'s."""
+    bs, L, K = check_lattice_inputs(root, candidate_ids, cond_logprobs, budget)
+    _check_limits(root, K, budget)
+    N = budget + 1
+    NP = triton.next_power_of_2(N)
+    tree = _outputs(bs, N, root.device)
+    if bs > 0:
+        values, order = (t.contiguous() for t in sorted_rows_batched(cond_logprobs))
+        _lattice_search_kernel[(bs,)](
+            root, root.stride(0),
+            candidate_ids, *candidate_ids.stride(),
+            values, order, tree.tokens, tree.parents, tree.depth, tree.first_child,
+            tree.next_sibling, tree.scores, L, K, budget,
+            NP=NP, num_warps=_search_warps(NP),
+        )  # fmt: skip
+        _fill_visibility(tree, L, budget)
+    return tree

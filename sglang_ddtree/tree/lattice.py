@@ -151,7 +151,7 @@ def build_lattice_tree_reference(
     return stack_trees(trees, root.device)
 
 
-def _sorted_rows_batched(cond_logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def sorted_rows_batched(cond_logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[bs, L, K, K] -> (values, cands) [bs, L, K, K]: each row cleaned and stably sorted."""
     lp = torch.nan_to_num(cond_logprobs, nan=LOGPROB_FLOOR, posinf=0.0, neginf=LOGPROB_FLOOR)
     lp = lp.clamp(min=LOGPROB_FLOOR, max=0.0)
@@ -196,7 +196,7 @@ def build_lattice_tree(
     scores, tokens, parents, depths = [], [], [], []
     offset_prev, offset = -1, 0  # slot of beam[d-1]'s first entry; the root sits at -1
     for d, (score, pick, cand) in enumerate(
-        _beams(*_sorted_rows_batched(cond_logprobs), budget), 1
+        _beams(*sorted_rows_batched(cond_logprobs), budget), 1
     ):
         width = score.shape[1]
         scores.append(score)

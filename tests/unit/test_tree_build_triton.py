@@ -18,7 +18,13 @@ import triton
 import triton.language as tl
 
 from sglang_ddtree.tree import DraftTree, build_tree, build_tree_reference, tree_capacity
-from sglang_ddtree.tree.build_triton import _pack_key, _unpack_key, build_tree_triton
+from sglang_ddtree.tree.build_triton import (
+    _pack_key,
+    _unpack_key,
+    build_lattice_tree_triton,
+    build_tree_triton,
+)
+from sglang_ddtree.tree.lattice import build_lattice_tree, build_lattice_tree_reference
 from sglang_ddtree.tree.testing import (
     LOGPROB_MODES,
     assert_trees_equal,
@@ -27,12 +33,13 @@ from sglang_ddtree.tree.testing import (
     random_build_inputs,
 )
 from tests.fixtures import run_cpu_tests_under_triton_interpreter
+from tests.unit.test_lattice_build import random_lattice
 
 torch.set_num_threads(1)
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 interpreter_only = pytest.mark.skipif(not INTERPRETED, reason="runs in the interpreter process")
-CPU_TESTS = 21  # interpreter_only test items in this file; the interpreter process must pass all
+CPU_TESTS = 23  # interpreter_only test items in this file; the interpreter process must pass all
 
 
 def test_cpu_tests_under_triton_interpreter():
@@ -266,6 +273,28 @@ def test_kernels_compile_for_hopper(kernel, constexprs, num_warps, monkeypatch, 
 
 # --- CUDA: compiled kernels -------------------------------------------------------------------
 
+
+@interpreter_only
+@pytest.mark.parametrize("mode", ["continuous", "dirty"])
+def test_lattice_kernel_matches_the_heap(mode):
+    """24 shapes x bs 2 per mode: L 1..5, K 1..4, budgets up to 20 and the capacity; dirty
+    lattices hold ties, -inf, NaN and positive values (the builders' cleaning)."""
+    g = torch.Generator().manual_seed(77 if mode == "dirty" else 78)
+    for _ in range(24):
+        L, K = (
+            int(torch.randint(1, 6, (1,), generator=g)),
+            int(torch.randint(1, 5, (1,), generator=g)),
+        )
+        cap = tree_capacity(K, L)
+        root, ids, cond = random_lattice(g, 2, L, K, K + 4, mode)
+        for budget in sorted(
+            {1, min(cap, 20), min(cap, int(torch.randint(1, 21, (1,), generator=g)))}
+        ):
+            tree = build_lattice_tree_triton(root, ids, cond, budget)
+            assert_trees_equal(tree, build_lattice_tree_reference(root, ids, cond, budget))
+            check_tree_invariants(tree)
+
+
 needs_cuda = pytest.mark.skipif(
     INTERPRETED or not torch.cuda.is_available(), reason="needs CUDA and compiled kernels"
 )
@@ -303,6 +332,41 @@ def test_cuda_exact_and_sync_free(L, K, budgets):
             assert_trees_equal(
                 DraftTree(*(t.cpu() for t in tree)), build_tree_reference(root, ids, lps, budget)
             )
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("K", [4, 8])
+def test_cuda_lattice_exact_sync_free_and_in_a_graph(K):
+    """The lattice kernel on CUDA at B = 16: bit-equal to the heap on continuous and dirty
+    lattices with no host sync; captured once, replayed on new contents; ms per call printed
+    beside the batched torch builder's."""
+    g = torch.Generator().manual_seed(31 + K)
+    L, rows = 15, []
+    for bs in (1, 8, 16):
+        for budget in (15, 31, 63, 127, 255):
+            for mode in ("continuous", "dirty"):
+                root, ids, cond = random_lattice(g, bs, L, K, 2 * K + 3, mode)
+                build_lattice_tree_triton(*_cuda(root, ids, cond), budget)  # compiles
+                with no_host_sync():
+                    tree = build_lattice_tree_triton(*_cuda(root, ids, cond), budget)
+                want = build_lattice_tree_reference(root, ids, cond, budget)
+                assert_trees_equal(DraftTree(*(t.cpu() for t in tree)), want)
+            bufs = _cuda(*random_lattice(g, bs, L, K, 2 * K + 3, "continuous"))
+            graph, out = _capture(build_lattice_tree_triton, bufs, budget)
+            torch_graph, _ = _capture(build_lattice_tree, bufs, budget)
+            fresh = random_lattice(g, bs, L, K, 2 * K + 3, "dirty")
+            for buf, new in zip(bufs, fresh, strict=True):
+                buf.copy_(new)
+            graph.replay()
+            torch.cuda.synchronize()
+            want = build_lattice_tree_reference(*fresh, budget)
+            assert_trees_equal(DraftTree(*(t.cpu() for t in out)), want)
+            rows.append((bs, budget, _replay_ms(graph), _replay_ms(torch_graph)))
+    print(f"\nlattice tree, CUDA graph replay, L={L} K={K}, mean ms per call")
+    print(f"{'bs':>4} {'budget':>7} {'triton':>9} {'torch':>9}")
+    for bs, budget, ms_triton, ms_torch in rows:
+        print(f"{bs:>4} {budget:>7} {ms_triton:>9.4f} {ms_torch:>9.4f}")
 
 
 def _capture(fn, bufs: list[torch.Tensor], budget: int) -> tuple[torch.cuda.CUDAGraph, DraftTree]:
