@@ -190,29 +190,36 @@ def _visibility_kernel(
 
 
 @triton.jit
+def _lattice_push(
+    frontier, row_ptr, child_row_ptr, slots, at_parent, j, score, parent_score, depth, parent,
+    rank, L, K,
+):  # fmt: skip
+    """After node j pops at rank `rank` of its parent's row (row_ptr): the parent's slot takes
+    the next sibling (rank + 1 of that row), slot j its first child (rank 0 of its own
+    candidate's row at the next slot, child_row_ptr)."""
+    has_sibling = rank + 1 < K
+    sibling_lp = tl.load(row_ptr + rank + 1, mask=has_sibling, other=0.0)
+    sibling = _pack_key(parent_score + sibling_lp, depth, parent, rank + 1)
+    frontier = tl.where(at_parent, tl.where(has_sibling, sibling, _EMPTY), frontier)
+    has_child = depth < L
+    child_lp = tl.load(child_row_ptr, mask=has_child, other=0.0)
+    child = _pack_key(score + child_lp, depth + 1, j, 0)
+    return tl.where((slots == j) & has_child, child, frontier)
+
+
+@triton.jit
 def _lattice_search_kernel(
-    root_ptr,  # [bs] int64
-    root_s,
-    ids_ptr,  # [bs, L, K] int64: the candidates of each slot
-    ids_s0,
-    ids_s1,
-    ids_s2,
-    vals_ptr,  # [bs, L, K, K] float32, contiguous: each row cleaned and sorted, descending
-    order_ptr,  # [bs, L, K, K] int64, contiguous: the candidate index at each rank of a row
-    tokens_ptr,  # [bs, N] int64 outputs, contiguous ...
-    parents_ptr,
-    depth_ptr,
-    first_child_ptr,
-    next_sibling_ptr,
-    scores_ptr,  # [bs, N] float32
-    L,
-    K,
-    budget,
-    NP: tl.constexpr,
-):
+    root_ptr, root_s, ids_ptr, ids_s0, ids_s1, ids_s2, vals_ptr, order_ptr,
+    tokens_ptr, parents_ptr, depth_ptr, first_child_ptr, next_sibling_ptr, scores_ptr,
+    L, K, budget, NP: tl.constexpr,
+):  # fmt: skip
     """`_tree_search_kernel` over a DFlash2 lattice (tree/lattice.py's heap): a node's
     children are the ranks of its own candidate's row, so each emitted node keeps its
-    candidate index (the root's row is 0) and a sibling reads its parent's row."""
+    candidate index (the root's row is 0) and a sibling reads its parent's row.
+    root [bs] int64; ids [bs, L, K] int64, the candidates of each slot (strided); vals
+    [bs, L, K, K] float32, each row cleaned and sorted descending, and order [bs, L, K, K]
+    int64, the candidate index at each rank (both contiguous); outputs as
+    `_tree_search_kernel`'s."""
     b = tl.program_id(0).to(tl.int64)
     N = budget + 1
     vals_row = vals_ptr + b * L * K * K  # this request's [L, K, K]
@@ -248,14 +255,10 @@ def _lattice_search_kernel(
         next_sibling = tl.where(slots == previous, j, next_sibling)
         last_child = tl.where(at_parent, j, last_child)
 
-        has_sibling = rank + 1 < K
-        sibling_lp = tl.load(vals_row + row_at + rank + 1, mask=has_sibling, other=0.0)
-        sibling = _pack_key(parent_score + sibling_lp, depth, parent, rank + 1)
-        frontier = tl.where(at_parent, tl.where(has_sibling, sibling, _EMPTY), frontier)
-        has_child = depth < L
-        child_lp = tl.load(vals_row + depth * K * K + cand * K, mask=has_child, other=0.0)
-        child = _pack_key(score + child_lp, depth + 1, j, 0)
-        frontier = tl.where((slots == j) & has_child, child, frontier)
+        frontier = _lattice_push(
+            frontier, vals_row + row_at, vals_row + depth * K * K + cand * K, slots, at_parent,
+            j, score, parent_score, depth, parent, rank, L, K,
+        )  # fmt: skip
 
     tl.store(tokens_ptr + out_row, tl.load(root_ptr + b * root_s))
     tl.store(parents_ptr + out_row, -1)

@@ -195,9 +195,7 @@ def build_lattice_tree(
     device = root.device
     scores, tokens, parents, depths = [], [], [], []
     offset_prev, offset = -1, 0  # slot of beam[d-1]'s first entry; the root sits at -1
-    for d, (score, pick, cand) in enumerate(
-        _beams(*sorted_rows_batched(cond_logprobs), budget), 1
-    ):
+    for d, (score, pick, cand) in enumerate(_beams(*sorted_rows_batched(cond_logprobs), budget), 1):
         width = score.shape[1]
         scores.append(score)
         tokens.append(candidate_ids[:, d - 1].gather(1, cand))  # [bs, width]
