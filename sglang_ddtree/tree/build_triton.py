@@ -90,31 +90,49 @@ def _unpack_key(key):
 
 
 @triton.jit
+def _push_sibling_and_child(
+    frontier, row_ptr, child_row_ptr, slots, at_parent, j, score, parent_score, depth, parent,
+    rank, L, K,
+):  # fmt: skip
+    """After node j pops at rank `rank` of its parent's row of preprocessed log-probs (row_ptr):
+    the parent's frontier slot takes the next sibling (rank + 1 of that row), slot j its first
+    child (rank 0 of the row its children read, child_row_ptr: the next position's in the
+    marginal tree, its own candidate's at the next slot in the lattice)."""
+    has_sibling = rank + 1 < K
+    sibling_lp = tl.load(row_ptr + rank + 1, mask=has_sibling, other=0.0)
+    sibling = _pack_key(parent_score + sibling_lp, depth, parent, rank + 1)
+    frontier = tl.where(at_parent, tl.where(has_sibling, sibling, _EMPTY), frontier)
+    has_child = depth < L
+    child_lp = tl.load(child_row_ptr, mask=has_child, other=0.0)
+    child = _pack_key(score + child_lp, depth + 1, j, 0)
+    return tl.where((slots == j) & has_child, child, frontier)
+
+
+@triton.jit
+def _store_root_and_links(
+    tokens_ptr, parents_ptr, depth_ptr, scores_ptr, first_child_ptr, next_sibling_ptr,
+    out_row, root, slots, N, first_child, next_sibling,
+):  # fmt: skip
+    """The root's entries (token, parent -1, depth 0, score 0) and every node's links."""
+    tl.store(tokens_ptr + out_row, root)
+    tl.store(parents_ptr + out_row, -1)
+    tl.store(depth_ptr + out_row, 0)
+    tl.store(scores_ptr + out_row, 0.0)
+    in_tree = slots < N
+    tl.store(first_child_ptr + out_row + slots, first_child.to(tl.int64), mask=in_tree)
+    tl.store(next_sibling_ptr + out_row + slots, next_sibling.to(tl.int64), mask=in_tree)
+
+
+@triton.jit
 def _tree_search_kernel(
-    root_ptr,  # [bs] int64
-    root_s,
-    ids_ptr,  # [bs, L, K] int64
-    ids_s0,
-    ids_s1,
-    ids_s2,
-    lp_ptr,  # [bs, L, K] float32, raw log-probs
-    lp_s0,
-    lp_s1,
-    lp_s2,
-    lp_buf,  # [bs, L, K] float32 scratch, contiguous: preprocessed log-probs
-    tokens_ptr,  # [bs, N] int64 outputs, contiguous ...
-    parents_ptr,
-    depth_ptr,
-    first_child_ptr,
-    next_sibling_ptr,
-    scores_ptr,  # [bs, N] float32
-    L,
-    K,
-    budget,
-    NP: tl.constexpr,  # next_power_of_2(N): lanes of the frontier and the per-node arrays
-    LT: tl.constexpr,
-    KP: tl.constexpr,
-):
+    root_ptr, root_s, ids_ptr, ids_s0, ids_s1, ids_s2, lp_ptr, lp_s0, lp_s1, lp_s2, lp_buf,
+    tokens_ptr, parents_ptr, depth_ptr, first_child_ptr, next_sibling_ptr, scores_ptr,
+    L, K, budget, NP: tl.constexpr, LT: tl.constexpr, KP: tl.constexpr,
+):  # fmt: skip
+    """root [bs] int64; ids [bs, L, K] int64 and lp [bs, L, K] float32 raw log-probs (strided);
+    lp_buf [bs, L, K] float32 scratch, contiguous, for the preprocessed log-probs; outputs
+    tokens, parents, depth, first_child, next_sibling [bs, N] int64 and scores [bs, N] float32,
+    contiguous. NP = next_power_of_2(N): lanes of the frontier and the per-node arrays."""
     b = tl.program_id(0).to(tl.int64)
     N = budget + 1
     lp_row = lp_buf + b * L * K  # this request's [L, K]
@@ -147,22 +165,15 @@ def _tree_search_kernel(
         next_sibling = tl.where(slots == previous, j, next_sibling)  # previous = -1 at rank 0
         last_child = tl.where(at_parent, j, last_child)
 
-        has_sibling = rank + 1 < K
-        sibling_lp = tl.load(lp_row + (depth - 1) * K + rank + 1, mask=has_sibling, other=0.0)
-        sibling = _pack_key(parent_score + sibling_lp, depth, parent, rank + 1)
-        frontier = tl.where(at_parent, tl.where(has_sibling, sibling, _EMPTY), frontier)
-        has_child = depth < L
-        child_lp = tl.load(lp_row + depth * K, mask=has_child, other=0.0)
-        child = _pack_key(score + child_lp, depth + 1, j, 0)
-        frontier = tl.where((slots == j) & has_child, child, frontier)
+        frontier = _push_sibling_and_child(
+            frontier, lp_row + (depth - 1) * K, lp_row + depth * K, slots, at_parent, j, score,
+            parent_score, depth, parent, rank, L, K,
+        )  # fmt: skip
 
-    tl.store(tokens_ptr + out_row, tl.load(root_ptr + b * root_s))
-    tl.store(parents_ptr + out_row, -1)
-    tl.store(depth_ptr + out_row, 0)
-    tl.store(scores_ptr + out_row, 0.0)
-    in_tree = slots < N
-    tl.store(first_child_ptr + out_row + slots, first_child.to(tl.int64), mask=in_tree)
-    tl.store(next_sibling_ptr + out_row + slots, next_sibling.to(tl.int64), mask=in_tree)
+    _store_root_and_links(
+        tokens_ptr, parents_ptr, depth_ptr, scores_ptr, first_child_ptr, next_sibling_ptr,
+        out_row, tl.load(root_ptr + b * root_s), slots, N, first_child, next_sibling,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -187,24 +198,6 @@ def _visibility_kernel(
         seen = seen | (cols[None, :] == cur[:, None])
     ok = row_ok[:, None] & (cols[None, :] < N)
     tl.store(vis_ptr + b * N * N + rows[:, None] * N + cols[None, :], seen.to(tl.uint8), mask=ok)
-
-
-@triton.jit
-def _lattice_push(
-    frontier, row_ptr, child_row_ptr, slots, at_parent, j, score, parent_score, depth, parent,
-    rank, L, K,
-):  # fmt: skip
-    """After node j pops at rank `rank` of its parent's row (row_ptr): the parent's slot takes
-    the next sibling (rank + 1 of that row), slot j its first child (rank 0 of its own
-    candidate's row at the next slot, child_row_ptr)."""
-    has_sibling = rank + 1 < K
-    sibling_lp = tl.load(row_ptr + rank + 1, mask=has_sibling, other=0.0)
-    sibling = _pack_key(parent_score + sibling_lp, depth, parent, rank + 1)
-    frontier = tl.where(at_parent, tl.where(has_sibling, sibling, _EMPTY), frontier)
-    has_child = depth < L
-    child_lp = tl.load(child_row_ptr, mask=has_child, other=0.0)
-    child = _pack_key(score + child_lp, depth + 1, j, 0)
-    return tl.where((slots == j) & has_child, child, frontier)
 
 
 @triton.jit
@@ -255,18 +248,15 @@ def _lattice_search_kernel(
         next_sibling = tl.where(slots == previous, j, next_sibling)
         last_child = tl.where(at_parent, j, last_child)
 
-        frontier = _lattice_push(
+        frontier = _push_sibling_and_child(
             frontier, vals_row + row_at, vals_row + depth * K * K + cand * K, slots, at_parent,
             j, score, parent_score, depth, parent, rank, L, K,
         )  # fmt: skip
 
-    tl.store(tokens_ptr + out_row, tl.load(root_ptr + b * root_s))
-    tl.store(parents_ptr + out_row, -1)
-    tl.store(depth_ptr + out_row, 0)
-    tl.store(scores_ptr + out_row, 0.0)
-    in_tree = slots < N
-    tl.store(first_child_ptr + out_row + slots, first_child.to(tl.int64), mask=in_tree)
-    tl.store(next_sibling_ptr + out_row + slots, next_sibling.to(tl.int64), mask=in_tree)
+    _store_root_and_links(
+        tokens_ptr, parents_ptr, depth_ptr, scores_ptr, first_child_ptr, next_sibling_ptr,
+        out_row, tl.load(root_ptr + b * root_s), slots, N, first_child, next_sibling,
+    )  # fmt: skip
 
 
 def _check_limits(root: torch.Tensor, K: int, budget: int) -> None:
