@@ -410,9 +410,9 @@ def dflash2_offline_table(rows: list[dict]) -> str:
         f"On {first['device']}: a selector of rank {first['selector_rank']} over "
         f"K = {first['selector_top_k']} candidates, {first['selector_steps']} steps of "
         f"{first['selector_batch']} sequences; {first['blocks']} held-out blocks. Held-out "
-        f"cross-entropy over the K candidates (the label among them in "
-        f"{loss['label_in_top_k']:.0%} of slots): selector {loss['selector']:.3f} nats, "
-        f"marginal {loss['marginal']:.3f}."
+        f"cross-entropy against the target over the K candidates (which hold "
+        f"{loss['target_mass_in_top_k']:.0%} of the target's mass): selector "
+        f"{loss['selector']:.3f} nats, marginal {loss['marginal']:.3f}."
     )
     header = ["drafter", "tree nodes", "tokens/round", "/ DFlash chain"]
     return shown(rows, prose(head) + "\n\n" + table(header, body))

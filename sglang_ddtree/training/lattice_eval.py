@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sglang_ddtree.training.draft_model import DFlashDraft, block_labels
+from sglang_ddtree.training.draft_model import DFlashDraft
 from sglang_ddtree.training.loops import autocast
 from sglang_ddtree.training.selector import (
     Selector,
@@ -117,17 +117,18 @@ def four_way(
 ) -> dict:
     """Mean greedy tokens per round (accepted + 1) of each drafter over held-out windows [w, T]
     with fixed anchors [nb], trees at each N of `nodes`; and the selector's held-out
-    teacher-forced loss beside the marginal's over the same K candidates (the selector at zero)."""
+    distillation loss (training/selector.py's, unweighted over slots) beside the marginal's over
+    the same K candidates (the selector at zero), and the target's mean mass on them."""
     B = draft.config.block_size
     sums: dict[str, torch.Tensor] = {}
-    loss = {"selector": 0.0, "marginal": 0.0, "label_in_top_k": 0.0}
+    loss = {"selector": 0.0, "marginal": 0.0, "target_mass_in_top_k": 0.0}
     weights = torch.ones(B - 1, device=device)
     batches = 0
     for i in range(0, windows.shape[0], batch):
         ids = windows[i : i + batch].to(device)
         a = anchors.to(device)[None].expand(ids.shape[0], -1)
         with autocast(device):
-            hidden, logits = block_features(draft, target, ids, a, taps)
+            hidden, logits, teacher = block_features(draft, target, ids, a, taps)
             greedy = greedy_continuation(target, ids, anchors, B - 1).flatten(0, 1)
         for name, props in _proposals(sel, hidden, logits, ids.gather(1, a), nodes).items():
             got = [
@@ -135,12 +136,12 @@ def four_way(
                 for p in props
             ]
             sums[name] = sums.get(name, 0) + torch.stack(got).float().add(1).sum(1).cpu()
-        pred, labels = block_predecessors(ids, a, B), block_labels(ids, a, B)
-        value, found = teacher_forced_loss(sel, hidden, logits, pred, labels, weights)
+        pred = block_predecessors(ids, a, B)
+        value, mass = teacher_forced_loss(sel, hidden, logits, pred, teacher, weights)
         cand, unary = candidates(logits, sel.top_k)
         loss["selector"] += float(value)
-        loss["marginal"] += float(candidate_loss(unary, cand, labels, weights)[0])
-        loss["label_in_top_k"] += float(found)
+        loss["marginal"] += float(candidate_loss(unary, cand, teacher, weights)[0])
+        loss["target_mass_in_top_k"] += float(mass)
         batches += 1
     blocks = windows.shape[0] * anchors.numel()
     tokens = {k: [round(float(x) / blocks, 4) for x in v] for k, v in sums.items()}

@@ -18,12 +18,16 @@ final-normed hidden state of that row and unary_e the raw logits of the target's
 over the top-K of unary_e. A starts at zero, so the untrained selector's rows all equal the
 marginal's (the lattice then carries no pairwise information).
 
-Loss. Teacher forcing, as the draft's own: slot e's predecessor is the text's token x_{a+e}
-(the anchor itself for slot 0), its label x_{a+e+1}; the cross-entropy of the softmax over the K
-candidates of s_e(x_{a+e}, .), which is the conditional upstream's walk samples from and that
-DDTREE's lattice tree ranks children by, weighted exp(-e / gamma) as the draft's block loss. A
-slot whose label is not among its K candidates carries no signal (neither the walk nor the tree
-can propose it) and is left out of the mean.
+Loss. Distillation from the target under teacher forcing: slot e's predecessor is the text's
+token x_{a+e} (the anchor itself for slot 0), and its teacher the target's own next-token
+distribution p(. | x_{<=a+e}), from the same target pass that gives the draft its context. The
+loss is the cross-entropy of q = softmax over the K candidates of s_e(x_{a+e}, .), the
+conditional that upstream's walk samples from and that DDTREE's lattice tree ranks children by,
+against the target's probabilities of those candidates: -sum_c p(c) log q(c), so that a slot
+counts by the target's mass on its candidates (none where the drafter missed every likely
+token), weighted exp(-e / gamma) as the draft's block loss. The target and not the text's tokens (the
+draft's own labels): a round accepts what the target would emit, and on a small pair the two
+often differ.
 """
 
 from __future__ import annotations
@@ -32,15 +36,15 @@ import json
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from sglang_ddtree.training.config import StageHParams
 from sglang_ddtree.training.data import sample_anchors, sample_windows
-from sglang_ddtree.training.draft import position_weights, target_taps
+from sglang_ddtree.training.draft import position_weights
 from sglang_ddtree.training.draft_model import DFlashDraft, block_labels
 from sglang_ddtree.training.loops import StageResult, autocast, train_loop
+from sglang_ddtree.training.target import language_model
 
 PREFIX = "candidate_selector."
 
@@ -108,18 +112,17 @@ def block_predecessors(ids: torch.Tensor, anchors: torch.Tensor, block_size: int
 
 
 def candidate_loss(
-    scores: torch.Tensor, cand: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
+    scores: torch.Tensor, cand: torch.Tensor, teacher: torch.Tensor, weights: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """scores and cand [..., L, K], labels [..., L], weights [L] -> (the weighted cross-entropy
-    of the softmax over the K candidates, on slots whose label is one of them; the share of
-    such slots)."""
-    hit = cand == labels[..., None]  # [..., L, K]
-    found = hit.any(-1)  # [..., L]
-    ce = F.cross_entropy(
-        scores.flatten(0, -2), hit.float().argmax(-1).flatten(), reduction="none"
-    ).view_as(found)
-    w = weights * found  # [..., L]
-    return (ce * w).sum() / w.sum().clamp(min=1e-6), found.float().mean()
+    """scores and cand [..., L, K], teacher [..., L, V] (the target's next-token logits for each
+    slot), weights [L] -> (the cross-entropy of the softmax over the K candidates against the
+    target's probabilities of those candidates, -sum_c p(c) log q(c), so that a slot counts
+    by the target's mass on its candidates; weighted over slots, averaged over blocks; that
+    mass, averaged over slots)."""
+    p = torch.log_softmax(teacher.float(), dim=-1).gather(-1, cand).exp()  # [..., L, K]
+    ce = -(p * torch.log_softmax(scores, dim=-1)).sum(-1)  # [..., L]
+    blocks = ce.numel() // ce.shape[-1]
+    return (ce * weights).sum() / (weights.sum() * blocks), p.sum(-1).mean()
 
 
 def teacher_forced_loss(
@@ -127,25 +130,32 @@ def teacher_forced_loss(
     hidden: torch.Tensor,
     logits: torch.Tensor,
     pred: torch.Tensor,
-    labels: torch.Tensor,
+    teacher: torch.Tensor,
     weights: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """hidden [..., L, H], logits [..., L, V], pred and labels [..., L], weights [L] -> the
-    selector's `candidate_loss` with the text's predecessors."""
+    """hidden [..., L, H], logits and teacher [..., L, V], pred [..., L], weights [L] -> the
+    selector's `candidate_loss`, each slot's predecessor the text's token."""
     cand, unary = candidates(logits, sel.top_k)  # [..., L, K]
     scores = sel.scores(hidden, unary, cand, pred[..., None])[..., 0, :]  # [..., L, K]
-    return candidate_loss(scores, cand, labels, weights)
+    return candidate_loss(scores, cand, teacher, weights)
 
 
 def block_features(
     draft: DFlashDraft, target: nn.Module, ids: torch.Tensor, anchors: torch.Tensor, taps: list[int]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The frozen drafter's block rows 1..B-1: (final-normed hidden [b, nb, L, H], logits
-    through the target's LM head [b, nb, L, V])."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One target pass and the frozen drafter over block rows 1..B-1: (the draft's
+    final-normed hidden [b, nb, L, H], its logits through the target's LM head [b, nb, L, V],
+    the target's own next-token logits at positions a..a+B-2 given the text [b, nb, L, V])."""
+    L = draft.config.block_size - 1
+    head = target.get_output_embeddings()
     with torch.no_grad():
-        context = target_taps(target, ids, taps)
+        out = language_model(target)(input_ids=ids, use_cache=False, output_hidden_states=True)
+        context = torch.cat([out.hidden_states[i + 1] for i in taps], dim=-1)  # [b, T, K*H]
         hidden = draft.block_hidden(target.get_input_embeddings(), context, ids, anchors)[:, :, 1:]
-        return hidden, target.get_output_embeddings()(hidden)
+        pos = (anchors[:, :, None] + torch.arange(L, device=ids.device)).flatten(1)  # [b, nb*L]
+        last = out.last_hidden_state
+        picked = last.gather(1, pos[:, :, None].expand(-1, -1, last.shape[-1]))
+        return hidden, head(hidden), head(picked).view(*anchors.shape, L, -1)
 
 
 def train_selector(
@@ -171,9 +181,9 @@ def train_selector(
         ids = sample_windows(stream, hp.batch, hp.seq_len, gen).to(device)
         anchors = sample_anchors(hp.batch, hp.seq_len, B, hp.anchors_per_seq, gen).to(device)
         with autocast(device):
-            hidden, logits = block_features(draft, target, ids, anchors, taps)
-        pred, labels = block_predecessors(ids, anchors, B), block_labels(ids, anchors, B)
-        loss, _ = teacher_forced_loss(sel, hidden, logits, pred, labels, weights)
+            hidden, logits, teacher = block_features(draft, target, ids, anchors, taps)
+        pred = block_predecessors(ids, anchors, B)
+        loss, _ = teacher_forced_loss(sel, hidden, logits, pred, teacher, weights)
         return loss, hp.batch * hp.anchors_per_seq * (B - 1)
 
     return train_loop("selector", sel, step, hp, budget_s, device)

@@ -88,8 +88,9 @@ def test_lattice_and_greedy_walk_are_sglangs():
 
 
 def test_the_selector_learns_a_rule_the_marginal_cannot_express():
-    """Every slot's 4 candidates have equal logits and the label is (predecessor + 1) mod 4: the
-    marginal is stuck at log 4, the untrained selector equals it, the trained one is near 0."""
+    """Every slot's 4 candidates have equal logits and the target puts its mass on
+    (predecessor + 1) mod 4: the marginal is stuck at log 4, the untrained selector equals it,
+    the trained one is near 0."""
     V, H, r, K, n, L = 16, 8, 4, 4, 64, 5
     g = torch.Generator().manual_seed(0)
     # the edge term is multiplicative in W h: a rule for every slot needs a shared direction,
@@ -98,35 +99,40 @@ def test_the_selector_learns_a_rule_the_marginal_cannot_express():
     logits = torch.zeros(n, L, V)
     logits[..., :K] = 5.0
     pred = torch.randint(0, K, (n, L), generator=g)
-    labels = (pred + 1) % K
+    teacher = torch.full((n, L, V), -30.0).scatter(-1, ((pred + 1) % K)[..., None], 30.0)
     weights = torch.ones(L)
     sel = build_selector(V, H, r, K, seed=0, init_std=0.5)
-    start, found = teacher_forced_loss(sel, hidden, logits, pred, labels, weights)
-    assert found == 1.0
-    assert float(start.detach()) == pytest.approx(math.log(K), abs=1e-6)
+    start, mass = teacher_forced_loss(sel, hidden, logits, pred, teacher, weights)
+    assert float(mass) == pytest.approx(1.0)
+    assert float(start.detach()) == pytest.approx(math.log(K), abs=1e-5)
     opt = torch.optim.Adam(sel.parameters(), lr=0.05)
     for _ in range(300):
-        loss, _ = teacher_forced_loss(sel, hidden, logits, pred, labels, weights)
+        loss, _ = teacher_forced_loss(sel, hidden, logits, pred, teacher, weights)
         opt.zero_grad()
         loss.backward()
         opt.step()
     assert float(loss.detach()) < 0.1
 
 
-def test_a_label_outside_the_candidates_carries_no_signal():
+def test_a_slot_counts_by_the_targets_mass_on_its_candidates():
+    """Target mass outside the candidates adds nothing: a slot with none costs 0, and a slot
+    with mass m on one candidate costs m times that candidate's -log q."""
     V, H, K = 10, 4, 3
     sel = _random_selector(V, H, 2, K, seed=3)
     logits = torch.arange(V, dtype=torch.float32).flip(0).expand(1, 2, V).clone()  # top: 0, 1, 2
-    pred = torch.tensor([[4, 5]])
-    hidden = torch.randn(1, 2, H)
-    both, found = teacher_forced_loss(
-        sel, hidden, logits, pred, torch.tensor([[1, 9]]), torch.ones(2)
+    pred, hidden = torch.tensor([[4, 5]]), torch.randn(1, 2, H)
+    teacher = torch.full((1, 2, V), -1e4)
+    teacher[0, 0, [1, 7]] = 0.0  # half on candidate 1, half on a non-candidate
+    teacher[0, 1, 9] = 0.0  # all outside
+    loss, mass = teacher_forced_loss(sel, hidden, logits, pred, teacher, torch.ones(2))
+    q = torch.log_softmax(
+        sel.scores(hidden, logits[..., :K], torch.arange(K).expand(1, 2, K), pred[..., None])[
+            0, 0, 0
+        ],
+        -1,
     )
-    one, _ = teacher_forced_loss(
-        sel, hidden[:, :1], logits[:, :1], pred[:, :1], torch.tensor([[1]]), torch.ones(1)
-    )
-    assert found == 0.5
-    torch.testing.assert_close(both, one)
+    assert float(mass) == pytest.approx(0.25)
+    torch.testing.assert_close(loss, -0.5 * q[1] / 2)
 
 
 def _brute_accepted(tokens, parents, greedy) -> int:
@@ -213,6 +219,7 @@ def test_the_toy_dflash2_run_serves_in_sglang_and_is_deterministic(toy, tmp_path
         "ddtree_lattice",
     }
     assert acc["heldout_loss"]["selector"] < acc["heldout_loss"]["marginal"]
+    assert 0 < acc["heldout_loss"]["target_mass_in_top_k"] < 1
 
     ours = load_selector(d2)
     head = load_file(str(pair / "target" / "model.safetensors"))["lm_head.weight"].float()
