@@ -388,6 +388,7 @@ DRAFTERS = {
     "dflash2_chain": "DFlash2 chain (DFLASH, upstream's walk)",
     "ddtree_marginal": "DDTREE, marginal tree",
     "ddtree_lattice": "DDTREE, lattice tree",
+    "ddtree_lattice_coverage": "DDTREE, lattice tree scaled by the marginal's coverage",
 }
 
 

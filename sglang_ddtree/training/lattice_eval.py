@@ -10,7 +10,9 @@ proposal exactly, without a tree-attention pass:
   dflash_chain     the draft's top-1 per slot (SGLang's DFLASH on the DFlash drafter)
   dflash2_chain    the selector's greedy walk (SGLang's DFLASH on the DFlash2 drafter)
   ddtree_marginal  DDTREE's tree from the per-position top-K (tree/build.py), N nodes
-  ddtree_lattice   DDTREE's tree from the lattice (tree/lattice.py), N nodes
+  ddtree_lattice   DDTREE's tree from the lattice (tree/lattice.py), N nodes, as served
+  ddtree_lattice_coverage  the same with each slot's conditionals scaled by the drafter's
+                   marginal mass on its K candidates (lattice_chain_logprobs' log_coverage)
 
 N counts the root, as --speculative-num-draft-tokens does. The builders are the ones DDTREE
 serves with; the drafter's numbers come from the files as saved.
@@ -95,11 +97,14 @@ def _proposals(sel: Selector, hidden, logits, roots, nodes: list[int]) -> dict[s
     scores = lattice(sel, hidden, unary, cand, roots)  # [n, L, K, K]
     lp = torch.log_softmax(logits, -1).gather(-1, cand)  # the marginal top-K log-probs
     chain_lp = lattice_chain_logprobs(scores)
+    coverage = torch.logsumexp(lp, -1)  # [n, L]: the drafter's log-mass on its K candidates
+    covered = lattice_chain_logprobs(scores, coverage)
     return {
         "dflash_chain": [cand[:, :, 0]],
         "dflash2_chain": [greedy_walk(scores, cand)],
         "ddtree_marginal": [build_tree(roots, cand, lp, N - 1) for N in nodes],
         "ddtree_lattice": [build_lattice_tree(roots, cand, chain_lp, N - 1) for N in nodes],
+        "ddtree_lattice_coverage": [build_lattice_tree(roots, cand, covered, N - 1) for N in nodes],
     }
 
 

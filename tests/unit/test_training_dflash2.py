@@ -217,6 +217,7 @@ def test_the_toy_dflash2_run_serves_in_sglang_and_is_deterministic(toy, tmp_path
         "dflash2_chain",
         "ddtree_marginal",
         "ddtree_lattice",
+        "ddtree_lattice_coverage",
     }
     assert acc["heldout_loss"]["selector"] < acc["heldout_loss"]["marginal"]
     assert 0 < acc["heldout_loss"]["target_mass_in_top_k"] < 1
@@ -250,6 +251,7 @@ def test_the_toy_dflash2_run_serves_in_sglang_and_is_deterministic(toy, tmp_path
 
 @pytest.mark.slow
 def test_an_untrained_selector_is_the_marginal(toy):
+    """A zero predecessor codebook: every row is the marginal's, renormalised over K."""
     from sglang_ddtree.training.data import fixed_anchors
     from sglang_ddtree.training.draft_model import load_draft
     from sglang_ddtree.training.target import load_target
@@ -266,6 +268,8 @@ def test_an_untrained_selector_is_the_marginal(toy):
     table = four_way(draft, sel, target, taps, windows, fixed_anchors(64, 16, 3), 2, cpu, [16])
     tokens, loss = table["tokens_per_round"], table["heldout_loss"]
     assert tokens["dflash2_chain"] == tokens["dflash_chain"]
+    # the conditionals renormalised over K, times the K's marginal mass: the marginal again
+    assert tokens["ddtree_lattice_coverage"] == tokens["ddtree_marginal"]
     assert loss["selector"] == pytest.approx(loss["marginal"], abs=1e-6)
 
 
@@ -295,7 +299,7 @@ def test_the_toy_runs_rows_render_on_the_results_page(toy):
     _, out, report = toy
     rows = [json.loads(line) for line in (out / ROWS).read_text().splitlines()]
     acc = report["acceptance"]
-    assert len(rows) == 2 + 2 * len(acc["nodes"])
+    assert len(rows) == 2 + 3 * len(acc["nodes"])
     page = load_script("results_page")
     stamped = [{**r, "date": "d", "commit": "c", "sitting": 1} for r in rows]
     text = page.dflash2_offline_table(stamped)
