@@ -56,8 +56,8 @@ MODELS=${SUITE_MODELS:-qwen3 qwen35 pair}
 RUNS="$MODELS"; [ "${SOAK:-1}" = 0 ] || RUNS="$RUNS soak"
 # each model's test files in the order of its servers' launch (tests/gpu/servers.py starts the
 # FP8 and DFlash2 servers last; test_limits starts servers of its own, so after the set has
-# settled)
-SUITE_FILES="tests/gpu/test_serve.py tests/gpu/test_limits.py tests/gpu/test_fp8.py tests/gpu/test_dflash2.py"
+# settled); SUITE_FILES="..." narrows them
+SUITE_FILES=${SUITE_FILES:-tests/gpu/test_serve.py tests/gpu/test_limits.py tests/gpu/test_fp8.py tests/gpu/test_dflash2.py}
 N_RUNS=$(wc -w <<< "$RUNS")
 
 test_bg() {  # one detached pytest per model, and the soak; ROOT/results/pytest_<run>.{log,rc}
