@@ -168,30 +168,19 @@ TREE_SAMPLER = "tree_speculative_sampling_target_only"
 def tree_sampling_probs(transform):
     """For the duration: SGLang's eagle_sample hands the target probs [bs, N, V] of its
     target-only tree sampling through `transform` first (it calls its module's global
-    `tree_speculative_sampling_target_only` after its top-k / top-p renormalisation; the
-    global, not the kernel package's name, is what that call reads)."""
-
-    def wrap(original):
-        def sample(*args, target_probs, **kwargs):
-            return original(*args, target_probs=transform(target_probs), **kwargs)
-
-        return sample
-
-    with _eagle_sample_global(TREE_SAMPLER, wrap):
-        yield
-
-
-@contextlib.contextmanager
-def _eagle_sample_global(name: str, wrap):
-    """For the duration: the global `name` of eagle_sample's module (read by eagle_sample at
-    call time) is wrap(SGLang's function); SGLang's is put back after."""
+    `tree_speculative_sampling_target_only` after its top-k / top-p renormalisation; the global,
+    not the kernel package's name, is what that call reads); SGLang's is put back after."""
     module = importlib.import_module(TREE_SAMPLER_MODULE)
-    original = getattr(module, name)
-    setattr(module, name, wrap(original))
+    original = getattr(module, TREE_SAMPLER)
+
+    def sample(*args, target_probs, **kwargs):
+        return original(*args, target_probs=transform(target_probs), **kwargs)
+
+    setattr(module, TREE_SAMPLER, sample)
     try:
         yield
     finally:
-        setattr(module, name, original)
+        setattr(module, TREE_SAMPLER, original)
 
 
 def unpatched_hook_targets(targets) -> list[str]:
@@ -355,22 +344,34 @@ def draft_selector(draft_model: Any) -> Any:
 
 
 def attach_target_lm_head(draft_model: Any, lm_head: Any) -> None:
-    """Point a DFlash2 draft's lm_head (compute_candidates') at the target's, as DFLASH does."""
+    """Point a DFlash2 draft's lm_head (its candidates') at the target's, as DFLASH does."""
     from sglang.srt.lora.layers import unwrap_lora_layer
 
     draft_model.lm_head = unwrap_lora_layer(lm_head)
 
 
-def selector_lattice(draft_model: Any, hidden: Any, anchor: Any) -> tuple[Any, Any]:
+def selector_lattice(draft_model: Any, hidden: Any, anchor: Any) -> tuple[Any, Any, Any]:
     """A DFlash2 drafter's lattice: hidden [bs, L, H] (block slots 1..B-1), anchor [bs] (the
-    token before slot 0) -> (candidate ids [bs, L, K] int64, scores [bs, L, K, K] float32):
-    compute_candidates (target LM head, top-K; on [bs * L, H] rows), then build_lattice."""
+    token before slot 0) -> (candidate ids [bs, L, K] int64, scores [bs, L, K, K] float32, log
+    coverage [bs, L] float32 or None): the top-K over the target's LM head on [bs * L, H] rows,
+    then build_lattice. The coverage, the log of the drafter's mass on its K (logsumexp of their
+    unary logits - the full-vocabulary lse), takes candidate_topk's lse of the raw logits
+    (TP-aware, no host sync); a drafter that scales or softcaps them gets compute_candidates,
+    as DFLASH does, and no coverage: the lse of its transformed logits is not computed."""
+    from sglang.srt.models.dflash import candidate_topk
+
     bs, L, H = hidden.shape
-    ids, unary = draft_model.compute_candidates(hidden.reshape(bs * L, H))
-    ids, unary = ids.view(bs, L, -1), unary.view(bs, L, -1)
-    return ids, draft_selector(draft_model).build_lattice(
+    rows, cfg, lse = hidden.reshape(bs * L, H), draft_model.draft_config, None
+    if cfg.output_multiplier != 1.0 or cfg.final_logit_softcapping is not None:
+        ids, unary = draft_model.compute_candidates(rows)
+    else:
+        k = int(draft_selector(draft_model).top_k)
+        ids, unary, lse = candidate_topk(rows, draft_model.lm_head, k, with_partition=True)
+    ids, unary = ids.view(bs, L, -1), unary.float().view(bs, L, -1)
+    scores = draft_selector(draft_model).build_lattice(
         candidate_ids=ids, unary_logits=unary, hidden_states=hidden, anchor_token_ids=anchor
     )
+    return ids, scores, None if lse is None else unary.logsumexp(-1) - lse.view(bs, L)
 
 
 # --- DFlashWorkerV2 internals that DDTREE's worker (a subclass) uses -----------------------------

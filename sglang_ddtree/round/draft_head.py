@@ -216,13 +216,21 @@ class DraftTreeHead(TreeHead):
 
 
 class LatticeTreeHead(TreeHead):
-    """A DFlash2 drafter's head: its top-K candidates over the target's LM head and its
-    selector's pairwise scores (compat.selector_lattice: the drafter's compute_candidates and
-    build_lattice), the chain's log conditionals (tree.lattice.lattice_chain_logprobs), the
-    best-first tree under that chain (on CUDA tree.build_triton's lattice kernel, one program
-    per request; elsewhere tree.lattice.build_lattice_tree, its reference: both bit-equal to
-    the heap, no host sync, CUDA-graph safe). It returns the marginal head's DraftTree, so
-    the verify layout, mask packing, accept walk, penalties, widths and commit take it as is.
+    """A DFlash2 drafter's head: its top-K candidates over the target's LM head, its selector's
+    pairwise scores and each slot's log coverage (compat.selector_lattice: the target head's
+    top-K and full-vocabulary lse, then build_lattice), the chain's log conditionals with each
+    slot's coverage added (tree.lattice.lattice_chain_logprobs), the best-first tree under that
+    chain (on CUDA tree.build_triton's lattice kernel, one program per request; elsewhere
+    tree.lattice.build_lattice_tree, its reference: both bit-equal to the heap, no host sync,
+    CUDA-graph safe). It returns the marginal head's DraftTree, so the verify layout, mask
+    packing, accept walk, penalties, widths and commit take it as is.
+
+    The coverage, the log of the drafter's mass on a slot's K candidates, is what the softmax
+    over the K leaves out: with it each row of a slot sums to that mass rather than to 1, so a
+    slot whose top-K holds little of the drafter's mass costs its paths that much (on the
+    shipped pair's offline evaluation the tree with it accepts more; docs/results.md). A drafter
+    that scales or softcaps its logits has none (the lse of the transformed logits is not
+    computed), and its rows are the softmax over its K alone.
 
     The scores are not divided by the requests' temperatures: the tree is the drafter's own
     chain at T = 1, as the marginal head's tree is its per-position distributions at T = 1.
@@ -252,6 +260,8 @@ class LatticeTreeHead(TreeHead):
         self, hidden: torch.Tensor, anchor: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """[bs, B-1, H] draft hidden states and the anchors [bs] -> the drafter's lattice:
-        (candidate ids [bs, B-1, K] int64, log q_e(c | p) [bs, B-1, K, K] float32)."""
-        ids, scores = compat.selector_lattice(self.draft_model, hidden, anchor)
-        return ids, lattice_chain_logprobs(scores)
+        (candidate ids [bs, B-1, K] int64, log q_e(c | p) [bs, B-1, K, K] float32): the
+        log-softmax over the K successors plus the slot's log coverage (<= 0), or without it
+        for a drafter that has none."""
+        ids, scores, coverage = compat.selector_lattice(self.draft_model, hidden, anchor)
+        return ids, lattice_chain_logprobs(scores, coverage)

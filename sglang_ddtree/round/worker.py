@@ -66,7 +66,7 @@ class _DropWidthMismatch(logging.Filter):
 
 def _check_lm_head(lm_head) -> None:
     """The draft heads read the target's LM head weight as it is: a quantized one would give
-    garbage (a DFlash2 drafter's compute_candidates refuses it too, at its first call)."""
+    garbage (SGLang's candidate_topk refuses it too, at a DFlash2 drafter's first call)."""
     if lm_head.weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         method = type(getattr(lm_head, "quant_method", None)).__name__
         raise ValueError(
@@ -98,8 +98,9 @@ def tree_head(lm_head, cfg: DDTreeConfig, max_bs: int, gather=None) -> DraftTree
 def lattice_head(draft_model, lm_head, cfg: DDTreeConfig, max_bs: int) -> LatticeTreeHead:
     """A DFlash2 drafter's head: its selector over its candidates on the target's LM head,
     which the draft model's `lm_head` points at from here on, before any draft graph is
-    captured (as DFLASH's worker sets it). Under tensor parallelism compute_candidates gathers
-    the global top-K itself, and the selector's codebooks are replicated."""
+    captured (as DFLASH's worker sets it). Under tensor parallelism SGLang's candidate_topk
+    gathers the global top-K (and the full-vocabulary lse) itself, and the selector's codebooks
+    are replicated."""
     _check_lm_head(lm_head)
     compat.attach_target_lm_head(draft_model, lm_head)
     return LatticeTreeHead(

@@ -15,6 +15,7 @@ DDTREE_GPU_ROOT set, it reuses the running set, as test_serve does)
 from __future__ import annotations
 
 import warnings
+from types import SimpleNamespace
 
 import pytest
 
@@ -117,8 +118,10 @@ def test_dflash2_pools_return_to_idle_and_no_host_sync(servers, model):
 
 
 class _TopKDraft(torch.nn.Module):
-    """A DFlash2 draft model as the lattice head reads it: SGLang's CandidateSelector and a
-    compute_candidates (rows [n, H] -> the top-K ids and logits over an LM head [V, H])."""
+    """A DFlash2 draft model as the lattice head reads it: SGLang's CandidateSelector, an
+    `lm_head` (weight [V, H], org_vocab_size, no quant_method: SGLang's candidate_topk projects
+    through it), an identity unary transform (`draft_config`) and a compute_candidates (rows
+    [n, H] -> the top-K ids and logits), which that transform leaves unused."""
 
     def __init__(self, weight, top_k: int, rank: int, generator):
         super().__init__()
@@ -128,6 +131,8 @@ class _TopKDraft(torch.nn.Module):
 
         V, H = weight.shape
         self.weight = weight
+        self.lm_head = SimpleNamespace(weight=weight, org_vocab_size=V, quant_method=None)
+        self.draft_config = SimpleNamespace(output_multiplier=1.0, final_logit_softcapping=None)
         selector = CandidateSelector(hidden_size=H, vocab_size=V, state_rank=rank, top_k=top_k)
         with torch.no_grad():
             for p in selector.parameters():
@@ -139,18 +144,25 @@ class _TopKDraft(torch.nn.Module):
         return ids, values.float()
 
 
-def test_the_lattice_head_replays_in_a_cuda_graph_without_a_host_sync():
-    """LatticeTreeHead on SGLang's CandidateSelector (its torch.compile'd edge scores on CUDA):
-    captured once in a CUDA graph at the largest batch's shapes, each replay on new block
-    contents raises no host sync (torch's sync debug mode "error"; an eager call after the
-    warm-up neither) and writes the heap's tree of that replay's lattice (tree.lattice's
-    reference, on the CPU) into the static buffers."""
+def test_the_lattice_head_replays_in_a_cuda_graph_without_a_host_sync(monkeypatch):
+    """LatticeTreeHead on SGLang's CandidateSelector (its torch.compile'd edge scores on CUDA)
+    and candidate_topk with the full-vocabulary lse (lilicorr_topk_lse's Triton scan and select
+    on CUDA, one rank; the coverage it gives is added to the chain): captured once in a CUDA
+    graph at the largest batch's shapes, each replay on new block contents raises no host sync
+    (torch's sync debug mode "error"; an eager call after the warm-up neither) and writes the
+    heap's tree of that replay's lattice (tree.lattice's reference, on the CPU) into the static
+    buffers."""
     from sglang_ddtree.config import DDTreeConfig
     from sglang_ddtree.round.draft_head import LatticeTreeHead
     from sglang_ddtree.tree.lattice import build_lattice_tree_reference
 
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from sglang.srt.models import dflash
+    # candidate_topk reads the TP size from the runtime context, which only a server publishes
+    monkeypatch.setattr(dflash, "get_parallel", lambda: SimpleNamespace(tp_size=1))
     g = torch.Generator().manual_seed(0)
-    B, H, V, K, bs, dev = 8, 64, 512, 8, 4, torch.device("cuda")
+    B, H, V, K, bs, dev = 8, 64, 4096, 8, 4, torch.device("cuda")
     draft = _TopKDraft(torch.randn(V, H, generator=g).to(dev), K, 16, g)
     cfg = DDTreeConfig(block_size=B, num_nodes=48, topk=K)
     head = LatticeTreeHead(draft_model=draft, cfg=cfg, max_bs=bs, device=dev)

@@ -1,6 +1,7 @@
 """DDTREE serving a DFlash2 drafter, on the CPU: the lattice draft head (round/draft_head.py's
 LatticeTreeHead) on SGLang's own CandidateSelector (random weights, eager) and a stand-in draft
-model exposing compute_candidates; the worker's DFlash2 wiring (round/worker.py). The start-up
+model with DFlash2DraftModel's candidates (SGLang's candidate_topk, its lse included, on the
+CPU); the coverage it adds to the chain; the worker's DFlash2 wiring (round/worker.py). The start-up
 checks are in test_plugin.py, the tiny DFlash2 checkpoint in test_tiny.py; the GPU suite serves
 it (tests/gpu/test_dflash2.py)."""
 
@@ -34,15 +35,26 @@ def _sglang_dflash():
     return dflash
 
 
+@pytest.fixture(autouse=True)
+def one_rank(monkeypatch):
+    """SGLang's candidate_topk reads the TP size from the runtime context, which only a server
+    (or tests.fixtures.sglang_cpu_model_context) publishes: one rank here."""
+    monkeypatch.setattr(_sglang_dflash(), "get_parallel", lambda: SimpleNamespace(tp_size=1))
+
+
 class StubDraft(torch.nn.Module):
     """What the lattice head reads of SGLang's DFlash2DraftModel: `candidate_selector` (SGLang's
-    own) and `compute_candidates` (rows [n, H] -> the top-K ids and their logits over an LM head
-    [V, H], sorted; DFlash2DraftModel's projects through the target's)."""
+    own), `lm_head` (the target's: weight [V, H], org_vocab_size, no quant_method),
+    `draft_config` (the unary transform: output_multiplier, final_logit_softcapping) and
+    DFlash2DraftModel's own compute_candidates and transform over them."""
 
-    def __init__(self, weight: torch.Tensor, top_k: int, generator: torch.Generator):
+    def __init__(self, weight, top_k: int, generator, multiplier=1.0, softcap=None):
         super().__init__()
         V, hidden_size = weight.shape
-        self.weight = weight
+        self.lm_head = SimpleNamespace(weight=weight, org_vocab_size=V, quant_method=None)
+        self.draft_config = SimpleNamespace(
+            output_multiplier=multiplier, final_logit_softcapping=softcap
+        )
         self.candidate_selector = _sglang_dflash().CandidateSelector(
             hidden_size=hidden_size, vocab_size=V, state_rank=R, top_k=top_k
         )
@@ -51,9 +63,25 @@ class StubDraft(torch.nn.Module):
                 p.copy_(torch.randn(p.shape, generator=generator))
 
     def compute_candidates(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        assert hidden.dim() == 2  # SGLang's top-k kernel is 2-D
-        values, ids = torch.topk(hidden @ self.weight.T, self.candidate_selector.top_k, dim=-1)
-        return ids, values
+        return _sglang_dflash().DFlash2DraftModel.compute_candidates(self, hidden)
+
+    def _transform_unary_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        return _sglang_dflash().DFlash2DraftModel._transform_unary_logits(self, logits)
+
+
+def _lattice_from_logits(draft, slots, root, transform=lambda x: x):
+    """The drafter's lattice computed here, apart from compat and SGLang's top-K, from the
+    full-vocabulary logits [bs, L, V] of slots [bs, L, H]: the top-K ids [bs, L, K], the
+    selector's scores [bs, L, K, K] on the transformed unary logits, and the log coverage
+    [bs, L] (logsumexp of the K logits - logsumexp of all V)."""
+    bs, L, Hs = slots.shape
+    weight = draft.lm_head.weight
+    logits = (slots.reshape(-1, Hs).to(weight.dtype) @ weight.T).float().view(bs, L, -1)
+    unary, ids = torch.topk(logits, draft.candidate_selector.top_k, dim=-1)
+    scores = draft.candidate_selector.build_lattice(
+        candidate_ids=ids, unary_logits=transform(unary), hidden_states=slots, anchor_token_ids=root
+    )
+    return ids, scores, torch.logsumexp(unary, -1) - torch.logsumexp(logits, -1)
 
 
 def _block(
@@ -72,6 +100,14 @@ def _fields_equal(a, b) -> None:
         assert torch.equal(getattr(a, name), getattr(b, name)), name
 
 
+def _same_tree(ours, theirs, atol: float = 1e-5) -> None:
+    """Every integer and structural field equal; the float32 node scores within atol."""
+    for name in ours._fields:
+        if name != "scores":
+            assert torch.equal(getattr(ours, name), getattr(theirs, name)), name
+    torch.testing.assert_close(ours.scores, theirs.scores, rtol=0, atol=atol)
+
+
 def test_the_dflash2_architectures_are_sglangs():
     """compat's list is every DFlash2 class the installed release registers."""
     dflash = _sglang_dflash()
@@ -83,8 +119,9 @@ def test_the_dflash2_architectures_are_sglangs():
 def test_the_lattice_head_builds_the_reference_tree_of_the_drafters_lattice(budget):
     """Into its static buffers: the heap's tree (tree.lattice's specification) on the lattice
     SGLang's selector scores for the block's slots 1..B-1, anchored at the block's root, with
-    the chain's log conditionals; bit for bit, every field. Rows past the batch stay as they
-    were."""
+    the chain's log conditionals and each slot's coverage (both computed here from the whole
+    logits matrix); every integer field exact, the scores within float32 rounding. Rows past
+    the batch stay as they were."""
     g = torch.Generator().manual_seed(3)
     V, K, bs = 40, 4, 3
     draft = StubDraft(torch.randn(V, H, generator=g), K, g)
@@ -93,32 +130,24 @@ def test_the_lattice_head_builds_the_reference_tree_of_the_drafters_lattice(budg
     hidden, input_ids = _block(bs, V, g)
     with torch.no_grad(), torch.compiler.set_stance("force_eager"):
         head(hidden, input_ids)
-        slots = hidden.view(bs, B, H)[:, 1:]
         root = input_ids.view(bs, B)[:, 0]
-        ids, unary = draft.compute_candidates(slots.reshape(-1, H))
-        scores = draft.candidate_selector.build_lattice(
-            candidate_ids=ids.view(bs, B - 1, K),
-            unary_logits=unary.view(bs, B - 1, K),
-            hidden_states=slots,
-            anchor_token_ids=root,
-        )
-    expected = build_lattice_tree_reference(
-        root, ids.view(bs, B - 1, K), lattice_chain_logprobs(scores), budget
-    )
-    _fields_equal(head.tree(bs), expected)
+        ids, scores, coverage = _lattice_from_logits(draft, hidden.view(bs, B, H)[:, 1:], root)
+    cond = lattice_chain_logprobs(scores, coverage)
+    _same_tree(head.tree(bs), build_lattice_tree_reference(root, ids, cond, budget))
     assert not head.tokens[bs:].any() and not head.visibility[bs:].any()
     # the lattice is not the marginal one: some node's children follow its own row
     assert not torch.equal(scores[:, 1:, 0], scores[:, 1:, 1])
 
 
-def test_a_selector_that_ignores_the_predecessor_gives_the_dflash_heads_tree():
-    """With the selector's predecessor codebook zero, every row of a slot is its unary logits;
-    with K the whole vocabulary, their softmax over K is the LM head's full softmax. The lattice
+@pytest.mark.parametrize("V, K", [(6, 6), (40, 4)])
+def test_a_selector_that_ignores_the_predecessor_gives_the_dflash_heads_tree(V, K):
+    """With the selector's predecessor codebook zero, every row of a slot is its unary logits:
+    their softmax over the K plus the slot's log coverage (the K's share of the full softmax)
+    is the LM head's full log-softmax on the K, for K the whole vocabulary or not. The lattice
     head's tree is then the DFlash head's (DraftTreeHead, the torch builder) on the same LM
-    head: the same nodes, links and mask, the scores within float32 rounding (the two
-    log-softmaxes sum the same terms in different orders)."""
+    head: the same nodes, links and mask, the scores within float32 rounding (the two sum the
+    same terms in different orders). Without the coverage, K < V would not match."""
     g = torch.Generator().manual_seed(5)
-    V = K = 6
     weight = torch.randn(V, H, generator=g)
     draft = StubDraft(weight, K, g)
     with torch.no_grad():
@@ -131,10 +160,86 @@ def test_a_selector_that_ignores_the_predecessor_gives_the_dflash_heads_tree():
     with torch.no_grad(), torch.compiler.set_stance("force_eager"):
         lattice(hidden, input_ids)
         marginal(hidden, input_ids)
-    ours, theirs = lattice.tree(4), marginal.tree(4)
-    for name in ("tokens", "parents", "depth", "first_child", "next_sibling", "visibility"):
-        assert torch.equal(getattr(ours, name), getattr(theirs, name)), name
-    torch.testing.assert_close(ours.scores, theirs.scores, rtol=0, atol=1e-5)
+    _same_tree(lattice.tree(4), marginal.tree(4))
+
+
+def _slots(bs: int, V: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block's slots 1..B-1 [bs, B-1, H] and its roots [bs]."""
+    return torch.randn(bs, B - 1, H, generator=g), torch.randint(V, (bs,), generator=g)
+
+
+def test_the_lattice_heads_conditionals_add_the_drafters_coverage():
+    """A drafter whose unary transform is the identity (output_multiplier 1, no softcap): the
+    head's log conditionals are lattice_chain_logprobs(scores, log coverage), the coverage
+    (logsumexp of the K unary logits - the full-vocabulary lse) computed here from the whole
+    logits matrix [bs, L, V]; float32 rounding apart. They are not the chain over the K alone."""
+    g = torch.Generator().manual_seed(13)
+    V, K, bs = 40, 4, 3
+    draft = StubDraft(torch.randn(V, H, generator=g), K, g)
+    cfg = DDTreeConfig(block_size=B, num_nodes=16, topk=K)
+    head = LatticeTreeHead(draft_model=draft, cfg=cfg, max_bs=bs, device=torch.device("cpu"))
+    slots, root = _slots(bs, V, g)
+    with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+        ids, cond = head.lattice(slots, root)
+        want_ids, scores, coverage = _lattice_from_logits(draft, slots, root)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(cond, lattice_chain_logprobs(scores, coverage), rtol=0, atol=1e-5)
+    assert not torch.allclose(cond, lattice_chain_logprobs(scores), rtol=0, atol=1e-3)
+
+
+@pytest.mark.parametrize("multiplier, softcap", [(2.0, None), (1.0, 5.0), (0.5, 3.0)])
+def test_a_drafter_that_scales_or_softcaps_its_logits_has_no_coverage(multiplier, softcap):
+    """Its candidates are compute_candidates' (SGLang's transform of the unary logits), its
+    coverage None, and the head's log conditionals the chain over the K alone, on the
+    transformed logits."""
+
+    def transform(x):
+        x = x * multiplier
+        return x if softcap is None else softcap * torch.tanh(x / softcap)
+
+    g = torch.Generator().manual_seed(17)
+    V, K, bs = 40, 4, 3
+    draft = StubDraft(torch.randn(V, H, generator=g), K, g, multiplier, softcap)
+    cfg = DDTreeConfig(block_size=B, num_nodes=16, topk=K)
+    head = LatticeTreeHead(draft_model=draft, cfg=cfg, max_bs=bs, device=torch.device("cpu"))
+    slots, root = _slots(bs, V, g)
+    with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+        ids, scores, coverage = compat.selector_lattice(draft, slots, root)
+        head_ids, cond = head.lattice(slots, root)
+        want_ids, want_scores, _ = _lattice_from_logits(draft, slots, root, transform)
+    assert coverage is None
+    assert torch.equal(ids, want_ids) and torch.equal(head_ids, want_ids)
+    torch.testing.assert_close(scores, want_scores, rtol=0, atol=1e-5)
+    assert torch.equal(cond, lattice_chain_logprobs(scores))
+
+
+def test_the_coverage_costs_the_slots_whose_top_k_holds_little_mass():
+    """Slots with flat logits (zero hidden states: the K of V hold K / V of the mass) beside
+    slots that point at one token (its LM-head row, scaled: the K hold nearly all of it): the
+    coverage is <= 0 everywhere, log(K / V) on the flat slots, about 0 on the peaked ones, and
+    the head's log conditionals are the chain over the K lowered by exactly the coverage."""
+    g = torch.Generator().manual_seed(19)
+    V, K, bs = 40, 4, 2
+    weight = torch.randn(V, H, generator=g)
+    draft = StubDraft(weight, K, g)
+    cfg = DDTreeConfig(block_size=B, num_nodes=16, topk=K)
+    head = LatticeTreeHead(draft_model=draft, cfg=cfg, max_bs=bs, device=torch.device("cpu"))
+    slots, root = torch.zeros(bs, B - 1, H), torch.randint(V, (bs,), generator=g)
+    peaked = torch.randint(V, (bs, len(range(1, B - 1, 2))), generator=g)
+    slots[:, 1::2] = 8 * weight[peaked]
+    with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+        ids, scores, coverage = compat.selector_lattice(draft, slots, root)
+        _, cond = head.lattice(slots, root)
+    assert coverage.shape == (bs, B - 1) and coverage.dtype == torch.float32
+    assert (coverage <= 0).all()
+    flat = torch.full_like(coverage[:, ::2], torch.log(torch.tensor(K / V)).item())
+    torch.testing.assert_close(coverage[:, ::2], flat, rtol=0, atol=1e-6)
+    assert (coverage[:, 1::2] > -1e-3).all()
+    assert torch.equal(ids[:, 1::2, 0], peaked)
+    lowered = cond - lattice_chain_logprobs(scores)
+    torch.testing.assert_close(
+        lowered, coverage[:, :, None, None].expand_as(cond), rtol=0, atol=1e-5
+    )
 
 
 def test_the_lattice_head_refuses_a_k_other_than_its_selectors():
@@ -172,6 +277,7 @@ def _dflash2_worker(monkeypatch, V=40, K=4):
     monkeypatch.setattr(compat, "max_running_requests", lambda: 3)
     g = torch.Generator().manual_seed(7)
     lm_head = torch.nn.Linear(H, V, bias=False)  # the target's (its weight [V, H])
+    lm_head.org_vocab_size = V  # as SGLang's ParallelLMHead has it
     draft = StubDraft(lm_head.weight.detach(), K, g)
     draft.lm_head = None  # DFlash2DraftModel's until the worker points it at the target's
     w = worker_mod.DDTreeWorker.__new__(worker_mod.DDTreeWorker)
@@ -275,8 +381,8 @@ def test_a_dflash2_decode_round_verifies_the_lattice_tree(monkeypatch):
 def test_sglangs_dflash2_model_gives_the_lattice_head_dflashs_own_lattice(tmp_path):
     """The tiny DFlash2 checkpoint in SGLang's DFlash2DraftModel (CPU), its lm_head pointed at
     the target's as the worker does: compat.selector_lattice gives exactly the lattice DFLASH's
-    worker draws its chain from (dflash_worker_v2._selector_lattice), and the lattice head's
-    tree over it is the heap's."""
+    worker draws its chain from (dflash_worker_v2._selector_lattice), with the coverage computed
+    here from the whole logits matrix, and the lattice head's tree over it is the heap's."""
     from safetensors.torch import load_file
     from sglang.srt.speculative.dflash_worker_v2 import _selector_lattice
     from sglang.srt.utils.hf_transformers.config import get_config
@@ -303,13 +409,14 @@ def test_sglangs_dflash2_model_gives_the_lattice_head_dflashs_own_lattice(tmp_pa
         hidden, input_ids = _block(3, V, g, H=Hd)
         head(hidden, input_ids)
         slots, root = hidden.view(3, B, Hd)[:, 1:], input_ids.view(3, B)[:, 0]
-        ours = compat.selector_lattice(model, slots, root)
+        ids, scores, coverage = compat.selector_lattice(model, slots, root)
         theirs = _selector_lattice(model, slots, root)
-    for a, b in zip(ours, theirs, strict=True):
+        *_, want = _lattice_from_logits(model, slots, root)
+    for a, b in zip((ids, scores), theirs, strict=True):
         assert torch.equal(a, b)
-    ids, scores = ours
-    expected = build_lattice_tree_reference(root, ids, lattice_chain_logprobs(scores), 23)
-    _fields_equal(head.tree(3), expected)
+    torch.testing.assert_close(coverage, want, rtol=0, atol=1e-5)
+    cond = lattice_chain_logprobs(scores, coverage)
+    _fields_equal(head.tree(3), build_lattice_tree_reference(root, ids, cond, 23))
 
 
 def test_the_gpu_suites_dflash2_servers_pass_ddtrees_start_up(tmp_path):

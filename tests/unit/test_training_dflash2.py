@@ -236,9 +236,11 @@ def test_the_toy_dflash2_run_serves_in_sglang_and_is_deterministic(toy, tmp_path
         lm_head = SimpleNamespace(weight=head, org_vocab_size=head.shape[0], quant_method=None)
         compat.attach_target_lm_head(model, lm_head)
         with torch.compiler.set_stance("force_eager"):
-            ids, scores = compat.selector_lattice(model, hidden, anchor)
+            ids, scores, coverage = compat.selector_lattice(model, hidden, anchor)
     unary, top = torch.topk(hidden @ head.T, 8, dim=-1)
     assert torch.equal(ids, top)
+    mass = torch.logsumexp(unary, -1) - torch.logsumexp(hidden @ head.T, -1)  # log coverage
+    torch.testing.assert_close(coverage, mass, rtol=0, atol=1e-5)
     want = lattice(ours, hidden, unary, top, anchor)
     torch.testing.assert_close(scores, want, rtol=1e-4, atol=1e-4)
 
