@@ -387,8 +387,8 @@ DRAFTERS = {
     "dflash_chain": "DFlash chain (DFLASH)",
     "dflash2_chain": "DFlash2 chain (DFLASH, upstream's walk)",
     "ddtree_marginal": "DDTREE, marginal tree",
-    "ddtree_lattice": "DDTREE, lattice tree",
-    "ddtree_lattice_coverage": "DDTREE, lattice tree scaled by the marginal's coverage",
+    "ddtree_lattice": "DDTREE, lattice tree without coverage",
+    "ddtree_lattice_coverage": "DDTREE, lattice tree with coverage (as served)",
 }
 
 
@@ -1001,7 +1001,7 @@ SECTIONS = (
         "builders DDTREE serves with (K = 8; N counts the root). Both drafters share one "
         "backbone, so DDTREE's marginal tree is the same for either, and the lattice tree "
         "and the DFlash2 chain differ from it only by the selector. No server runs: this is "
-        "acceptance, not speed.",
+        "acceptance, not speed. DDTREE serves the lattice tree with coverage (docs/dflash2.md).",
         dflash2_offline_table,
     ),
     Section(
@@ -1011,7 +1011,7 @@ SECTIONS = (
         "drafter of the offline table: `dflash` (SGLang's DFLASH on the DFlash drafter), "
         "`dflash_dflash2` (SGLang's DFLASH on the DFlash2 drafter, upstream's chain), `ddtree` "
         "(DDTREE's marginal tree, the same for either drafter) and `ddtree_dflash2` (DDTREE's "
-        "lattice tree). accept is SGLang's accept length, tokens per round.",
+        "lattice tree with coverage). accept is SGLang's accept length, tokens per round.",
         serving_table,
     ),
     Section(
