@@ -1234,8 +1234,37 @@ def readme_block(name: str, data: Path = DATA) -> str:
             )
             + "\n"
         )
+    if name == "dflash2_offline_pair":
+        return prose(dflash2_summary(rows)) + "\n"
     section = next(s for s in SECTIONS if s.name == name)
     return section.render(rows) + "\n"
+
+
+def dflash2_summary(rows: list[dict], nodes: int = 32) -> str:
+    """One sentence of the offline DFlash2 table: each drafter's tokens per round at `nodes`
+    tree nodes, over the DFlash chain's."""
+    rows = latest(rows)
+    first = rows[0]
+    got = {r["drafter"]: r["tokens_per_round"] for r in rows if r["nodes"] in (None, nodes)}
+    base = got["dflash_chain"]
+
+    def part(drafter: str, label: str) -> str:
+        return f"{label} {got[drafter]:.2f} ({got[drafter] / base:.2f}x)"
+
+    return (
+        f"Offline on the shipped pair ({first['date']}, temperature 0, {first['blocks']} "
+        f"held-out blocks, N = {nodes}), tokens per round: "
+        f"the DFlash chain {base:.2f}; "
+        + "; ".join(
+            part(d, label)
+            for d, label in (
+                ("dflash2_chain", "the DFlash2 chain"),
+                ("ddtree_marginal", "DDTREE's marginal tree"),
+                ("ddtree_lattice_coverage", "DDTREE's lattice tree"),
+            )
+        )
+        + " (docs/results.md)."
+    )
 
 
 def render_readme(text: str, data: Path = DATA) -> str:

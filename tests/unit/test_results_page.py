@@ -167,6 +167,37 @@ def test_the_fresh_clone_sentence_gives_the_times_and_the_load(tmp_path):
     )
 
 
+def test_the_dflash2_sentence_reads_the_newest_sitting_at_32_nodes(tmp_path):
+    def row(sitting, drafter, nodes, tokens):
+        return {
+            "date": f"2026-12-0{sitting}",
+            "commit": "abc1234",
+            "sitting": sitting,
+            "drafter": drafter,
+            "nodes": nodes,
+            "tokens_per_round": tokens,
+            "blocks": 64,
+        }
+
+    rows = [row(1, "dflash_chain", None, 9.0)] + [
+        row(2, d, n, t)
+        for d, n, t in [
+            ("dflash_chain", None, 1.25), ("dflash2_chain", None, 1.5),
+            ("ddtree_marginal", 16, 1.0), ("ddtree_marginal", 32, 2.0),
+            ("ddtree_lattice", 32, 2.2), ("ddtree_lattice_coverage", 32, 2.5),
+            ("ddtree_lattice_coverage", 64, 9.0),
+        ]
+    ]  # fmt: skip
+    path = tmp_path / "dflash2_offline_pair.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = " ".join(page.readme_block("dflash2_offline_pair", tmp_path).split())
+    assert text == (
+        "Offline on the shipped pair (2026-12-02, temperature 0, 64 held-out blocks, N = 32), "
+        "tokens per round: the DFlash chain 1.25; the DFlash2 chain 1.50 (1.20x); DDTREE's "
+        "marginal tree 2.00 (1.60x); DDTREE's lattice tree 2.50 (2.00x) (docs/results.md)."
+    )
+
+
 def test_the_simulated_serving_table_gives_ratios_round_times_and_widths_per_run():
     world = {
         "name": "narrative",
