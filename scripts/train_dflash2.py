@@ -15,7 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
-from sglang_ddtree.training.dflash2 import DFlash2Args, run_dflash2
+from sglang_ddtree.training.dflash2 import DFlash2Args, missing_pair_part, run_dflash2
 from sglang_ddtree.training.pipeline import configure_cuda_determinism
 
 
@@ -39,9 +39,9 @@ def parse_args(argv: list[str] | None = None) -> DFlash2Args:
         value = getattr(a, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    for part in ("target", "draft"):
-        if not (a.pair / part / "config.json").is_file():
-            p.error(f"--pair {a.pair}: no {part}/config.json there (train_pair.py's output)")
+    missing = missing_pair_part(a.pair)
+    if missing:
+        p.error(f"--pair {a.pair}: no {missing}/config.json there (train_pair.py's output)")
     return DFlash2Args(
         a.pair, a.out, a.minutes, a.seed, a.device, a.toy, a.steps, a.batch, a.eval_windows
     )

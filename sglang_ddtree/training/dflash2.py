@@ -48,14 +48,21 @@ class DFlash2Args:
     eval_windows: int | None = None  # held-out windows scored (default: the recipe's)
 
 
+def missing_pair_part(pair: str | Path) -> str | None:
+    """The first of a pair's parts (target, draft) without a config.json; None for a pair."""
+    return next(
+        (p for p in ("target", "draft") if not (Path(pair) / p / "config.json").is_file()), None
+    )
+
+
 def run_dflash2(args: DFlash2Args) -> dict:
     """Train, save and evaluate the selector; returns the report (also OUT/report.json)."""
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda was asked for but CUDA is not available; use cpu")
-    for part in ("target", "draft"):
-        if not (Path(args.pair) / part / "config.json").is_file():
-            raise FileNotFoundError(f"{args.pair}/{part}/config.json: not a trained pair")
+    missing = missing_pair_part(args.pair)
+    if missing:
+        raise FileNotFoundError(f"{args.pair}/{missing}/config.json: not a trained pair")
     threads = torch.get_num_threads()
     if args.toy and device.type == "cpu":
         torch.set_num_threads(1)

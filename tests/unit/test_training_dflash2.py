@@ -291,6 +291,13 @@ def test_train_dflash2_cli_refuses_bad_arguments(tmp_path):
             cli.parse_args(["--pair", str(tmp_path), "--out", "x", *bad])
     with pytest.raises(SystemExit):
         cli.parse_args(["--pair", str(tmp_path / "nowhere"), "--out", "x"])
+    (tmp_path / "draft" / "config.json").unlink()  # a pair without its draft
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--pair", str(tmp_path), "--out", "x"])
+    from sglang_ddtree.training.dflash2 import DFlash2Args, run_dflash2
+
+    with pytest.raises(FileNotFoundError, match="draft/config.json"):
+        run_dflash2(DFlash2Args(pair=tmp_path, out=tmp_path / "out", device="cpu", toy=True))
 
 
 @pytest.mark.slow
@@ -308,4 +315,8 @@ def test_the_toy_runs_rows_render_on_the_results_page(toy):
     assert "DDTREE, lattice tree" in text and f"{report['train']['steps']} steps" in text
     chain = acc["tokens_per_round"]["dflash_chain"][0]
     lattice32 = acc["tokens_per_round"]["ddtree_lattice"][1]
-    assert f"| DDTREE, lattice tree | 32 | {lattice32:.3f} | {lattice32 / chain:.3f} |" in text
+    row = f"| 32 | {lattice32:.3f} | {lattice32 / chain:.3f} |"
+    assert f"| DDTREE, lattice tree without coverage {row}" in text
+    served32 = acc["tokens_per_round"]["ddtree_lattice_coverage"][1]
+    row = f"| 32 | {served32:.3f} | {served32 / chain:.3f} |"
+    assert f"| DDTREE, lattice tree with coverage (as served) {row}" in text
