@@ -15,6 +15,10 @@ its variant's `max_running`. A variant named with `_fp8kv` (`dflash_fp8kv`, `ddt
 serves with `--kv-cache-dtype fp8_e4m3` (target and draft KV in one byte a value) and is sized for
 it (`size_for`'s `kv_cache_dtype`); every row records its `kv_cache_dtype`.
 
+`dflash_dflash2`, `ddtree32_dflash2` and `ddtree32_auto_dflash2` serve a DFlash2-shaped draft
+(the same draft with SGLang's candidate selector, SELECTOR): SGLang's DFLASH on its selector's
+chain, DDTREE's lattice tree at N = 32 (fixed, and the default's automatic widths).
+
 Per variant: one server (CUDA graphs on, FlashInfer), then for each batch size b: b concurrent
 requests of 1, `--tokens` / 2 and `--tokens` new tokens. Round time = the slope of request
 latency against the request's decode rounds (spec_verify_ct, or new tokens - 1 for plain
@@ -109,6 +113,10 @@ DRAFT = dict(  # a Qwen3.6-27B-DFlash-shaped draft: 5 layers, 4 sliding + 1 full
     tie_word_embeddings=False,
     dtype="bfloat16",
 )
+# The DFlash2-shaped draft (`dflash2_draft`): the same draft with SGLang's candidate selector,
+# rank 32 over K = 8 candidates (the training recipe's, config.SelectorRecipe); its weights add
+# two [V, 32] codebooks, 30 MiB in bf16.
+SELECTOR = {"selector_rank": 32, "selector_top_k": 8}
 # Prefill CUDA graphs are off: they do not touch the decode round and took 33-112 s to capture
 # per server at 27B.
 COMMON = [
@@ -431,18 +439,30 @@ def _variants(draft: Path, sizing: Sizing, cap: int = 16) -> dict[str, list[str]
         most = min(16, sizing.most_running)
         return requests(max_requests(width, sizing.scratch_gib, state_bytes, most))
 
-    spec = [
-        "--speculative-draft-model-path",
-        str(draft),
-        "--speculative-draft-load-format",
-        "dummy",
-        *sizing.draft_flags(),
-    ]
-    dd = ["--speculative-algorithm", "DDTREE", *spec, "--speculative-eagle-topk", "8"]
-    dflash = ["--speculative-algorithm", "DFLASH", *spec]
+    def spec(path: Path) -> list[str]:
+        return [
+            "--speculative-draft-model-path",
+            str(path),
+            "--speculative-draft-load-format",
+            "dummy",
+            *sizing.draft_flags(),
+        ]
+
+    topk = ["--speculative-eagle-topk", str(SELECTOR["selector_top_k"])]
+    dd = ["--speculative-algorithm", "DDTREE", *spec(draft), *topk]
+    dflash = ["--speculative-algorithm", "DFLASH", *spec(draft)]
+    dd2 = ["--speculative-algorithm", "DDTREE", *spec(dflash2_draft(draft)), *topk]
     out = {
         "none": ["--max-running-requests", str(cap)],
         "dflash": [*dflash, *running(16)],
+        # the DFlash2 draft: SGLang's DFLASH walking its selector's chain, DDTREE's lattice tree
+        "dflash_dflash2": [
+            "--speculative-algorithm",
+            "DFLASH",
+            *spec(dflash2_draft(draft)),
+            *running(16),
+        ],
+        "ddtree32_dflash2": [*dd2, "--speculative-num-draft-tokens", "32", *requests(cap)],
         "dflash_bf16ssm": [*dflash, *running(16, 2)],
         "nextn": [  # the draft: the target's own MTP layer
             "--speculative-algorithm",
@@ -457,6 +477,7 @@ def _variants(draft: Path, sizing: Sizing, cap: int = 16) -> dict[str, list[str]
             *running(8),
         ],
     }
+    out["ddtree32_auto_dflash2"] = out["ddtree32_dflash2"]
     for n in (16, 32, 64, 128):
         width = [*dd, "--speculative-num-draft-tokens", str(n)]
         # the compact scratch (the default): SGLang's default 16 requests at every N
@@ -534,7 +555,20 @@ def write_configs(root: Path) -> tuple[Path, Path]:
     (target / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR_CONFIG, indent=1))
     dcfg = {**DRAFT, "dflash_config": {**DRAFT["dflash_config"], "mask_token_id": ids["<|MASK|>"]}}
     (draft / "config.json").write_text(json.dumps(dcfg, indent=1))
+    d2 = dflash2_draft(draft)
+    d2.mkdir(parents=True, exist_ok=True)
+    d2cfg = {
+        **dcfg,
+        "architectures": ["DFlash2DraftModel"],
+        "dflash_config": {**dcfg["dflash_config"], **SELECTOR},
+    }
+    (d2 / "config.json").write_text(json.dumps(d2cfg, indent=1))
     return target, draft
+
+
+def dflash2_draft(draft: Path) -> Path:
+    """The DFlash2-shaped draft write_configs writes beside `draft` (SELECTOR)."""
+    return draft.with_name(draft.name + "-dflash2")
 
 
 def wait_gpu_free(baseline: int, timeout: float = 120) -> float:

@@ -53,6 +53,22 @@ def test_bench_round_configs_have_qwen36_27b_shapes(tmp_path):
     assert parsed.resolve_block_size() == 16
     assert parsed.resolve_target_layer_ids(target_num_layers=64) == [1, 16, 31, 46, 61]
     assert dcfg.num_hidden_layers == 5 and dcfg.hidden_size == 5120
+    # the DFlash2-shaped draft: the same draft, SGLang's DFlash2 architecture and a selector of
+    # rank 32 over K = 8, which DDTREE's variants on it name as --speculative-eagle-topk
+    d2 = bench.dflash2_draft(draft)
+    d2cfg = get_config(str(d2), trust_remote_code=False)
+    parsed2 = parse_dflash_draft_config(draft_hf_config=d2cfg)
+    assert d2cfg.architectures == ["DFlash2DraftModel"]
+    assert (parsed2.selector_rank, parsed2.selector_top_k) == (32, 8)
+    assert parsed2.resolve_target_layer_ids(target_num_layers=64) == [1, 16, 31, 46, 61]
+    table = bench.variants(draft, bench.size_for(*H200))
+    for name in ("dflash_dflash2", "ddtree32_dflash2", "ddtree32_auto_dflash2"):
+        flags = table[name]
+        assert bench.flag_value(flags, "--speculative-draft-model-path") == str(d2), name
+    assert bench.flag_value(table["ddtree32_dflash2"], "--speculative-eagle-topk") == "8"
+    assert bench.variant_env("ddtree32_auto_dflash2")["SGLANG_DDTREE_WIDTH"] == "auto"
+    assert bench.variant_env("ddtree32_dflash2")["SGLANG_DDTREE_WIDTH"] == "fixed"
+    assert bench.flag_value(table["dflash"], "--speculative-draft-model-path") == str(draft)
 
 
 H200 = ("NVIDIA H200", 139.8)
